@@ -1,0 +1,301 @@
+// kernels.cl — every OpenCL kernel netcl runs, in OpenCL C 1.2.
+//
+// The sections follow netcl.py's order, so the two files can be read side by side:
+// autograd (gradient accumulation) -> operations (elementwise, GEMM, reductions, softmax,
+// cross-entropy, dropout) -> optimizers.
+//
+// Conventions:
+// - Every kernel takes its sizes first, then runtime scalars, then buffers; a shape comment
+//   such as `x (rows, cols)` gives each buffer's logical layout. All tensors are C-contiguous.
+// - Runtime scalars are arguments, never baked into the source: one build serves every call.
+// - 1-D kernels guard `i < n`: the host rounds the global size up to a multiple of the fixed
+//   local size (a new local size is a new compile on some drivers, PoCL among them).
+// - Built without -cl-fast-relaxed-math / -cl-finite-math-only so NaN and Inf stay IEEE.
+
+// ---------------------------------------------------------------------------- autograd
+
+// dst (n) += src (n): a leaf's .grad accumulating a second backward pass.
+__kernel void accumulate(const int n, __global float* dst, __global const float* src) {
+    const int i = get_global_id(0);
+    if (i < n) dst[i] += src[i];
+}
+
+// ---------------------------------------------------------------------------- operations
+// --- elementwise, one input: out (n) = f(x, alpha). alpha is the op's scalar (a slope, a
+// constant operand), unused by most.
+#define UNARY(NAME, EXPR)                                                               \
+__kernel void NAME(const int n, const float alpha,                                      \
+                   __global const float* x_, __global float* out) {                     \
+    const int i = get_global_id(0);                                                     \
+    if (i < n) { const float x = x_[i]; out[i] = (EXPR); }                              \
+}
+
+UNARY(neg_fwd, -x)
+UNARY(relu_fwd, (x > 0.0f || isnan(x)) ? x : 0.0f)        // NaN propagates, as PyTorch
+UNARY(leaky_relu_fwd, x > 0.0f ? x : x * alpha)
+UNARY(sigmoid_fwd, 1.0f / (1.0f + exp(-x)))
+UNARY(tanh_fwd, tanh(x))
+UNARY(gelu_fwd, 0.5f * x * (1.0f + erf(x * M_SQRT1_2_F)))  // exact (erf) GELU, PyTorch default
+UNARY(exp_fwd, exp(x))
+UNARY(log_fwd, log(x))
+UNARY(add_scalar, x + alpha)
+UNARY(mul_scalar, x * alpha)
+UNARY(div_scalar, x / alpha)
+UNARY(rsub_scalar, alpha - x)
+UNARY(rdiv_scalar, alpha / x)
+
+// --- their gradients: out (n) = dL/dx from g = dL/dout and s, the saved input x or output y.
+#define UNARY_GRAD(NAME, EXPR)                                                          \
+__kernel void NAME(const int n, const float alpha, __global const float* g_,            \
+                   __global const float* s_, __global float* out) {                     \
+    const int i = get_global_id(0);                                                     \
+    if (i < n) { const float g = g_[i], s = s_[i]; out[i] = (EXPR); }                   \
+}
+
+UNARY_GRAD(relu_bwd, s > 0.0f ? g : 0.0f)                      // s = x
+UNARY_GRAD(leaky_relu_bwd, s > 0.0f ? g : g * alpha)           // s = x
+UNARY_GRAD(sigmoid_bwd, g * s * (1.0f - s))                    // s = y
+UNARY_GRAD(tanh_bwd, g * (1.0f - s * s))                       // s = y
+UNARY_GRAD(gelu_bwd, g * (0.5f * (1.0f + erf(s * M_SQRT1_2_F)) // s = x: Phi(x) + x phi(x)
+                          + s * 0.3989422804014327f * exp(-0.5f * s * s)))
+UNARY_GRAD(exp_bwd, g * s)                                     // s = y
+UNARY_GRAD(log_bwd, g / s)                                     // s = x
+UNARY_GRAD(rdiv_bwd, -alpha * g / (s * s))                     // s = x, d(alpha/x)/dx
+
+// --- elementwise, two inputs: out (n) = f(a, b). An operand of fewer elements repeats along
+// the leading dimensions (a bias (cols) against x (rows, cols), or a scalar of size 1).
+#define BINARY(NAME, EXPR)                                                              \
+__kernel void NAME(const int n, const int a_size, const int b_size,                     \
+                   __global const float* a_, __global const float* b_,                  \
+                   __global float* out) {                                               \
+    const int i = get_global_id(0);                                                     \
+    if (i < n) { const float a = a_[i % a_size], b = b_[i % b_size]; out[i] = (EXPR); } \
+}
+
+BINARY(add_fwd, a + b)
+BINARY(sub_fwd, a - b)
+BINARY(mul_fwd, a * b)
+BINARY(div_fwd, a / b)
+
+// d(a/b)/db = -g a / b^2, with g (n) full size and a, b possibly repeated.
+__kernel void div_bwd_b(const int n, const int a_size, const int b_size, __global const float* g,
+                        __global const float* a, __global const float* b, __global float* out) {
+    const int i = get_global_id(0);
+    if (i < n) { const float bv = b[i % b_size]; out[i] = -g[i] * a[i % a_size] / (bv * bv); }
+}
+
+// x (rows, cols) -> out (cols, rows)
+__kernel void transpose2d(const int rows, const int cols, __global const float* x,
+                          __global float* out) {
+    const int c = get_global_id(0), r = get_global_id(1);
+    if (r < rows && c < cols) out[c * rows + r] = x[r * cols + c];
+}
+
+// --- GEMM: C (M, N) = op(A) (M, K) @ op(B) (K, N) [+ bias (N)], op = identity or transpose.
+// Backward needs A^T B and A B^T; the layout is a macro argument, so no transpose is ever
+// materialised. Each 16x16 work-group computes a 64x64 tile of C, each work-item a 4x4 block
+// of it (rows ty+16i, columns tx+16j, so stores stay coalesced), staging 16-deep slices of A
+// and B in local memory. Out-of-range elements load as zero, so any M, N, K works.
+#define TILE 64
+#define TILE_K 16
+#define GEMM(NAME, A_AT, B_AT)                                                                 \
+__kernel __attribute__((reqd_work_group_size(16, 16, 1)))                                      \
+void NAME(const int M, const int N, const int K, const int has_bias,                           \
+          __global const float* A, __global const float* B, __global const float* bias,        \
+          __global float* C) {                                                                 \
+    __local float As[TILE_K][TILE];                                                            \
+    __local float Bs[TILE_K][TILE];                                                            \
+    const int tx = get_local_id(0), ty = get_local_id(1), lid = ty * 16 + tx;                  \
+    const int row0 = get_group_id(1) * TILE, col0 = get_group_id(0) * TILE;                    \
+    float acc[4][4];                                                                           \
+    for (int i = 0; i < 4; ++i) for (int j = 0; j < 4; ++j) acc[i][j] = 0.0f;                  \
+    for (int k0 = 0; k0 < K; k0 += TILE_K) {                                                   \
+        for (int l = 0; l < 4; ++l) {  /* 256 work-items load 1024 elements of each tile */    \
+            const int e = lid + 256 * l, m = e % TILE, k = e / TILE;                           \
+            const int gm = row0 + m, gn = col0 + m, gk = k0 + k;                               \
+            As[k][m] = (gm < M && gk < K) ? A_AT(gm, gk) : 0.0f;                               \
+            Bs[k][m] = (gn < N && gk < K) ? B_AT(gk, gn) : 0.0f;                               \
+        }                                                                                      \
+        barrier(CLK_LOCAL_MEM_FENCE);                                                          \
+        for (int k = 0; k < TILE_K; ++k) {                                                     \
+            float a[4], b[4];                                                                  \
+            for (int i = 0; i < 4; ++i) a[i] = As[k][ty + 16 * i];                             \
+            for (int j = 0; j < 4; ++j) b[j] = Bs[k][tx + 16 * j];                             \
+            for (int i = 0; i < 4; ++i) for (int j = 0; j < 4; ++j) acc[i][j] += a[i] * b[j];  \
+        }                                                                                      \
+        barrier(CLK_LOCAL_MEM_FENCE);                                                          \
+    }                                                                                          \
+    for (int i = 0; i < 4; ++i) for (int j = 0; j < 4; ++j) {                                  \
+        const int r = row0 + ty + 16 * i, c = col0 + tx + 16 * j;                              \
+        if (r < M && c < N) C[r * N + c] = acc[i][j] + (has_bias ? bias[c] : 0.0f);            \
+    }                                                                                          \
+}
+
+#define A_ROWMAJOR(m, k) A[(m) * K + (k)]   // A stored (M, K)
+#define A_COLMAJOR(m, k) A[(k) * M + (m)]   // A stored (K, M): op(A) = A^T
+#define B_ROWMAJOR(k, n) B[(k) * N + (n)]   // B stored (K, N)
+#define B_COLMAJOR(k, n) B[(n) * K + (k)]   // B stored (N, K): op(B) = B^T
+GEMM(gemm_nn, A_ROWMAJOR, B_ROWMAJOR)
+GEMM(gemm_nt, A_ROWMAJOR, B_COLMAJOR)
+GEMM(gemm_tn, A_COLMAJOR, B_ROWMAJOR)
+
+// --- reductions. A reduction over one axis sees x as (outer, R, inner) and reduces R.
+// x (outer, R, inner) -> out (outer, inner) = scale * sum over R
+__kernel void sum_axis(const int outer, const int R, const int inner, const float scale,
+                       __global const float* x, __global float* out) {
+    const int i = get_global_id(0);
+    if (i >= outer * inner) return;
+    const int o = i / inner, in = i % inner;
+    __global const float* row = x + o * R * inner + in;
+    float acc = 0.0f;
+    for (int r = 0; r < R; ++r) acc += row[r * inner];
+    out[i] = scale * acc;
+}
+
+// g (outer, inner) -> out (outer, R, inner) = scale * g repeated along R: sum/mean backward.
+__kernel void expand_axis(const int outer, const int R, const int inner, const float scale,
+                          __global const float* g, __global float* out) {
+    const int i = get_global_id(0);
+    if (i >= outer * R * inner) return;
+    const int in = i % inner, o = i / (R * inner);
+    out[i] = scale * g[o * inner + in];
+}
+
+// x (n) -> out (groups) = scale * partial sums, one per 256-wide work-group; run once more
+// on the partials when there is more than one group. A tree in local memory per group.
+__kernel __attribute__((reqd_work_group_size(256, 1, 1)))
+void sum_all(const int n, const float scale, __global const float* x, __global float* out) {
+    __local float partial[256];
+    const int lid = get_local_id(0);
+    float acc = 0.0f;
+    for (int i = get_global_id(0); i < n; i += get_global_size(0)) acc += x[i];
+    partial[lid] = acc;
+    barrier(CLK_LOCAL_MEM_FENCE);
+    for (int stride = 128; stride > 0; stride >>= 1) {
+        if (lid < stride) partial[lid] += partial[lid + stride];
+        barrier(CLK_LOCAL_MEM_FENCE);
+    }
+    if (lid == 0) out[get_group_id(0)] = scale * partial[0];
+}
+
+// --- softmax along an axis: x (outer, R, inner) -> y, softmax or (log_mode) log-softmax.
+__kernel void softmax_axis(const int outer, const int R, const int inner, const int log_mode,
+                           __global const float* x, __global float* y) {
+    const int i = get_global_id(0);
+    if (i >= outer * inner) return;
+    const int base = (i / inner) * R * inner + i % inner;
+    float m = -INFINITY;
+    for (int r = 0; r < R; ++r) m = fmax(m, x[base + r * inner]);
+    float total = 0.0f;
+    for (int r = 0; r < R; ++r) total += exp(x[base + r * inner] - m);
+    const float log_total = log(total);
+    for (int r = 0; r < R; ++r) {
+        const float shifted = x[base + r * inner] - m;
+        y[base + r * inner] = log_mode ? shifted - log_total : exp(shifted) / total;
+    }
+}
+
+// softmax: dx = y (g - sum(g y)); log-softmax: dx = g - exp(y) sum(g). y is the forward output.
+__kernel void softmax_axis_bwd(const int outer, const int R, const int inner, const int log_mode,
+                               __global const float* g, __global const float* y,
+                               __global float* out) {
+    const int i = get_global_id(0);
+    if (i >= outer * inner) return;
+    const int base = (i / inner) * R * inner + i % inner;
+    float dot = 0.0f;
+    for (int r = 0; r < R; ++r) {
+        const int j = base + r * inner;
+        dot += log_mode ? g[j] : g[j] * y[j];
+    }
+    for (int r = 0; r < R; ++r) {
+        const int j = base + r * inner;
+        out[j] = log_mode ? g[j] - exp(y[j]) * dot : y[j] * (g[j] - dot);
+    }
+}
+
+// --- cross-entropy, fused with log-softmax. One work-item per row.
+// logits (N, C), target (N) class indices -> loss (N) = logsumexp(x) - x[target]
+__kernel void cross_entropy_index(const int N, const int C, __global const float* x,
+                                  __global const int* target, __global float* loss) {
+    const int r = get_global_id(0);
+    if (r >= N) return;
+    __global const float* row = x + r * C;
+    float m = -INFINITY;
+    for (int c = 0; c < C; ++c) m = fmax(m, row[c]);
+    float total = 0.0f;
+    for (int c = 0; c < C; ++c) total += exp(row[c] - m);
+    loss[r] = m + log(total) - row[target[r]];
+}
+
+// logits (N, C), target (N, C) probabilities -> loss (N) = sum_c t_c (logsumexp(x) - x_c)
+__kernel void cross_entropy_soft(const int N, const int C, __global const float* x,
+                                 __global const float* target, __global float* loss) {
+    const int r = get_global_id(0);
+    if (r >= N) return;
+    __global const float* row = x + r * C;
+    __global const float* t = target + r * C;
+    float m = -INFINITY;
+    for (int c = 0; c < C; ++c) m = fmax(m, row[c]);
+    float total = 0.0f;
+    for (int c = 0; c < C; ++c) total += exp(row[c] - m);
+    const float lse = m + log(total);
+    float acc = 0.0f;
+    for (int c = 0; c < C; ++c) acc += t[c] * (lse - row[c]);
+    loss[r] = acc;
+}
+
+// dx (N, C) = g_r (softmax(x) sum_c t_c - t), g_r = scale * g[r * g_stride]: g_stride is 0
+// when the loss was reduced to a scalar, 1 for reduction="none". Index targets are one-hot.
+__kernel void cross_entropy_bwd(const int N, const int C, const int g_stride, const float scale,
+                                const int soft, __global const float* g, __global const float* x,
+                                __global const int* index, __global const float* target,
+                                __global float* out) {
+    const int r = get_global_id(0);
+    if (r >= N) return;
+    __global const float* row = x + r * C;
+    float m = -INFINITY;
+    for (int c = 0; c < C; ++c) m = fmax(m, row[c]);
+    float total = 0.0f;
+    for (int c = 0; c < C; ++c) total += exp(row[c] - m);
+    float mass = 1.0f;
+    if (soft) { mass = 0.0f; for (int c = 0; c < C; ++c) mass += target[r * C + c]; }
+    const float g_r = scale * g[r * g_stride];
+    for (int c = 0; c < C; ++c) {
+        const float t = soft ? target[r * C + c] : (c == index[r] ? 1.0f : 0.0f);
+        out[r * C + c] = g_r * (exp(row[c] - m) / total * mass - t);
+    }
+}
+
+// --- dropout. The keep mask is a hash of (seed, i), so backward recomputes it instead of
+// storing it, and the NumPy backend computes the very same mask (netcl.py: _dropout_keep).
+uint fmix32(uint h) {  // MurmurHash3's finaliser: a cheap, well-mixed 32-bit hash
+    h ^= h >> 16; h *= 0x85ebca6bu; h ^= h >> 13; h *= 0xc2b2ae35u; h ^= h >> 16;
+    return h;
+}
+
+// out (n) = x * scale where uniform(seed, i) >= p, else 0. Forward and backward alike.
+__kernel void dropout_mask(const int n, const uint seed, const float p, const float scale,
+                           __global const float* x, __global float* out) {
+    const int i = get_global_id(0);
+    if (i >= n) return;
+    const float u = (float)(fmix32((uint)i * 0x9E3779B1u + fmix32(seed)) >> 8) * (1.0f / 16777216.0f);
+    out[i] = u >= p ? x[i] * scale : 0.0f;
+}
+
+// ---------------------------------------------------------------------------- optimizers
+
+// SGD as torch/optim/sgd.py (dampening 0): d = g + wd p; buf = first ? d : momentum buf + d;
+// d = nesterov ? d + momentum buf : buf; p -= lr d. p, g, buf (n).
+__kernel void sgd_step(const int n, const float lr, const float momentum, const float weight_decay,
+                       const int nesterov, const int first_step, __global float* p,
+                       __global const float* g, __global float* buf) {
+    const int i = get_global_id(0);
+    if (i >= n) return;
+    float d = g[i] + weight_decay * p[i];
+    if (momentum != 0.0f) {
+        const float b = first_step ? d : momentum * buf[i] + d;
+        buf[i] = b;
+        d = nesterov ? d + momentum * b : b;
+    }
+    p[i] -= lr * d;
+}

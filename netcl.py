@@ -1,0 +1,1623 @@
+"""netcl — deep-learning training on any OpenCL device, in one file.
+
+netcl trains real models (MLPs, small CNNs) on any OpenCL device — NVIDIA, AMD, Intel and
+Apple GPUs, or a CPU through PoCL — and on a plain NumPy backend, with the loop people know
+from PyTorch. This file is the whole library; `kernels.cl` beside it holds every kernel, in
+sections that mirror the ones below. Read it top to bottom:
+
+    device & kernels -> BufferPool -> Tensor -> autograd (Node, Tape) -> operations
+    -> nn modules -> optimizers -> the import aliases (netcl.nn, netcl.optim, ...)
+
+A training step:
+
+    import numpy as np, netcl
+    from netcl import nn, functional as F
+    device = netcl.manager.default()               # an OpenCL GPU if there is one, else NumPy
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
+    opt = netcl.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x = netcl.Tensor.from_host(np.random.rand(32, 64), queue=device.queue)
+    y = np.random.randint(0, 10, size=32)
+    with netcl.Tape() as tape:
+        loss = F.cross_entropy(model(x), y)
+    opt.zero_grad(); tape.backward(loss); opt.step()
+    print(loss.value.to_host())
+
+What netcl is not: a general array library (tensors are contiguous, broadcasting is limited
+to what layers need), a graph compiler, or a distributed trainer.
+
+Set NETCL_DEBUG=1 to print each kernel build, NETCL_DEBUG=2 to also time every launch.
+"""
+import builtins
+import contextlib
+import math
+import os
+import sys
+import time
+import types
+import weakref
+from collections import OrderedDict, defaultdict
+
+import numpy as np
+
+try:
+    import pyopencl as cl
+except ImportError:  # the NumPy backend still works; asking for OpenCL explains what to install
+    cl = None
+
+DEBUG = int(os.environ.get("NETCL_DEBUG", "0") or 0)
+
+_INSTALL_HINT = ("install an OpenCL driver for your GPU, or PoCL for a CPU OpenCL device: "
+                 "python -m pip install pocl-binary-distribution (or 'pyopencl[pocl]')")
+
+
+# ============================================================================ device & kernels
+# A Device is one backend instance: the NumPy backend ("cpu"), or one OpenCL device with one
+# context, one in-order queue, one compiled program and one BufferPool. The in-order queue is
+# what makes buffer reuse safe: a buffer released by the host may still be read by a queued
+# kernel, but any kernel that later writes it is queued behind that read.
+
+class _CpuQueue:
+    """The NumPy backend's stand-in for a command queue: work runs at once, so finish() is free."""
+
+    def __init__(self, device):
+        self.device = device
+
+    def finish(self):
+        """Nothing is ever pending on the NumPy backend."""
+
+
+class Device:
+    """One backend instance. Get one from `manager.default(...)`, which caches them.
+
+    `.backend` is "opencl" or "cpu", `.queue` its (in-order) queue, `.pool` its BufferPool,
+    `.name` a human-readable name. `.launches` and `.syncs` count kernel launches and
+    host-device synchronisations (for tests and benchmarks: syncs are what cost).
+    """
+
+    def __init__(self, backend, name, queue=None, cl_device=None):
+        self.backend = backend
+        self.name = name
+        self.launches = 0
+        self.syncs = 0
+        self._kernels = {}
+        if backend == "cpu":
+            self.queue = _CpuQueue(self)
+            self.context = None
+            self.pool = BufferPool(lambda nbytes: np.empty(nbytes, np.uint8))
+        else:
+            self.queue = queue
+            self.context = queue.context
+            self.cl_device = cl_device
+            self.pool = BufferPool(self._cl_alloc, max_bytes=cl_device.max_mem_alloc_size)
+            self._build_program()
+
+    def __repr__(self):
+        return f"Device({self.backend!r}, {self.name!r})"
+
+    def finish(self):
+        """Block until every queued kernel and copy has completed."""
+        self.syncs += 1
+        self.queue.finish()
+
+    # --- kernels: one program per context, one pyopencl.Kernel object per kernel name.
+    # Fetching `program.name` creates a new Kernel object each time (~100 µs on a GPU), so
+    # every kernel is created once here, with its scalar argument types preset.
+    def _build_program(self):
+        source = _kernel_source()
+        options = ["-cl-mad-enable", "-cl-kernel-arg-info"]  # never fast-relaxed: keep NaN/Inf
+        started = time.perf_counter()
+        program = cl.Program(self.context, source)
+        try:
+            program.build(options=options)
+        except cl.Error as error:
+            log = program.get_build_info(self.cl_device, cl.program_build_info.LOG)
+            raise RuntimeError(f"building kernels.cl for {self.name} failed:\n{log or error}") from None
+        for kernel in program.all_kernels():
+            kernel.set_scalar_arg_dtypes([_CL_SCALARS.get(kernel.get_arg_info(
+                i, cl.kernel_arg_info.TYPE_NAME)) for i in range(kernel.num_args)])
+            self._kernels[kernel.function_name] = kernel
+        if DEBUG:
+            print(f"netcl: built {len(self._kernels)} kernels for {self.name} "
+                  f"in {time.perf_counter() - started:.2f} s", file=sys.stderr)
+
+    def launch(self, name, global_size, local_size, *args):
+        """Enqueue kernel `name`; global sizes are rounded up to multiples of the local size."""
+        global_size = tuple(-(-g // l) * l for g, l in zip(global_size, local_size))
+        self._kernels[name](self.queue, global_size, local_size, *args)
+        self.launches += 1
+        if DEBUG >= 2:  # a deliberate sync per launch, to time each kernel
+            started = time.perf_counter()
+            self.queue.finish()
+            print(f"netcl: {name} {global_size} {1e6 * (time.perf_counter() - started):.0f} µs",
+                  file=sys.stderr)
+
+    def _cl_alloc(self, nbytes):
+        return cl.Buffer(self.context, cl.mem_flags.READ_WRITE, nbytes)
+
+
+_CL_SCALARS = {"int": np.int32, "uint": np.uint32, "float": np.float32}
+
+
+def _kernel_source():
+    """kernels.cl beside this file (a source checkout), else in netcl_kernels/ (a wheel)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    for path in (os.path.join(here, "kernels.cl"),
+                 os.path.join(here, "netcl_kernels", "kernels.cl")):
+        if os.path.exists(path):
+            with open(path, encoding="utf-8") as f:
+                return f.read()
+    raise RuntimeError(f"kernels.cl not found beside {__file__} nor in netcl_kernels/")
+
+
+_devices = {}           # cache key -> Device: the same request returns the same Device
+_devices_by_queue = {}  # id of an OpenCL queue -> its Device
+
+
+def _opencl_devices():
+    """[(platform index, device index, cl.Device)] of every OpenCL device; [] if none."""
+    if cl is None:
+        return []
+    try:
+        platforms = cl.get_platforms()
+    except cl.Error:  # no ICD loader entries: "PLATFORM_NOT_FOUND_KHR"
+        return []
+    found = []
+    for p, platform in enumerate(platforms):
+        try:
+            devices = platform.get_devices()
+        except cl.Error:
+            continue
+        found.extend((p, d, device) for d, device in enumerate(devices))
+    return found
+
+
+def _opencl_device(platform_index, device_index, cl_device):
+    key = ("opencl", platform_index, device_index)
+    if key not in _devices:
+        context = cl.Context([cl_device])
+        queue = cl.CommandQueue(context)  # in-order: what makes pooled buffer reuse safe
+        device = Device("opencl", cl_device.name.strip(), queue, cl_device)
+        _devices[key] = device
+        _devices_by_queue[id(queue)] = device
+    return _devices[key]
+
+
+def _default_device(device=None):
+    """The Device for `device`: "cpu", "gpu"/"opencl", "opencl:P:D", or None/"auto".
+
+    None reads the environment variable NETCL_DEVICE (same values); an explicit argument wins.
+    "auto" is an OpenCL GPU if there is one, otherwise the NumPy backend.
+    """
+    if isinstance(device, Device):
+        return device
+    request = device if device is not None else (os.environ.get("NETCL_DEVICE") or "auto")
+    if not isinstance(request, str):
+        raise ValueError(f"device must be a string such as 'cpu', 'gpu', 'opencl', 'auto' or "
+                         f"'opencl:P:D', got {request!r}")
+    request = request.strip().lower()
+    if request == "cpu":
+        if "cpu" not in _devices:
+            _devices["cpu"] = Device("cpu", "NumPy")
+        return _devices["cpu"]
+    if request == "auto":
+        gpus = [d for d in _opencl_devices() if d[2].type & cl.device_type.GPU]
+        return _opencl_device(*gpus[0]) if gpus else _default_device("cpu")
+    if request in ("gpu", "opencl"):
+        found = _opencl_devices()
+        if not found:
+            raise RuntimeError(f"no OpenCL platform found; {_INSTALL_HINT}")
+        rank = lambda d: (0 if d[2].type & cl.device_type.GPU else
+                          1 if d[2].type & cl.device_type.ACCELERATOR else 2)
+        best = min(found, key=rank)
+        if rank(best) and ("opencl", best[0], best[1]) not in _devices:
+            print(f"netcl: no OpenCL GPU found, using {best[2].name.strip()} "
+                  f"({cl.device_type.to_string(best[2].type)})", file=sys.stderr)
+        return _opencl_device(*best)
+    parts = request.split(":")
+    if len(parts) == 3 and parts[0] == "opencl" and parts[1].isdigit() and parts[2].isdigit():
+        found = {(p, d): dev for p, d, dev in _opencl_devices()}
+        if not found:
+            raise RuntimeError(f"no OpenCL platform found; {_INSTALL_HINT}")
+        key = (int(parts[1]), int(parts[2]))
+        if key not in found:
+            raise ValueError(f"device {request!r}: no OpenCL device {key[1]} on platform "
+                             f"{key[0]}; available: {sorted(found)}")
+        return _opencl_device(*key, found[key])
+    raise ValueError(f"device must be 'cpu', 'gpu', 'opencl', 'auto' or 'opencl:P:D', "
+                     f"got {device if device is not None else request!r}")
+
+
+def _device_of(queue=None):
+    """The Device that owns `queue` (None: the default device; a Device is itself)."""
+    if queue is None:
+        return _default_device()
+    if isinstance(queue, Device):
+        return queue
+    if isinstance(queue, _CpuQueue):
+        return queue.device
+    device = _devices_by_queue.get(id(queue))
+    if device is None:
+        if cl is None or not isinstance(queue, cl.CommandQueue):
+            raise ValueError(f"queue must be a netcl Device's queue or a pyopencl.CommandQueue, "
+                             f"got {queue!r}")
+        if queue.properties & cl.command_queue_properties.OUT_OF_ORDER_EXEC_MODE_ENABLE:
+            raise ValueError("queue must be in-order: pooled buffers are reused in queue order")
+        device = Device("opencl", queue.device.name.strip(), queue, queue.device)
+        _devices_by_queue[id(queue)] = device
+    return device
+
+
+# ============================================================================ BufferPool
+# Allocating device memory costs a driver call (and on some drivers a sync); a training loop
+# asks for the same sizes every step. The pool keeps released buffers in size buckets and
+# hands them out again. Buckets are powers of two split in four, so at most 25% is wasted.
+
+def _bucket(nbytes):
+    if nbytes <= 256:
+        return 256
+    step = 1 << max((nbytes - 1).bit_length() - 3, 0)  # a quarter of the next power of two
+    return -(-nbytes // step) * step
+
+
+class BufferPool:
+    """A caching allocator for one device: `alloc(nbytes)`, `release(buffer)`, `stats()`."""
+
+    def __init__(self, allocate, max_bytes=None):
+        self._allocate = allocate
+        self._max_bytes = max_bytes
+        self._cached = defaultdict(list)  # bucket size -> free buffers
+        self.in_use_bytes = self.cached_bytes = self.peak_bytes = 0
+        self.hits = self.misses = 0
+
+    def alloc(self, nbytes):
+        """A buffer of at least `nbytes` bytes, from the cache when one of its bucket is free."""
+        size = _bucket(nbytes)
+        free = self._cached[size]
+        if free:
+            buffer = free.pop()
+            self.cached_bytes -= size
+            self.hits += 1
+        else:
+            buffer = self._fresh(size)
+            self.misses += 1
+        self.in_use_bytes += size
+        self.peak_bytes = max(self.peak_bytes, self.in_use_bytes)
+        return buffer
+
+    def _fresh(self, size):
+        for attempt in range(2):  # on failure give the cache back to the driver, retry once
+            try:
+                if self._max_bytes is not None and size > self._max_bytes:
+                    raise MemoryError(f"larger than the device's largest allocation, "
+                                      f"{self._max_bytes} bytes")
+                return self._allocate(size)
+            except (MemoryError, ValueError, OverflowError) + ((cl.Error,) if cl else ()) as error:
+                if attempt == 0 and self.cached_bytes:
+                    self.empty_cache()
+                    continue
+                raise MemoryError(f"cannot allocate {size} bytes ({error}); pool stats: "
+                                  f"{self.stats()}") from None
+
+    def release(self, buffer):
+        """Give a buffer back; the next alloc of its bucket reuses it."""
+        size = _buffer_bytes(buffer)
+        self._cached[size].append(buffer)
+        self.in_use_bytes -= size
+        self.cached_bytes += size
+
+    def stats(self):
+        """Bytes in use and cached, the peak in use, and cache hits and misses."""
+        return {"in_use_bytes": self.in_use_bytes, "cached_bytes": self.cached_bytes,
+                "peak_bytes": self.peak_bytes, "hits": self.hits, "misses": self.misses}
+
+    def empty_cache(self):
+        """Free every cached buffer (buffers in use are untouched)."""
+        self._cached.clear()
+        self.cached_bytes = 0
+
+
+def _buffer_bytes(buffer):
+    return buffer.nbytes if isinstance(buffer, np.ndarray) else buffer.size
+
+
+# ============================================================================ Tensor
+# A Tensor is a shape and a dtype over pooled memory: an ndarray view of a pooled byte buffer
+# on the NumPy backend, a pyopencl.Buffer on OpenCL. Tensors are always C-contiguous, so a
+# reshape is a view that keeps its base alive. When the last reference to a Tensor goes, its
+# buffer returns to the pool at once (reference counting triggers the weakref.finalize).
+
+_DTYPES = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(np.int32))
+
+
+class Tensor:
+    """Device memory with a shape and a dtype (float32, float16 storage, or int32)."""
+
+    __slots__ = ("device", "shape", "dtype", "data", "_base", "__weakref__")
+
+    def __init__(self, device, shape, dtype, data, base=None):
+        self.device = device
+        self.shape = tuple(shape)
+        self.dtype = np.dtype(dtype)
+        self.data = data    # ndarray (NumPy backend) or pyopencl.Buffer, of at least nbytes
+        self._base = base   # the Tensor that owns the memory, for views
+
+    @staticmethod
+    def empty(shape, dtype=np.float32, queue=None):
+        """An uninitialised tensor from the pool of `queue`'s device (default device if None)."""
+        device = _device_of(queue)
+        shape = _check_shape(shape)
+        dtype = _check_dtype(dtype, device)
+        nbytes = math.prod(shape) * dtype.itemsize
+        buffer = device.pool.alloc(nbytes)
+        data = buffer[:nbytes].view(dtype).reshape(shape) if device.backend == "cpu" else buffer
+        tensor = Tensor(device, shape, dtype, data)
+        weakref.finalize(tensor, device.pool.release, buffer).atexit = False
+        return tensor
+
+    @staticmethod
+    def from_host(array, queue=None, dtype=None):
+        """Copy a host array to the device. float64 becomes float32 (float64 stays only when
+        asked for with dtype=np.float64, on the NumPy backend); integers become int32."""
+        array = np.asarray(array)
+        if dtype is None:
+            if array.dtype == np.float16:
+                dtype = np.float16
+            elif array.dtype.kind in "iub":
+                dtype = np.int32
+            elif array.dtype.kind == "f":
+                dtype = np.float32
+            else:
+                raise ValueError(f"from_host: unsupported array dtype {array.dtype}")
+        tensor = Tensor.empty(array.shape, dtype, queue)
+        host = np.ascontiguousarray(array, dtype=tensor.dtype)
+        if tensor.device.backend == "cpu":
+            np.copyto(tensor.data, host)
+        elif host.size:
+            # Blocking, so the caller may reuse `array` at once (uploads that overlap compute
+            # belong to the DataLoader's prefetch).
+            cl.enqueue_copy(tensor.device.queue, tensor.data, host, is_blocking=True)
+        return tensor
+
+    def to_host(self):
+        """A NumPy copy of the contents. Blocks until the queued work that writes it is done."""
+        if self.device.backend == "cpu":
+            return self.data.copy()
+        host = np.empty(self.shape, self.dtype)
+        if host.size:
+            self.device.syncs += 1
+            cl.enqueue_copy(self.device.queue, host, self.data, is_blocking=True)
+        return host
+
+    @property
+    def queue(self):
+        """The queue of the device this tensor lives on."""
+        return self.device.queue
+
+    @property
+    def size(self):
+        """Number of elements."""
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self):
+        """Bytes of the contents (the buffer may be larger: pool buckets round up)."""
+        return self.size * self.dtype.itemsize
+
+    @property
+    def ndim(self):
+        """Number of dimensions."""
+        return len(self.shape)
+
+    def reshape(self, shape):
+        """A view with a new shape (one -1 allowed); no copy."""
+        shape = _resolve_shape("reshape", self.shape, shape)
+        data = self.data.reshape(shape) if self.device.backend == "cpu" else self.data
+        return Tensor(self.device, shape, self.dtype, data, base=self._base or self)
+
+    def __repr__(self):
+        return f"Tensor(shape={self.shape}, dtype={self.dtype.name}, device={self.device.name!r})"
+
+
+def _check_shape(shape):
+    shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
+    if not all(isinstance(s, (int, np.integer)) and s >= 0 for s in shape):
+        raise ValueError(f"shape must be non-negative integers, got {shape}")
+    return tuple(int(s) for s in shape)
+
+
+def _check_dtype(dtype, device):
+    dtype = np.dtype(dtype)
+    if dtype in _DTYPES or (dtype == np.float64 and device.backend == "cpu"):
+        return dtype
+    raise ValueError(f"dtype must be float32, float16 or int32 (float64 on the NumPy backend "
+                     f"only), got {dtype}")
+
+
+def _resolve_shape(op, old_shape, shape):
+    shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(int(s) for s in shape)
+    size = math.prod(old_shape)
+    if shape.count(-1) > 1 or any(s < -1 for s in shape):
+        raise ValueError(f"{op}: invalid shape {shape} (at most one -1, no other negatives)")
+    if -1 in shape:
+        known = math.prod(s for s in shape if s != -1)
+        if known == 0 or size % known:
+            raise ValueError(f"{op}: cannot reshape {old_shape} (size {size}) into {shape}")
+        shape = tuple(size // known if s == -1 else s for s in shape)
+    if math.prod(shape) != size:
+        raise ValueError(f"{op}: cannot reshape {old_shape} (size {size}) into {shape}")
+    return shape
+
+
+# ============================================================================ autograd
+# A Node wraps a Tensor value. An operation run inside a Tape, on at least one input that
+# requires a gradient, records its output Node with its parents and a backward function that
+# maps the output's gradient to its parents' gradients. The Tape's list is in creation order,
+# which is a topological order, so backward walks it in reverse. Afterwards the Tape drops
+# every parent link and closure, so saved tensors go back to the pool at once.
+
+_tapes = []          # the active Tapes, innermost last
+_grad_enabled = [True]
+
+
+class Node:
+    """A value in the computation graph: `.value` (a Tensor), `.grad` (a Tensor or None)."""
+
+    __slots__ = ("value", "grad", "requires_grad", "_parents", "_backward", "__weakref__")
+
+    def __init__(self, value, requires_grad=False):
+        self.value = value if isinstance(value, Tensor) else Tensor.from_host(value)
+        self.grad = None
+        self.requires_grad = bool(requires_grad)
+        self._parents = None   # recorded op: the input Nodes
+        self._backward = None  # recorded op: grad of output -> grads of the inputs
+
+    shape = property(lambda self: self.value.shape, doc="The value's shape.")
+    dtype = property(lambda self: self.value.dtype, doc="The value's dtype.")
+    device = property(lambda self: self.value.device, doc="The value's Device.")
+
+    def __repr__(self):
+        return f"{type(self).__name__}(shape={self.shape}, requires_grad={self.requires_grad})"
+
+    __add__ = lambda self, other: add(self, other)
+    __radd__ = lambda self, other: add(other, self)
+    __sub__ = lambda self, other: sub(self, other)
+    __rsub__ = lambda self, other: sub(other, self)
+    __mul__ = lambda self, other: mul(self, other)
+    __rmul__ = lambda self, other: mul(other, self)
+    __truediv__ = lambda self, other: div(self, other)
+    __rtruediv__ = lambda self, other: div(other, self)
+    __matmul__ = lambda self, other: matmul(self, other)
+    __rmatmul__ = lambda self, other: matmul(other, self)
+    __neg__ = lambda self: neg(self)
+
+    def sum(self, axis=None, keepdims=False):
+        """Sum over `axis` (all axes if None)."""
+        return reduce_sum(self, axis, keepdims)
+
+    def mean(self, axis=None, keepdims=False):
+        """Mean over `axis` (all axes if None)."""
+        return reduce_mean(self, axis, keepdims)
+
+    def reshape(self, *shape):
+        """A reshaped view (one -1 allowed)."""
+        return reshape(self, shape[0] if len(shape) == 1 else shape)
+
+    @property
+    def T(self):
+        """The transpose of a 2-D node."""
+        return transpose(self)
+
+
+class Parameter(Node):
+    """A trainable leaf: a Node with requires_grad=True."""
+
+    __slots__ = ()
+
+    def __init__(self, value):
+        super().__init__(value, requires_grad=True)
+
+
+class Tape:
+    """Records the operations run inside `with Tape() as tape:`; `tape.backward(loss)`."""
+
+    def __init__(self):
+        self._nodes = []
+
+    def __enter__(self):
+        _tapes.append(self)
+        return self
+
+    def __exit__(self, *exc):
+        _tapes.remove(self)
+
+    def backward(self, loss, grad=None):
+        """Accumulate d(loss)/d(leaf) into every leaf's `.grad`, then free the graph.
+
+        `grad` (a Tensor, Node or array shaped like loss) seeds the backward pass; without it
+        the loss must have one element and the seed is 1.
+        """
+        if not isinstance(loss, Node):
+            raise TypeError(f"backward: loss must be a Node, got {type(loss).__name__}")
+        if not loss.requires_grad:
+            raise RuntimeError("backward: loss does not require grad (it was computed outside "
+                               "a Tape, from constants only, or its graph was already freed)")
+        if grad is None:
+            if loss.value.size != 1:
+                raise RuntimeError(f"backward: grad can be implied only for a loss of one "
+                                   f"element, got shape {loss.shape}")
+            grad = _fill(loss.shape, 1.0, loss.value)
+        else:
+            grad = _as_tensor(grad, loss.value)
+            if grad.shape != loss.shape:
+                raise ValueError(f"backward: grad shape {grad.shape} != loss shape {loss.shape}")
+        grads = {id(loss): grad}
+        try:
+            if loss._backward is None:  # the loss is itself a leaf
+                _accumulate_grad(loss, grad)
+            for node in reversed(self._nodes):
+                g = grads.pop(id(node), None)  # pop: the gradient is freed once consumed
+                if g is None:
+                    continue
+                for parent, parent_grad in zip(node._parents, node._backward(g)):
+                    if parent_grad is None or not parent.requires_grad:
+                        continue
+                    if parent._backward is None:
+                        _accumulate_grad(parent, parent_grad)
+                    elif id(parent) in grads:
+                        grads[id(parent)] = _add_tensors(grads[id(parent)], parent_grad)
+                    else:
+                        grads[id(parent)] = parent_grad
+        finally:
+            self._free()
+
+    def _free(self):
+        for node in self._nodes:
+            node._parents = node._backward = None
+            node.requires_grad = False  # an intermediate value, now a constant
+        self._nodes.clear()
+
+
+class no_grad(contextlib.ContextDecorator):
+    """Inside `with no_grad():` (or a function decorated with it) no operation is recorded."""
+
+    def __enter__(self):
+        _grad_enabled.append(False)
+
+    def __exit__(self, *exc):
+        _grad_enabled.pop()
+
+
+def _record(value, parents, backward):
+    """Wrap an op's output; record it on the innermost Tape when a parent needs a gradient."""
+    node = Node(value)
+    if _tapes and _grad_enabled[-1] and any(p.requires_grad for p in parents):
+        node.requires_grad = True
+        node._parents = parents
+        node._backward = backward
+        _tapes[-1]._nodes.append(node)
+    return node
+
+
+def _accumulate_grad(leaf, grad):
+    """PyTorch semantics: the first gradient is stored, later ones are added in place. The
+    first is copied, so no two leaves ever share (and later mutate) one buffer."""
+    if leaf.grad is None:
+        leaf.grad = _copy(grad)
+    elif leaf.grad.device.backend == "cpu":
+        np.add(leaf.grad.data, grad.data, out=leaf.grad.data)
+    elif grad.size:
+        leaf.grad.device.launch("accumulate", (grad.size,), (256,), grad.size,
+                                leaf.grad.data, grad.data)
+
+
+# ============================================================================ operations
+# Each op: validate shapes (before anything is enqueued), compute the output on the NumPy
+# backend (the readable reference) or with a kernel, and define its backward beside it.
+# Ops accept Nodes, Tensors, arrays and Python scalars; arrays join the other operand's device.
+
+_generator = [np.random.default_rng()]
+
+
+def manual_seed(seed):
+    """Seed netcl's random stream: parameter initialisation, dropout masks, shuffling."""
+    _generator[0] = np.random.default_rng(seed)
+
+
+def _rng():
+    return _generator[0]
+
+
+def _devices_of(op, *values):
+    devices = {id(v.device): v.device for v in values if isinstance(v, (Node, Tensor))}
+    if len(devices) > 1:
+        names = ", ".join(f"{d.backend} ({d.name})" for d in devices.values())
+        raise ValueError(f"{op}: operands are on different devices: {names}")
+    return next(iter(devices.values()), None) or _default_device()
+
+
+def _as_tensor(value, like):
+    """value as a Tensor on `like`'s device (arrays take like's float dtype)."""
+    if isinstance(value, Node):
+        value = value.value
+    if isinstance(value, Tensor):
+        if value.device is not like.device:
+            raise ValueError(f"operands are on different devices: {value.device.backend} and "
+                             f"{like.device.backend}")
+        return value
+    array = np.asarray(value)
+    dtype = like.dtype if array.dtype.kind == "f" and like.dtype.kind == "f" else None
+    return Tensor.from_host(array, queue=like.device.queue, dtype=dtype)
+
+
+def _as_node(value, device, dtype=None):
+    if isinstance(value, Node):
+        return value
+    if isinstance(value, Tensor):
+        return Node(value)
+    array = np.asarray(value)
+    if dtype is not None and array.dtype.kind == "f":
+        return Node(Tensor.from_host(array, device.queue, dtype if dtype.kind == "f" else None))
+    return Node(Tensor.from_host(array, device.queue))
+
+
+def _nodes(op, *values):
+    """Nodes for the operands of `op`, all on one device (arrays and scalars join it)."""
+    device = _devices_of(op, *values)
+    dtype = next((v.dtype for v in values if isinstance(v, (Node, Tensor))), None)
+    return [_as_node(v, device, dtype) for v in values]
+
+
+def _is_scalar(value):
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+
+
+def _like(x, shape=None, dtype=None):
+    """An uninitialised tensor on x's device, shaped like x unless `shape` is given."""
+    return Tensor.empty(x.shape if shape is None else shape, dtype or x.dtype, x.device.queue)
+
+
+def _fill(shape, value, like):
+    out = _like(like, shape)
+    if like.device.backend == "cpu":
+        out.data.fill(value)
+    elif out.size:
+        cl.enqueue_fill_buffer(like.device.queue, out.data, np.float32(value), 0, out.nbytes)
+    return out
+
+
+def _copy(x):
+    out = _like(x)
+    if x.device.backend == "cpu":
+        np.copyto(out.data, x.data)
+    elif x.size:
+        cl.enqueue_copy(x.device.queue, out.data, x.data, byte_count=x.nbytes)
+    return out
+
+
+def _grid(n):
+    return (n,), (256,)
+
+
+# --- elementwise, one input ---------------------------------------------------------------
+# NumPy reference and kernel name side by side; `s` is what the gradient needs: the input x
+# or the output y.
+
+def _erf(x):
+    """erf for NumPy arrays (Abramowitz & Stegun 7.1.26, |error| < 1.5e-7); NumPy has none."""
+    t = 1.0 / (1.0 + 0.3275911 * np.abs(x))
+    poly = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027
+                                                                          + t * 1.061405429))))
+    return np.sign(x) * (1.0 - poly * np.exp(-x * x))
+
+
+_UNARY = {  # name: (forward on x, gradient from (g, s, alpha), s is "x" or "y")
+    "neg": (lambda x, a: -x, lambda g, s, a: -g, None),
+    "relu": (lambda x, a: np.where(x > 0, x, 0 * x),  # 0 * x keeps NaN, as PyTorch
+             lambda g, s, a: np.where(s > 0, g, 0), "x"),
+    "leaky_relu": (lambda x, a: np.where(x > 0, x, x * a),
+                   lambda g, s, a: np.where(s > 0, g, g * a), "x"),
+    "sigmoid": (lambda x, a: 1 / (1 + np.exp(-x)), lambda g, s, a: g * s * (1 - s), "y"),
+    "tanh": (lambda x, a: np.tanh(x), lambda g, s, a: g * (1 - s * s), "y"),
+    "gelu": (lambda x, a: 0.5 * x * (1 + _erf(x / math.sqrt(2))),
+             lambda g, s, a: g * (0.5 * (1 + _erf(s / math.sqrt(2)))
+                                  + s * np.exp(-0.5 * s * s) / math.sqrt(2 * math.pi)), "x"),
+    "exp": (lambda x, a: np.exp(x), lambda g, s, a: g * s, "y"),
+    "log": (lambda x, a: np.log(x), lambda g, s, a: g / s, "x"),
+}
+
+
+def _unary_tensor(name, x, alpha=0.0):
+    """out = f(x) for the elementwise op `name` (a kernel `{name}_fwd` or a scalar kernel)."""
+    out = _like(x)
+    if x.device.backend == "cpu":
+        with np.errstate(all="ignore"):  # inf/nan are values here, not errors (as PyTorch)
+            forward = _UNARY[name][0] if name in _UNARY else _SCALAR_OPS[name]
+            out.data[...] = forward(x.data, alpha)
+    elif x.size:
+        kernel = f"{name}_fwd" if name in _UNARY else name
+        x.device.launch(kernel, *_grid(x.size), x.size, alpha, x.data, out.data)
+    return out
+
+
+def _unary_grad_tensor(name, g, s, alpha=0.0):
+    out = _like(g)
+    if g.device.backend == "cpu":
+        with np.errstate(all="ignore"):
+            out.data[...] = _UNARY[name][1](g.data, s.data, alpha)
+    elif g.size:
+        g.device.launch(f"{name}_bwd", *_grid(g.size), g.size, alpha, g.data, s.data, out.data)
+    return out
+
+
+def _unary(name, x, alpha=0.0):
+    (x,) = _nodes(name, x)
+    y = _unary_tensor(name, x.value, alpha)
+    saved = x.value if _UNARY[name][2] == "x" else y
+
+    def backward(g):
+        if name == "neg":
+            return (_unary_tensor("neg", g),)
+        return (_unary_grad_tensor(name, g, saved, alpha),)
+    return _record(y, (x,), backward)
+
+
+def neg(x):
+    """-x."""
+    return _unary("neg", x)
+
+
+def relu(x):
+    """max(x, 0)."""
+    return _unary("relu", x)
+
+
+def leaky_relu(x, negative_slope=0.01):
+    """x where x > 0, else negative_slope * x."""
+    return _unary("leaky_relu", x, float(negative_slope))
+
+
+def sigmoid(x):
+    """1 / (1 + exp(-x))."""
+    return _unary("sigmoid", x)
+
+
+def tanh(x):
+    """Hyperbolic tangent."""
+    return _unary("tanh", x)
+
+
+def gelu(x):
+    """x * Phi(x), the exact (erf) form, as PyTorch's default."""
+    return _unary("gelu", x)
+
+
+def exp(x):
+    """e ** x."""
+    return _unary("exp", x)
+
+
+def log(x):
+    """Natural logarithm."""
+    return _unary("log", x)
+
+
+# --- elementwise, two inputs ---------------------------------------------------------------
+# Operands have the same shape, or one is a scalar, or one's shape is a trailing part of the
+# other's (a bias (D,) against x (N, D)): it then repeats along the leading dimensions, and
+# its gradient is the sum over them.
+
+_SCALAR_OPS = {  # kernel name: NumPy reference, for x (op) constant
+    "add_scalar": lambda x, c: x + c, "mul_scalar": lambda x, c: x * c,
+    "div_scalar": lambda x, c: x / c, "rsub_scalar": lambda x, c: c - x,
+    "rdiv_scalar": lambda x, c: c / x,
+}
+_BINARY = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide}
+
+
+def _broadcast_shape(op, a_shape, b_shape):
+    if a_shape == b_shape or b_shape == a_shape[len(a_shape) - len(b_shape):]:
+        return a_shape
+    if a_shape == b_shape[len(b_shape) - len(a_shape):]:
+        return b_shape
+    raise ValueError(f"{op}: shapes {a_shape} and {b_shape} do not match (same shape, a "
+                     f"scalar, or a trailing-dimension broadcast such as (N, D) and (D,))")
+
+
+def _binary_tensor(name, a, b, shape):
+    out = _like(a, shape, np.result_type(a.dtype, b.dtype))
+    if a.device.backend == "cpu":
+        with np.errstate(all="ignore"):
+            _BINARY[name](a.data, b.data, out=out.data)
+    elif out.size:
+        out.device.launch(f"{name}_fwd", *_grid(out.size), out.size, a.size, b.size,
+                          a.data, b.data, out.data)
+    return out
+
+
+def _unbroadcast(g, shape):
+    """Sum g over the leading dimensions an operand of `shape` was repeated along."""
+    if g.shape == shape:
+        return g
+    return _sum_axis_tensor(g, 1, g.size // max(math.prod(shape), 1), math.prod(shape)).reshape(shape)
+
+
+def _add_tensors(a, b):
+    return _binary_tensor("add", a, b, a.shape)
+
+
+def _scalar_op(kernel, x, constant, grad_scale):
+    """x (op) constant: the gradient w.r.t. x is g * grad_scale (or rdiv's own rule)."""
+    (x,) = _nodes(kernel, x)
+    y = _unary_tensor(kernel, x.value, float(constant))
+
+    def backward(g):
+        if kernel == "rdiv_scalar":
+            return (_unary_grad_tensor("rdiv", g, x.value, float(constant)),)
+        return (g if grad_scale == 1.0 else _unary_tensor("mul_scalar", g, grad_scale),)
+    return _record(y, (x,), backward)
+
+
+def add(a, b):
+    """a + b."""
+    if _is_scalar(b):
+        return _scalar_op("add_scalar", a, b, 1.0)
+    if _is_scalar(a):
+        return _scalar_op("add_scalar", b, a, 1.0)
+    a, b = _nodes("add", a, b)
+    shape = _broadcast_shape("add", a.shape, b.shape)
+    return _record(_binary_tensor("add", a.value, b.value, shape), (a, b),
+                   lambda g: (_unbroadcast(g, a.shape), _unbroadcast(g, b.shape)))
+
+
+def sub(a, b):
+    """a - b."""
+    if _is_scalar(b):
+        return _scalar_op("add_scalar", a, -b, 1.0)
+    if _is_scalar(a):
+        return _scalar_op("rsub_scalar", b, a, -1.0)
+    a, b = _nodes("sub", a, b)
+    shape = _broadcast_shape("sub", a.shape, b.shape)
+    return _record(_binary_tensor("sub", a.value, b.value, shape), (a, b),
+                   lambda g: (_unbroadcast(g, a.shape),
+                              _unbroadcast(_unary_tensor("neg", g), b.shape)))
+
+
+def mul(a, b):
+    """a * b."""
+    if _is_scalar(b):
+        return _scalar_op("mul_scalar", a, b, float(b))
+    if _is_scalar(a):
+        return _scalar_op("mul_scalar", b, a, float(a))
+    a, b = _nodes("mul", a, b)
+    shape = _broadcast_shape("mul", a.shape, b.shape)
+    return _record(_binary_tensor("mul", a.value, b.value, shape), (a, b),
+                   lambda g: (_unbroadcast(_binary_tensor("mul", g, b.value, shape), a.shape),
+                              _unbroadcast(_binary_tensor("mul", g, a.value, shape), b.shape)))
+
+
+def div(a, b):
+    """a / b."""
+    if _is_scalar(b):
+        return _scalar_op("div_scalar", a, b, 1.0 / float(b) if b else math.copysign(math.inf, b))
+    if _is_scalar(a):
+        return _scalar_op("rdiv_scalar", b, a, None)
+    a, b = _nodes("div", a, b)
+    shape = _broadcast_shape("div", a.shape, b.shape)
+
+    def backward(g):
+        grad_a = _binary_tensor("div", g, b.value, shape)
+        grad_b = _like(g)
+        if g.device.backend == "cpu":
+            with np.errstate(all="ignore"):
+                grad_b.data[...] = -g.data * a.value.data / (b.value.data * b.value.data)
+        elif g.size:
+            g.device.launch("div_bwd_b", *_grid(g.size), g.size, a.value.size, b.value.size,
+                            g.data, a.value.data, b.value.data, grad_b.data)
+        return _unbroadcast(grad_a, a.shape), _unbroadcast(grad_b, b.shape)
+    return _record(_binary_tensor("div", a.value, b.value, shape), (a, b), backward)
+
+
+# --- matrix products -------------------------------------------------------------------------
+
+def _gemm(a, b, trans_a=False, trans_b=False, bias=None):
+    """C (M, N) = op(a) @ op(b) [+ bias (N)]; op transposes when asked, without a copy."""
+    M, K = (a.shape[1], a.shape[0]) if trans_a else a.shape
+    N = b.shape[0] if trans_b else b.shape[1]
+    out = _like(a, (M, N), np.result_type(a.dtype, b.dtype))
+    if a.device.backend == "cpu":
+        np.matmul(a.data.T if trans_a else a.data, b.data.T if trans_b else b.data, out=out.data)
+        if bias is not None:
+            out.data += bias.data
+    elif M and N:
+        kernel = "gemm_tn" if trans_a else ("gemm_nt" if trans_b else "gemm_nn")
+        a.device.launch(kernel, (-(-N // 64) * 16, -(-M // 64) * 16), (16, 16), M, N, K,
+                        int(bias is not None), a.data, b.data,
+                        bias.data if bias is not None else None, out.data)
+    return out
+
+
+def matmul(a, b):
+    """a (M, K) @ b (K, N) -> (M, N); a 1-D operand is a row (left) or column (right) vector."""
+    a, b = _nodes("matmul", a, b)
+    if not (1 <= len(a.shape) <= 2 and 1 <= len(b.shape) <= 2):
+        raise ValueError(f"matmul: expected 1-D or 2-D operands, got shapes {a.shape} and {b.shape}")
+    a2 = a if len(a.shape) == 2 else reshape(a, (1, a.shape[0]))
+    b2 = b if len(b.shape) == 2 else reshape(b, (b.shape[0], 1))
+    if a2.shape[1] != b2.shape[0]:
+        raise ValueError(f"matmul: shapes {a.shape} and {b.shape} do not align "
+                         f"({a2.shape[1]} != {b2.shape[0]})")
+    A, B = a2.value, b2.value
+    out = _record(_gemm(A, B), (a2, b2),
+                  lambda g: (_gemm(g, B, trans_b=True), _gemm(A, g, trans_a=True)))
+    out_shape = a.shape[:-1] + b.shape[1:]
+    return out if out.shape == out_shape else reshape(out, out_shape)
+
+
+def linear(x, w, b=None):
+    """x (..., in) @ w.T + b: w is (out, in) as in PyTorch, b (out,) or None."""
+    x, w, *rest = _nodes("linear", x, w, *(() if b is None else (b,)))
+    b = rest[0] if rest else None
+    if len(w.shape) != 2 or not x.shape or x.shape[-1] != w.shape[1]:
+        raise ValueError(f"linear: input {x.shape} does not match weight {w.shape} "
+                         f"(expected input (..., {w.shape[-1] if w.shape else '?'}))")
+    if b is not None and b.shape != (w.shape[0],):
+        raise ValueError(f"linear: bias shape {b.shape} != ({w.shape[0]},) for weight {w.shape}")
+    x2 = x if len(x.shape) == 2 else reshape(x, (-1, x.shape[-1]))
+    X, W = x2.value, w.value
+
+    def backward(g):
+        grads = [_gemm(g, W), _gemm(g, X, trans_a=True)]  # dx = g W, dW = g^T x
+        if b is not None:
+            grads.append(_sum_axis_tensor(g, 1, g.shape[0], g.shape[1]))
+        return grads
+    out = _record(_gemm(X, W, trans_b=True, bias=None if b is None else b.value),
+                  (x2, w) + ((b,) if b is not None else ()), backward)
+    return out if len(x.shape) == 2 else reshape(out, x.shape[:-1] + (w.shape[0],))
+
+
+def transpose(x):
+    """The transpose of a 2-D x (a copy)."""
+    (x,) = _nodes("transpose", x)
+    if len(x.shape) != 2:
+        raise ValueError(f"transpose: expected a 2-D operand, got shape {x.shape}")
+    return _record(_transpose_tensor(x.value), (x,), lambda g: (_transpose_tensor(g),))
+
+
+def _transpose_tensor(x):
+    rows, cols = x.shape
+    out = _like(x, (cols, rows))
+    if x.device.backend == "cpu":
+        np.copyto(out.data, x.data.T)
+    elif x.size:
+        x.device.launch("transpose2d", (cols, rows), (16, 16), rows, cols, x.data, out.data)
+    return out
+
+
+# --- shapes -----------------------------------------------------------------------------------
+
+def reshape(x, shape):
+    """A view of x with a new shape (one -1 allowed)."""
+    (x,) = _nodes("reshape", x)
+    old_shape = x.shape
+    return _record(x.value.reshape(shape), (x,), lambda g: (g.reshape(old_shape),))
+
+
+def flatten(x, start_dim=1, end_dim=-1):
+    """Merge dimensions start_dim..end_dim into one (the batch dimension stays by default)."""
+    (x,) = _nodes("flatten", x)
+    ndim = len(x.shape)
+    start, end = (start_dim + ndim if start_dim < 0 else start_dim,
+                  end_dim + ndim if end_dim < 0 else end_dim)
+    if ndim == 0:
+        return reshape(x, (1,))
+    if not (0 <= start < ndim and 0 <= end < ndim and start <= end):
+        raise ValueError(f"flatten: start_dim={start_dim}, end_dim={end_dim} invalid for "
+                         f"shape {x.shape}")
+    return reshape(x, x.shape[:start] + (math.prod(x.shape[start:end + 1]),) + x.shape[end + 1:])
+
+
+# --- reductions -------------------------------------------------------------------------------
+
+def _axes(op, shape, axis):
+    if axis is None:
+        return tuple(range(len(shape)))
+    axes = (axis,) if isinstance(axis, (int, np.integer)) else tuple(axis)
+    ndim = max(len(shape), 1)
+    normalised = []
+    for a in axes:
+        if not isinstance(a, (int, np.integer)) or not -ndim <= a < ndim:
+            raise ValueError(f"{op}: axis {a} out of range for shape {shape}")
+        normalised.append(int(a) % ndim)
+    if len(set(normalised)) != len(normalised):
+        raise ValueError(f"{op}: repeated axis in {axis}")
+    return tuple(sorted(normalised)) if shape else ()
+
+
+def _sum_axis_tensor(x, outer, R, inner, scale=1.0):
+    """x seen as (outer, R, inner) -> (outer, inner), scale * sum over R."""
+    out = _like(x, (outer, inner))
+    if x.device.backend == "cpu":
+        np.sum(x.data.reshape(outer, R, inner), axis=1, out=out.data)
+        if scale != 1.0:
+            out.data *= scale
+    elif out.size:
+        if R == 0:
+            return _fill((outer, inner), 0.0 if scale == scale else scale, x)
+        if outer * inner == 1 and R > 4096:  # one long sum: in parallel, then the partials
+            groups = min(-(-R // 4096), 256)
+            partial = _like(x, (groups,))
+            x.device.launch("sum_all", (groups * 256,), (256,), R, 1.0, x.data, partial.data)
+            x.device.launch("sum_all", (256,), (256,), groups, scale, partial.data, out.data)
+        else:
+            x.device.launch("sum_axis", *_grid(outer * inner), outer, R, inner, scale,
+                            x.data, out.data)
+    return out
+
+
+def _expand_axis_tensor(g, outer, R, inner, scale=1.0):
+    """g seen as (outer, inner) -> (outer, R, inner), scale * g repeated along R."""
+    out = _like(g, (outer, R, inner))
+    if g.device.backend == "cpu":
+        out.data[...] = g.data.reshape(outer, 1, inner) * scale
+    elif out.size:
+        g.device.launch("expand_axis", *_grid(out.size), outer, R, inner, scale, g.data, out.data)
+    return out
+
+
+def _reduce(op, x, axis, keepdims, mean):
+    (x,) = _nodes(op, x)
+    shape = x.shape
+    axes = _axes(op, shape, axis)
+    count = math.prod(shape[a] for a in axes)
+    scale = (1.0 / count if count else math.nan) if mean else 1.0
+    value, steps = x.value, []
+    for a in reversed(axes):  # one axis at a time, last first, so earlier indices stay valid
+        outer, R, inner = math.prod(value.shape[:a]), value.shape[a], math.prod(value.shape[a + 1:])
+        steps.append((outer, R, inner, value.shape))
+        last = a == axes[0]
+        value = _sum_axis_tensor(value, outer, R, inner, scale if last else 1.0)
+        value = value.reshape(steps[-1][3][:a] + steps[-1][3][a + 1:])
+    if not axes and mean:
+        value = _copy(value)  # mean over no axes is x itself, but a new tensor
+    out_shape = tuple(1 if i in axes else s for i, s in enumerate(shape)) if keepdims else \
+        tuple(s for i, s in enumerate(shape) if i not in axes)
+
+    def backward(g):
+        for i, (outer, R, inner, before) in enumerate(reversed(steps)):
+            g = _expand_axis_tensor(g, outer, R, inner, scale if i == 0 else 1.0).reshape(before)
+        return (g.reshape(shape),)
+    return _record(value.reshape(out_shape), (x,), backward)
+
+
+def reduce_sum(x, axis=None, keepdims=False):
+    """Sum over `axis` (an int, a tuple, or None for all); the reduced axes are dropped."""
+    return _reduce("sum", x, axis, keepdims, mean=False)
+
+
+def reduce_mean(x, axis=None, keepdims=False):
+    """Mean over `axis` (an int, a tuple, or None for all); the reduced axes are dropped."""
+    return _reduce("mean", x, axis, keepdims, mean=True)
+
+
+# --- softmax and losses -----------------------------------------------------------------------
+
+def _softmax(op, x, axis, log_mode):
+    (x,) = _nodes(op, x)
+    (a,) = _axes(op, x.shape, axis) or (0,)
+    shape = x.shape or (1,)
+    outer, R, inner = math.prod(shape[:a]), shape[a], math.prod(shape[a + 1:])
+    X = x.value
+    y = _like(X)
+    if X.device.backend == "cpu":
+        v = X.data.reshape(outer, R, inner)
+        shifted = v - v.max(axis=1, keepdims=True)
+        with np.errstate(all="ignore"):
+            lse = np.log(np.exp(shifted).sum(axis=1, keepdims=True))
+            y.data.reshape(outer, R, inner)[...] = shifted - lse if log_mode else np.exp(shifted - lse)
+    elif X.size:
+        X.device.launch("softmax_axis", *_grid(outer * inner), outer, R, inner, int(log_mode),
+                        X.data, y.data)
+
+    def backward(g):
+        out = _like(g)
+        if g.device.backend == "cpu":
+            gv, yv = g.data.reshape(outer, R, inner), y.data.reshape(outer, R, inner)
+            if log_mode:
+                out.data.reshape(outer, R, inner)[...] = gv - np.exp(yv) * gv.sum(1, keepdims=True)
+            else:
+                out.data.reshape(outer, R, inner)[...] = yv * (gv - (gv * yv).sum(1, keepdims=True))
+        elif g.size:
+            g.device.launch("softmax_axis_bwd", *_grid(outer * inner), outer, R, inner,
+                            int(log_mode), g.data, y.data, out.data)
+        return (out,)
+    return _record(y, (x,), backward)
+
+
+def softmax(x, axis=-1):
+    """exp(x) / sum(exp(x)) along `axis`."""
+    return _softmax("softmax", x, axis, log_mode=False)
+
+
+def log_softmax(x, axis=-1):
+    """x - logsumexp(x) along `axis`, computed stably."""
+    return _softmax("log_softmax", x, axis, log_mode=True)
+
+
+_REDUCTIONS = ("mean", "sum", "none")
+
+
+def cross_entropy(logits, target, reduction="mean"):
+    """Cross-entropy of logits (N, C) against class indices (N,) or probabilities (N, C).
+
+    Index targets: any integer array or an int32 Tensor; an index outside [0, C) raises.
+    Probability (one-hot or soft) targets give the same loss and gradient as indices would.
+    "mean" divides by N, as PyTorch does for unweighted losses. The target is a constant.
+    """
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"cross_entropy: reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+    (x,) = _nodes("cross_entropy", logits)
+    if len(x.shape) != 2:
+        raise ValueError(f"cross_entropy: logits must be (N, C), got shape {x.shape}")
+    N, C = x.shape
+    t = target.value if isinstance(target, Node) else target
+    if isinstance(t, Tensor):
+        _devices_of("cross_entropy", x, t)
+        soft = t.dtype.kind == "f"
+        # Validating device labels reads them back: a sync, but a wrong label would otherwise
+        # read out of bounds on the device. (The Trainer validates its host copy instead.)
+        host = t.to_host() if not soft else None
+    else:
+        host = np.asarray(t)
+        soft = host.dtype.kind == "f"
+        if host.dtype.kind not in "iuf":
+            raise ValueError(f"cross_entropy: target must hold integers or floats, got {host.dtype}")
+    if soft:
+        shape = t.shape if isinstance(t, Tensor) else host.shape
+        if len(shape) != 2 or shape[0] != N or shape[1] != C:
+            raise ValueError(f"cross_entropy: probability target of shape {shape} (width "
+                             f"{shape[-1] if shape else None}) does not match logits ({N}, {C})")
+        T = t if isinstance(t, Tensor) else Tensor.from_host(host, x.value.queue, x.dtype)
+    else:
+        if host.shape != (N,):
+            raise ValueError(f"cross_entropy: index target of shape {host.shape} does not match "
+                             f"logits ({N}, {C}); expected ({N},)")
+        bad = host[(host < 0) | (host >= C)]
+        if bad.size:
+            raise ValueError(f"cross_entropy: target label {bad[0]} out of range [0, {C})")
+        T = t if isinstance(t, Tensor) else Tensor.from_host(host.astype(np.int32), x.value.queue)
+    X = x.value
+
+    losses = _like(X, (N,))
+    if X.device.backend == "cpu":
+        shifted = X.data - X.data.max(axis=1, keepdims=True)
+        log_p = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
+        losses.data[...] = -(T.data * log_p).sum(1) if soft else -log_p[np.arange(N), T.data]
+    elif N:
+        X.device.launch("cross_entropy_soft" if soft else "cross_entropy_index", *_grid(N),
+                        N, C, X.data, T.data, losses.data)
+    if reduction == "none":
+        loss = losses
+    else:
+        loss = _sum_axis_tensor(losses, 1, N, 1, 1.0 / N if reduction == "mean" and N else
+                                (math.nan if reduction == "mean" else 1.0)).reshape(())
+    scale = 1.0 / N if reduction == "mean" and N else 1.0
+
+    def backward(g):
+        out = _like(X)
+        if X.device.backend == "cpu":
+            shifted = X.data - X.data.max(axis=1, keepdims=True)
+            p = np.exp(shifted)
+            p /= p.sum(axis=1, keepdims=True)
+            if soft:
+                p = p * T.data.sum(1, keepdims=True) - T.data
+            else:
+                p[np.arange(N), T.data] -= 1
+            g_rows = g.data.reshape(-1, 1) if reduction == "none" else g.data.reshape(1, 1)
+            out.data[...] = p * g_rows * scale
+        elif N:
+            X.device.launch("cross_entropy_bwd", *_grid(N), N, C, int(reduction == "none"),
+                            scale, int(soft), g.data, X.data, None if soft else T.data,
+                            T.data if soft else None, out.data)
+        return (out,)
+    return _record(loss, (x,), backward)
+
+
+def mse_loss(input, target, reduction="mean"):
+    """Mean (or summed, or per-element) squared error (input - target) ** 2."""
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"mse_loss: reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+    x, t = _nodes("mse_loss", input, target)
+    if x.shape != t.shape:
+        raise ValueError(f"mse_loss: input shape {x.shape} != target shape {t.shape}")
+    diff = sub(x, t)
+    squared = mul(diff, diff)
+    return squared if reduction == "none" else _reduce(reduction, squared, None, False,
+                                                       mean=reduction == "mean")
+
+
+# --- dropout ----------------------------------------------------------------------------------
+
+def _fmix32(h):
+    """MurmurHash3's finaliser on uint32 arrays, as kernels.cl's fmix32."""
+    h = h ^ (h >> np.uint32(16))
+    h = h * np.uint32(0x85EBCA6B)
+    h = h ^ (h >> np.uint32(13))
+    h = h * np.uint32(0xC2B2AE35)
+    return h ^ (h >> np.uint32(16))
+
+
+def _dropout_keep(n, seed, p):
+    """The keep mask of kernels.cl's dropout_mask: uniform(seed, i) >= p."""
+    with np.errstate(over="ignore"):
+        i = np.arange(n, dtype=np.uint32)
+        h = _fmix32(i * np.uint32(0x9E3779B1) + _fmix32(np.array(seed, np.uint32)))
+    return (h >> np.uint32(8)).astype(np.float32) * np.float32(1 / 16777216) >= np.float32(p)
+
+
+def dropout(x, p=0.5, training=True):
+    """Zero each element with probability p and scale the rest by 1/(1-p) (when training)."""
+    if not isinstance(p, (int, float)) or not 0.0 <= p <= 1.0:
+        raise ValueError(f"dropout: p must be a probability in [0, 1], got {p!r}")
+    (x,) = _nodes("dropout", x)
+    if not training or p == 0.0:
+        return x
+    seed = int(_rng().integers(0, 2**32))
+    scale = 0.0 if p == 1.0 else 1.0 / (1.0 - p)
+
+    def masked(v):
+        out = _like(v)
+        if v.device.backend == "cpu":
+            out.data[...] = np.where(_dropout_keep(v.size, seed, p).reshape(v.shape),
+                                     v.data * scale, 0)
+        elif v.size:
+            v.device.launch("dropout_mask", *_grid(v.size), v.size, seed, p, scale,
+                            v.data, out.data)
+        return out
+    return _record(masked(x.value), (x,), lambda g: (masked(g),))
+
+
+# ============================================================================ nn modules
+# Modules hold Parameters and sub-modules, registered by attribute assignment as in PyTorch,
+# so named_parameters() yields PyTorch's names in PyTorch's order and state_dict() loads
+# into the same torch.nn model and back.
+
+class Module:
+    """Base class: parameters(), named_parameters(), train()/eval(), state_dict(), __call__."""
+
+    def __init__(self):
+        object.__setattr__(self, "_parameters", OrderedDict())
+        object.__setattr__(self, "_modules", OrderedDict())
+        object.__setattr__(self, "training", True)
+
+    def __setattr__(self, name, value):
+        if "_parameters" not in self.__dict__:
+            raise RuntimeError(f"{type(self).__name__}.__init__ must call super().__init__() "
+                               f"before assigning attributes")
+        self._parameters.pop(name, None)
+        self._modules.pop(name, None)
+        if isinstance(value, Parameter):
+            self._parameters[name] = value
+        elif isinstance(value, Module):
+            self._modules[name] = value
+        object.__setattr__(self, name, value)
+
+    def __call__(self, *args, **kwargs):
+        return self.forward(*args, **kwargs)
+
+    def forward(self, *args, **kwargs):
+        """The computation; subclasses define it."""
+        raise NotImplementedError(f"{type(self).__name__} does not define forward()")
+
+    def named_parameters(self, prefix=""):
+        """(name, Parameter) pairs: own parameters first, then each sub-module's."""
+        for name, param in self._parameters.items():
+            yield prefix + name, param
+        for name, module in self._modules.items():
+            yield from module.named_parameters(prefix + name + ".")
+
+    def parameters(self):
+        """The Parameters, in named_parameters() order."""
+        return [param for _, param in self.named_parameters()]
+
+    def train(self, mode=True):
+        """Set training mode (dropout active) on this module and its sub-modules."""
+        object.__setattr__(self, "training", bool(mode))
+        for module in self._modules.values():
+            module.train(mode)
+        return self
+
+    def eval(self):
+        """Set evaluation mode (dropout off)."""
+        return self.train(False)
+
+    def state_dict(self):
+        """An ordered dict of NumPy copies of every parameter, under PyTorch's names."""
+        return OrderedDict((name, param.value.to_host()) for name, param in self.named_parameters())
+
+    def load_state_dict(self, state):
+        """Copy arrays into the existing parameters (an optimizer built before keeps working).
+        A missing or an unexpected key, or a shape mismatch, raises StateDictError naming it."""
+        params = OrderedDict(self.named_parameters())
+        missing = [k for k in params if k not in state]
+        unexpected = [k for k in state if k not in params]
+        if missing or unexpected:
+            raise StateDictError(f"load_state_dict: missing keys {missing}, unexpected keys "
+                                 f"{unexpected}")
+        for name, param in params.items():
+            array = state[name]
+            array = array.to_host() if isinstance(array, Tensor) else np.asarray(array)
+            if array.shape != param.shape:
+                raise StateDictError(f"load_state_dict: {name!r} has shape {array.shape}, the "
+                                     f"parameter has {param.shape}")
+            _write(param.value, array)
+
+
+class StateDictError(KeyError, ValueError, RuntimeError):
+    """A state dict that does not fit: a missing or unexpected key, or a wrong shape. It is a
+    KeyError and a ValueError for callers catching either, and a RuntimeError as in PyTorch."""
+
+    def __str__(self):
+        return str(self.args[0]) if self.args else ""
+
+
+def _write(tensor, array):
+    """Overwrite a tensor's contents in place from a host array of the same shape."""
+    host = np.ascontiguousarray(array, dtype=tensor.dtype)
+    if tensor.device.backend == "cpu":
+        np.copyto(tensor.data, host)
+    elif host.size:
+        cl.enqueue_copy(tensor.device.queue, tensor.data, host, is_blocking=True)
+
+
+def _uniform_parameter(shape, bound, queue):
+    values = _rng().uniform(-bound, bound, size=shape).astype(np.float32)
+    return Parameter(Tensor.from_host(values, queue))
+
+
+def _check_positive_int(name, value):
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+class Linear(Module):
+    """y = x @ weight.T + bias, weight (out_features, in_features); PyTorch's initialisation:
+    weight and bias ~ U(-1/sqrt(in_features), 1/sqrt(in_features))."""
+
+    def __init__(self, in_features, out_features, bias=True, *, queue=None):
+        super().__init__()
+        self.in_features = _check_positive_int("in_features", in_features)
+        self.out_features = _check_positive_int("out_features", out_features)
+        bound = 1.0 / math.sqrt(self.in_features)
+        self.weight = _uniform_parameter((self.out_features, self.in_features), bound, queue)
+        self.bias = _uniform_parameter((self.out_features,), bound, queue) if bias else None
+
+    def forward(self, x):
+        """x (..., in_features) -> (..., out_features)."""
+        return linear(x, self.weight, self.bias)
+
+
+class ReLU(Module):
+    """max(x, 0)."""
+
+    def forward(self, x):
+        """Apply relu."""
+        return relu(x)
+
+
+class Tanh(Module):
+    """tanh(x)."""
+
+    def forward(self, x):
+        """Apply tanh."""
+        return tanh(x)
+
+
+class Sigmoid(Module):
+    """1 / (1 + exp(-x))."""
+
+    def forward(self, x):
+        """Apply sigmoid."""
+        return sigmoid(x)
+
+
+class GELU(Module):
+    """x * Phi(x) (exact erf form)."""
+
+    def forward(self, x):
+        """Apply gelu."""
+        return gelu(x)
+
+
+class Dropout(Module):
+    """Dropout with probability p while training; the identity in eval mode."""
+
+    def __init__(self, p=0.5):
+        super().__init__()
+        if not isinstance(p, (int, float)) or not 0.0 <= p <= 1.0:
+            raise ValueError(f"Dropout: p must be a probability in [0, 1], got {p!r}")
+        self.p = float(p)
+
+    def forward(self, x):
+        """Apply dropout when training."""
+        return dropout(x, self.p, self.training)
+
+
+class Flatten(Module):
+    """Flatten dimensions start_dim..end_dim (keeps the batch dimension by default)."""
+
+    def __init__(self, start_dim=1, end_dim=-1):
+        super().__init__()
+        self.start_dim, self.end_dim = start_dim, end_dim
+
+    def forward(self, x):
+        """Apply flatten."""
+        return flatten(x, self.start_dim, self.end_dim)
+
+
+class Sequential(Module):
+    """Modules applied in order, registered as "0", "1", ... (PyTorch's names)."""
+
+    def __init__(self, *modules):
+        super().__init__()
+        for i, module in enumerate(modules):
+            if not isinstance(module, Module):
+                raise ValueError(f"Sequential: argument {i} is not a Module: {module!r}")
+            setattr(self, str(i), module)
+
+    def forward(self, x):
+        """Apply each module in turn."""
+        for module in self._modules.values():
+            x = module(x)
+        return x
+
+    def __getitem__(self, index):
+        return list(self._modules.values())[index]
+
+    def __len__(self):
+        return len(self._modules)
+
+    def __iter__(self):
+        return iter(self._modules.values())
+
+
+def save(state, path):
+    """Write a dict of arrays (or Tensors/Nodes) to exactly `path` as .npz (no pickles)."""
+    arrays = {}
+    for key, value in state.items():
+        if isinstance(value, Node):
+            value = value.value
+        array = value.to_host() if isinstance(value, Tensor) else np.asarray(value)
+        if array.dtype.hasobject:
+            raise ValueError(f"save: {key!r} is not a numeric array (dtype {array.dtype})")
+        arrays[str(key)] = array
+    with open(path, "wb") as f:  # a file object, so NumPy does not append ".npz"
+        np.savez(f, **arrays)
+
+
+def load(path):
+    """Read a .npz written by save(): a dict of NumPy arrays. Never unpickles, so a file from
+    a stranger cannot run code; one holding pickled objects raises ValueError."""
+    with np.load(path, allow_pickle=False) as archive:
+        return {key: archive[key] for key in archive.files}
+
+
+# ============================================================================ optimizers
+# PyTorch's update rules, one kernel launch per parameter. A parameter whose .grad is None is
+# left untouched. `.lr` is a plain attribute, so a schedule can set it between steps.
+
+class Optimizer:
+    """Base class: holds the parameters; zero_grad() sets every .grad to None."""
+
+    def __init__(self, params, lr):
+        self.params = list(params)
+        if not self.params:
+            raise ValueError("optimizer got an empty parameter list")
+        for i, p in enumerate(self.params):
+            if not isinstance(p, Node) or not p.requires_grad:
+                raise ValueError(f"optimizer: parameter {i} is not a Parameter: {p!r}")
+        _check_non_negative("lr", lr)
+        self.lr = float(lr)
+
+    def zero_grad(self):
+        """Drop every gradient (set to None, as PyTorch's set_to_none=True)."""
+        for p in self.params:
+            p.grad = None
+
+
+def _check_non_negative(name, value):
+    if not isinstance(value, (int, float, np.floating, np.integer)) or not value >= 0:
+        raise ValueError(f"invalid {name}: {value!r} (must be a number >= 0)")
+
+
+class SGD(Optimizer):
+    """Stochastic gradient descent with momentum, Nesterov momentum and weight decay, exactly
+    as torch.optim.SGD (dampening 0):
+        d = grad + weight_decay * p
+        buf = d (first step) or momentum * buf + d
+        d = d + momentum * buf (nesterov) or buf
+        p -= lr * d
+    """
+
+    def __init__(self, params, lr, momentum=0, weight_decay=0, nesterov=False):
+        super().__init__(params, lr)
+        _check_non_negative("momentum", momentum)
+        _check_non_negative("weight_decay", weight_decay)
+        if nesterov and momentum <= 0:
+            raise ValueError(f"Nesterov momentum requires momentum > 0, got momentum={momentum!r}")
+        self.momentum, self.weight_decay, self.nesterov = float(momentum), float(weight_decay), bool(nesterov)
+        self.momentum_buffers = [None] * len(self.params)
+
+    def step(self):
+        """Update every parameter that has a gradient."""
+        for i, p in enumerate(self.params):
+            if p.grad is None:
+                continue
+            first = self.momentum_buffers[i] is None
+            if first and self.momentum:
+                self.momentum_buffers[i] = _like(p.value)
+            buf = self.momentum_buffers[i]
+            P, G = p.value, p.grad
+            if P.device.backend == "cpu":
+                d = G.data + self.weight_decay * P.data
+                if self.momentum:
+                    buf.data[...] = d if first else self.momentum * buf.data + d
+                    d = d + self.momentum * buf.data if self.nesterov else buf.data
+                P.data -= self.lr * d
+            elif P.size:
+                P.device.launch("sgd_step", *_grid(P.size), P.size, self.lr, self.momentum,
+                                self.weight_decay, int(self.nesterov), int(first), P.data,
+                                G.data, (buf or P).data)
+
+    def state_dict(self):
+        """PyTorch's layout: {"state": {index: {"momentum_buffer": array}}, "param_groups"}."""
+        return {"state": {i: {"momentum_buffer": buf.to_host()}
+                          for i, buf in enumerate(self.momentum_buffers) if buf is not None},
+                "param_groups": [{"lr": self.lr, "momentum": self.momentum,
+                                  "weight_decay": self.weight_decay, "nesterov": self.nesterov,
+                                  "params": list(range(len(self.params)))}]}
+
+    def load_state_dict(self, state):
+        """Restore hyper-parameters and momentum buffers from state_dict()'s output."""
+        group = state["param_groups"][0]
+        self.lr, self.momentum = float(group["lr"]), float(group["momentum"])
+        self.weight_decay, self.nesterov = float(group["weight_decay"]), bool(group["nesterov"])
+        self.momentum_buffers = [None] * len(self.params)
+        for i, entry in state["state"].items():
+            i = int(i)
+            if not 0 <= i < len(self.params):
+                raise ValueError(f"SGD.load_state_dict: state for parameter {i}, but the "
+                                 f"optimizer has {len(self.params)}")
+            buf = np.asarray(entry["momentum_buffer"])
+            if buf.shape != self.params[i].shape:
+                raise ValueError(f"SGD.load_state_dict: momentum_buffer {i} has shape "
+                                 f"{buf.shape}, parameter has {self.params[i].shape}")
+            self.momentum_buffers[i] = Tensor.from_host(buf, self.params[i].value.queue)
+
+
+# ============================================================================ import aliases
+# The one file also answers the dotted import paths people know (netcl.nn, netcl.optim, ...):
+# each is a small module object registered in sys.modules, holding the same objects.
+
+def _alias(name, **members):
+    module = types.ModuleType(f"{__name__}.{name}", f"netcl.{name}: an alias of names in netcl")
+    module.__dict__.update(members)
+    sys.modules[module.__name__] = module
+    return module
+
+
+manager = _alias("manager", default=_default_device, Device=Device)
+functional = _alias(
+    "functional", matmul=matmul, linear=linear, add=add, sub=sub, mul=mul, div=div, neg=neg,
+    relu=relu, leaky_relu=leaky_relu, sigmoid=sigmoid, tanh=tanh, gelu=gelu, exp=exp, log=log,
+    sum=reduce_sum, mean=reduce_mean, reshape=reshape, flatten=flatten, transpose=transpose,
+    softmax=softmax, log_softmax=log_softmax, cross_entropy=cross_entropy, mse_loss=mse_loss,
+    dropout=dropout)
+autograd = _alias("autograd", Node=Node, Parameter=Parameter, Tape=Tape, no_grad=no_grad)
+nn = _alias("nn", Module=Module, Linear=Linear, ReLU=ReLU, Tanh=Tanh, Sigmoid=Sigmoid,
+            GELU=GELU, Dropout=Dropout, Flatten=Flatten, Sequential=Sequential,
+            Parameter=Parameter, functional=functional)
+optim = _alias("optim", Optimizer=Optimizer, SGD=SGD)
+# Flat names for the reductions too (netcl.sum, netcl.mean), bound last so that nothing in
+# this file ever calls them by mistake for Python's built-in sum.
+globals().update(sum=reduce_sum, mean=reduce_mean)
