@@ -35,7 +35,7 @@ import sys
 import time
 import types
 import weakref
-from collections import OrderedDict, defaultdict
+from collections import OrderedDict, defaultdict, deque
 
 import numpy as np
 
@@ -89,6 +89,7 @@ class Device:
             self.context = queue.context
             self.cl_device = cl_device
             self.pool = BufferPool(self._cl_alloc, max_bytes=cl_device.max_mem_alloc_size)
+            self._uploads = deque()  # events of queued host-to-device copies, oldest first
             self._build_program()
 
     def __repr__(self):
@@ -98,6 +99,20 @@ class Device:
         """Block until every queued kernel and copy has completed."""
         self.syncs += 1
         self.queue.finish()
+        if self.backend == "opencl":
+            self._uploads.clear()
+
+    def upload(self, buffer, host):
+        """Queue a copy of the host array `host` into `buffer` without waiting for it.
+
+        PyOpenCL's event for such a copy holds `host` alive and, when dropped, waits for the
+        copy: so events are kept here and dropped only once the device reports them complete.
+        """
+        self._uploads.append(cl.enqueue_copy(self.queue, buffer, host, is_blocking=False))
+        while self._uploads[0].command_execution_status == cl.command_execution_status.COMPLETE:
+            self._uploads.popleft()
+            if not self._uploads:
+                break
 
     # --- kernels: one program per context, one pyopencl.Kernel object per kernel name.
     # Fetching `program.name` creates a new Kernel object each time (~100 µs on a GPU), so
@@ -369,13 +384,7 @@ class Tensor:
             else:
                 raise ValueError(f"from_host: unsupported array dtype {array.dtype}")
         tensor = Tensor.empty(array.shape, dtype, queue)
-        host = np.ascontiguousarray(array, dtype=tensor.dtype)
-        if tensor.device.backend == "cpu":
-            np.copyto(tensor.data, host)
-        elif host.size:
-            # Blocking, so the caller may reuse `array` at once (uploads that overlap compute
-            # belong to the DataLoader's prefetch).
-            cl.enqueue_copy(tensor.device.queue, tensor.data, host, is_blocking=True)
+        _write(tensor, array)
         return tensor
 
     def to_host(self):
@@ -416,6 +425,20 @@ class Tensor:
 
     def __repr__(self):
         return f"Tensor(shape={self.shape}, dtype={self.dtype.name}, device={self.device.name!r})"
+
+
+def _write(tensor, array):
+    """Overwrite a tensor's contents from a host array of its shape, without a host sync.
+
+    A blocking copy on an in-order queue would wait for every kernel queued before it, so
+    the upload is queued instead, from a private copy of `array` (the caller may reuse its
+    array at once); the device keeps the copy alive until the upload has completed.
+    """
+    if tensor.device.backend == "cpu":
+        np.copyto(tensor.data, np.asarray(array).reshape(tensor.shape), casting="unsafe")
+    elif tensor.size:
+        host = np.array(array, dtype=tensor.dtype, order="C", copy=True).reshape(tensor.shape)
+        tensor.device.upload(tensor.data, host)
 
 
 def _check_shape(shape):
@@ -1358,15 +1381,6 @@ class StateDictError(KeyError, ValueError, RuntimeError):
 
     def __str__(self):
         return str(self.args[0]) if self.args else ""
-
-
-def _write(tensor, array):
-    """Overwrite a tensor's contents in place from a host array of the same shape."""
-    host = np.ascontiguousarray(array, dtype=tensor.dtype)
-    if tensor.device.backend == "cpu":
-        np.copyto(tensor.data, host)
-    elif host.size:
-        cl.enqueue_copy(tensor.device.queue, tensor.data, host, is_blocking=True)
 
 
 def _uniform_parameter(shape, bound, queue):

@@ -1,0 +1,310 @@
+"""netcl benchmarks: pytest-benchmark tests, and a side-by-side table.
+
+    python bench_netcl.py              # table: netcl (each backend) beside NumPy and PyTorch
+    python bench_netcl.py --full       # also the large workloads on CPU devices (slow there)
+    python bench_netcl.py --json PATH  # save the table's figures as JSON
+    python -m pytest bench_netcl.py    # the same workloads as pytest-benchmark tests
+
+Figures are ratios measured in one run: these machines are shared and noisy, so only a side
+by side comparison means anything. Every timed call ends with a sync (device.finish() or
+torch.cuda.synchronize()), so queued work is counted.
+"""
+import argparse
+import json
+import math
+import platform
+import statistics
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import netcl
+
+try:
+    import torch
+except ImportError:
+    torch = None
+
+
+# ---------------------------------------------------------------------------- backends
+
+def netcl_devices():
+    """[(label, Device)] for the NumPy backend and, if present, the best OpenCL device."""
+    devices = [("netcl-cpu", netcl.manager.default("cpu"))]
+    try:
+        devices.append(("netcl-opencl", netcl.manager.default("opencl")))
+    except RuntimeError:
+        pass
+    return devices
+
+
+def is_gpu(device):
+    return device.backend == "opencl" and "GPU" in netcl.cl.device_type.to_string(
+        device.cl_device.type)
+
+
+def timeit(fn, sync, min_seconds=0.5, min_calls=3, warmup=2):
+    """Median seconds per call of fn(); sync() after each call makes queued work count."""
+    for _ in range(warmup):
+        fn()
+    sync()
+    times, started = [], time.perf_counter()
+    while len(times) < min_calls or time.perf_counter() - started < min_seconds:
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+        if len(times) >= 200:
+            break
+    return statistics.median(times)
+
+
+# ---------------------------------------------------------------------------- workloads
+
+def sgemm_netcl(device, n):
+    """(fn, sync) computing an n x n x n float32 product on `device`."""
+    rng = np.random.default_rng(0)
+    a = netcl.Tensor.from_host(rng.standard_normal((n, n), np.float32), device.queue)
+    b = netcl.Tensor.from_host(rng.standard_normal((n, n), np.float32), device.queue)
+    return (lambda: netcl._gemm(a, b)), device.finish
+
+
+def sgemm_numpy(n):
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal((n, n), np.float32), rng.standard_normal((n, n), np.float32)
+    return (lambda: a @ b), (lambda: None)
+
+
+def sgemm_torch(n, where):
+    a = torch.randn(n, n, device=where)
+    b = torch.randn(n, n, device=where)
+    return (lambda: a @ b), _torch_sync(where)
+
+
+def _torch_sync(where):
+    return torch.cuda.synchronize if where == "cuda" else (lambda: None)
+
+
+def mlp_sizes(name):
+    return {"small": ((784, 256, 256, 10), 128), "large": ((784, 4096, 4096, 10), 4096)}[name]
+
+
+def _make_optimizer(params):
+    """AdamW with fused clipping where it exists; SGD with momentum otherwise."""
+    if hasattr(netcl.optim, "AdamW"):
+        opt = netcl.optim.AdamW(params, lr=1e-3)
+        return opt, (lambda: opt.step(max_norm=1.0))
+    opt = netcl.optim.SGD(params, lr=0.01, momentum=0.9)
+    return opt, opt.step
+
+
+def mlp_step_netcl(device, sizes, batch):
+    """(fn, sync) for one training step of an MLP with ReLUs, cross-entropy, and the optimizer."""
+    netcl.manual_seed(0)
+    layers = []
+    for fan_in, fan_out in zip(sizes[:-1], sizes[1:]):
+        layers += [netcl.nn.Linear(fan_in, fan_out, queue=device.queue), netcl.nn.ReLU()]
+    model = netcl.nn.Sequential(*layers[:-1])
+    opt, step = _make_optimizer(model.parameters())
+    rng = np.random.default_rng(0)
+    x = netcl.Tensor.from_host(rng.standard_normal((batch, sizes[0]), np.float32), device.queue)
+    y = netcl.Tensor.from_host(rng.integers(0, sizes[-1], batch).astype(np.int32), device.queue)
+    y_host = y.to_host()
+
+    def fn():
+        with netcl.Tape() as tape:
+            loss = netcl.functional.cross_entropy(model(x), y_host)
+        opt.zero_grad()
+        tape.backward(loss)
+        step()
+    return fn, device.finish
+
+
+def mlp_step_numpy(sizes, batch):
+    """A plain hand-written NumPy float32 step of the same MLP (SGD with momentum)."""
+    rng = np.random.default_rng(0)
+    ws = [rng.uniform(-1, 1, (o, i)).astype(np.float32) / np.sqrt(i) for i, o in zip(sizes[:-1], sizes[1:])]
+    bs = [np.zeros(o, np.float32) for o in sizes[1:]]
+    bufs = [np.zeros_like(p) for p in ws + bs]
+    x = rng.standard_normal((batch, sizes[0]), np.float32)
+    y = rng.integers(0, sizes[-1], batch)
+
+    def fn():
+        acts = [x]
+        for i, (w, b) in enumerate(zip(ws, bs)):
+            h = acts[-1] @ w.T + b
+            acts.append(np.maximum(h, 0) if i < len(ws) - 1 else h)
+        logits = acts[-1]
+        p = np.exp(logits - logits.max(1, keepdims=True))
+        p /= p.sum(1, keepdims=True)
+        p[np.arange(batch), y] -= 1
+        g = p / batch
+        grads_w, grads_b = [None] * len(ws), [None] * len(ws)
+        for i in reversed(range(len(ws))):
+            grads_w[i], grads_b[i] = g.T @ acts[i], g.sum(0)
+            if i:
+                g = (g @ ws[i]) * (acts[i] > 0)
+        for p_, g_, buf in zip(ws + bs, grads_w + grads_b, bufs):
+            buf *= 0.9
+            buf += g_
+            p_ -= 0.01 * buf
+    return fn, (lambda: None)
+
+
+def mlp_step_torch(sizes, batch, where):
+    torch.manual_seed(0)
+    layers = []
+    for fan_in, fan_out in zip(sizes[:-1], sizes[1:]):
+        layers += [torch.nn.Linear(fan_in, fan_out), torch.nn.ReLU()]
+    model = torch.nn.Sequential(*layers[:-1]).to(where)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randn(batch, sizes[0], device=where)
+    y = torch.randint(0, sizes[-1], (batch,), device=where)
+
+    def fn():
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+    return fn, _torch_sync(where)
+
+
+def launch_overhead(device, calls=2000):
+    """Microseconds per enqueued elementwise op on a tiny tensor, one sync at the end."""
+    x = netcl.Tensor.from_host(np.ones(256, np.float32), device.queue)
+    device.finish()
+    started = time.perf_counter()
+    for _ in range(calls):
+        netcl._unary_tensor("relu", x)
+    device.finish()
+    return 1e6 * (time.perf_counter() - started) / calls
+
+
+def syncs_per_step(device, sizes, batch, steps=10):
+    fn, sync = mlp_step_netcl(device, sizes, batch)
+    fn()
+    sync()
+    before_syncs, before_launches = device.syncs, device.launches
+    for _ in range(steps):
+        fn()
+    return (device.syncs - before_syncs) / steps, (device.launches - before_launches) / steps
+
+
+# ---------------------------------------------------------------------------- pytest-benchmark
+
+DEVICES = netcl_devices()
+
+
+@pytest.fixture(params=[label for label, _ in DEVICES])
+def device(request):
+    return dict(DEVICES)[request.param]
+
+
+def _bench(benchmark, fn, sync):
+    fn()
+    sync()
+    benchmark(lambda: (fn(), sync()))
+
+
+def test_sgemm_1024(benchmark, device):
+    _bench(benchmark, *sgemm_netcl(device, 1024))
+
+
+def test_mlp_small_step(benchmark, device):
+    _bench(benchmark, *mlp_step_netcl(device, *mlp_sizes("small")))
+
+
+def test_sgemm_1024_numpy(benchmark):
+    _bench(benchmark, *sgemm_numpy(1024))
+
+
+def test_mlp_small_step_numpy(benchmark):
+    _bench(benchmark, *mlp_step_numpy(*mlp_sizes("small")))
+
+
+# ---------------------------------------------------------------------------- the table
+
+def measure(full=False):
+    """Rows of (workload, unit, {column: value}) for every backend present."""
+    torch_places = (["cpu"] + (["cuda"] if torch.cuda.is_available() else [])) if torch else []
+    rows = []
+    any_gpu = any(is_gpu(d) for _, d in DEVICES)
+    for n in (1024, 4096) if (full or any_gpu) else (1024,):
+        flops = 2 * n ** 3
+        cells = {}
+        for label, device in DEVICES:
+            if n <= 1024 or full or is_gpu(device):
+                cells[label] = flops / timeit(*sgemm_netcl(device, n)) / 1e9
+        cells["numpy"] = flops / timeit(*sgemm_numpy(n)) / 1e9
+        for where in torch_places:
+            if n <= 1024 or full or where == "cuda":
+                cells[f"torch-{where}"] = flops / timeit(*sgemm_torch(n, where)) / 1e9
+        rows.append((f"SGEMM n={n}", "GFLOP/s", cells))
+    for name in ("small", "large") if (full or any_gpu) else ("small",):
+        sizes, batch = mlp_sizes(name)
+        cells = {}
+        for label, device in DEVICES:
+            if name == "small" or full or is_gpu(device):
+                cells[label] = batch / timeit(*mlp_step_netcl(device, sizes, batch))
+        if name == "small" or full:
+            cells["numpy"] = batch / timeit(*mlp_step_numpy(sizes, batch))
+        for where in torch_places:
+            if name == "small" or full or where == "cuda":
+                cells[f"torch-{where}"] = batch / timeit(*mlp_step_torch(sizes, batch, where))
+        rows.append((f"MLP {'-'.join(map(str, sizes))} b={batch} step", "samples/s", cells))
+    for label, device in DEVICES:
+        sizes, batch = mlp_sizes("small")
+        syncs, launches = syncs_per_step(device, sizes, batch)
+        rows.append((f"{label}: launch overhead per op", "µs", {label: launch_overhead(device)}))
+        rows.append((f"{label}: MLP small step", "syncs, launches",
+                     {label: f"{syncs:g} syncs, {launches:g} launches"}))
+        rows.append((f"{label}: pool peak", "MiB",
+                     {label: device.pool.stats()["peak_bytes"] / 2 ** 20}))
+    return rows
+
+
+def print_table(rows):
+    columns = []
+    for _, _, cells in rows:
+        columns += [c for c in cells if c not in columns]
+    print(f"netcl benchmarks — {platform.node()}, {time.strftime('%Y-%m-%d %H:%M')}, "
+          f"devices: {', '.join(f'{l} = {d.name}' for l, d in DEVICES)}")
+    header = f"{'workload':44} {'unit':16}" + "".join(f"{c:>16}" for c in columns)
+    print(header)
+    print("-" * len(header))
+    for workload, unit, cells in rows:
+        line = f"{workload:44} {unit:16}"
+        for c in columns:
+            value = cells.get(c, "")
+            line += f"{value:>16.1f}" if isinstance(value, float) else f"{value:>16}"
+        print(line)
+        numbers = {c: v for c, v in cells.items() if isinstance(v, float)}
+        if "numpy" in numbers and len(numbers) > 1:
+            ratios = ", ".join(f"{c} {v / numbers['numpy']:.2f}x" for c, v in numbers.items()
+                               if c != "numpy")
+            print(f"{'':61}vs numpy: {ratios}")
+        torch_ref = numbers.get("torch-cuda") or numbers.get("torch-cpu")
+        if torch_ref and any(c.startswith("netcl") for c in numbers):
+            ratios = ", ".join(f"{c} {v / torch_ref:.2f}x" for c, v in numbers.items()
+                               if c.startswith("netcl"))
+            ref = "torch-cuda" if numbers.get("torch-cuda") else "torch-cpu"
+            print(f"{'':61}vs {ref}: {ratios}")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--full", action="store_true", help="large workloads on CPU devices too")
+    parser.add_argument("--json", metavar="PATH", help="save the figures as JSON")
+    args = parser.parse_args(argv)
+    rows = measure(full=args.full)
+    print_table(rows)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([{"workload": w, "unit": u, "values": c} for w, u, c in rows], f, indent=1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
