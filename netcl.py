@@ -347,14 +347,16 @@ _DTYPES = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(np.int32))
 class Tensor:
     """Device memory with a shape and a dtype (float32, float16 storage, or int32)."""
 
-    __slots__ = ("device", "shape", "dtype", "data", "_base", "__weakref__")
+    __slots__ = ("device", "shape", "dtype", "data", "_base", "_labels", "__weakref__")
 
     def __init__(self, device, shape, dtype, data, base=None):
         self.device = device
         self.shape = tuple(shape)
         self.dtype = np.dtype(dtype)
-        self.data = data    # ndarray (NumPy backend) or pyopencl.Buffer, of at least nbytes
-        self._base = base   # the Tensor that owns the memory, for views
+        self.data = data     # ndarray (NumPy backend) or pyopencl.Buffer, of at least nbytes
+        self._base = base    # the Tensor that owns the memory, for views
+        self._labels = None  # int32 tensors written from the host keep that copy: checking
+        #                      class labels then needs no read back from the device
 
     @staticmethod
     def empty(shape, dtype=np.float32, queue=None):
@@ -439,6 +441,8 @@ def _write(tensor, array):
     elif tensor.size:
         host = np.array(array, dtype=tensor.dtype, order="C", copy=True).reshape(tensor.shape)
         tensor.device.upload(tensor.data, host)
+        if tensor.dtype == np.int32:
+            tensor._labels = host
 
 
 def _check_shape(shape):
@@ -1186,9 +1190,9 @@ def cross_entropy(logits, target, reduction="mean"):
     if isinstance(t, Tensor):
         _devices_of("cross_entropy", x, t)
         soft = t.dtype.kind == "f"
-        # Validating device labels reads them back: a sync, but a wrong label would otherwise
-        # read out of bounds on the device. (The Trainer validates its host copy instead.)
-        host = t.to_host() if not soft else None
+        # A wrong label would read out of bounds on the device, so labels are checked on the
+        # host: with the copy an upload kept, else read back (a sync).
+        host = None if soft else (t._labels if t._labels is not None else t.to_host())
     else:
         host = np.asarray(t)
         soft = host.dtype.kind == "f"
