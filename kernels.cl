@@ -139,6 +139,61 @@ GEMM(gemm_nn, A_ROWMAJOR, B_ROWMAJOR)
 GEMM(gemm_nt, A_ROWMAJOR, B_COLMAJOR)
 GEMM(gemm_tn, A_COLMAJOR, B_ROWMAJOR)
 
+// --- GEMM for CPU devices (PoCL). Local memory is slow there and wide vector loads are
+// fast, so both operands are first packed (transposing if asked, padding with zeros) into
+// layouts whose rows are aligned float8 runs: Ap (Mp, K) with Mp a multiple of 4, and
+// Bp (K, Np) with Np a multiple of 16. Each work-item then computes a 4x16 block of C with
+// eight float8 accumulators and no bounds checks in the loop over K.
+
+// A stored (M, K), or (K, M) when transposed -> Ap (Mp, K), rows past M zero.
+__kernel void pack_a(const int M, const int K, const int Mp, const int transposed,
+                     __global const float* A, __global float* Ap) {
+    const int i = get_global_id(0);
+    if (i >= Mp * K) return;
+    const int m = i / K, k = i % K;
+    Ap[i] = m < M ? (transposed ? A[k * M + m] : A[m * K + k]) : 0.0f;
+}
+
+// B stored (K, N), or (N, K) when transposed -> Bp (K, Np), columns past N zero.
+__kernel void pack_b(const int K, const int N, const int Np, const int transposed,
+                     __global const float* B, __global float* Bp) {
+    const int i = get_global_id(0);
+    if (i >= K * Np) return;
+    const int k = i / Np, n = i % Np;
+    Bp[i] = n < N ? (transposed ? B[n * K + k] : B[k * N + n]) : 0.0f;
+}
+
+// Ap (Mp, K) @ Bp (K, Np) -> C (M, N) [+ bias (N)]; work-item (j, i) owns rows 4i..4i+3,
+// columns 16j..16j+15. Products are written a*b+c: PoCL turns fma()/mad() into calls.
+__kernel void gemm_packed(const int M, const int N, const int K, const int Np, const int has_bias,
+                          __global const float* Ap, __global const float* Bp,
+                          __global const float* bias, __global float* C) {
+    const int col = get_global_id(0) * 16, row = get_global_id(1) * 4;
+    if (col >= Np || row >= M) return;
+    __global const float* a = Ap + row * K;
+    __global const float8* b = (__global const float8*)(Bp + col);
+    const int b_stride = Np / 8;
+    float8 c00 = 0.0f, c01 = 0.0f, c10 = 0.0f, c11 = 0.0f;
+    float8 c20 = 0.0f, c21 = 0.0f, c30 = 0.0f, c31 = 0.0f;
+    #pragma unroll 4
+    for (int k = 0; k < K; ++k) {
+        const float8 b0 = b[k * b_stride], b1 = b[k * b_stride + 1];
+        const float a0 = a[k], a1 = a[K + k], a2 = a[2 * K + k], a3 = a[3 * K + k];
+        c00 = a0 * b0 + c00; c01 = a0 * b1 + c01;
+        c10 = a1 * b0 + c10; c11 = a1 * b1 + c11;
+        c20 = a2 * b0 + c20; c21 = a2 * b1 + c21;
+        c30 = a3 * b0 + c30; c31 = a3 * b1 + c31;
+    }
+    float out[4][16];
+    vstore8(c00, 0, out[0]); vstore8(c01, 1, out[0]);
+    vstore8(c10, 0, out[1]); vstore8(c11, 1, out[1]);
+    vstore8(c20, 0, out[2]); vstore8(c21, 1, out[2]);
+    vstore8(c30, 0, out[3]); vstore8(c31, 1, out[3]);
+    for (int r = 0; r < 4 && row + r < M; ++r)
+        for (int c = 0; c < 16 && col + c < N; ++c)
+            C[(row + r) * N + col + c] = out[r][c] + (has_bias ? bias[col + c] : 0.0f);
+}
+
 // --- reductions. A reduction over one axis sees x as (outer, R, inner) and reduces R.
 // x (outer, R, inner) -> out (outer, inner) = scale * sum over R
 __kernel void sum_axis(const int outer, const int R, const int inner, const float scale,

@@ -90,6 +90,9 @@ class Device:
             self.cl_device = cl_device
             self.pool = BufferPool(self._cl_alloc, max_bytes=cl_device.max_mem_alloc_size)
             self._uploads = deque()  # events of queued host-to-device copies, oldest first
+            # The GEMM variant: local-memory tiles on GPUs, packed float8 rows on CPUs (PoCL),
+            # where local memory is slow and wide vector loads are fast (PERF-NOTES).
+            self.gemm = "packed" if cl_device.type & cl.device_type.CPU else "tiled"
             self._build_program()
 
     def __repr__(self):
@@ -955,6 +958,19 @@ def _gemm(a, b, trans_a=False, trans_b=False, bias=None):
         np.matmul(a.data.T if trans_a else a.data, b.data.T if trans_b else b.data, out=out.data)
         if bias is not None:
             out.data += bias.data
+    elif M and N and a.device.gemm == "packed":
+        # CPU devices: pack op(a) to (Mp, K) and op(b) to (K, Np) unless already in shape.
+        Mp, Np = -(-M // 4) * 4, -(-N // 16) * 16
+        A, B = a, b
+        if trans_a or Mp != M:
+            A = _like(a, (Mp, K))
+            a.device.launch("pack_a", *_grid(Mp * K), M, K, Mp, int(trans_a), a.data, A.data)
+        if trans_b or Np != N:
+            B = _like(b, (K, Np))
+            b.device.launch("pack_b", *_grid(K * Np), K, N, Np, int(trans_b), b.data, B.data)
+        a.device.launch("gemm_packed", (Np // 16, Mp // 4), (8, 1), M, N, K, Np,
+                        int(bias is not None), A.data, B.data,
+                        bias.data if bias is not None else None, out.data)
     elif M and N:
         kernel = "gemm_tn" if trans_a else ("gemm_nt" if trans_b else "gemm_nn")
         a.device.launch(kernel, (-(-N // 64) * 16, -(-M // 64) * 16), (16, 16), M, N, K,
