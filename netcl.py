@@ -733,7 +733,11 @@ def _grid(n):
 # or the output y.
 
 def _erf(x):
-    """erf for NumPy arrays (Abramowitz & Stegun 7.1.26, |error| < 1.5e-7); NumPy has none."""
+    """erf for NumPy arrays, which NumPy lacks: math.erf element by element for float64 (exact,
+    slow); for float32, Abramowitz & Stegun 7.1.26, whose |error| < 1.5e-7 is below float32's
+    resolution."""
+    if x.dtype == np.float64:
+        return np.vectorize(math.erf, otypes=[np.float64])(x)
     t = 1.0 / (1.0 + 0.3275911 * np.abs(x))
     poly = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027
                                                                           + t * 1.061405429))))
@@ -753,6 +757,7 @@ _UNARY = {  # name: (forward on x, gradient from (g, s, alpha), s is "x" or "y")
                                   + s * np.exp(-0.5 * s * s) / math.sqrt(2 * math.pi)), "x"),
     "exp": (lambda x, a: np.exp(x), lambda g, s, a: g * s, "y"),
     "log": (lambda x, a: np.log(x), lambda g, s, a: g / s, "x"),
+    "rdiv": (None, lambda g, s, a: -a * g / (s * s), "x"),  # d(a / x)/dx, for scalar / x
 }
 
 
@@ -1011,7 +1016,7 @@ def linear(x, w, b=None):
     def backward(g):
         grads = [_gemm(g, W), _gemm(g, X, trans_a=True)]  # dx = g W, dW = g^T x
         if b is not None:
-            grads.append(_sum_axis_tensor(g, 1, g.shape[0], g.shape[1]))
+            grads.append(_sum_axis_tensor(g, 1, g.shape[0], g.shape[1]).reshape(b.shape))
         return grads
     out = _record(_gemm(X, W, trans_b=True, bias=None if b is None else b.value),
                   (x2, w) + ((b,) if b is not None else ()), backward)
