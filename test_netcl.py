@@ -1,0 +1,1425 @@
+"""netcl's foundation test suite (pytest + Hypothesis).
+
+Run with `python -m pytest -q test_netcl.py`.
+
+Every test that can runs on both backends through the `backend` fixture: "cpu" (the NumPy
+backend) and "opencl" (in CI: PoCL on the CPU). Without an OpenCL platform the OpenCL half is
+skipped, unless NETCL_REQUIRE_OPENCL=1 is set (as in CI), in which case it fails.
+
+What is checked, in the order of netcl.py's sections:
+- devices and the BufferPool (reuse, stats, MemoryError, a flat pool over a training loop);
+- Tensor (round trips, dtypes, views);
+- autograd semantics (accumulation, fan-out, tape lifetime, no_grad, constants, shape errors);
+- every core op: forward against a NumPy reference and gradient against central finite
+  differences in float64 on the NumPy backend; forward and backward of the OpenCL backend
+  against the NumPy backend in float32 on random shapes (Hypothesis);
+- cross_entropy's targets and errors, dropout;
+- nn modules, state_dict, save/load; SGD against PyTorch's rule; the alias modules;
+- the tutorial model (an MLP on scikit-learn's digits) reaching 95% test accuracy.
+"""
+import contextlib
+import gc
+import math
+import os
+import weakref
+from collections import namedtuple
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import netcl
+import netcl.functional as F
+
+
+# ---------------------------------------------------------------------------------------------
+# fixtures and helpers
+# ---------------------------------------------------------------------------------------------
+
+BACKENDS = ["cpu", "opencl"]
+
+# deadline=None: the first OpenCL call of a kernel may wait for PoCL to compile it.
+# The whole suite has to stay well under ten minutes on two cores, hence few examples.
+FD_SETTINGS = settings(max_examples=20, deadline=None,
+                       suppress_health_check=[HealthCheck.too_slow])
+XB_SETTINGS = settings(max_examples=25, deadline=None,
+                       suppress_health_check=[HealthCheck.too_slow])
+
+
+def _get_device(name):
+    if name == "opencl":
+        try:
+            return netcl.manager.default("opencl")
+        except RuntimeError as err:
+            if os.environ.get("NETCL_REQUIRE_OPENCL") == "1":
+                pytest.fail(f"NETCL_REQUIRE_OPENCL=1 but no OpenCL device: {err}")
+            pytest.skip(f"no OpenCL device: {err}")
+    return netcl.manager.default(name)
+
+
+@pytest.fixture(scope="session", params=BACKENDS)
+def backend(request):
+    """The Device of each backend in turn."""
+    return _get_device(request.param)
+
+
+@pytest.fixture(scope="session")
+def cpu():
+    return netcl.manager.default("cpu")
+
+
+@pytest.fixture(scope="session")
+def opencl():
+    return _get_device("opencl")
+
+
+def tensor(array, dev, dtype=None):
+    """A device Tensor holding `array` (float64 kept only when dtype=np.float64 is asked)."""
+    array = np.asarray(array)
+    if dtype is None:
+        return netcl.Tensor.from_host(array, queue=dev.queue)
+    return netcl.Tensor.from_host(array, queue=dev.queue, dtype=dtype)
+
+
+def param(array, dev, dtype=None):
+    return netcl.Parameter(tensor(array, dev, dtype))
+
+
+def host(x):
+    """A Node or Tensor's value as a NumPy array."""
+    if isinstance(x, netcl.Node):
+        x = x.value
+    return x.to_host()
+
+
+@contextlib.contextmanager
+def raises_naming(exc, *needles):
+    """pytest.raises that also checks the message: each needle (or, for a tuple of needles,
+    one of them) must appear in it."""
+    with pytest.raises(exc) as info:
+        yield info
+    message = str(info.value)
+    for needle in needles:
+        options = needle if isinstance(needle, tuple) else (needle,)
+        assert any(str(option) in message for option in options), (
+            f"{' or '.join(map(repr, map(str, options)))} missing from error: {message!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# devices
+# ---------------------------------------------------------------------------------------------
+
+def test_default_cpu_device():
+    dev = netcl.manager.default("cpu")
+    assert dev.backend == "cpu"
+    assert netcl.manager.default("cpu") is dev
+    assert isinstance(dev.name, str) and dev.name
+    assert dev.pool is netcl.manager.default("cpu").pool
+    dev.finish()
+
+
+def test_default_opencl_device(opencl):
+    assert opencl.backend == "opencl"
+    assert netcl.manager.default("opencl") is opencl
+    assert netcl.manager.default("gpu").backend == "opencl"
+    import pyopencl as cl
+    assert isinstance(opencl.queue, cl.CommandQueue)
+    opencl.finish()
+
+
+def test_unknown_device_name_raises():
+    with raises_naming(ValueError, "nonsense"):
+        netcl.manager.default("nonsense")
+
+
+def test_netcl_device_env_decides_default(monkeypatch):
+    monkeypatch.setenv("NETCL_DEVICE", "cpu")
+    assert netcl.manager.default() is netcl.manager.default("cpu")
+
+
+def test_netcl_device_env_opencl(monkeypatch, opencl):
+    monkeypatch.setenv("NETCL_DEVICE", "opencl")
+    assert netcl.manager.default().backend == "opencl"
+    monkeypatch.setenv("NETCL_DEVICE", "opencl:0:0")
+    assert netcl.manager.default().backend == "opencl"
+    # An explicit argument wins over the environment, both ways round.
+    assert netcl.manager.default("cpu").backend == "cpu"
+    monkeypatch.setenv("NETCL_DEVICE", "cpu")
+    assert netcl.manager.default().backend == "cpu"
+    assert netcl.manager.default("opencl").backend == "opencl"
+
+
+def test_auto_without_opencl_gpu_is_cpu(monkeypatch):
+    monkeypatch.delenv("NETCL_DEVICE", raising=False)
+    try:
+        import pyopencl as cl
+        has_gpu = any(d.type & cl.device_type.GPU
+                      for p in cl.get_platforms() for d in p.get_devices())
+    except Exception:
+        has_gpu = False
+    expected = "opencl" if has_gpu else "cpu"
+    assert netcl.manager.default().backend == expected
+    assert netcl.manager.default("auto").backend == expected
+
+
+# ---------------------------------------------------------------------------------------------
+# BufferPool
+# ---------------------------------------------------------------------------------------------
+
+POOL_KEYS = {"in_use_bytes", "cached_bytes", "peak_bytes", "hits", "misses"}
+
+
+def test_pool_reuses_a_released_size(backend):
+    pool = backend.pool
+    gc.collect()
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        pool.empty_cache()
+        stats = pool.stats()
+        assert POOL_KEYS <= set(stats)
+        assert stats["cached_bytes"] == 0
+        nbytes = 3 * 1024 * 1024 + 13
+        buf = pool.alloc(nbytes)
+        after_alloc = pool.stats()
+        assert after_alloc["misses"] == stats["misses"] + 1
+        assert after_alloc["in_use_bytes"] >= stats["in_use_bytes"] + nbytes
+        assert after_alloc["peak_bytes"] >= after_alloc["in_use_bytes"]
+        pool.release(buf)
+        del buf
+        after_release = pool.stats()
+        assert after_release["in_use_bytes"] == stats["in_use_bytes"]
+        assert after_release["cached_bytes"] >= nbytes
+        buf = pool.alloc(nbytes)
+        again = pool.stats()
+        assert again["hits"] == after_release["hits"] + 1
+        assert again["misses"] == after_release["misses"]
+        assert again["cached_bytes"] < after_release["cached_bytes"]
+        pool.release(buf)
+        del buf
+        pool.empty_cache()
+        assert pool.stats()["cached_bytes"] == 0
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+
+
+def test_tensor_buffer_returns_to_pool(backend):
+    pool = backend.pool
+    gc.collect()
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        before = pool.stats()["in_use_bytes"]
+        t = netcl.Tensor.empty((1000, 37), queue=backend.queue)
+        assert pool.stats()["in_use_bytes"] >= before + 1000 * 37 * 4
+        del t
+        assert pool.stats()["in_use_bytes"] == before
+        hits = pool.stats()["hits"]
+        t = netcl.Tensor.empty((1000, 37), queue=backend.queue)
+        assert pool.stats()["hits"] == hits + 1
+        del t
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+
+
+def test_pool_impossible_request_raises_memory_error(backend):
+    four_pib = 4 * 2 ** 50
+    with pytest.raises(MemoryError):
+        backend.pool.alloc(four_pib)
+    with pytest.raises(MemoryError):
+        netcl.Tensor.empty((four_pib // 4,), queue=backend.queue)
+    # The pool still works afterwards.
+    t = tensor(np.arange(6, dtype=np.float32), backend)
+    np.testing.assert_array_equal(host(t), np.arange(6, dtype=np.float32))
+
+
+def test_pool_stays_flat_over_training(backend):
+    """300 SGD steps of a small MLP with the garbage collector off: buffers come back by
+    reference counting alone, so bytes in use stay flat and almost every allocation hits."""
+    netcl.manual_seed(0)
+    q = backend.queue
+    model = netcl.Sequential(netcl.Linear(20, 32, queue=q), netcl.ReLU(),
+                             netcl.Linear(32, 10, queue=q))
+    opt = netcl.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    rng = np.random.default_rng(0)
+    xs = rng.standard_normal((300, 16, 20)).astype(np.float32)
+    ys = rng.integers(0, 10, size=(300, 16))
+    in_use, stats_at = [], {}
+    gc.collect()
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for step in range(301):
+            xb = tensor(xs[step % 300], backend)
+            with netcl.Tape() as tape:
+                loss = F.cross_entropy(model(xb), ys[step % 300])
+            opt.zero_grad()
+            tape.backward(loss)
+            opt.step()
+            del xb, loss, tape
+            backend.finish()
+            stats = backend.pool.stats()
+            in_use.append(stats["in_use_bytes"])
+            stats_at[step] = stats
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+    later = in_use[50:]
+    assert max(later) == in_use[50] and min(later) == in_use[50], (
+        f"in_use_bytes drifts: at step 50 {in_use[50]}, min {min(later)}, max {max(later)}, "
+        f"at step 300 {in_use[300]}")
+    hits = stats_at[300]["hits"] - stats_at[50]["hits"]
+    misses = stats_at[300]["misses"] - stats_at[50]["misses"]
+    assert hits > 0, "no pool hits at all in steps 50..300"
+    assert hits > 0.9 * (hits + misses), f"hits {hits}, misses {misses} over steps 50..300"
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensor
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.int32])
+def test_tensor_round_trip(backend, dtype):
+    rng = np.random.default_rng(1)
+    array = (rng.standard_normal((7, 13)) * 100).astype(dtype)
+    t = tensor(array, backend)
+    assert np.dtype(t.dtype) == np.dtype(dtype)
+    assert tuple(t.shape) == (7, 13)
+    assert t.size == 91
+    assert t.device is backend
+    assert t.queue is backend.queue
+    out = t.to_host()
+    assert isinstance(out, np.ndarray)
+    assert out.dtype == np.dtype(dtype)
+    np.testing.assert_array_equal(out, array)
+
+
+def test_tensor_float64_becomes_float32(backend):
+    array = np.linspace(-1, 1, 12).reshape(3, 4)
+    t = netcl.Tensor.from_host(array, queue=backend.queue)
+    assert np.dtype(t.dtype) == np.float32
+    np.testing.assert_array_equal(t.to_host(), array.astype(np.float32))
+
+
+def test_tensor_from_host_copies(backend):
+    array = np.arange(12, dtype=np.float32)
+    t = tensor(array, backend)
+    array[:] = -1
+    out = t.to_host()
+    np.testing.assert_array_equal(out, np.arange(12, dtype=np.float32))
+    out[:] = 5
+    np.testing.assert_array_equal(t.to_host(), np.arange(12, dtype=np.float32))
+
+
+def test_tensor_empty(backend):
+    t = netcl.Tensor.empty((4, 5), queue=backend.queue)
+    assert tuple(t.shape) == (4, 5) and np.dtype(t.dtype) == np.float32
+    t = netcl.Tensor.empty((3,), dtype=np.int32, queue=backend.queue)
+    assert tuple(t.shape) == (3,) and np.dtype(t.dtype) == np.int32
+    assert t.to_host().shape == (3,)
+
+
+def _shares_buffer(a, b, dev):
+    if dev.backend == "cpu":
+        return np.shares_memory(a.data, b.data)
+    return a.data is b.data or a.data.int_ptr == b.data.int_ptr
+
+
+def test_reshape_is_a_view(backend):
+    array = np.arange(24, dtype=np.float32).reshape(4, 6)
+    t = tensor(array, backend)
+    r = t.reshape((2, 12))
+    assert tuple(r.shape) == (2, 12)
+    assert _shares_buffer(r, t, backend)
+    np.testing.assert_array_equal(r.to_host(), array.reshape(2, 12))
+    r = t.reshape((3, -1, 2))
+    assert tuple(r.shape) == (3, 4, 2)
+    assert _shares_buffer(r, t, backend)
+    # Through the ops too: reshape and flatten of a Node view its value.
+    x = netcl.Node(tensor(np.arange(24, dtype=np.float32).reshape(2, 3, 4), backend))
+    assert _shares_buffer(F.reshape(x, (6, 4)).value, x.value, backend)
+    assert _shares_buffer(F.flatten(x).value, x.value, backend)
+
+
+# ---------------------------------------------------------------------------------------------
+# core ops: cases shared by the finite-difference and the cross-backend tests
+# ---------------------------------------------------------------------------------------------
+# A case builds the inputs of one op from Hypothesis draws and a NumPy generator:
+# fn(*nodes, *consts) runs the op; ref(*arrays) is its NumPy float64 reference (None where the
+# output is random, as dropout's); inputs get gradients, consts do not (float consts become
+# Tensors of the input dtype, integer ones stay NumPy arrays); tol is "ew" (elementwise) or
+# "acc" (a sum inside: GEMM, reductions, losses); seed is set with manual_seed before each
+# forward (dropout).
+
+Case = namedtuple("Case", "fn ref inputs consts tol seed", defaults=((), "ew", None))
+
+SMALL_DIM = st.integers(1, 4)                       # finite differences: few elements
+DIM = st.integers(1, 40)
+GEMM_DIM = st.one_of(st.integers(1, 70), st.sampled_from([64, 65, 127, 128, 129]))
+
+
+def _dim(draw, fd, strategy=DIM):
+    return draw(SMALL_DIM if fd else strategy)
+
+
+def _shape(draw, fd, min_ndim=1, max_ndim=3):
+    ndim = draw(st.integers(min_ndim, max_ndim))
+    if not fd and ndim == 1 and draw(st.booleans()):
+        return (draw(st.integers(1000, 5000)),)      # crosses work-group boundaries
+    return tuple(_dim(draw, fd) for _ in range(ndim))
+
+
+def _away_from_zero(rng, shape, low=0.2, high=2.0):
+    """Values with |x| in [low, high]: no kinks (relu) and no poles (div) nearby."""
+    return rng.choice([-1.0, 1.0], size=shape) * rng.uniform(low, high, size=shape)
+
+
+def _erf(x):
+    return np.vectorize(math.erf)(x)
+
+
+def _log_softmax(x, axis=-1):
+    shifted = x - x.max(axis=axis, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(axis=axis, keepdims=True))
+
+
+def _reduce(losses, reduction):
+    return {"mean": losses.mean(), "sum": losses.sum(), "none": losses}[reduction]
+
+
+def _cross_entropy_ref(logits, target, reduction):
+    log_probs = _log_softmax(logits)
+    if target.ndim == 1:
+        losses = -log_probs[np.arange(len(target)), target]
+    else:
+        losses = -(target * log_probs).sum(axis=1)
+    return _reduce(losses, reduction)
+
+
+CASES = {}
+
+
+def case(name):
+    def register(builder):
+        CASES[name] = builder
+        return builder
+    return register
+
+
+@case("matmul")
+def _(draw, rng, fd):
+    m, k, n = (_dim(draw, fd, GEMM_DIM) for _ in range(3))
+    return Case(F.matmul, np.matmul,
+                [rng.standard_normal((m, k)), rng.standard_normal((k, n))], tol="acc")
+
+
+@case("matmul_operator")
+def _(draw, rng, fd):
+    m, k, n = (_dim(draw, fd, GEMM_DIM) for _ in range(3))
+    return Case(lambda a, b: a @ b, np.matmul,
+                [rng.standard_normal((m, k)), rng.standard_normal((k, n))], tol="acc")
+
+
+@case("linear")
+def _(draw, rng, fd):
+    n, d_in, d_out = (_dim(draw, fd, GEMM_DIM) for _ in range(3))
+    return Case(F.linear, lambda x, w, b: x @ w.T + b,
+                [rng.standard_normal((n, d_in)), rng.standard_normal((d_out, d_in)),
+                 rng.standard_normal(d_out)], tol="acc")
+
+
+@case("linear_no_bias")
+def _(draw, rng, fd):
+    n, d_in, d_out = (_dim(draw, fd, GEMM_DIM) for _ in range(3))
+    return Case(lambda x, w: F.linear(x, w), lambda x, w: x @ w.T,
+                [rng.standard_normal((n, d_in)), rng.standard_normal((d_out, d_in))], tol="acc")
+
+
+BINARY = {
+    "add": (F.add, lambda a, b: a + b, np.add),
+    "sub": (F.sub, lambda a, b: a - b, np.subtract),
+    "mul": (F.mul, lambda a, b: a * b, np.multiply),
+    "div": (F.div, lambda a, b: a / b, np.divide),
+}
+
+
+def _binary_cases(name, functional, operator, ref):
+    @case(name)
+    def _(draw, rng, fd):
+        shape = _shape(draw, fd)
+        return Case(functional, ref, [rng.standard_normal(shape), _away_from_zero(rng, shape)])
+
+    @case(name + "_operator")
+    def _(draw, rng, fd):
+        shape = _shape(draw, fd)
+        return Case(operator, ref, [rng.standard_normal(shape), _away_from_zero(rng, shape)])
+
+    @case(name + "_row_broadcast")
+    def _(draw, rng, fd):
+        rows, cols = _dim(draw, fd), _dim(draw, fd)
+        return Case(functional, ref,
+                    [rng.standard_normal((rows, cols)), _away_from_zero(rng, (cols,))],
+                    tol="acc")       # the row's gradient is a sum over rows
+
+    @case(name + "_scalar_right")
+    def _(draw, rng, fd):
+        shape = _shape(draw, fd)
+        return Case(lambda x: operator(x, 1.75), lambda x: ref(x, 1.75),
+                    [rng.standard_normal(shape)])
+
+    @case(name + "_scalar_left")
+    def _(draw, rng, fd):
+        shape = _shape(draw, fd)
+        return Case(lambda x: operator(-2.5, x), lambda x: ref(-2.5, x),
+                    [_away_from_zero(rng, shape)])
+
+    @case(name + "_functional_scalar")
+    def _(draw, rng, fd):
+        shape = _shape(draw, fd)
+        return Case(lambda x: functional(x, 0.5), lambda x: ref(x, 0.5),
+                    [rng.standard_normal(shape)])
+
+
+for _name, (_functional, _operator, _ref) in BINARY.items():
+    _binary_cases(_name, _functional, _operator, _ref)
+
+
+UNARY = {
+    "neg": (lambda x: -x, lambda x: -x, "normal"),
+    "relu": (F.relu, lambda x: np.maximum(x, 0), "away"),
+    "leaky_relu": (F.leaky_relu, lambda x: np.where(x > 0, x, 0.01 * x), "away"),
+    "leaky_relu_slope": (lambda x: F.leaky_relu(x, negative_slope=0.2),
+                         lambda x: np.where(x > 0, x, 0.2 * x), "away"),
+    "sigmoid": (F.sigmoid, lambda x: 1 / (1 + np.exp(-x)), "normal"),
+    "tanh": (F.tanh, np.tanh, "normal"),
+    "gelu": (F.gelu, lambda x: 0.5 * x * (1 + _erf(x / math.sqrt(2))), "normal"),
+    "exp": (F.exp, np.exp, "normal"),
+    "log": (F.log, np.log, "positive"),
+}
+
+
+def _unary_case(name, fn, ref, values):
+    @case(name)
+    def _(draw, rng, fd):
+        shape = _shape(draw, fd)
+        if values == "away":
+            x = _away_from_zero(rng, shape)
+        elif values == "positive":
+            x = rng.uniform(0.2, 3.0, size=shape)
+        else:
+            x = rng.standard_normal(shape) * 1.5
+        return Case(fn, ref, [x])
+
+
+for _name, (_fn, _ref, _values) in UNARY.items():
+    _unary_case(_name, _fn, _ref, _values)
+
+
+def _reduction_case(name, functional, method, ref):
+    @case(name)
+    def _(draw, rng, fd):
+        shape = _shape(draw, fd)
+        axis = draw(st.sampled_from([None] + list(range(-1, len(shape)))))
+        keepdims = draw(st.booleans())
+        return Case(lambda x: functional(x, axis=axis, keepdims=keepdims),
+                    lambda x: np.asarray(ref(x, axis=axis, keepdims=keepdims)),
+                    [rng.standard_normal(shape)], tol="acc")
+
+    @case(name + "_method")
+    def _(draw, rng, fd):
+        shape = _shape(draw, fd)
+        axis = draw(st.sampled_from([None] + list(range(len(shape)))))
+        if axis is None:
+            return Case(lambda x: getattr(x, method)(), lambda x: np.asarray(ref(x)),
+                        [rng.standard_normal(shape)], tol="acc")
+        return Case(lambda x: getattr(x, method)(axis), lambda x: ref(x, axis=axis),
+                    [rng.standard_normal(shape)], tol="acc")
+
+
+_reduction_case("sum", F.sum, "sum", np.sum)
+_reduction_case("mean", F.mean, "mean", np.mean)
+
+
+def _split_with_minus_one(draw, shape):
+    """A new shape for the same size, one entry maybe -1."""
+    size = int(np.prod(shape))
+    divisors = [d for d in range(1, size + 1) if size % d == 0]
+    first = draw(st.sampled_from(divisors))
+    new = [first, size // first]
+    if draw(st.booleans()):
+        new[draw(st.integers(0, 1))] = -1
+    return tuple(new), (first, size // first)
+
+
+@case("reshape")
+def _(draw, rng, fd):
+    shape = _shape(draw, fd, 1, 3)
+    new, resolved = _split_with_minus_one(draw, shape)
+    return Case(lambda x: F.reshape(x, new), lambda x: x.reshape(resolved),
+                [rng.standard_normal(shape)])
+
+
+@case("reshape_method")
+def _(draw, rng, fd):
+    shape = _shape(draw, fd, 2, 3)
+    new, resolved = _split_with_minus_one(draw, shape)
+    return Case(lambda x: x.reshape(new), lambda x: x.reshape(resolved),
+                [rng.standard_normal(shape)])
+
+
+@case("flatten")
+def _(draw, rng, fd):
+    shape = _shape(draw, fd, 2, 4)
+    return Case(F.flatten, lambda x: x.reshape(x.shape[0], -1), [rng.standard_normal(shape)])
+
+
+@case("flatten_start_dim_1")
+def _(draw, rng, fd):
+    shape = _shape(draw, fd, 2, 4)
+    return Case(lambda x: F.flatten(x, start_dim=1), lambda x: x.reshape(x.shape[0], -1),
+                [rng.standard_normal(shape)])
+
+
+@case("transpose")
+def _(draw, rng, fd):
+    shape = (_dim(draw, fd, GEMM_DIM), _dim(draw, fd, GEMM_DIM))
+    return Case(lambda x: x.T, lambda x: x.T, [rng.standard_normal(shape)])
+
+
+def _softmax_ref(x, axis=-1):
+    return np.exp(_log_softmax(x, axis))
+
+
+@case("softmax")
+def _(draw, rng, fd):
+    shape = _shape(draw, fd, 1, 3)
+    return Case(F.softmax, _softmax_ref, [rng.standard_normal(shape) * 3], tol="acc")
+
+
+@case("softmax_axis")
+def _(draw, rng, fd):
+    shape = (_dim(draw, fd), _dim(draw, fd, GEMM_DIM))
+    axis = draw(st.sampled_from([-1, 1]))
+    return Case(lambda x: F.softmax(x, axis=axis), _softmax_ref,
+                [rng.standard_normal(shape) * 3], tol="acc")
+
+
+@case("log_softmax")
+def _(draw, rng, fd):
+    shape = _shape(draw, fd, 1, 3)
+    return Case(F.log_softmax, _log_softmax, [rng.standard_normal(shape) * 3], tol="acc")
+
+
+@case("log_softmax_axis")
+def _(draw, rng, fd):
+    shape = (_dim(draw, fd), _dim(draw, fd, GEMM_DIM))
+    axis = draw(st.sampled_from([-1, 1]))
+    return Case(lambda x: F.log_softmax(x, axis=axis), _log_softmax,
+                [rng.standard_normal(shape) * 3], tol="acc")
+
+
+def _cross_entropy_cases(reduction):
+    @case("cross_entropy_index_" + reduction)
+    def _(draw, rng, fd):
+        n, classes = _dim(draw, fd), _dim(draw, fd, GEMM_DIM)
+        target = rng.integers(0, classes, size=n)
+        return Case(lambda x, t: F.cross_entropy(x, t, reduction=reduction),
+                    lambda x, t: np.asarray(_cross_entropy_ref(x, t, reduction)),
+                    [rng.standard_normal((n, classes)) * 3], [target], tol="acc")
+
+    @case("cross_entropy_soft_" + reduction)
+    def _(draw, rng, fd):
+        n, classes = _dim(draw, fd), _dim(draw, fd, GEMM_DIM)
+        target = rng.uniform(0, 1, size=(n, classes))
+        target /= target.sum(axis=1, keepdims=True)
+        return Case(lambda x, t: F.cross_entropy(x, t, reduction=reduction),
+                    lambda x, t: np.asarray(_cross_entropy_ref(x, t, reduction)),
+                    [rng.standard_normal((n, classes)) * 3], [target], tol="acc")
+
+
+for _reduction in ["mean", "sum", "none"]:
+    _cross_entropy_cases(_reduction)
+
+
+@case("cross_entropy_default_reduction")
+def _(draw, rng, fd):
+    n, classes = _dim(draw, fd), _dim(draw, fd)
+    target = rng.integers(0, classes, size=n).astype(np.int32)
+    return Case(F.cross_entropy, lambda x, t: np.asarray(_cross_entropy_ref(x, t, "mean")),
+                [rng.standard_normal((n, classes))], [target], tol="acc")
+
+
+@case("mse_loss")
+def _(draw, rng, fd):
+    shape = _shape(draw, fd)
+    return Case(F.mse_loss, lambda a, b: np.asarray(((a - b) ** 2).mean()),
+                [rng.standard_normal(shape), rng.standard_normal(shape)], tol="acc")
+
+
+@case("mse_loss_const_target")
+def _(draw, rng, fd):
+    shape = _shape(draw, fd)
+    return Case(F.mse_loss, lambda a, b: np.asarray(((a - b) ** 2).mean()),
+                [rng.standard_normal(shape)], [rng.standard_normal(shape)], tol="acc")
+
+
+@case("composite_mlp")
+def _(draw, rng, fd):
+    n, d_in, hidden, classes = (_dim(draw, fd) for _ in range(4))
+    target = rng.integers(0, classes, size=n)
+
+    def fn(x, w1, b1, w2, b2, t):
+        return F.cross_entropy(F.linear(F.tanh(F.linear(x, w1, b1)), w2, b2), t)
+
+    def ref(x, w1, b1, w2, b2, t):
+        return np.asarray(_cross_entropy_ref(np.tanh(x @ w1.T + b1) @ w2.T + b2, t, "mean"))
+
+    return Case(fn, ref, [rng.standard_normal((n, d_in)), rng.standard_normal((hidden, d_in)),
+                          rng.standard_normal(hidden), rng.standard_normal((classes, hidden)),
+                          rng.standard_normal(classes)], [target], tol="acc")
+
+
+@case("dropout")
+def _(draw, rng, fd):
+    shape = _shape(draw, fd)
+    p = draw(st.sampled_from([0.1, 0.5, 0.8]))
+    return Case(lambda x: F.dropout(x, p, True), None, [rng.standard_normal(shape)],
+                seed=draw(st.integers(0, 2 ** 31 - 1)))
+
+
+# Random outputs cannot be compared across backends (the mask stream is per backend).
+CROSS_BACKEND_CASES = sorted(name for name in CASES if name != "dropout")
+
+
+def _draw_case(data, name, fd):
+    seed = data.draw(st.integers(0, 2 ** 32 - 1), label="seed")
+    return CASES[name](data.draw, np.random.default_rng(seed), fd)
+
+
+def _forward(dev, c, arrays, dtype, record):
+    """Run c.fn on `arrays` (the grad inputs) on dev; return (output Node, input Nodes, tape)."""
+    nodes = [param(a, dev, dtype) for a in arrays]
+    consts = [tensor(v, dev, dtype) if np.asarray(v).dtype.kind == "f" else v
+              for v in c.consts]
+    if c.seed is not None:
+        netcl.manual_seed(c.seed)
+    if not record:
+        return c.fn(*nodes, *consts), nodes, None
+    with netcl.Tape() as tape:
+        out = c.fn(*nodes, *consts)
+    return out, nodes, tape
+
+
+def _forward_backward(dev, c, dtype, grad_out_seed=0):
+    """Output and input gradients for a random upstream gradient (as host arrays)."""
+    out, nodes, tape = _forward(dev, c, c.inputs, dtype, record=True)
+    y = host(out)
+    g = np.random.default_rng(grad_out_seed).standard_normal(y.shape)
+    tape.backward(out, grad=tensor(g, dev, dtype))
+    grads = []
+    for node in nodes:
+        assert node.grad is not None, "an input of the op got no gradient"
+        grads.append(host(node.grad))
+    return y, g, grads
+
+
+# ---------------------------------------------------------------------------------------------
+# core ops: float64 reference and finite differences on the NumPy backend
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", sorted(CASES))
+@FD_SETTINGS
+@given(data=st.data())
+def test_op_forward_and_gradient_float64(name, data, cpu):
+    c = _draw_case(data, name, fd=True)
+    y, g, grads = _forward_backward(cpu, c, np.float64)
+    assert y.dtype == np.float64, f"{name}: float64 input gave a {y.dtype} output on the CPU"
+    if c.ref is not None:
+        expected = np.asarray(c.ref(*c.inputs, *c.consts))
+        assert y.shape == expected.shape
+        # float64 arithmetic on both sides: they agree to rounding.
+        np.testing.assert_allclose(y, expected, rtol=1e-9, atol=1e-12)
+
+    eps = 1e-6
+    for i, analytic in enumerate(grads):
+        assert analytic.shape == c.inputs[i].shape
+        assert analytic.dtype == np.float64
+        arrays = [a.copy() for a in c.inputs]
+        numeric = np.zeros_like(arrays[i])
+        for idx in np.ndindex(arrays[i].shape):
+            original = arrays[i][idx]
+            values = []
+            for shifted in (original + eps, original - eps):
+                arrays[i][idx] = shifted
+                out, _, _ = _forward(cpu, c, arrays, np.float64, record=False)
+                values.append(float(np.sum(host(out) * g)))
+            arrays[i][idx] = original
+            numeric[idx] = (values[0] - values[1]) / (2 * eps)
+        np.testing.assert_allclose(analytic, numeric, rtol=1e-5, atol=1e-7,
+                                   err_msg=f"{name}: gradient of input {i}")
+
+
+# ---------------------------------------------------------------------------------------------
+# core ops: the OpenCL backend against the NumPy backend, float32, random shapes
+# ---------------------------------------------------------------------------------------------
+
+TOLERANCE = {"ew": dict(rtol=1e-5, atol=1e-6), "acc": dict(rtol=1e-4, atol=1e-4)}
+
+
+@pytest.mark.parametrize("name", CROSS_BACKEND_CASES)
+@XB_SETTINGS
+@given(data=st.data())
+def test_op_opencl_matches_numpy(name, data, cpu, opencl):
+    c = _draw_case(data, name, fd=False)
+    c = c._replace(inputs=[a.astype(np.float32) for a in c.inputs],
+                   consts=[v.astype(np.float32) if v.dtype.kind == "f" else v
+                           for v in map(np.asarray, c.consts)])
+    y_cpu, _, grads_cpu = _forward_backward(cpu, c, None)
+    y_cl, _, grads_cl = _forward_backward(opencl, c, None)
+    tol = TOLERANCE[c.tol]
+    assert y_cpu.dtype == np.float32 and y_cl.dtype == np.float32
+    expected = np.asarray(c.ref(*[a.astype(np.float64) for a in c.inputs], *c.consts))
+    assert y_cpu.shape == expected.shape and y_cl.shape == expected.shape
+    np.testing.assert_allclose(y_cpu, expected, **tol, err_msg=f"{name}: NumPy backend forward")
+    np.testing.assert_allclose(y_cl, y_cpu, **tol, err_msg=f"{name}: forward")
+    for i, (g_cl, g_cpu) in enumerate(zip(grads_cl, grads_cpu)):
+        assert g_cl.shape == g_cpu.shape == c.inputs[i].shape
+        np.testing.assert_allclose(g_cl, g_cpu, **tol, err_msg=f"{name}: gradient of input {i}")
+
+
+@pytest.mark.parametrize("m, k, n", [
+    (1, 1, 1), (1, 129, 1), (129, 1, 129), (4, 8, 16), (5, 9, 17), (3, 64, 65), (64, 64, 64),
+    (65, 33, 127), (257, 130, 300),
+])
+def test_gemm_edge_shapes_opencl_matches_numpy(cpu, opencl, m, k, n):
+    """Fixed shapes around tile sizes, through all three GEMM forms: x @ w.T + b forward,
+    g @ w and g.T @ x backward."""
+    rng = np.random.default_rng(m * 10007 + k * 101 + n)
+    c = Case(F.linear, None, [rng.standard_normal((m, k)).astype(np.float32),
+                              rng.standard_normal((n, k)).astype(np.float32),
+                              rng.standard_normal(n).astype(np.float32)])
+    y_cpu, _, grads_cpu = _forward_backward(cpu, c, None)
+    y_cl, _, grads_cl = _forward_backward(opencl, c, None)
+    x, w, b = (a.astype(np.float64) for a in c.inputs)
+    np.testing.assert_allclose(y_cpu, x @ w.T + b, **TOLERANCE["acc"])
+    np.testing.assert_allclose(y_cl, y_cpu, **TOLERANCE["acc"])
+    for g_cl, g_cpu in zip(grads_cl, grads_cpu):
+        np.testing.assert_allclose(g_cl, g_cpu, **TOLERANCE["acc"])
+
+
+def test_flat_names_match_functional():
+    for name in ["matmul", "linear", "add", "sub", "mul", "div", "relu", "leaky_relu",
+                 "sigmoid", "tanh", "gelu", "exp", "log", "sum", "mean", "reshape", "flatten",
+                 "softmax", "log_softmax", "cross_entropy", "mse_loss", "dropout"]:
+        assert getattr(netcl, name) is getattr(F, name), name
+
+
+# ---------------------------------------------------------------------------------------------
+# cross_entropy targets and errors
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_cross_entropy_index_and_one_hot_agree(backend, reduction):
+    rng = np.random.default_rng(3)
+    logits = rng.standard_normal((9, 6)).astype(np.float32) * 2
+    labels = rng.integers(0, 6, size=9)
+    one_hot = np.eye(6, dtype=np.float32)[labels]
+    g = rng.standard_normal(9).astype(np.float32) if reduction == "none" else None
+    results = []
+    for target in [labels, labels.astype(np.int32), tensor(labels.astype(np.int32), backend),
+                   one_hot, tensor(one_hot, backend), netcl.Node(tensor(one_hot, backend))]:
+        x = param(logits, backend)
+        with netcl.Tape() as tape:
+            loss = F.cross_entropy(x, target, reduction=reduction)
+        tape.backward(loss, grad=g)
+        results.append((host(loss), host(x.grad)))
+    expected = _cross_entropy_ref(logits.astype(np.float64), labels, reduction)
+    for loss, grad in results:
+        np.testing.assert_allclose(loss, expected, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(loss, results[0][0], rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(grad, results[0][1], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("bad_label", [17, 5, -1, -4])
+def test_cross_entropy_out_of_range_label(backend, bad_label):
+    logits = param(np.zeros((4, 5), np.float32), backend)
+    labels = np.array([0, 1, bad_label, 2])
+    with raises_naming(ValueError, bad_label):
+        F.cross_entropy(logits, labels)
+
+
+@pytest.mark.parametrize("width", [9, 4])
+def test_cross_entropy_wrong_one_hot_width(backend, width):
+    logits = param(np.zeros((3, 5), np.float32), backend)
+    target = np.eye(width, dtype=np.float32)[[0, 1, 2]]
+    with raises_naming(ValueError, width):
+        F.cross_entropy(logits, target)
+
+
+# ---------------------------------------------------------------------------------------------
+# dropout
+# ---------------------------------------------------------------------------------------------
+
+def test_dropout_mask_scale_and_seed(backend):
+    rng = np.random.default_rng(4)
+    p = 0.3
+    x_host = _away_from_zero(rng, (64, 50)).astype(np.float32)
+    g = rng.standard_normal((64, 50)).astype(np.float32)
+
+    def run(seed):
+        x = param(x_host, backend)
+        netcl.manual_seed(seed)
+        with netcl.Tape() as tape:
+            y = F.dropout(x, p, True)
+        tape.backward(y, grad=g)
+        return host(y), host(x.grad)
+
+    y, grad = run(5)
+    kept = y != 0
+    np.testing.assert_allclose(y[kept], x_host[kept] / (1 - p), rtol=1e-6)
+    assert abs((~kept).mean() - p) < 0.05, f"dropped fraction {(~kept).mean()} for p={p}"
+    np.testing.assert_allclose(grad, np.where(kept, g / (1 - p), 0), rtol=1e-6)
+    y_again, grad_again = run(5)
+    np.testing.assert_array_equal(y_again, y)
+    np.testing.assert_array_equal(grad_again, grad)
+    y_other, _ = run(6)
+    assert not np.array_equal(y_other != 0, kept), "a different seed gave the same mask"
+    # Two calls after one seed draw different masks from the stream.
+    netcl.manual_seed(5)
+    first = host(F.dropout(tensor(x_host, backend), p, True))
+    second = host(F.dropout(tensor(x_host, backend), p, True))
+    np.testing.assert_array_equal(first, y)
+    assert not np.array_equal(first != 0, second != 0)
+
+
+def test_dropout_identity_when_not_training_or_p_zero(backend):
+    rng = np.random.default_rng(5)
+    x_host = rng.standard_normal((8, 9)).astype(np.float32)
+    g = rng.standard_normal((8, 9)).astype(np.float32)
+    for p, training in [(0.5, False), (0.0, True)]:
+        x = param(x_host, backend)
+        with netcl.Tape() as tape:
+            y = F.dropout(x, p=p, training=training)
+        tape.backward(y, grad=g)
+        np.testing.assert_array_equal(host(y), x_host)
+        np.testing.assert_array_equal(host(x.grad), g)
+
+
+# ---------------------------------------------------------------------------------------------
+# autograd semantics
+# ---------------------------------------------------------------------------------------------
+
+def test_fan_out_gradients_are_summed(backend):
+    rng = np.random.default_rng(6)
+    x_host = rng.standard_normal((5, 4)).astype(np.float32)
+    a = rng.standard_normal((5, 4)).astype(np.float32)
+    x = param(x_host, backend)
+    with netcl.Tape() as tape:
+        loss = F.sum(x * a) + F.sum(F.exp(x)) + (x * x).sum()
+    tape.backward(loss)
+    expected = a + np.exp(x_host) + 2 * x_host
+    np.testing.assert_allclose(host(x.grad), expected, rtol=1e-5, atol=1e-6)
+    # An intermediate node feeding two ops.
+    z = param(x_host, backend)
+    with netcl.Tape() as tape:
+        h = F.tanh(z)
+        loss = F.sum(h * a) + F.sum(F.exp(h))
+    tape.backward(loss)
+    t = np.tanh(x_host)
+    np.testing.assert_allclose(host(z.grad), (a + np.exp(t)) * (1 - t ** 2), rtol=1e-5,
+                               atol=1e-6)
+
+
+def test_two_backward_passes_accumulate(backend):
+    rng = np.random.default_rng(7)
+    w_host = rng.standard_normal((3, 4)).astype(np.float32)
+    x_host = rng.standard_normal((6, 4)).astype(np.float32)
+    w = param(w_host, backend)
+    grads = []
+    for _ in range(3):
+        with netcl.Tape() as tape:
+            loss = F.sum(F.tanh(F.linear(x_host, w)))
+        tape.backward(loss)
+        grads.append(host(w.grad))
+    expected = ((1 - np.tanh(x_host @ w_host.T) ** 2).T @ x_host)
+    np.testing.assert_allclose(grads[0], expected, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(grads[1], 2 * grads[0], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(grads[2], 3 * grads[0], rtol=1e-6, atol=1e-6)
+
+
+def test_backward_inside_and_after_the_with_block(backend):
+    x_host = np.array([[1.0, -2.0, 3.0]], np.float32)
+    x = param(x_host, backend)
+    with netcl.Tape() as tape:
+        loss = (x * x).sum()
+        tape.backward(loss)
+    np.testing.assert_allclose(host(x.grad), 2 * x_host)
+    y = param(x_host, backend)
+    with netcl.Tape() as tape:
+        loss = (y * y * y).sum()
+    tape.backward(loss)
+    np.testing.assert_allclose(host(y.grad), 3 * x_host ** 2, rtol=1e-6)
+
+
+def test_values_readable_after_backward(backend):
+    rng = np.random.default_rng(8)
+    x_host = rng.standard_normal((4, 3)).astype(np.float32)
+    w_host = rng.standard_normal((3, 5)).astype(np.float32)
+    x, w = param(x_host, backend), param(w_host, backend)
+    with netcl.Tape() as tape:
+        h = x @ w
+        r = F.relu(h)
+        loss = r.mean()
+    tape.backward(loss)
+    np.testing.assert_allclose(host(h), x_host @ w_host, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(host(r), np.maximum(x_host @ w_host, 0), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(host(loss), np.maximum(x_host @ w_host, 0).mean(), rtol=1e-5)
+    assert host(loss).shape == ()
+    np.testing.assert_allclose(host(x), x_host)
+
+
+@pytest.mark.parametrize("kind", ["array", "tensor", "node"])
+def test_backward_grad_argument_kinds(backend, kind):
+    rng = np.random.default_rng(9)
+    x_host = rng.standard_normal((3, 4)).astype(np.float32)
+    g = rng.standard_normal((3, 4)).astype(np.float32)
+    grad = {"array": g, "tensor": tensor(g, backend),
+            "node": netcl.Node(tensor(g, backend))}[kind]
+    x = param(x_host, backend)
+    with netcl.Tape() as tape:
+        y = F.sigmoid(x)
+    tape.backward(y, grad=grad)
+    s = 1 / (1 + np.exp(-x_host))
+    np.testing.assert_allclose(host(x.grad), g * s * (1 - s), rtol=1e-5, atol=1e-6)
+
+
+def test_ops_outside_a_tape_keep_no_graph(backend):
+    x = param(np.ones((64, 64), np.float32), backend)
+    middle = x * 2.0
+    alive = weakref.ref(middle.value)
+    y = middle * x                     # a recorded mul would save `middle` for its backward
+    del middle
+    gc.collect()
+    assert alive() is None, "an op outside a Tape kept its input alive"
+    np.testing.assert_array_equal(host(y), np.full((64, 64), 2.0, np.float32))
+
+
+def test_value_from_outside_tape_is_constant(backend):
+    x_host = np.array([1.0, 2.0, -3.0], np.float32)
+    x = param(x_host, backend)
+    y = x * 3.0                        # outside any Tape
+    with netcl.Tape() as tape:
+        loss = (y * x).sum()
+    tape.backward(loss)
+    np.testing.assert_allclose(host(x.grad), 3 * x_host)
+
+
+def test_no_grad_records_nothing_inside_a_tape(backend):
+    x_host = np.array([[0.5, -1.5], [2.0, 1.0]], np.float32)
+    x = param(x_host, backend)
+    with netcl.Tape() as tape:
+        with netcl.no_grad():
+            y = x * 2.0
+        loss = (y * x).sum()
+    tape.backward(loss)
+    np.testing.assert_allclose(host(x.grad), 2 * x_host)      # 4 * x if y were recorded
+
+
+def test_ops_accept_tensors_and_arrays(backend):
+    rng = np.random.default_rng(10)
+    a_host = rng.standard_normal((3, 4)).astype(np.float32)
+    b_host = rng.standard_normal((4, 2)).astype(np.float32)
+    out = F.matmul(tensor(a_host, backend), b_host)
+    assert isinstance(out, netcl.Node)
+    assert out.value.device is backend
+    np.testing.assert_allclose(host(out), a_host @ b_host, rtol=1e-5, atol=1e-6)
+    x = param(a_host, backend)
+    with netcl.Tape() as tape:
+        loss = F.sum(F.add(x, a_host) * a_host)
+    tape.backward(loss)
+    np.testing.assert_allclose(host(x.grad), a_host, rtol=1e-6)
+    assert tuple(x.shape) == (3, 4)
+
+
+@pytest.mark.parametrize("call, op, sizes", [
+    (lambda a, b: F.matmul(a((3, 47)), b((53, 6))), "matmul", (47, 53)),
+    (lambda a, b: a((3, 47)) @ b((53, 6)), "matmul", (47, 53)),
+    (lambda a, b: F.linear(a((5, 17)), b((4, 19))), "linear", (17, 19)),
+    (lambda a, b: F.linear(a((5, 17)), b((4, 17)), b((23,))), "linear", (4, 23)),
+    (lambda a, b: F.add(a((3, 41)), b((41, 3))), "add", (41,)),
+    (lambda a, b: F.sub(a((3, 41)), b((41, 3))), "sub", (41,)),
+    (lambda a, b: F.mul(a((3, 41)), b((41, 3))), "mul", (41,)),
+    (lambda a, b: F.div(a((3, 41)), b((41, 3))), "div", (41,)),
+    (lambda a, b: F.add(a((3, 41)), b((37,))), "add", (41, 37)),
+    (lambda a, b: F.mse_loss(a((3, 41)), b((3, 37))), "mse_loss", (41, 37)),
+    (lambda a, b: F.reshape(a((3, 41)), (7, -1)), "reshape", (7, ("41", "123"))),
+])
+def test_shape_errors_name_op_and_sizes(backend, call, op, sizes):
+    def make(shape):
+        return param(np.ones(shape, np.float32), backend)
+    with raises_naming(ValueError, op, *sizes):
+        call(make, make)
+
+
+def test_cross_entropy_target_length_mismatch(backend):
+    with raises_naming(ValueError, "cross_entropy", 7, 4):
+        F.cross_entropy(param(np.zeros((7, 3), np.float32), backend), np.zeros(4, np.int64))
+
+
+def test_mixing_devices_raises(cpu, opencl):
+    a = param(np.ones((2, 3), np.float32), cpu)
+    b = param(np.ones((2, 3), np.float32), opencl)
+    with pytest.raises(ValueError):
+        F.add(a, b)
+    with pytest.raises(ValueError):
+        F.matmul(b, param(np.ones((3, 2), np.float32), cpu))
+
+
+# ---------------------------------------------------------------------------------------------
+# nn
+# ---------------------------------------------------------------------------------------------
+
+def _mlp(dev, seed=0, sizes=(20, 32, 10)):
+    netcl.manual_seed(seed)
+    return netcl.Sequential(netcl.Linear(sizes[0], sizes[1], queue=dev.queue), netcl.ReLU(),
+                            netcl.Linear(sizes[1], sizes[2], queue=dev.queue))
+
+
+def test_named_parameters_names_and_order(backend):
+    model = _mlp(backend)
+    named = list(model.named_parameters())
+    assert [n for n, _ in named] == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    assert [tuple(p.shape) for _, p in named] == [(32, 20), (32,), (10, 32), (10,)]
+    assert [id(p) for p in model.parameters()] == [id(p) for _, p in named]
+    assert all(isinstance(p, netcl.Parameter) for _, p in named)
+    assert all(p.value.device is backend for _, p in named)
+
+
+def test_linear_default_init_bounds(backend):
+    netcl.manual_seed(0)
+    layer = netcl.Linear(200, 300, queue=backend.queue)
+    bound = 1 / math.sqrt(200)
+    w = host(layer.weight)
+    b = host(layer.bias)
+    assert w.shape == (300, 200) and b.shape == (300,)
+    for values in (w, b):
+        assert np.abs(values).max() <= bound
+        assert values.max() > 0.9 * bound and values.min() < -0.9 * bound
+    # Uniform: standard deviation bound / sqrt(3).
+    assert abs(w.std() - bound / math.sqrt(3)) < 0.02 * bound
+    no_bias = netcl.Linear(5, 3, bias=False, queue=backend.queue)
+    assert [n for n, _ in no_bias.named_parameters()] == ["weight"]
+
+
+def test_manual_seed_reproducible_init(backend):
+    first = _mlp(backend, seed=11).state_dict()
+    second = _mlp(backend, seed=11).state_dict()
+    other = _mlp(backend, seed=12).state_dict()
+    for key in first:
+        np.testing.assert_array_equal(first[key], second[key])
+    assert not np.array_equal(first["0.weight"], other["0.weight"])
+
+
+def test_sequential_forward_matches_numpy(backend):
+    model = _mlp(backend)
+    state = model.state_dict()
+    x = np.random.default_rng(12).standard_normal((7, 20)).astype(np.float32)
+    expected = np.maximum(x @ state["0.weight"].T + state["0.bias"], 0) @ state["2.weight"].T \
+        + state["2.bias"]
+    np.testing.assert_allclose(host(model(tensor(x, backend))), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_state_dict_layout(backend):
+    model = _mlp(backend)
+    state = model.state_dict()
+    assert isinstance(state, dict)
+    assert list(state) == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    for (name, p), (key, value) in zip(model.named_parameters(), state.items()):
+        assert name == key
+        assert isinstance(value, np.ndarray) and value.dtype == np.float32
+        np.testing.assert_array_equal(value, host(p))
+
+
+def test_load_state_dict_copies_into_existing_parameters(backend):
+    source = _mlp(backend, seed=1).state_dict()
+    model = _mlp(backend, seed=2)
+    params_before = list(model.parameters())
+    opt = netcl.SGD(model.parameters(), lr=0.5)
+    model.load_state_dict(source)
+    assert [id(p) for p in model.parameters()] == [id(p) for p in params_before]
+    for key, value in model.state_dict().items():
+        np.testing.assert_array_equal(value, source[key])
+    # The optimizer built before the load updates the loaded values.
+    weight = params_before[0]
+    g = np.full((32, 20), 0.25, np.float32)
+    with netcl.Tape() as tape:
+        loss = (weight * g).sum()
+    opt.zero_grad()
+    tape.backward(loss)
+    opt.step()
+    np.testing.assert_allclose(host(weight), source["0.weight"] - 0.5 * g, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("change, key", [
+    (lambda s: s.pop("2.bias"), "2.bias"),
+    (lambda s: s.__setitem__("4.weight", np.zeros((3, 3), np.float32)), "4.weight"),
+    (lambda s: s.__setitem__("0.weight", np.zeros((20, 32), np.float32)), "0.weight"),
+])
+def test_load_state_dict_rejects_bad_keys_and_shapes(backend, change, key):
+    model = _mlp(backend)
+    state = model.state_dict()
+    before = {k: v.copy() for k, v in state.items()}
+    change(state)
+    with raises_naming((KeyError, ValueError, RuntimeError), key):
+        model.load_state_dict(state)
+    if key != "4.weight":
+        # Nothing is half-loaded: the parameters keep their values.
+        for k, v in model.state_dict().items():
+            np.testing.assert_array_equal(v, before[k])
+
+
+def test_train_eval_and_dropout_module(backend):
+    netcl.manual_seed(0)
+    drop = netcl.Dropout(0.5)
+    layer = netcl.Linear(10, 40, queue=backend.queue)
+    model = netcl.Sequential(layer, drop)
+    x = tensor(np.random.default_rng(13).standard_normal((30, 10)), backend)
+    assert model.training and drop.training
+    model.eval()
+    assert not model.training and not drop.training
+    out_eval = host(model(x))
+    np.testing.assert_array_equal(out_eval, host(layer(x)))
+    assert np.count_nonzero(out_eval == 0) == 0
+    model.train()
+    assert model.training and drop.training
+    out_train = host(model(x))
+    dropped = out_train == 0
+    assert 0.3 < dropped.mean() < 0.7
+    np.testing.assert_allclose(out_train[~dropped], 2 * out_eval[~dropped], rtol=1e-6)
+
+
+@pytest.mark.parametrize("module, fn", [
+    (lambda: netcl.ReLU(), F.relu), (lambda: netcl.Tanh(), F.tanh),
+    (lambda: netcl.Sigmoid(), F.sigmoid), (lambda: netcl.GELU(), F.gelu),
+    (lambda: netcl.Flatten(), F.flatten),
+])
+def test_activation_modules_match_functional(backend, module, fn):
+    x = tensor(np.random.default_rng(14).standard_normal((4, 3, 5)), backend)
+    m = module()
+    assert list(m.parameters()) == []
+    out = host(m(x))
+    np.testing.assert_array_equal(out, host(fn(x)))
+    if isinstance(m, netcl.Flatten):
+        assert out.shape == (4, 15)
+
+
+# ---------------------------------------------------------------------------------------------
+# save / load
+# ---------------------------------------------------------------------------------------------
+
+def test_save_load_round_trip(backend, tmp_path):
+    model = _mlp(backend, seed=3)
+    state = model.state_dict()
+    state["steps"] = np.array(7, np.int32)
+    path = str(tmp_path / "weights.ckpt")
+    netcl.save(state, path)
+    assert os.listdir(tmp_path) == ["weights.ckpt"]
+    loaded = netcl.load(path)
+    assert sorted(loaded) == sorted(state)
+    for key, value in state.items():
+        assert isinstance(loaded[key], np.ndarray)
+        assert loaded[key].dtype == value.dtype
+        np.testing.assert_array_equal(loaded[key], value)
+    del loaded["steps"]
+    other = _mlp(backend, seed=4)
+    other.load_state_dict(loaded)
+    x = tensor(np.ones((2, 20), np.float32), backend)
+    np.testing.assert_array_equal(host(other(x)), host(model(x)))
+
+
+class _Booby:
+    """Unpickling this creates a file: proof that a loader ran pickle."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_load_refuses_pickled_objects(tmp_path):
+    marker = str(tmp_path / "unpickled")
+    path = str(tmp_path / "evil.npz")
+    np.savez(path, weight=np.array([_Booby(marker)], dtype=object))
+    with pytest.raises(ValueError):
+        netcl.load(path)
+    assert not os.path.exists(marker), "netcl.load unpickled an object"
+
+
+def test_load_missing_key_names_it(backend, tmp_path):
+    model = _mlp(backend)
+    state = model.state_dict()
+    del state["0.bias"]
+    path = str(tmp_path / "partial.npz")
+    netcl.save(state, path)
+    with raises_naming((KeyError, ValueError, RuntimeError), "0.bias"):
+        model.load_state_dict(netcl.load(path))
+
+
+# ---------------------------------------------------------------------------------------------
+# optim.SGD
+# ---------------------------------------------------------------------------------------------
+
+def _sgd_reference(params, grads_per_step, lrs, momentum, weight_decay, nesterov):
+    """PyTorch's SGD rule (torch/optim/sgd.py, _single_tensor_sgd, dampening=0) in NumPy:
+        d_p = grad + weight_decay * p
+        buf = d_p on the first step, else momentum * buf + d_p
+        d_p = d_p + momentum * buf if nesterov else buf       (only when momentum != 0)
+        p  -= lr * d_p
+    """
+    params = [p.astype(np.float64) for p in params]
+    bufs = [None] * len(params)
+    history = []
+    for grads, lr in zip(grads_per_step, lrs):
+        for i, (p, g) in enumerate(zip(params, grads)):
+            d_p = g + weight_decay * p if weight_decay else g.copy()
+            if momentum:
+                bufs[i] = d_p.copy() if bufs[i] is None else momentum * bufs[i] + d_p
+                d_p = d_p + momentum * bufs[i] if nesterov else bufs[i]
+            params[i] = p - lr * d_p
+        history.append([p.copy() for p in params])
+    return history
+
+
+def _set_grads(params, grads):
+    """Give each parameter exactly `grad` through a backward pass: d/dp sum(p * g) = g."""
+    with netcl.Tape() as tape:
+        loss = sum(((p * g).sum() for p, g in zip(params, grads)), start=0.0)
+    tape.backward(loss)
+
+
+@pytest.mark.parametrize("momentum, weight_decay, nesterov", [
+    (0.0, 0.0, False), (0.9, 0.0, False), (0.0, 0.01, False), (0.5, 0.1, False),
+    (0.9, 0.01, True), (0.8, 0.0, True),
+])
+def test_sgd_matches_pytorch_rule(backend, momentum, weight_decay, nesterov):
+    rng = np.random.default_rng(15)
+    shapes = [(5, 3), (3,), (2, 2, 2)]
+    initial = [rng.standard_normal(s).astype(np.float32) for s in shapes]
+    params = [param(p, backend) for p in initial]
+    opt = netcl.SGD(params, lr=0.1, momentum=momentum, weight_decay=weight_decay,
+                    nesterov=nesterov)
+    steps = 5
+    grads_per_step = [[rng.standard_normal(s).astype(np.float32) for s in shapes]
+                      for _ in range(steps)]
+    lrs = [0.1, 0.1, 0.05, 0.05, 0.2]
+    expected = _sgd_reference(initial, grads_per_step, lrs, momentum, weight_decay, nesterov)
+    for step in range(steps):
+        opt.lr = lrs[step]
+        assert opt.lr == lrs[step]
+        opt.zero_grad()
+        _set_grads(params, grads_per_step[step])
+        opt.step()
+        for p, e in zip(params, expected[step]):
+            np.testing.assert_allclose(host(p), e, rtol=1e-5, atol=1e-6,
+                                       err_msg=f"after step {step + 1}")
+
+
+def test_sgd_zero_grad_and_untouched_parameters(backend):
+    rng = np.random.default_rng(16)
+    used_host = rng.standard_normal((4, 3)).astype(np.float32)
+    unused_host = rng.standard_normal((4, 3)).astype(np.float32)
+    used, unused = param(used_host, backend), param(unused_host, backend)
+    opt = netcl.SGD([used, unused], lr=0.1, momentum=0.9, weight_decay=0.1)
+    for _ in range(3):
+        opt.zero_grad()
+        assert used.grad is None and unused.grad is None
+        _set_grads([used], [np.ones((4, 3), np.float32)])
+        assert used.grad is not None and unused.grad is None
+        opt.step()
+    np.testing.assert_array_equal(host(unused), unused_host)
+    assert not np.allclose(host(used), used_host)
+    opt.zero_grad()
+    assert used.grad is None
+
+
+def test_sgd_state_dict_round_trip(backend):
+    rng = np.random.default_rng(17)
+    initial = rng.standard_normal((6, 2)).astype(np.float32)
+    grads = [rng.standard_normal((6, 2)).astype(np.float32) for _ in range(4)]
+    a = param(initial, backend)
+    opt_a = netcl.SGD([a], lr=0.1, momentum=0.9)
+    for g in grads[:2]:
+        opt_a.zero_grad()
+        _set_grads([a], [g])
+        opt_a.step()
+    state = opt_a.state_dict()
+    assert isinstance(state, dict)
+    b = param(host(a), backend)
+    opt_b = netcl.SGD([b], lr=0.1, momentum=0.9)
+    opt_b.load_state_dict(state)
+    for g in grads[2:]:
+        for p, opt in [(a, opt_a), (b, opt_b)]:
+            opt.zero_grad()
+            _set_grads([p], [g])
+            opt.step()
+    np.testing.assert_allclose(host(b), host(a), rtol=1e-6, atol=1e-7)
+
+
+# ---------------------------------------------------------------------------------------------
+# alias modules
+# ---------------------------------------------------------------------------------------------
+
+def test_alias_modules(backend):
+    from netcl.optim import SGD
+    import netcl.autograd as ag
+    from netcl.functional import relu
+    import netcl.nn
+    import netcl.manager
+    assert SGD is netcl.SGD
+    assert relu is netcl.relu
+    assert netcl.nn.Linear is netcl.Linear and netcl.nn.Sequential is netcl.Sequential
+    assert netcl.manager.default("cpu") is netcl.manager.default("cpu")
+    x = param(np.array([[-1.0, 2.0]], np.float32), backend)
+    with ag.Tape() as tape:
+        loss = relu(x).sum()
+    tape.backward(loss)
+    np.testing.assert_array_equal(host(x.grad), [[0.0, 1.0]])
+
+
+# ---------------------------------------------------------------------------------------------
+# integration: the tutorial model
+# ---------------------------------------------------------------------------------------------
+
+def test_tutorial_mlp_on_digits(backend):
+    datasets = pytest.importorskip("sklearn.datasets")
+    model_selection = pytest.importorskip("sklearn.model_selection")
+    digits = datasets.load_digits()
+    x = (digits.data / 16.0).astype(np.float32)
+    x_train, x_test, y_train, y_test = model_selection.train_test_split(
+        x, digits.target, test_size=0.2, random_state=0, stratify=digits.target)
+    netcl.manual_seed(0)
+    q = backend.queue
+    model = netcl.Sequential(netcl.Linear(64, 128, queue=q), netcl.ReLU(),
+                             netcl.Linear(128, 10, queue=q))
+    opt = netcl.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    rng = np.random.default_rng(0)
+    batch = 32
+    for _ in range(15):
+        order = rng.permutation(len(x_train))
+        for start in range(0, len(order), batch):
+            idx = order[start:start + batch]
+            with netcl.Tape() as tape:
+                xb = tensor(x_train[idx], backend)                        # (B, 64)
+                yb = tensor(y_train[idx].astype(np.int32), backend)       # (B,) int32
+                loss = F.cross_entropy(model(xb), yb)
+            opt.zero_grad()
+            tape.backward(loss)
+            opt.step()
+    model.eval()
+    logits = host(model(tensor(x_test, backend)))
+    accuracy = (logits.argmax(axis=1) == y_test).mean()
+    assert accuracy >= 0.95, f"test accuracy {accuracy:.3f}"
