@@ -93,41 +93,58 @@ __kernel void transpose2d(const int rows, const int cols, __global const float* 
 
 // --- GEMM: C (M, N) = op(A) (M, K) @ op(B) (K, N) [+ bias (N)], op = identity or transpose.
 // Backward needs A^T B and A B^T; the layout is a macro argument, so no transpose is ever
-// materialised. Each 16x16 work-group computes a 64x64 tile of C, each work-item a 4x4 block
-// of it (rows ty+16i, columns tx+16j, so stores stay coalesced), staging 16-deep slices of A
-// and B in local memory. Out-of-range elements load as zero, so any M, N, K works.
-#define TILE 64
+// materialised. A 16x16 work-group computes a TILE x TILE block of C, TILE = 16 * WPT, each
+// work-item a WPT x WPT block of it, staging 16-deep slices of op(A) and op(B) in local
+// memory. Out-of-range elements load as zero, so any M, N, K works.
+// - Global loads are coalesced: consecutive work-items read consecutive addresses, along k
+//   (K_FAST) or along m/n, whichever is contiguous in the operand's layout.
+// - Each work-item owns rows {h*64 + ty*4 + 0..3} and columns {h*64 + tx*4 + 0..3} for
+//   h < WPT/4, so it reads its operands from local memory as float4s, and neighbouring
+//   work-items read neighbouring float4s (no bank conflicts); rows are padded by 4 floats so
+//   the k-fast stores into local memory spread over the banks.
+// WPT = 4 (64x64 tiles) keeps small products spread over many work-groups; WPT = 8 (128x128)
+// does twice the arithmetic per local-memory read, for large products.
 #define TILE_K 16
-#define GEMM(NAME, A_AT, B_AT)                                                                 \
+#define GEMM(NAME, WPT, A_AT, A_K_FAST, B_AT, B_K_FAST)                                        \
 __kernel __attribute__((reqd_work_group_size(16, 16, 1)))                                      \
 void NAME(const int M, const int N, const int K, const int has_bias,                           \
           __global const float* A, __global const float* B, __global const float* bias,        \
           __global float* C) {                                                                 \
-    __local float As[TILE_K][TILE];                                                            \
-    __local float Bs[TILE_K][TILE];                                                            \
+    const int TILE = 16 * WPT;                                                                 \
+    __local float As[TILE_K][16 * WPT + 4];                                                    \
+    __local float Bs[TILE_K][16 * WPT + 4];                                                    \
     const int tx = get_local_id(0), ty = get_local_id(1), lid = ty * 16 + tx;                  \
     const int row0 = get_group_id(1) * TILE, col0 = get_group_id(0) * TILE;                    \
-    float acc[4][4];                                                                           \
-    for (int i = 0; i < 4; ++i) for (int j = 0; j < 4; ++j) acc[i][j] = 0.0f;                  \
+    float acc[WPT][WPT];                                                                       \
+    for (int i = 0; i < WPT; ++i) for (int j = 0; j < WPT; ++j) acc[i][j] = 0.0f;              \
     for (int k0 = 0; k0 < K; k0 += TILE_K) {                                                   \
-        for (int l = 0; l < 4; ++l) {  /* 256 work-items load 1024 elements of each tile */    \
-            const int e = lid + 256 * l, m = e % TILE, k = e / TILE;                           \
-            const int gm = row0 + m, gn = col0 + m, gk = k0 + k;                               \
-            As[k][m] = (gm < M && gk < K) ? A_AT(gm, gk) : 0.0f;                               \
-            Bs[k][m] = (gn < N && gk < K) ? B_AT(gk, gn) : 0.0f;                               \
+        for (int l = 0; l < WPT; ++l) {  /* 256 work-items load TILE * 16 elements of each */  \
+            const int e = lid + 256 * l;                                                       \
+            const int am = A_K_FAST ? e / TILE_K : e % TILE, ak = A_K_FAST ? e % TILE_K : e / TILE; \
+            const int bn = B_K_FAST ? e / TILE_K : e % TILE, bk = B_K_FAST ? e % TILE_K : e / TILE; \
+            As[ak][am] = (row0 + am < M && k0 + ak < K) ? A_AT(row0 + am, k0 + ak) : 0.0f;    \
+            Bs[bk][bn] = (col0 + bn < N && k0 + bk < K) ? B_AT(k0 + bk, col0 + bn) : 0.0f;    \
         }                                                                                      \
         barrier(CLK_LOCAL_MEM_FENCE);                                                          \
         for (int k = 0; k < TILE_K; ++k) {                                                     \
-            float a[4], b[4];                                                                  \
-            for (int i = 0; i < 4; ++i) a[i] = As[k][ty + 16 * i];                             \
-            for (int j = 0; j < 4; ++j) b[j] = Bs[k][tx + 16 * j];                             \
-            for (int i = 0; i < 4; ++i) for (int j = 0; j < 4; ++j) acc[i][j] += a[i] * b[j];  \
+            float a[WPT], b[WPT];                                                              \
+            for (int h = 0; h < WPT / 4; ++h) {                                                \
+                const float4 a4 = vload4(0, &As[k][h * 64 + ty * 4]);                          \
+                const float4 b4 = vload4(0, &Bs[k][h * 64 + tx * 4]);                          \
+                a[4 * h] = a4.x; a[4 * h + 1] = a4.y; a[4 * h + 2] = a4.z; a[4 * h + 3] = a4.w; \
+                b[4 * h] = b4.x; b[4 * h + 1] = b4.y; b[4 * h + 2] = b4.z; b[4 * h + 3] = b4.w; \
+            }                                                                                  \
+            for (int i = 0; i < WPT; ++i) for (int j = 0; j < WPT; ++j) acc[i][j] += a[i] * b[j]; \
         }                                                                                      \
         barrier(CLK_LOCAL_MEM_FENCE);                                                          \
     }                                                                                          \
-    for (int i = 0; i < 4; ++i) for (int j = 0; j < 4; ++j) {                                  \
-        const int r = row0 + ty + 16 * i, c = col0 + tx + 16 * j;                              \
-        if (r < M && c < N) C[r * N + c] = acc[i][j] + (has_bias ? bias[c] : 0.0f);            \
+    for (int i = 0; i < WPT; ++i) {                                                            \
+        const int r = row0 + (i / 4) * 64 + ty * 4 + i % 4;                                    \
+        if (r >= M) continue;                                                                  \
+        for (int j = 0; j < WPT; ++j) {                                                        \
+            const int c = col0 + (j / 4) * 64 + tx * 4 + j % 4;                                \
+            if (c < N) C[r * N + c] = acc[i][j] + (has_bias ? bias[c] : 0.0f);                 \
+        }                                                                                      \
     }                                                                                          \
 }
 
@@ -135,9 +152,12 @@ void NAME(const int M, const int N, const int K, const int has_bias,            
 #define A_COLMAJOR(m, k) A[(k) * M + (m)]   // A stored (K, M): op(A) = A^T
 #define B_ROWMAJOR(k, n) B[(k) * N + (n)]   // B stored (K, N)
 #define B_COLMAJOR(k, n) B[(n) * K + (k)]   // B stored (N, K): op(B) = B^T
-GEMM(gemm_nn, A_ROWMAJOR, B_ROWMAJOR)
-GEMM(gemm_nt, A_ROWMAJOR, B_COLMAJOR)
-GEMM(gemm_tn, A_COLMAJOR, B_ROWMAJOR)
+GEMM(gemm_nn, 4, A_ROWMAJOR, 1, B_ROWMAJOR, 0)
+GEMM(gemm_nt, 4, A_ROWMAJOR, 1, B_COLMAJOR, 1)
+GEMM(gemm_tn, 4, A_COLMAJOR, 0, B_ROWMAJOR, 0)
+GEMM(gemm_nn_big, 8, A_ROWMAJOR, 1, B_ROWMAJOR, 0)
+GEMM(gemm_nt_big, 8, A_ROWMAJOR, 1, B_COLMAJOR, 1)
+GEMM(gemm_tn_big, 8, A_COLMAJOR, 0, B_ROWMAJOR, 0)
 
 // --- GEMM for CPU devices (PoCL). Local memory is slow there and wide vector loads are
 // fast, so both operands are first packed (transposing if asked, padding with zeros) into

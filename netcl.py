@@ -93,6 +93,7 @@ class Device:
             # The GEMM variant: local-memory tiles on GPUs, packed float8 rows on CPUs (PoCL),
             # where local memory is slow and wide vector loads are fast (PERF-NOTES).
             self.gemm = "packed" if cl_device.type & cl.device_type.CPU else "tiled"
+            self.compute_units = cl_device.max_compute_units
             self._build_program()
 
     def __repr__(self):
@@ -977,8 +978,11 @@ def _gemm(a, b, trans_a=False, trans_b=False, bias=None):
                         int(bias is not None), A.data, B.data,
                         bias.data if bias is not None else None, out.data)
     elif M and N:
-        kernel = "gemm_tn" if trans_a else ("gemm_nt" if trans_b else "gemm_nn")
-        a.device.launch(kernel, (-(-N // 64) * 16, -(-M // 64) * 16), (16, 16), M, N, K,
+        # 128x128 tiles when there are enough of them to fill every compute unit, else 64x64.
+        big = -(-M // 128) * -(-N // 128) >= a.device.compute_units
+        tile = 128 if big else 64
+        kernel = ("gemm_tn" if trans_a else "gemm_nt" if trans_b else "gemm_nn") + ("_big" if big else "")
+        a.device.launch(kernel, (-(-N // tile) * 16, -(-M // tile) * 16), (16, 16), M, N, K,
                         int(bias is not None), a.data, b.data,
                         bias.data if bias is not None else None, out.data)
     return out
