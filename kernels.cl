@@ -1,8 +1,8 @@
 // kernels.cl — every OpenCL kernel netcl runs, in OpenCL C 1.2.
 //
 // The sections follow netcl.py's order, so the two files can be read side by side:
-// autograd (gradient accumulation) -> operations (elementwise, GEMM, reductions, softmax,
-// cross-entropy, dropout) -> optimizers.
+// autograd (gradient accumulation) -> operations (elementwise, GEMM, convolution and pooling,
+// reductions, softmax, cross-entropy, dropout) -> optimizers.
 //
 // Conventions:
 // - Every kernel takes its sizes first, then runtime scalars, then buffers; a shape comment
@@ -212,6 +212,144 @@ __kernel void gemm_packed(const int M, const int N, const int K, const int Np, c
     for (int r = 0; r < 4 && row + r < M; ++r)
         for (int c = 0; c < 16 && col + c < N; ++c)
             C[(row + r) * N + col + c] = out[r][c] + (has_bias ? bias[col + c] : 0.0f);
+}
+
+// --- convolution and pooling on NCHW images. Every kernel takes the window geometry in this
+// order: input plane (H, W), kernel (R, S), stride (SH, SW), padding (PH, PW) on each side,
+// output plane (OH, OW). Backward kernels gather: one work-item per input pixel sums the
+// outputs whose window covers it, so no two work-items write one place and nothing is atomic.
+#define WINDOW_ARGS const int H, const int W, const int R, const int S, const int SH,            \
+                    const int SW, const int PH, const int PW, const int OH, const int OW
+
+// The outputs whose window covers padded row hp: oh in [lo, hi], with lo = ceil((hp-R+1)/SH).
+#define COVERING(hp, R, SH, OH, lo, hi)                                                        \
+    const int lo = (hp) < (R) ? 0 : ((hp) - (R)) / (SH) + 1;                                   \
+    const int hi = (hp) / (SH) < (OH) - 1 ? (hp) / (SH) : (OH) - 1;
+
+// x (N, C, H, W) -> cols (C*R*S, nb*OH*OW) for samples n0 .. n0+nb-1: column (n, oh, ow) holds
+// the window of that output pixel, row (c, r, s) one of its taps; zero over padding. A 2-D
+// launch over (output pixel, channel): each work-item copies its R*S taps, so the index
+// arithmetic (integer division is slow on CPUs) is shared by R*S values, and neighbouring
+// work-items still write neighbouring addresses.
+__kernel void im2col(const int n0, const int nb, const int C, WINDOW_ARGS,
+                     __global const float* x, __global float* cols) {
+    const int p = get_global_id(0), c = get_global_id(1), P = nb * OH * OW;
+    if (p >= P) return;
+    const int q = p / OW, ow = p - q * OW, n = q / OH, oh = q - n * OH;
+    __global const float* plane = x + ((n0 + n) * C + c) * H * W;
+    __global float* column = cols + c * R * S * P + p;
+    for (int r = 0; r < R; ++r) {
+        const int h = oh * SH - PH + r;
+        for (int s = 0; s < S; ++s) {
+            const int w = ow * SW - PW + s;
+            const int inside = h >= 0 && h < H && w >= 0 && w < W;
+            column[(r * S + s) * P] = inside ? plane[h * W + w] : 0.0f;
+        }
+    }
+}
+
+// dcols (C*R*S, nb*OH*OW) -> dx (N, C, H, W) for samples n0 .. n0+nb-1: the adjoint of im2col,
+// each input pixel summing the column entries that were copies of it. A 2-D launch over
+// (input pixel, channel), as im2col.
+__kernel void col2im(const int n0, const int nb, const int C, WINDOW_ARGS,
+                     __global const float* dcols, __global float* dx) {
+    const int i = get_global_id(0), c = get_global_id(1), P = nb * OH * OW;
+    if (i >= nb * H * W) return;
+    const int q = i / W, w = i - q * W, n = q / H, h = q - n * H;
+    const int hp = h + PH, wp = w + PW;
+    COVERING(hp, R, SH, OH, oh_lo, oh_hi)
+    COVERING(wp, S, SW, OW, ow_lo, ow_hi)
+    __global const float* taps = dcols + c * R * S * P + n * OH * OW;
+    float acc = 0.0f;
+    for (int oh = oh_lo; oh <= oh_hi; ++oh) {
+        const int r = hp - oh * SH;
+        for (int ow = ow_lo; ow <= ow_hi; ++ow) {
+            const int s = wp - ow * SW;
+            acc += taps[(r * S + s) * P + oh * OW + ow];
+        }
+    }
+    dx[(((n0 + n) * C + c) * H + h) * W + w] = acc;
+}
+
+// x (A, B, L) from element x_offset -> out (B, A, L) from element out_offset, + bias (A) when
+// has_bias: conv2d's GEMM output (K, N, OH*OW) into NCHW, and its gradient back.
+__kernel void swap_axes01(const int A, const int B, const int L, const int x_offset,
+                          const int out_offset, const int has_bias, __global const float* x,
+                          __global const float* bias, __global float* out) {
+    const int i = get_global_id(0);
+    if (i >= A * B * L) return;
+    const int q = i / L, l = i - q * L, b = q / A, a = q - b * A;
+    out[out_offset + i] = x[x_offset + (a * B + b) * L + l] + (has_bias ? bias[a] : 0.0f);
+}
+
+// x (planes, H, W) -> out, argmax (planes, OH, OW): the window's maximum over its real pixels
+// (padding is -inf) and the index h * W + w of the first one, as PyTorch; NaN wins, the first.
+__kernel void max_pool2d_fwd(const int planes, WINDOW_ARGS, __global const float* x,
+                             __global float* out, __global int* argmax) {
+    const int i = get_global_id(0);
+    if (i >= planes * OH * OW) return;
+    const int ow = i % OW, oh = (i / OW) % OH;
+    __global const float* plane = x + (i / (OH * OW)) * H * W;
+    const int h0 = oh * SH - PH, w0 = ow * SW - PW;
+    const int h_start = h0 > 0 ? h0 : 0, h_end = h0 + R < H ? h0 + R : H;
+    const int w_start = w0 > 0 ? w0 : 0, w_end = w0 + S < W ? w0 + S : W;
+    float best = -INFINITY;
+    int best_at = h_start * W + w_start;
+    for (int h = h_start; h < h_end; ++h) {
+        for (int w = w_start; w < w_end; ++w) {
+            const float v = plane[h * W + w];
+            if (v > best || (isnan(v) && !isnan(best))) { best = v; best_at = h * W + w; }
+        }
+    }
+    out[i] = best;
+    argmax[i] = best_at;
+}
+
+// g, argmax (planes, OH, OW) -> dx (planes, H, W): each pixel sums g over the windows it won.
+__kernel void max_pool2d_bwd(const int planes, WINDOW_ARGS, __global const float* g,
+                             __global const int* argmax, __global float* dx) {
+    const int i = get_global_id(0);
+    if (i >= planes * H * W) return;
+    const int w = i % W, h = (i / W) % H, base = (i / (H * W)) * OH * OW;
+    COVERING(h + PH, R, SH, OH, oh_lo, oh_hi)
+    COVERING(w + PW, S, SW, OW, ow_lo, ow_hi)
+    float acc = 0.0f;
+    for (int oh = oh_lo; oh <= oh_hi; ++oh)
+        for (int ow = ow_lo; ow <= ow_hi; ++ow) {
+            const int j = base + oh * OW + ow;
+            acc += argmax[j] == h * W + w ? g[j] : 0.0f;
+        }
+    dx[i] = acc;
+}
+
+// x (planes, H, W) -> out (planes, OH, OW): the window's sum / (R*S), padded zeros counted.
+__kernel void avg_pool2d_fwd(const int planes, WINDOW_ARGS, __global const float* x,
+                             __global float* out) {
+    const int i = get_global_id(0);
+    if (i >= planes * OH * OW) return;
+    const int ow = i % OW, oh = (i / OW) % OH;
+    __global const float* plane = x + (i / (OH * OW)) * H * W;
+    const int h0 = oh * SH - PH, w0 = ow * SW - PW;
+    const int h_start = h0 > 0 ? h0 : 0, h_end = h0 + R < H ? h0 + R : H;
+    const int w_start = w0 > 0 ? w0 : 0, w_end = w0 + S < W ? w0 + S : W;
+    float acc = 0.0f;
+    for (int h = h_start; h < h_end; ++h)
+        for (int w = w_start; w < w_end; ++w) acc += plane[h * W + w];
+    out[i] = acc / (float)(R * S);
+}
+
+// g (planes, OH, OW) -> dx (planes, H, W): each pixel sums g / (R*S) over its windows.
+__kernel void avg_pool2d_bwd(const int planes, WINDOW_ARGS, __global const float* g,
+                             __global float* dx) {
+    const int i = get_global_id(0);
+    if (i >= planes * H * W) return;
+    const int w = i % W, h = (i / W) % H, base = (i / (H * W)) * OH * OW;
+    COVERING(h + PH, R, SH, OH, oh_lo, oh_hi)
+    COVERING(w + PW, S, SW, OW, ow_lo, ow_hi)
+    float acc = 0.0f;
+    for (int oh = oh_lo; oh <= oh_hi; ++oh)
+        for (int ow = ow_lo; ow <= ow_hi; ++ow) acc += g[base + oh * OW + ow];
+    dx[i] = acc / (float)(R * S);
 }
 
 // --- reductions. A reduction over one axis sees x as (outer, R, inner) and reduces R.

@@ -1287,6 +1287,226 @@ def mse_loss(input, target, reduction="mean"):
                                                        mean=reduction == "mean")
 
 
+# --- convolution and pooling ----------------------------------------------------------------
+# Images are NCHW. Each op slides an (R, S) window over the (H, W) plane, padded by (PH, PW)
+# on every side, in steps of (SH, SW); output sizes round down, as PyTorch. The NumPy versions
+# view every window at once through stride tricks. On OpenCL, conv2d is im2col + the GEMM
+# above: copying the windows out costs memory (C*R*S values per output pixel) but lets the
+# one tuned GEMM do all the arithmetic, so conv2d gets faster whenever the GEMM does, with no
+# second tuned kernel to keep per device (an implicit-GEMM kernel would need one).
+# Every backward is a gather (one work-item per input pixel sums what it fed): no atomics.
+
+def _pair(op, name, value, minimum):
+    """kernel_size, stride or padding: an int or a pair of ints, each >= minimum (as PyTorch)."""
+    pair = (value, value) if isinstance(value, (int, np.integer)) else value
+    if not (isinstance(pair, (tuple, list)) and len(pair) == 2 and all(
+            isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v >= minimum
+            for v in pair)):
+        kind = "positive" if minimum else "non-negative"
+        raise ValueError(f"{op}: {name} must be a {kind} int or a pair of them, got {value!r}")
+    return int(pair[0]), int(pair[1])
+
+
+def _window(op, x_shape, kernel, stride, padding):
+    """The geometry (H, W, R, S, SH, SW, PH, PW, OH, OW) of a kernel sliding over x (N, C, H, W):
+    the order of kernels.cl's WINDOW_ARGS. Raises if the kernel is larger than the padded input."""
+    if len(x_shape) != 4:
+        raise ValueError(f"{op}: input must be 4-D (N, C, H, W), got shape {x_shape}")
+    H, W = x_shape[2:]
+    (R, S), (SH, SW), (PH, PW) = kernel, stride, padding
+    if R > H + 2 * PH or S > W + 2 * PW:
+        raise ValueError(f"{op}: kernel ({R}, {S}) is larger than the padded input "
+                         f"({H + 2 * PH}, {W + 2 * PW}) (input {x_shape}, padding {padding})")
+    return H, W, R, S, SH, SW, PH, PW, (H + 2 * PH - R) // SH + 1, (W + 2 * PW - S) // SW + 1
+
+
+def _windows_numpy(x, window, pad_value):
+    """x (N, C, H, W) -> (N, C, OH, OW, R, S), every window of the padded x: a strided view."""
+    H, W, R, S, SH, SW, PH, PW, OH, OW = window
+    padded = np.pad(x, ((0, 0), (0, 0), (PH, PH), (PW, PW)), constant_values=pad_value)
+    return np.lib.stride_tricks.sliding_window_view(padded, (R, S), axis=(2, 3))[:, :, ::SH, ::SW]
+
+
+def _col2im_numpy(windows, window):
+    """The adjoint of _windows_numpy: windows (N, C, OH, OW, R, S) summed onto (N, C, H, W)."""
+    H, W, R, S, SH, SW, PH, PW, OH, OW = window
+    N, C = windows.shape[:2]
+    padded = np.zeros((N, C, H + 2 * PH, W + 2 * PW), windows.dtype)
+    for r in range(R):
+        for s in range(S):
+            padded[:, :, r:r + SH * OH:SH, s:s + SW * OW:SW] += windows[..., r, s]
+    return padded[:, :, PH:PH + H, PW:PW + W]
+
+
+_IM2COL_BYTES = 1 << 28  # conv2d's im2col buffer at most (256 MiB): larger batches go in chunks
+
+
+def _im2col(X, n0, nb, window):
+    """Samples n0 .. n0+nb-1 of x (N, C, H, W) -> cols (C*R*S, nb*OH*OW): column p holds the
+    window of output pixel p, zeros where it covers padding."""
+    H, W, R, S, SH, SW, PH, PW, OH, OW = window
+    C = X.shape[1]
+    cols = _like(X, (C * R * S, nb * OH * OW))
+    X.device.launch("im2col", (nb * OH * OW, C), (256, 1), n0, nb, C, *window, X.data, cols.data)
+    return cols
+
+
+def conv2d(x, w, b=None, stride=1, padding=0):
+    """x (N, C, H, W) with filters w (K, C, R, S) [+ b (K,)] -> (N, K, OH, OW), as PyTorch's
+    conv2d (a cross-correlation, zero padding):
+        out[n, k, i, j] = b[k] + sum over c, r, s of w[k, c, r, s] * x[n, c, i*SH + r, j*SW + s]
+    stride and padding are an int or a pair (height, width)."""
+    stride = _pair("conv2d", "stride", stride, 1)
+    padding = _pair("conv2d", "padding", padding, 0)
+    x, w, *rest = _nodes("conv2d", x, w, *(() if b is None else (b,)))
+    b = rest[0] if rest else None
+    if len(w.shape) != 4:
+        raise ValueError(f"conv2d: weight must be 4-D (K, C, R, S), got shape {w.shape}")
+    window = _window("conv2d", x.shape, w.shape[2:], stride, padding)
+    if x.shape[1] != w.shape[1]:
+        raise ValueError(f"conv2d: input {x.shape} has {x.shape[1]} channels, weight {w.shape} "
+                         f"expects {w.shape[1]}")
+    if b is not None and b.shape != (w.shape[0],):
+        raise ValueError(f"conv2d: bias shape {b.shape} != ({w.shape[0]},) for weight {w.shape}")
+    H, W, R, S, SH, SW, PH, PW, OH, OW = window
+    (N, C), K, L = x.shape[:2], w.shape[0], OH * OW
+    X, weight, bias = x.value, w.value, None if b is None else b.value
+    weight_rows = weight.reshape((K, C * R * S))  # a view: the GEMM's left operand
+    # im2col on the whole batch at once (fewer launches), in chunks of samples if too large.
+    per_chunk = max(1, _IM2COL_BYTES // max(1, C * R * S * L * X.dtype.itemsize))
+    chunks = [(n0, min(per_chunk, N - n0)) for n0 in range(0, N, per_chunk)]
+
+    out = _like(X, (N, K, OH, OW))
+    if X.device.backend == "cpu":
+        windows = _windows_numpy(X.data, window, 0.0)
+        out.data[...] = np.einsum("nchwrs,kcrs->nkhw", windows, weight.data, optimize=True)
+        if bias is not None:
+            out.data += bias.data.reshape(K, 1, 1)
+    elif out.size:
+        for n0, nb in chunks:
+            y = _gemm(weight_rows, _im2col(X, n0, nb, window))  # (K, nb*OH*OW)
+            X.device.launch("swap_axes01", *_grid(y.size), K, nb, L, 0, n0 * K * L,
+                            int(bias is not None), y.data, None if bias is None else bias.data,
+                            out.data)  # (K, nb, OH*OW) + bias -> out[n0:n0+nb] (nb, K, OH*OW)
+
+    def backward(g):  # g (N, K, OH, OW) -> dx (N, C, H, W), dw (K, C, R, S), db (K,)
+        # A gradient nobody needs is not computed: a first layer's input is data.
+        grad_x = _like(X) if x.requires_grad else None
+        grad_w = None
+        if g.device.backend == "cpu":
+            windows = _windows_numpy(X.data, window, 0.0)
+            if w.requires_grad:
+                grad_w = _like(weight)
+                grad_w.data[...] = np.einsum("nkhw,nchwrs->kcrs", g.data, windows, optimize=True)
+            if grad_x is not None:
+                grad_windows = np.einsum("nkhw,kcrs->nchwrs", g.data, weight.data, optimize=True)
+                grad_x.data[...] = _col2im_numpy(grad_windows, window)
+        else:
+            for n0, nb in chunks:
+                g_rows = _like(g, (K, nb * L))  # g[n0:n0+nb] (nb, K, OH*OW) -> (K, nb*OH*OW)
+                g.device.launch("swap_axes01", *_grid(g_rows.size), nb, K, L, n0 * K * L, 0, 0,
+                                g.data, None, g_rows.data)
+                if w.requires_grad:  # dw = g_rows @ cols^T, summed over the chunks
+                    part = _gemm(g_rows, _im2col(X, n0, nb, window), trans_b=True)
+                    if grad_w is None:
+                        grad_w = part.reshape(weight.shape)
+                    else:
+                        g.device.launch("accumulate", *_grid(part.size), part.size,
+                                        grad_w.data, part.data)
+                if grad_x is not None:  # dcols = w^T @ g_rows, then each pixel gathers its own
+                    grad_cols = _gemm(weight_rows, g_rows, trans_a=True)  # (C*R*S, nb*OH*OW)
+                    g.device.launch("col2im", (nb * H * W, C), (256, 1), n0, nb, C, *window,
+                                    grad_cols.data, grad_x.data)
+            if w.requires_grad and grad_w is None:  # an empty batch: no chunks
+                grad_w = _fill(weight.shape, 0.0, weight)
+        grad_b = None
+        if b is not None and b.requires_grad:  # sum over OH*OW, then over N
+            per_image = _sum_axis_tensor(g, N * K, L, 1)
+            grad_b = _sum_axis_tensor(per_image, 1, N, K).reshape((K,))
+        return (grad_x, grad_w) + ((grad_b,) if b is not None else ())
+    return _record(out, (x, w) + ((b,) if b is not None else ()), backward)
+
+
+def _pool_args(op, kernel_size, stride, padding):
+    """A pooling op's (kernel, stride, padding) as pairs; stride defaults to the kernel size."""
+    kernel = _pair(op, "kernel_size", kernel_size, 1)
+    stride = kernel if stride is None else _pair(op, "stride", stride, 1)  # PyTorch default
+    padding = _pair(op, "padding", padding, 0)
+    if padding[0] > kernel[0] // 2 or padding[1] > kernel[1] // 2:  # PyTorch's rule and words
+        raise ValueError(f"{op}: pad should be at most half of effective kernel size, but got "
+                         f"pad={padding}, kernel_size={kernel}")
+    return kernel, stride, padding
+
+
+def _pool_window(op, x, kernel_size, stride, padding):
+    """A pooling op's input as a Node, and its window geometry."""
+    args = _pool_args(op, kernel_size, stride, padding)
+    (x,) = _nodes(op, x)
+    return x, _window(op, x.shape, *args)
+
+
+def max_pool2d(x, kernel_size, stride=None, padding=0):
+    """The maximum of each window: x (N, C, H, W) -> (N, C, OH, OW). stride defaults to
+    kernel_size; padding is -inf. The gradient goes to the first maximum of each window in
+    row-major order (PyTorch's tie rule); NaN counts as the largest value."""
+    x, window = _pool_window("max_pool2d", x, kernel_size, stride, padding)
+    H, W, R, S, SH, SW, PH, PW, OH, OW = window
+    N, C = x.shape[:2]
+    X = x.value
+    out = _like(X, (N, C, OH, OW))
+    argmax = _like(X, (N, C, OH, OW), np.int32)  # the winner's index h * W + w in its plane
+    if X.device.backend == "cpu":
+        windows = _windows_numpy(X.data, window, -np.inf).reshape(N, C, OH, OW, R * S)
+        out.data[...] = windows.max(axis=-1)
+        r, s = np.divmod(windows.argmax(axis=-1), S)  # the first maximum; NaN wins
+        # A window of nothing but -inf picks its first element, maybe padding; clamping moves
+        # the pick to its first real pixel, as PyTorch.
+        h = np.maximum(np.arange(OH).reshape(OH, 1) * SH - PH + r, 0)
+        w = np.maximum(np.arange(OW) * SW - PW + s, 0)
+        argmax.data[...] = h * W + w
+    elif out.size:
+        X.device.launch("max_pool2d_fwd", *_grid(out.size), N * C, *window, X.data, out.data,
+                        argmax.data)
+
+    def backward(g):  # g (N, C, OH, OW) -> dx (N, C, H, W)
+        grad_x = _like(X)
+        if g.device.backend == "cpu":
+            planes = np.arange(N * C).reshape(N, C, 1, 1) * (H * W)
+            grad_x.data[...] = np.bincount((planes + argmax.data).ravel(), g.data.ravel(),
+                                           N * C * H * W).reshape(X.shape)
+        elif grad_x.size:
+            g.device.launch("max_pool2d_bwd", *_grid(grad_x.size), N * C, *window, g.data,
+                            argmax.data, grad_x.data)
+        return (grad_x,)
+    return _record(out, (x,), backward)
+
+
+def avg_pool2d(x, kernel_size, stride=None, padding=0):
+    """The mean of each window: x (N, C, H, W) -> (N, C, OH, OW). stride defaults to
+    kernel_size; padded zeros count in the mean (PyTorch's default count_include_pad=True)."""
+    x, window = _pool_window("avg_pool2d", x, kernel_size, stride, padding)
+    H, W, R, S, SH, SW, PH, PW, OH, OW = window
+    N, C = x.shape[:2]
+    X = x.value
+    out = _like(X, (N, C, OH, OW))
+    if X.device.backend == "cpu":
+        out.data[...] = _windows_numpy(X.data, window, 0.0).mean(axis=(-2, -1))
+    elif out.size:
+        X.device.launch("avg_pool2d_fwd", *_grid(out.size), N * C, *window, X.data, out.data)
+
+    def backward(g):  # g (N, C, OH, OW) -> dx (N, C, H, W): each window's share, g / (R*S)
+        grad_x = _like(X)
+        if g.device.backend == "cpu":
+            shares = np.broadcast_to((g.data / (R * S)).reshape(N, C, OH, OW, 1, 1),
+                                     (N, C, OH, OW, R, S))
+            grad_x.data[...] = _col2im_numpy(shares, window)
+        elif grad_x.size:
+            g.device.launch("avg_pool2d_bwd", *_grid(grad_x.size), N * C, *window, g.data,
+                            grad_x.data)
+        return (grad_x,)
+    return _record(out, (x,), backward)
+
+
 # --- dropout ----------------------------------------------------------------------------------
 
 def _fmix32(h):
@@ -1438,6 +1658,43 @@ class Linear(Module):
     def forward(self, x):
         """x (..., in_features) -> (..., out_features)."""
         return linear(x, self.weight, self.bias)
+
+
+class Conv2d(Module):
+    """2-D convolution over (N, C, H, W) input, weight (out_channels, in_channels, kh, kw);
+    PyTorch's initialisation: weight and bias ~ U(-1/sqrt(fan_in), 1/sqrt(fan_in)),
+    fan_in = in_channels * kh * kw. kernel_size, stride and padding: an int or a pair."""
+
+    def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, bias=True, *,
+                 queue=None):
+        super().__init__()
+        self.in_channels = _check_positive_int("in_channels", in_channels)
+        self.out_channels = _check_positive_int("out_channels", out_channels)
+        self.kernel_size = _pair("Conv2d", "kernel_size", kernel_size, 1)
+        self.stride = _pair("Conv2d", "stride", stride, 1)
+        self.padding = _pair("Conv2d", "padding", padding, 0)
+        bound = 1.0 / math.sqrt(self.in_channels * math.prod(self.kernel_size))
+        self.weight = _uniform_parameter((self.out_channels, self.in_channels) + self.kernel_size,
+                                         bound, queue)
+        self.bias = _uniform_parameter((self.out_channels,), bound, queue) if bias else None
+
+    def forward(self, x):
+        """x (N, in_channels, H, W) -> (N, out_channels, OH, OW)."""
+        return conv2d(x, self.weight, self.bias, self.stride, self.padding)
+
+
+class MaxPool2d(Module):
+    """max_pool2d as a module; stride defaults to kernel_size, padding (-inf) to 0."""
+
+    def __init__(self, kernel_size, stride=None, padding=0):
+        super().__init__()
+        _pool_args("MaxPool2d", kernel_size, stride, padding)  # errors at construction
+        self.kernel_size, self.padding = kernel_size, padding
+        self.stride = kernel_size if stride is None else stride  # as PyTorch stores it
+
+    def forward(self, x):
+        """x (N, C, H, W) -> (N, C, OH, OW)."""
+        return max_pool2d(x, self.kernel_size, self.stride, self.padding)
 
 
 class ReLU(Module):
@@ -1655,11 +1912,11 @@ functional = _alias(
     relu=relu, leaky_relu=leaky_relu, sigmoid=sigmoid, tanh=tanh, gelu=gelu, exp=exp, log=log,
     sum=reduce_sum, mean=reduce_mean, reshape=reshape, flatten=flatten, transpose=transpose,
     softmax=softmax, log_softmax=log_softmax, cross_entropy=cross_entropy, mse_loss=mse_loss,
-    dropout=dropout)
+    dropout=dropout, conv2d=conv2d, max_pool2d=max_pool2d, avg_pool2d=avg_pool2d)
 autograd = _alias("autograd", Node=Node, Parameter=Parameter, Tape=Tape, no_grad=no_grad)
 nn = _alias("nn", Module=Module, Linear=Linear, ReLU=ReLU, Tanh=Tanh, Sigmoid=Sigmoid,
             GELU=GELU, Dropout=Dropout, Flatten=Flatten, Sequential=Sequential,
-            Parameter=Parameter, functional=functional)
+            Conv2d=Conv2d, MaxPool2d=MaxPool2d, Parameter=Parameter, functional=functional)
 optim = _alias("optim", Optimizer=Optimizer, SGD=SGD)
 # Flat names for the reductions too (netcl.sum, netcl.mean), bound last so that nothing in
 # this file ever calls them by mistake for Python's built-in sum.
