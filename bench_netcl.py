@@ -172,6 +172,67 @@ def mlp_step_torch(sizes, batch, where):
     return fn, _torch_sync(where)
 
 
+CONV = dict(N=64, C=32, H=28, W=28, K=64, R=3, S=3, pad=1)
+CONV_FLOPS = 3 * 2 * 64 * 28 * 28 * 64 * 32 * 3 * 3  # forward, dx and dw products (stride 1)
+
+
+def _conv_arrays():
+    rng = np.random.default_rng(0)
+    c = CONV
+    return (rng.standard_normal((c["N"], c["C"], c["H"], c["W"]), np.float32),
+            (rng.standard_normal((c["K"], c["C"], c["R"], c["S"])) * 0.05).astype(np.float32),
+            rng.standard_normal(c["K"]).astype(np.float32),
+            rng.standard_normal((c["N"], c["K"], c["H"], c["W"]), np.float32))
+
+
+def conv_netcl(device):
+    """(fn, sync): conv2d forward, then backward for input, weight and bias."""
+    x, w, b, g = _conv_arrays()
+    params = [netcl.Parameter(netcl.Tensor.from_host(a, device.queue)) for a in (x, w, b)]
+    grad = netcl.Tensor.from_host(g, device.queue)
+
+    def fn():
+        for p in params:
+            p.grad = None
+        with netcl.Tape() as tape:
+            out = netcl.functional.conv2d(*params, padding=CONV["pad"])
+        tape.backward(out, grad=grad)
+    return fn, device.finish
+
+
+def conv_numpy():
+    """Plain NumPy im2col: forward by one product, dw and dx by products, col2im by slices."""
+    from numpy.lib.stride_tricks import sliding_window_view
+    x, w, b, g = _conv_arrays()
+    N, C, H, W, K, R, S, P = (CONV[k] for k in ("N", "C", "H", "W", "K", "R", "S", "pad"))
+
+    def fn():
+        padded = np.pad(x, ((0, 0), (0, 0), (P, P), (P, P)))
+        cols = sliding_window_view(padded, (R, S), axis=(2, 3)).transpose(0, 2, 3, 1, 4, 5)
+        cols = cols.reshape(N * H * W, C * R * S)
+        w_rows = w.reshape(K, C * R * S)
+        np.ascontiguousarray((cols @ w_rows.T).reshape(N, H, W, K).transpose(0, 3, 1, 2)
+                             + b.reshape(1, K, 1, 1))
+        g_pixels = g.transpose(0, 2, 3, 1).reshape(N * H * W, K)
+        g_pixels.T @ cols, g_pixels.sum(axis=0)
+        dcols = (g_pixels @ w_rows).reshape(N, H, W, C, R, S)
+        dpadded = np.zeros_like(padded)
+        for r in range(R):
+            for s_ in range(S):
+                dpadded[:, :, r:r + H, s_:s_ + W] += dcols[..., r, s_].transpose(0, 3, 1, 2)
+    return fn, (lambda: None)
+
+
+def conv_torch(where):
+    x, w, b, g = (torch.from_numpy(a).to(where) for a in _conv_arrays())
+    x.requires_grad_(), w.requires_grad_(), b.requires_grad_()
+
+    def fn():
+        out = torch.nn.functional.conv2d(x, w, b, padding=CONV["pad"])
+        out.backward(g)
+    return fn, _torch_sync(where)
+
+
 def launch_overhead(device, calls=2000):
     """Microseconds per enqueued elementwise op on a tiny tensor, one sync at the end."""
     x = netcl.Tensor.from_host(np.ones(256, np.float32), device.queue)
@@ -217,6 +278,10 @@ def test_mlp_small_step(benchmark, device):
     _bench(benchmark, *mlp_step_netcl(device, *mlp_sizes("small")))
 
 
+def test_conv2d_step(benchmark, device):
+    _bench(benchmark, *conv_netcl(device))
+
+
 def test_sgemm_1024_numpy(benchmark):
     _bench(benchmark, *sgemm_numpy(1024))
 
@@ -255,6 +320,11 @@ def measure(full=False):
             if name == "small" or full or where == "cuda":
                 cells[f"torch-{where}"] = batch / timeit(*mlp_step_torch(sizes, batch, where))
         rows.append((f"MLP {'-'.join(map(str, sizes))} b={batch} step", "samples/s", cells))
+    cells = {label: CONV_FLOPS / timeit(*conv_netcl(device)) / 1e9 for label, device in DEVICES}
+    cells["numpy"] = CONV_FLOPS / timeit(*conv_numpy()) / 1e9
+    for where in torch_places:
+        cells[f"torch-{where}"] = CONV_FLOPS / timeit(*conv_torch(where)) / 1e9
+    rows.append(("conv2d fwd+bwd (64,32,28,28) 64x3x3 pad 1", "GFLOP/s", cells))
     for label, device in DEVICES:
         sizes, batch = mlp_sizes("small")
         syncs, launches = syncs_per_step(device, sizes, batch)

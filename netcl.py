@@ -1665,11 +1665,10 @@ class Conv2d(Module):
     PyTorch's initialisation: weight and bias ~ U(-1/sqrt(fan_in), 1/sqrt(fan_in)),
     fan_in = in_channels * kh * kw. kernel_size, stride and padding: an int or a pair."""
 
-    def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, bias=True, *,
-                 queue=None):
+    def __init__(self, in_ch, out_ch, kernel_size, stride=1, padding=0, bias=True, *, queue=None):
         super().__init__()
-        self.in_channels = _check_positive_int("in_channels", in_channels)
-        self.out_channels = _check_positive_int("out_channels", out_channels)
+        self.in_channels = _check_positive_int("in_ch", in_ch)  # PyTorch's attribute names
+        self.out_channels = _check_positive_int("out_ch", out_ch)
         self.kernel_size = _pair("Conv2d", "kernel_size", kernel_size, 1)
         self.stride = _pair("Conv2d", "stride", stride, 1)
         self.padding = _pair("Conv2d", "padding", padding, 0)
