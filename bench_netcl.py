@@ -233,6 +233,36 @@ def conv_torch(where):
     return fn, _torch_sync(where)
 
 
+LOADER_SAMPLES, LOADER_FEATURES, LOADER_BATCH = 60000, 784, 128
+LOADER_CONFIGS = [  # (label, DataLoader keyword arguments, upload to the OpenCL device)
+    ("num_workers=0", {}, False),
+    ("num_workers=2", {"num_workers": 2}, False),
+    ("num_workers=2, use_shared_mem", {"num_workers": 2, "use_shared_mem": True}, False),
+    ("bind_queue, num_workers=0", {}, True),
+    ("bind_queue, num_workers=2, use_shared_mem", {"num_workers": 2, "use_shared_mem": True}, True),
+]
+
+
+def loader_epoch(kwargs, on_device):
+    """(fn, sync): one shuffled epoch over a 60000 x 784 float32 ArrayDataset, batch 128.
+    Worker start-up is inside the epoch (that is what an epoch costs); the consumer does
+    nothing with a batch, so this is the loader's ceiling."""
+    rng = np.random.default_rng(0)
+    dataset = netcl.ArrayDataset(rng.random((LOADER_SAMPLES, LOADER_FEATURES), dtype=np.float32),
+                                 rng.integers(0, 10, LOADER_SAMPLES))
+    loader = netcl.DataLoader(dataset, batch_size=LOADER_BATCH, seed=0, **kwargs)
+    sync = lambda: None
+    if on_device:
+        device = netcl.manager.default("opencl")
+        loader.bind_queue(device.queue)
+        sync = device.finish
+
+    def fn():
+        for _ in loader:
+            pass
+    return fn, sync
+
+
 def launch_overhead(device, calls=2000):
     """Microseconds per enqueued elementwise op on a tiny tensor, one sync at the end."""
     x = netcl.Tensor.from_host(np.ones(256, np.float32), device.queue)
@@ -282,6 +312,15 @@ def test_conv2d_step(benchmark, device):
     _bench(benchmark, *conv_netcl(device))
 
 
+@pytest.mark.parametrize("label, kwargs, on_device", LOADER_CONFIGS,
+                         ids=[config[0] for config in LOADER_CONFIGS])
+def test_loader_epoch(benchmark, label, kwargs, on_device):
+    if on_device and not any(d.backend == "opencl" for _, d in DEVICES):
+        pytest.skip("no OpenCL device")
+    fn, sync = loader_epoch(kwargs, on_device)
+    benchmark.pedantic(lambda: (fn(), sync()), rounds=2, iterations=1)
+
+
 def test_sgemm_1024_numpy(benchmark):
     _bench(benchmark, *sgemm_numpy(1024))
 
@@ -325,6 +364,13 @@ def measure(full=False):
     for where in torch_places:
         cells[f"torch-{where}"] = CONV_FLOPS / timeit(*conv_torch(where)) / 1e9
     rows.append(("conv2d fwd+bwd (64,32,28,28) 64x3x3 pad 1", "GFLOP/s", cells))
+    has_opencl = any(d.backend == "opencl" for _, d in DEVICES)
+    for label, kwargs, on_device in LOADER_CONFIGS:
+        if not on_device or has_opencl:
+            fn, sync = loader_epoch(kwargs, on_device)
+            seconds = timeit(fn, sync, min_seconds=0, min_calls=3, warmup=1)
+            rows.append((f"DataLoader epoch, {label}", "samples/s",
+                         {"netcl-opencl" if on_device else "netcl-cpu": LOADER_SAMPLES / seconds}))
     for label, device in DEVICES:
         sizes, batch = mlp_sizes("small")
         syncs, launches = syncs_per_step(device, sizes, batch)

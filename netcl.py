@@ -27,15 +27,22 @@ to what layers need), a graph compiler, or a distributed trainer.
 
 Set NETCL_DEBUG=1 to print each kernel build, NETCL_DEBUG=2 to also time every launch.
 """
-import builtins
 import contextlib
+import gzip
 import math
+import multiprocessing
+import multiprocessing.connection
 import os
+import signal
+import struct
 import sys
 import time
+import traceback
 import types
 import weakref
+import zlib
 from collections import OrderedDict, defaultdict, deque
+from multiprocessing import shared_memory
 
 import numpy as np
 
@@ -1894,6 +1901,472 @@ class SGD(Optimizer):
             self.momentum_buffers[i] = Tensor.from_host(buf, self.params[i].value.queue)
 
 
+# ============================================================================ data
+# A DataLoader turns a dataset (anything indexable that returns (x, y, *extra) tuples) into
+# batches of NumPy arrays, one epoch at a time. Three things can run ahead of the consumer:
+#   1. worker processes build the next batches (num_workers > 0),
+#   2. those batches travel back through reused shared-memory blocks instead of pickles
+#      (use_shared_mem=True),
+#   3. the next `prefetch` batches are already being copied to the device (bind_queue).
+# The order of batches never depends on any of this: it comes from the seed and the epoch alone.
+
+# How long stopping waits for workers to finish their current batch before it terminates them.
+_WORKER_JOIN_SECONDS = 2.0
+# Each field inside a shared-memory block starts on a 64-byte boundary (a cache line).
+_FIELD_ALIGN = 64
+
+
+class ArrayDataset:
+    """Equal-length arrays `(x, y, *extra)` seen as a dataset of `(x[i], y[i], ...)` tuples.
+
+    Indexing with an integer gives one sample; indexing with an index array gives a whole
+    batch with one fancy index per array, which is how the DataLoader gathers batches from it
+    (no per-sample Python loop). The arrays are kept as given, not copied.
+    """
+
+    def __init__(self, x, y, *extra):
+        self.arrays = tuple(np.asarray(array) for array in (x, y) + extra)
+        lengths = [len(array) if array.ndim else None for array in self.arrays]
+        if None in lengths or len(set(lengths)) != 1:
+            shapes = [array.shape for array in self.arrays]
+            raise ValueError(f"ArrayDataset: arrays must share their first dimension, "
+                             f"got shapes {shapes}")
+
+    def __len__(self):
+        return len(self.arrays[0])
+
+    def __getitem__(self, index):
+        return tuple(array[index] for array in self.arrays)
+
+
+class GpuBatch(tuple):
+    """A batch `(xb, yb, *extra)` whose `xb` and `yb` are device Tensors; extras stay on the host.
+
+    `batch.host` is the tuple of host arrays the batch was made from.
+    """
+
+    def __new__(cls, fields, host):
+        batch = super().__new__(cls, fields)
+        batch.host = host
+        return batch
+
+
+def _stack_samples(samples):
+    """Default collate: a list of N sample tuples -> a tuple of arrays, each (N, *field shape)."""
+    first = samples[0]
+    if not isinstance(first, (tuple, list)):
+        raise TypeError(f"DataLoader: the dataset returned {type(first).__name__}; "
+                        f"expected a tuple (x, y, *extra)")
+    for sample in samples:
+        if len(sample) != len(first):
+            raise ValueError(f"DataLoader: samples have {len(first)} and {len(sample)} fields; "
+                             f"all need the same")
+    return tuple(np.stack([sample[field] for sample in samples]) for field in range(len(first)))
+
+
+def _build_batch(dataset, indices, collate_fn):
+    """Gather the samples at `indices` into one batch; runs in the consumer or in a worker."""
+    if collate_fn is None and isinstance(dataset, ArrayDataset):
+        return dataset[indices]
+    samples = [dataset[int(index)] for index in indices]
+    return (collate_fn or _stack_samples)(samples)
+
+
+def _batch_indices(order, batch_no, batch_size):
+    """Batch `batch_no` of an epoch is one slice of the epoch's sample order."""
+    return order[batch_no * batch_size:(batch_no + 1) * batch_size]
+
+
+def _shared_layout(batch):
+    """Where each array of a batch goes in one shared-memory block.
+
+    Returns `([(shape, dtype, offset), ...], total_bytes)`, or None when the batch is not a
+    tuple of plain arrays (a custom collate_fn may return anything, and object arrays hold
+    pointers), which then travels pickled.
+    """
+    if not isinstance(batch, tuple):
+        return None
+    layout, offset = [], 0
+    for array in batch:
+        if not isinstance(array, np.ndarray) or array.dtype.hasobject:
+            return None
+        layout.append((array.shape, array.dtype, offset))
+        offset += -(-array.nbytes // _FIELD_ALIGN) * _FIELD_ALIGN
+    return layout, offset
+
+
+def _worker_main(dataset, collate_fn, order, batch_size, connection):
+    """Body of a worker process: build the batches the consumer asks for, in the order asked.
+
+    A task is `(batch_no, block_name)`; `block_name` names the shared-memory block to write the
+    batch into, or is None to send it pickled. The answer is `("shared", layout)`,
+    `("pickled", batch)` or `("error", traceback text)`. `None`, the consumer closing its end
+    of the pipe, or the consumer's death means stop.
+    """
+    # Ctrl-C reaches every process of the terminal's process group. The consumer handles it
+    # and stops its workers, so a worker must not die of it half-way through a message.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    consumer = multiprocessing.parent_process()
+    blocks = {}  # name -> SharedMemory attached in this process
+    try:
+        while True:
+            # If the consumer is killed, nobody sends the stop message, and under "fork" this
+            # worker and its later siblings hold copies of the consumer's pipe end, so no EOF
+            # comes either: watch the consumer process itself too.
+            multiprocessing.connection.wait([connection, consumer.sentinel])
+            if not consumer.is_alive():
+                return
+            task = connection.recv()
+            if task is None:
+                return
+            batch_no, block_name = task
+            try:
+                indices = _batch_indices(order, batch_no, batch_size)
+                batch = _build_batch(dataset, indices, collate_fn)
+                layout = _shared_layout(batch) if block_name is not None else None
+                if layout is None:
+                    connection.send(("pickled", batch))
+                    continue
+                if block_name not in blocks:
+                    blocks[block_name] = shared_memory.SharedMemory(name=block_name)
+                block = blocks[block_name]
+                fields, nbytes = layout
+                if nbytes > block.size:
+                    # Larger than the first batch, which sized the block: pickle this one; the
+                    # consumer then replaces the block with one large enough.
+                    connection.send(("pickled", batch))
+                    continue
+                for array, (shape, dtype, offset) in zip(batch, fields):
+                    np.ndarray(shape, dtype, buffer=block.buf, offset=offset)[...] = array
+                connection.send(("shared", fields))
+            except Exception:
+                connection.send(("error", traceback.format_exc()))
+    except (EOFError, OSError):
+        return  # the consumer closed the pipe: it wants nothing more
+    finally:
+        for block in blocks.values():
+            block.close()
+
+
+def _stop_workers(processes, connections, blocks):
+    """Stop worker processes and free their shared memory; safe on a half-started pool.
+
+    A module-level function (not a method) so that the `weakref.finalize` that calls it holds
+    no reference to the pool it cleans up after.
+    """
+    for connection in connections:
+        try:
+            connection.send(None)
+        except OSError:
+            pass  # that worker is already gone
+        connection.close()
+    # A worker stops after the batch it is building; one stuck in user code is terminated.
+    deadline = time.monotonic() + _WORKER_JOIN_SECONDS
+    for process in processes:
+        process.join(max(0.0, deadline - time.monotonic()))
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+            process.join(1.0)
+        if process.is_alive():
+            process.kill()
+            process.join()
+    for block in blocks:
+        block.close()
+        block.unlink()
+
+
+class _WorkerPool:
+    """Worker processes building one epoch's batches ahead of the consumer.
+
+    Batch k goes to worker `k % num_workers`, and a worker answers its tasks in the order it
+    got them, so the consumer reads batch k from that worker's pipe: batches come out in
+    sampler order without a reordering buffer, whatever the number of workers. Each worker has
+    at most `prefetch` batches in flight, and with shared memory each in-flight batch has its
+    own block: batch k uses block `(k // num_workers) % prefetch` of worker `k % num_workers`.
+    Workers get the epoch's sample order once, at start, so a task is only a batch number and
+    a block name: messages that small never fill the pipe, so sending one never blocks.
+    """
+
+    def __init__(self, loader, order):
+        self.num_workers = loader.num_workers
+        self.depth = loader.prefetch
+        self.num_batches = len(loader)
+        self.processes, self.connections, self.blocks = [], [], []
+        self.close = weakref.finalize(self, _stop_workers,
+                                      self.processes, self.connections, self.blocks)
+        try:
+            if loader.use_shared_mem:
+                self._create_blocks(loader, order)
+            context = multiprocessing.get_context()  # the platform's default start method
+            for worker_id in range(self.num_workers):
+                parent_end, child_end = context.Pipe()
+                self.connections.append(parent_end)
+                process = context.Process(
+                    target=_worker_main, name=f"netcl-data-worker-{worker_id}", daemon=True,
+                    args=(loader.dataset, loader.collate_fn, order, loader.batch_size, child_end))
+                process.start()
+                self.processes.append(process)
+                # Only the worker holds its end now, so if it dies the pipe reports EOF at once.
+                child_end.close()
+            for batch_no in range(min(self.num_workers * self.depth, self.num_batches)):
+                self._send_task(batch_no)
+        except BaseException:
+            self.close()
+            raise
+
+    def _create_blocks(self, loader, order):
+        """One shared-memory block per in-flight batch, sized by building the first batch here.
+
+        Creating them before any worker starts also starts multiprocessing's resource tracker
+        first, so every worker shares it and an interrupted run still has its blocks unlinked.
+        """
+        indices = _batch_indices(order, 0, loader.batch_size)
+        first = _build_batch(loader.dataset, indices, loader.collate_fn)
+        layout = _shared_layout(first)
+        if layout is None:
+            return  # not a tuple of plain arrays: batches travel pickled
+        for _ in range(self.num_workers * self.depth):
+            self.blocks.append(shared_memory.SharedMemory(create=True, size=max(layout[1], 1)))
+
+    def _block_index(self, batch_no):
+        worker_id = batch_no % self.num_workers
+        return worker_id * self.depth + (batch_no // self.num_workers) % self.depth
+
+    def _send_task(self, batch_no):
+        worker_id = batch_no % self.num_workers
+        block_name = self.blocks[self._block_index(batch_no)].name if self.blocks else None
+        try:
+            self.connections[worker_id].send((batch_no, block_name))
+        except OSError:
+            raise self._death(worker_id) from None
+
+    def _receive(self, worker_id):
+        """The next message from a worker; RuntimeError if the worker died instead."""
+        connection, process = self.connections[worker_id], self.processes[worker_id]
+        # Waiting on the process sentinel as well as the pipe means a killed worker wakes us
+        # up: no polling loop, and no hang.
+        multiprocessing.connection.wait([connection, process.sentinel])
+        if connection.poll():
+            try:
+                return connection.recv()
+            except (EOFError, ConnectionResetError):
+                pass  # the worker died, maybe mid-message or with our tasks unread
+        raise self._death(worker_id)
+
+    def _death(self, worker_id):
+        """The error for a worker that exited without being asked to."""
+        process = self.processes[worker_id]
+        process.join(1.0)
+        return RuntimeError(f"DataLoader worker {worker_id} (pid {process.pid}) exited "
+                            f"unexpectedly with exit code {process.exitcode}")
+
+    def take(self, batch_no):
+        """Batch `batch_no` as host arrays; then ask its worker for the batch `depth` rounds on."""
+        worker_id = batch_no % self.num_workers
+        kind, payload = self._receive(worker_id)
+        if kind == "error":
+            raise RuntimeError(f"DataLoader worker {worker_id} failed on batch {batch_no}:\n"
+                               f"{payload}")
+        block_index = self._block_index(batch_no)
+        if kind == "shared":
+            block = self.blocks[block_index]
+            # Copy out, so the block can be refilled while the caller still holds this batch:
+            # a batch already handed out is never overwritten.
+            batch = tuple(np.ndarray(shape, dtype, buffer=block.buf, offset=offset).copy()
+                          for shape, dtype, offset in payload)
+        else:  # "pickled"
+            batch = payload
+            # Pickled although we have blocks: it was too large for its block, so enlarge it.
+            layout = _shared_layout(batch) if self.blocks else None
+            if layout is not None and layout[1] > self.blocks[block_index].size:
+                self._grow_block(block_index, layout[1])
+        next_batch = batch_no + self.num_workers * self.depth
+        if next_batch < self.num_batches:
+            self._send_task(next_batch)
+        return batch
+
+    def _grow_block(self, index, nbytes):
+        """Replace a block too small for a batch; the worker attaches the new one by name."""
+        old = self.blocks[index]
+        self.blocks[index] = shared_memory.SharedMemory(create=True, size=nbytes)
+        old.close()
+        old.unlink()
+
+
+def _check_int(name, value, minimum):
+    """`value` as an int, or ValueError naming the argument (a bool is not an integer here)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise ValueError(f"DataLoader: {name} must be an integer >= {minimum}, got {value!r}")
+    return int(value)
+
+
+class DataLoader:
+    """Batches from a dataset, epoch after epoch, optionally built by workers and prefetched
+    onto a device.
+
+    dataset: an `ArrayDataset`, a list of `(x, y, *extra)` tuples, or any object with
+        `__len__` and `__getitem__` returning such tuples.
+    batch_size: samples per batch; the last batch is smaller unless `drop_last`.
+    shuffle: a new permutation each epoch from `(seed, epoch)`; otherwise dataset order.
+    num_workers: 0 builds batches in this process; N > 0 starts N worker processes per epoch
+        (under the "spawn" and "forkserver" start methods, dataset and collate_fn are pickled
+        to them).
+    use_shared_mem: with workers, batches come back through reused shared-memory blocks
+        instead of pickles.
+    seed: base seed of the shuffle; None draws one from `manual_seed`'s stream.
+    collate_fn: `collate_fn(list of sample tuples) -> batch`; the default stacks each field.
+    prefetch: batches in flight per worker, and batches uploaded ahead to the device.
+    device_queue: a device queue; iteration then yields `GpuBatch`es (see `bind_queue`).
+
+    `len(loader)` is the number of batches per epoch. With a given seed the batches, and their
+    order, are the same for any `num_workers` and `use_shared_mem`.
+    """
+
+    def __init__(self, dataset, batch_size=1, shuffle=True, num_workers=0, use_shared_mem=False,
+                 drop_last=False, seed=None, collate_fn=None, prefetch=2, device_queue=None):
+        if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
+            raise ValueError(f"DataLoader: dataset must have __len__ and __getitem__, "
+                             f"got {type(dataset).__name__}")
+        if len(dataset) == 0:
+            raise ValueError("DataLoader: dataset is empty")
+        self.batch_size = _check_int("batch_size", batch_size, 1)
+        self.num_workers = _check_int("num_workers", num_workers, 0)
+        self.prefetch = _check_int("prefetch", prefetch, 1)
+        if drop_last and len(dataset) < self.batch_size:
+            raise ValueError(f"DataLoader: drop_last=True with batch_size={self.batch_size} and "
+                             f"{len(dataset)} samples leaves no batch")
+        if collate_fn is not None and not callable(collate_fn):
+            raise TypeError(f"DataLoader: collate_fn must be callable, got {collate_fn!r}")
+        self.dataset = dataset
+        self.shuffle = bool(shuffle)
+        self.use_shared_mem = bool(use_shared_mem)
+        self.drop_last = bool(drop_last)
+        self.collate_fn = collate_fn
+        self.seed = int(_rng().integers(2**63)) if seed is None else _check_int("seed", seed, 0)
+        self.epoch = 0
+        self.bind_queue(device_queue)
+
+    def bind_queue(self, queue):
+        """Yield `GpuBatch`es on `queue`'s device from now on (None: host batches again).
+
+        Each batch's `xb` and `yb` are uploaded `prefetch` batches ahead of the one handed out,
+        with copies queued on the device's in-order queue, so kernels that use them are
+        ordered after their upload without any host wait. Batches must be tuples
+        `(x, y, *extra)`. Returns the loader.
+        """
+        self.device = None if queue is None else _device_of(queue)
+        return self
+
+    def __len__(self):
+        if self.drop_last:
+            return len(self.dataset) // self.batch_size
+        return -(-len(self.dataset) // self.batch_size)
+
+    def __iter__(self):
+        """One epoch of batches; each call to iter() is the next epoch."""
+        order = self._epoch_order(self.epoch)
+        self.epoch += 1
+        if self.num_workers == 0:
+            batches = self._batches_here(order)
+        else:
+            # Start the workers now, so they build batches while the caller gets ready.
+            batches = self._batches_from_workers(_WorkerPool(self, order))
+        return batches if self.device is None else self._device_batches(batches)
+
+    def _epoch_order(self, epoch):
+        """The epoch's sample order: a permutation seeded by (seed, epoch), or 0..N-1."""
+        if not self.shuffle:
+            return np.arange(len(self.dataset))
+        return np.random.default_rng([self.seed, epoch]).permutation(len(self.dataset))
+
+    def _batches_here(self, order):
+        for batch_no in range(len(self)):
+            indices = _batch_indices(order, batch_no, self.batch_size)
+            yield _build_batch(self.dataset, indices, self.collate_fn)
+
+    def _batches_from_workers(self, pool):
+        # `finally` runs when the loop ends, breaks (the generator is closed) or raises; if
+        # the generator is never started, the pool's weakref.finalize stops the workers.
+        try:
+            for batch_no in range(len(self)):
+                yield pool.take(batch_no)
+        finally:
+            pool.close()
+
+    def _device_batches(self, host_batches):
+        """GpuBatches, each uploaded `prefetch` batches before it is handed out."""
+        uploaded = deque()
+        try:
+            for host in host_batches:
+                uploaded.append(self._upload(host))
+                if len(uploaded) > self.prefetch:
+                    yield uploaded.popleft()
+            while uploaded:
+                yield uploaded.popleft()
+        finally:
+            host_batches.close()
+
+    def _upload(self, host):
+        """Host batch -> GpuBatch: `xb` and `yb` become device Tensors, extras stay host arrays.
+
+        `Tensor.from_host` queues the copy without waiting (floats become float32, integer
+        labels int32) and keeps the integer labels' host copy, so checking them later needs no
+        read back from the device.
+        """
+        if not isinstance(host, (tuple, list)):
+            raise TypeError(f"DataLoader: a device batch needs a tuple (x, y, *extra), "
+                            f"got {type(host).__name__}")
+        host = tuple(host)
+        on_device = [Tensor.from_host(array, queue=self.device.queue) for array in host[:2]]
+        return GpuBatch(on_device + list(host[2:]), host)
+
+
+# IDX (the MNIST file format): two zero bytes, a type code, the number of dimensions, then
+# each dimension as a big-endian uint32, then the data, big-endian, row-major.
+_IDX_DTYPES = {0x08: ">u1", 0x09: ">i1", 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
+
+
+def load_idx(path):
+    """Read an IDX file (plain or gzip-compressed) into an ndarray of the file's type.
+
+    MNIST images come back as uint8 `(N, 28, 28)`, labels as uint8 `(N,)`, in native byte
+    order. Gzip is recognised by its magic bytes, whatever the file is called. A bad magic
+    number, an unknown type code, or a size that does not match the header raises ValueError
+    naming the file; a missing file raises OSError.
+    """
+    path = os.fspath(path)
+    with open(path, "rb") as file:
+        raw = file.read()
+    if raw[:2] == b"\x1f\x8b":
+        try:
+            raw = gzip.decompress(raw)
+        except (OSError, EOFError, zlib.error) as error:
+            raise ValueError(f"load_idx: {path}: truncated or corrupt gzip data "
+                             f"({error})") from error
+    if len(raw) < 4:
+        raise ValueError(f"load_idx: {path}: truncated header ({len(raw)} bytes)")
+    if raw[:2] != b"\x00\x00":
+        raise ValueError(f"load_idx: {path}: bad magic number 0x{raw[:4].hex()} "
+                         f"(an IDX file starts with 0x0000)")
+    type_code, ndim = raw[2], raw[3]
+    if type_code not in _IDX_DTYPES:
+        raise ValueError(f"load_idx: {path}: unknown IDX type code 0x{type_code:02x}")
+    data_start = 4 + 4 * ndim
+    if len(raw) < data_start:
+        raise ValueError(f"load_idx: {path}: truncated header "
+                         f"({len(raw)} bytes, {ndim} dimensions)")
+    shape = struct.unpack(f">{ndim}I", raw[4:data_start])
+    dtype = np.dtype(_IDX_DTYPES[type_code])
+    expected = data_start + math.prod(shape) * dtype.itemsize
+    if len(raw) != expected:
+        problem = "truncated data" if len(raw) < expected else "trailing bytes after the data"
+        raise ValueError(f"load_idx: {path}: {problem}: {len(raw)} bytes, "
+                         f"shape {shape} needs {expected}")
+    data = np.frombuffer(raw, dtype, math.prod(shape), data_start).reshape(shape)
+    return data.astype(dtype.newbyteorder("="))
+
+
 # ============================================================================ import aliases
 # The one file also answers the dotted import paths people know (netcl.nn, netcl.optim, ...):
 # each is a small module object registered in sys.modules, holding the same objects.
@@ -1917,6 +2390,9 @@ nn = _alias("nn", Module=Module, Linear=Linear, ReLU=ReLU, Tanh=Tanh, Sigmoid=Si
             GELU=GELU, Dropout=Dropout, Flatten=Flatten, Sequential=Sequential,
             Conv2d=Conv2d, MaxPool2d=MaxPool2d, Parameter=Parameter, functional=functional)
 optim = _alias("optim", Optimizer=Optimizer, SGD=SGD)
+data = _alias("data", DataLoader=DataLoader, ArrayDataset=ArrayDataset, GpuBatch=GpuBatch,
+              load_idx=load_idx)
+data.dataloader = _alias("data.dataloader", DataLoader=DataLoader)
 # Flat names for the reductions too (netcl.sum, netcl.mean), bound last so that nothing in
 # this file ever calls them by mistake for Python's built-in sum.
 globals().update(sum=reduce_sum, mean=reduce_mean)

@@ -19,14 +19,22 @@ What is checked, in the order of netcl.py's sections:
 """
 import contextlib
 import gc
+import gzip
 import math
+import multiprocessing
 import os
+import pathlib
+import signal
+import subprocess
+import sys
+import threading
+import time
 import weakref
 from collections import namedtuple
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import netcl
@@ -1826,3 +1834,464 @@ def test_small_cnn_learns(device):
         opt.step()
         losses.append(float(loss.value.to_host()))
     assert losses[-1] < 0.25 * losses[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# data: DataLoader, workers, shared memory, GpuBatch, load_idx
+# ---------------------------------------------------------------------------------------------
+
+nc = netcl
+# (num_workers, use_shared_mem) combinations every order test compares.
+WORKER_SETUPS = [(0, False), (2, False), (2, True)]
+
+
+# --- helpers
+
+def _samples(n):
+    """x[i] (2, 3) float32 all equal to i, y[i] = i as int64, extra[i] = i % 7 as int16."""
+    x = np.repeat(np.arange(n, dtype=np.float32), 6).reshape(n, 2, 3)
+    y = np.arange(n, dtype=np.int64)
+    return x, y, (y % 7).astype(np.int16)
+
+
+class SampleDataset:
+    """A per-sample dataset (no fancy indexing), as users write them."""
+
+    def __init__(self, n):
+        self.x, self.y, self.extra = _samples(n)
+
+    def __len__(self):
+        return len(self.y)
+
+    def __getitem__(self, index):
+        return self.x[index], self.y[index], self.extra[index]
+
+
+def _dataset(kind, n):
+    if kind == "arrays":
+        return nc.ArrayDataset(*_samples(n))
+    if kind == "list":
+        return list(zip(*_samples(n)))
+    return SampleDataset(n)
+
+
+class FailingDataset(SampleDataset):
+    """Raises on one index, to check that a worker's error reaches the consumer."""
+
+    def __init__(self, n, bad_index):
+        super().__init__(n)
+        self.bad_index = bad_index
+
+    def __getitem__(self, index):
+        if index == self.bad_index:
+            raise ValueError(f"bad sample {index}")
+        return super().__getitem__(index)
+
+
+class SelfKillingDataset(SampleDataset):
+    """A worker that touches `bad_index` is killed by SIGKILL, as by the OOM killer."""
+
+    def __init__(self, n, bad_index):
+        super().__init__(n)
+        self.bad_index = bad_index
+        self.parent_pid = os.getpid()
+
+    def __getitem__(self, index):
+        if index == self.bad_index and os.getpid() != self.parent_pid:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().__getitem__(index)
+
+
+def exit_soon_collate(samples):
+    """Collate that makes its worker exit (code 3) shortly after sending the batch with sample 4."""
+    if any(sample[1] == 4 for sample in samples):
+        threading.Timer(0.05, os._exit, (3,)).start()
+    return tuple(np.stack(field) for field in zip(*samples))
+
+
+class CountingDataset(SampleDataset):
+    def __init__(self, n):
+        super().__init__(n)
+        self.calls = 0
+
+    def __getitem__(self, index):
+        self.calls += 1
+        return super().__getitem__(index)
+
+
+def pad_collate(samples):
+    """Variable-length samples padded to the longest in the batch (a custom collate_fn)."""
+    width = max(len(sample[0]) for sample in samples)
+    x = np.zeros((len(samples), width), np.float32)
+    for row, (values, _) in enumerate(samples):
+        x[row, :len(values)] = values
+    return x, np.array([label for _, label in samples])
+
+
+def dict_collate(samples):
+    return {"ids": np.array([sample[1] for sample in samples]), "count": len(samples)}
+
+
+def _ids(batches):
+    return [int(i) for batch in batches for i in batch[1]]
+
+
+def _shm_names():
+    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+
+def _assert_clean(shm_before, timeout=5.0):
+    """No worker process alive within `timeout` seconds, and no shared-memory block left."""
+    deadline = time.monotonic() + timeout
+    while multiprocessing.active_children():
+        if time.monotonic() > deadline:
+            pytest.fail(f"worker processes still alive after {timeout} s: {multiprocessing.active_children()}")
+        time.sleep(0.02)
+    assert _shm_names() - shm_before == set()
+
+
+@contextlib.contextmanager
+def _deadline(seconds):
+    """Fail instead of hanging: SIGALRM interrupts a blocked wait in the main thread."""
+    def expire(signum, frame):
+        raise TimeoutError(f"no result within {seconds} s")
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+# --- order and contents
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(n=st.integers(1, 40), batch_size=st.integers(1, 12), drop_last=st.booleans(),
+       shuffle=st.booleans(), seed=st.integers(0, 2**32), kind=st.sampled_from(["arrays", "list", "samples"]))
+def test_every_sample_once_per_epoch_in_the_same_order_for_any_workers(n, batch_size, drop_last, shuffle, seed, kind):
+    assume(not (drop_last and n < batch_size))
+    dataset = _dataset(kind, n)
+    epochs_by_setup = []
+    with _deadline(60):
+        for num_workers, use_shared_mem in WORKER_SETUPS:
+            loader = nc.DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, num_workers=num_workers,
+                                   use_shared_mem=use_shared_mem, drop_last=drop_last, seed=seed)
+            epochs = [list(loader) for _ in range(2)]
+            for batches in epochs:
+                assert len(batches) == len(loader) == (n // batch_size if drop_last else -(-n // batch_size))
+                for batch_no, (xb, yb, extra) in enumerate(batches):
+                    full = drop_last or batch_no < len(batches) - 1
+                    rows = batch_size if full else n - batch_no * batch_size
+                    assert xb.shape == (rows, 2, 3) and yb.shape == extra.shape == (rows,)
+                    assert (xb.dtype, yb.dtype, extra.dtype) == (np.float32, np.int64, np.int16)
+                    np.testing.assert_array_equal(xb[:, 1, 2], yb)
+                    np.testing.assert_array_equal(extra, yb % 7)
+                ids = _ids(batches)
+                assert len(ids) == len(set(ids)) == len(loader) * batch_size if drop_last else n
+                assert set(ids) <= set(range(n))
+                if not shuffle:
+                    assert ids == list(range(len(ids)))
+            epochs_by_setup.append([_ids(batches) for batches in epochs])
+    assert all(epochs == epochs_by_setup[0] for epochs in epochs_by_setup)
+
+
+def test_shuffle_changes_every_epoch_and_with_the_seed():
+    dataset = nc.ArrayDataset(*_samples(64))
+    loader = nc.DataLoader(dataset, batch_size=8, seed=5)
+    first, second = _ids(loader), _ids(loader)
+    assert sorted(first) == sorted(second) == list(range(64)) and first != second
+    assert _ids(nc.DataLoader(dataset, batch_size=8, seed=5)) == first
+    assert _ids(nc.DataLoader(dataset, batch_size=8, seed=6)) != first
+
+
+def test_seed_none_comes_from_manual_seed():
+    dataset = nc.ArrayDataset(*_samples(64))
+    nc.manual_seed(11)
+    first = _ids(nc.DataLoader(dataset, batch_size=8))
+    nc.manual_seed(11)
+    assert _ids(nc.DataLoader(dataset, batch_size=8)) == first
+
+
+def test_array_dataset_gathers_a_batch_with_one_index():
+    x, y, extra = _samples(10)
+    dataset = nc.ArrayDataset(x, y, extra)
+    assert len(dataset) == 10
+    xb, yb, eb = dataset[np.array([3, 1])]
+    np.testing.assert_array_equal(yb, [3, 1])
+    assert xb.shape == (2, 2, 3) and eb.dtype == np.int16
+    with pytest.raises(ValueError, match="first dimension"):
+        nc.ArrayDataset(x, y[:9])
+
+
+@pytest.mark.parametrize("num_workers, use_shared_mem", WORKER_SETUPS)
+def test_collate_fn_receives_the_sample_tuples(num_workers, use_shared_mem):
+    dataset = [(np.arange(i % 4 + 1, dtype=np.float32), i) for i in range(30)]
+    loader = nc.DataLoader(dataset, batch_size=4, shuffle=False, collate_fn=pad_collate,
+                           num_workers=num_workers, use_shared_mem=use_shared_mem)
+    with _deadline(30):
+        batches = list(loader)
+    assert _ids(batches) == list(range(30))
+    # pad_collate saw each batch's (values, label) tuples: all but the last hold a length-4 sample.
+    assert [xb.shape[1] for xb, _ in batches] == [4] * 7 + [2]
+    dict_batches = list(nc.DataLoader(dataset, batch_size=4, shuffle=False, collate_fn=dict_collate,
+                                      num_workers=num_workers, use_shared_mem=use_shared_mem))
+    assert [batch["count"] for batch in dict_batches] == [4] * 7 + [2]
+
+
+def test_shared_memory_blocks_grow_for_larger_batches():
+    # Batch 0 holds short samples; later batches are wider than the blocks sized from it.
+    dataset = [(np.arange(1 + i // 8, dtype=np.float32), i) for i in range(40)]
+    shm_before = _shm_names()
+    with _deadline(30):
+        expected = list(nc.DataLoader(dataset, batch_size=8, shuffle=False, collate_fn=pad_collate))
+        got = list(nc.DataLoader(dataset, batch_size=8, shuffle=False, collate_fn=pad_collate,
+                                 num_workers=2, use_shared_mem=True, prefetch=1))
+    for (x_expected, y_expected), (x_got, y_got) in zip(expected, got):
+        np.testing.assert_array_equal(x_got, x_expected)
+        np.testing.assert_array_equal(y_got, y_expected)
+    _assert_clean(shm_before)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"batch_size": 0}, "batch_size"),
+    ({"batch_size": 2.5}, "batch_size"),
+    ({"batch_size": True}, "batch_size"),
+    ({"num_workers": -1}, "num_workers"),
+    ({"prefetch": 0}, "prefetch"),
+    ({"seed": -3}, "seed"),
+    ({"batch_size": 50, "drop_last": True}, "drop_last"),
+])
+def test_bad_arguments_raise_value_error_naming_them(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        nc.DataLoader(nc.ArrayDataset(*_samples(10)), **kwargs)
+
+
+def test_bad_datasets_and_collate_fn_are_rejected():
+    with pytest.raises(ValueError, match="empty"):
+        nc.DataLoader([])
+    with pytest.raises(ValueError, match="empty"):
+        nc.DataLoader(nc.ArrayDataset(np.zeros((0, 3)), np.zeros(0)))
+    with pytest.raises(ValueError, match="__len__"):
+        nc.DataLoader(iter([(1, 2)]))
+    with pytest.raises(TypeError, match="collate_fn"):
+        nc.DataLoader([(1, 2)], collate_fn=3)
+    with pytest.raises(TypeError, match="tuple"):
+        list(nc.DataLoader([np.zeros(2)], batch_size=1))
+
+
+# --- workers: stopping and errors
+
+@pytest.mark.parametrize("use_shared_mem", [False, True])
+def test_early_break_stops_workers_and_frees_shared_memory(use_shared_mem):
+    shm_before = _shm_names()
+    loader = nc.DataLoader(nc.ArrayDataset(*_samples(400)), batch_size=4, num_workers=2,
+                           use_shared_mem=use_shared_mem)
+    with _deadline(30):
+        for batch_no, _ in enumerate(loader):
+            if batch_no == 3:
+                break
+    del loader
+    _assert_clean(shm_before)
+
+
+@pytest.mark.parametrize("use_shared_mem", [False, True])
+def test_exception_in_the_consumer_stops_workers(use_shared_mem):
+    shm_before = _shm_names()
+    loader = nc.DataLoader(SampleDataset(400), batch_size=4, num_workers=2, use_shared_mem=use_shared_mem)
+    with _deadline(30), pytest.raises(KeyError):
+        for batch in loader:
+            raise KeyError("consumer failed")
+    del loader, batch
+    _assert_clean(shm_before)
+
+
+def test_dropping_an_unstarted_iterator_stops_workers():
+    shm_before = _shm_names()
+    loader = nc.DataLoader(nc.ArrayDataset(*_samples(400)), batch_size=4, num_workers=2, use_shared_mem=True)
+    iterator = iter(loader)
+    assert len(multiprocessing.active_children()) == 2
+    del iterator, loader
+    _assert_clean(shm_before)
+
+
+@pytest.mark.parametrize("use_shared_mem", [False, True])
+def test_worker_exception_reaches_the_consumer_with_its_traceback(use_shared_mem):
+    shm_before = _shm_names()
+    loader = nc.DataLoader(FailingDataset(40, bad_index=13), batch_size=4, shuffle=False, num_workers=2,
+                           use_shared_mem=use_shared_mem)
+    with _deadline(30), pytest.raises(RuntimeError) as caught:
+        list(loader)
+    message = str(caught.value)
+    assert "bad sample 13" in message and "Traceback" in message and "__getitem__" in message
+    del loader, caught
+    _assert_clean(shm_before)
+    with pytest.raises(ValueError, match="bad sample 13"):
+        list(nc.DataLoader(FailingDataset(40, bad_index=13), batch_size=4))
+
+
+@pytest.mark.parametrize("use_shared_mem", [False, True])
+def test_killed_worker_raises_instead_of_hanging(use_shared_mem):
+    shm_before = _shm_names()
+    loader = nc.DataLoader(SelfKillingDataset(40, bad_index=13), batch_size=4, shuffle=False, num_workers=2,
+                           use_shared_mem=use_shared_mem)
+    with _deadline(30), pytest.raises(RuntimeError, match="worker 1 .*exit code -9"):
+        list(loader)
+    del loader
+    _assert_clean(shm_before)
+
+
+def test_worker_that_exits_between_batches_raises():
+    # Worker 1 sends batch 1 and then exits: the next task sent to it finds no one listening.
+    shm_before = _shm_names()
+    loader = nc.DataLoader(SampleDataset(40), batch_size=4, shuffle=False, num_workers=2,
+                           collate_fn=exit_soon_collate)
+    with _deadline(30), pytest.raises(RuntimeError, match="worker 1 .*exit code 3"):
+        for _ in loader:
+            time.sleep(0.2)
+    del loader
+    _assert_clean(shm_before)
+
+
+@pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
+def test_workers_under_other_start_methods(start_method):
+    if start_method not in multiprocessing.get_all_start_methods():
+        pytest.skip(f"{start_method} is not available here")
+    script = f"""
+import multiprocessing, sys
+import numpy as np
+sys.path[:0] = {sys.path!r}
+import {nc.__name__} as nc
+if __name__ == "__main__":
+    multiprocessing.set_start_method({start_method!r})
+    x = np.arange(600, dtype=np.float32).reshape(200, 3)
+    dataset = nc.ArrayDataset(x, np.arange(200))
+    expected = [b[1].tolist() for b in nc.DataLoader(dataset, batch_size=16, seed=3)]
+    for use_shared_mem in (False, True):
+        loader = nc.DataLoader(dataset, batch_size=16, seed=3, num_workers=2, use_shared_mem=use_shared_mem)
+        assert [b[1].tolist() for b in loader] == expected
+        for batch_no, batch in enumerate(nc.DataLoader(dataset, batch_size=16, num_workers=2,
+                                                      use_shared_mem=use_shared_mem)):
+            break
+    # A collate_fn that cannot be pickled to a spawned worker fails at iter(), leaving nothing.
+    try:
+        iter(nc.DataLoader(dataset, num_workers=2, collate_fn=lambda samples: samples))
+    except Exception:
+        assert not multiprocessing.active_children()
+    else:
+        raise AssertionError("an unpicklable collate_fn was accepted")
+    print("ok")
+"""
+    shm_before = _shm_names()
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
+    assert "leaked" not in result.stderr, result.stderr
+    assert _shm_names() - shm_before == set()
+
+
+# --- device batches
+
+@pytest.mark.parametrize("backend_name", BACKENDS)
+@pytest.mark.parametrize("num_workers, use_shared_mem", [(0, False), (2, True)])
+def test_gpu_batches_hold_the_host_batch_on_the_device(backend_name, num_workers, use_shared_mem):
+    device = _get_device(backend_name)
+    x, y, extra = _samples(37)
+    dataset = nc.ArrayDataset(x.astype(np.float64), y, extra)
+    host_batches = list(nc.DataLoader(dataset, batch_size=8, seed=2))
+    loader = nc.DataLoader(dataset, batch_size=8, seed=2, num_workers=num_workers, use_shared_mem=use_shared_mem)
+    assert loader.bind_queue(device.queue) is loader
+    with _deadline(60):
+        gpu_batches = list(loader)
+    assert len(gpu_batches) == len(host_batches) == 5
+    for batch, host in zip(gpu_batches, host_batches):
+        assert isinstance(batch, nc.GpuBatch) and isinstance(batch, tuple) and len(batch) == 3
+        xb, yb, eb = batch
+        assert isinstance(xb, nc.Tensor) and isinstance(yb, nc.Tensor) and xb.device is device
+        assert np.dtype(xb.dtype) == np.float32 and np.dtype(yb.dtype) == np.int32
+        for field, expected in zip(batch.host, host):
+            np.testing.assert_array_equal(field, expected)
+        np.testing.assert_array_equal(xb.to_host(), host[0].astype(np.float32))
+        np.testing.assert_array_equal(yb.to_host(), host[1])
+        assert eb is batch.host[2]
+    assert not isinstance(next(iter(loader.bind_queue(None))), nc.GpuBatch)
+    with pytest.raises(TypeError, match="tuple"):
+        next(iter(nc.DataLoader(dataset, collate_fn=dict_collate, device_queue=device.queue)))
+
+
+@pytest.mark.parametrize("backend_name", BACKENDS)
+def test_device_queue_argument_uploads_prefetch_batches_ahead(backend_name):
+    device = _get_device(backend_name)
+    dataset = CountingDataset(20)
+    loader = nc.DataLoader(dataset, batch_size=1, shuffle=False, prefetch=2, device_queue=device.queue)
+    iterator = iter(loader)
+    first = next(iterator)
+    # Batch 0 is handed out once batches 1 and 2 are already on their way to the device.
+    assert dataset.calls == 3 and isinstance(first, nc.GpuBatch)
+    rest = list(iterator)
+    assert [int(batch[1].to_host()[0]) for batch in [first] + rest] == list(range(20))
+
+
+# --- IDX files
+
+_IDX_CODES = {np.uint8: 0x08, np.int8: 0x09, np.int16: 0x0B, np.int32: 0x0C, np.float32: 0x0D, np.float64: 0x0E}
+
+
+def _idx_bytes(array):
+    dtype = np.dtype(array.dtype)
+    header = bytes([0, 0, _IDX_CODES[dtype.type], array.ndim])
+    header += b"".join(int(size).to_bytes(4, "big") for size in array.shape)
+    return header + array.astype(dtype.newbyteorder(">")).tobytes()
+
+
+@pytest.mark.parametrize("dtype", list(_IDX_CODES))
+@pytest.mark.parametrize("name", ["plain-idx3-ubyte", "packed-idx3-ubyte.gz", "packed-without-suffix"])
+def test_load_idx_round_trip(tmp_path, dtype, name):
+    array = (np.arange(2 * 5 * 3) - 7).reshape(2, 5, 3).astype(dtype)
+    data = _idx_bytes(array)
+    path = tmp_path / name
+    path.write_bytes(data if name.startswith("plain") else gzip.compress(data))
+    for argument in (path, str(path)):
+        loaded = nc.load_idx(argument)
+        assert loaded.dtype == dtype and loaded.dtype.isnative
+        np.testing.assert_array_equal(loaded, array)
+
+
+def test_load_idx_reads_mnist_shaped_labels(tmp_path):
+    labels = np.arange(100, dtype=np.uint8) % 10
+    path = tmp_path / "train-labels-idx1-ubyte"
+    path.write_bytes(_idx_bytes(labels))
+    loaded = nc.load_idx(path)
+    assert loaded.dtype == np.uint8 and loaded.shape == (100,)
+
+
+@pytest.mark.parametrize("corrupt, message", [
+    (lambda data: b"\x01\x00" + data[2:], "magic"),
+    (lambda data: data[:2] + b"\x07" + data[3:], "type code"),
+    (lambda data: data[:-5], "truncated"),
+    (lambda data: data[:9], "truncated"),
+    (lambda data: data[:3], "truncated"),
+    (lambda data: data + b"\x00", "trailing"),
+    (lambda data: gzip.compress(data)[:-12], "truncated"),
+])
+def test_load_idx_rejects_malformed_files_naming_them(tmp_path, corrupt, message):
+    path = tmp_path / "broken-idx3-ubyte"
+    path.write_bytes(corrupt(_idx_bytes(np.zeros((4, 28, 28), np.uint8))))
+    with pytest.raises(ValueError, match=message) as caught:
+        nc.load_idx(path)
+    assert str(path) in str(caught.value)
+
+
+def test_load_idx_missing_file_is_an_os_error(tmp_path):
+    with pytest.raises(OSError):
+        nc.load_idx(tmp_path / "missing-idx1-ubyte")
+
+
+# --- import paths
+
+def test_wiki_import_paths():
+    if nc.__name__ != "netcl":
+        pytest.skip("the alias modules exist once the section is part of netcl.py")
+    from netcl.data import ArrayDataset, DataLoader, GpuBatch, load_idx
+    from netcl.data.dataloader import DataLoader as DataLoaderAgain
+    assert DataLoader is DataLoaderAgain is nc.DataLoader
+    assert (ArrayDataset, GpuBatch, load_idx) == (nc.ArrayDataset, nc.GpuBatch, nc.load_idx)
