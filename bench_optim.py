@@ -113,13 +113,15 @@ def main():
     for row in rows:
         print(f"\n{row['backend']} ({row['device']})")
         print(f"  launches per step, 2 / 20 parameters: {row['launches_2_params']} / "
-              f"{row['launches_20_params']}; syncs: {row['syncs_2_params']} / {row['syncs_20_params']}")
-        print(f"  fused step(max_norm=1.0), flat buffers: {1e6 * row['fused_step_s']:8.1f} µs")
-        print(f"  same, parameter by parameter:           {1e6 * row['per_parameter_step_s']:8.1f} µs"
-              f"  ({row['per_parameter_launches']} launches)")
-        print(f"  clip_grad_norm + step():                {1e6 * row['clip_then_step_s']:8.1f} µs"
-              f"  ({row['clip_then_step_launches']} launches)")
-        print(f"  whole training step (fwd, bwd, fused):  {1e6 * row['train_step_s']:8.1f} µs")
+              f"{row['launches_20_params']}; syncs: {row['syncs_2_params']} / "
+              f"{row['syncs_20_params']}")
+        for label, key, launches in [
+                ("fused step(max_norm=1.0), flat buffers", "fused_step_s", None),
+                ("same, parameter by parameter", "per_parameter_step_s", "per_parameter_launches"),
+                ("clip_grad_norm + step()", "clip_then_step_s", "clip_then_step_launches"),
+                ("whole training step (fwd, bwd, fused)", "train_step_s", None)]:
+            note = f"  ({row[launches]} launches)" if launches else ""
+            print(f"  {label:40s} {1e6 * row[key]:8.1f} µs{note}")
 
 
 if __name__ == "__main__":
