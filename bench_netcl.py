@@ -87,6 +87,9 @@ def _torch_sync(where):
     return torch.cuda.synchronize if where == "cuda" else (lambda: None)
 
 
+_last_model = [None]  # the model the latest mlp_step_* built, for the optimizer-only rows
+
+
 def mlp_sizes(name):
     return {"small": ((784, 256, 256, 10), 128), "large": ((784, 4096, 4096, 10), 4096)}[name]
 
@@ -107,6 +110,7 @@ def mlp_step_netcl(device, sizes, batch):
     for fan_in, fan_out in zip(sizes[:-1], sizes[1:]):
         layers += [netcl.nn.Linear(fan_in, fan_out, queue=device.queue), netcl.nn.ReLU()]
     model = netcl.nn.Sequential(*layers[:-1])
+    _last_model[0] = model
     opt, step = _make_optimizer(model.parameters())
     rng = np.random.default_rng(0)
     x = netcl.Tensor.from_host(rng.standard_normal((batch, sizes[0]), np.float32), device.queue)
@@ -159,6 +163,7 @@ def mlp_step_torch(sizes, batch, where):
     for fan_in, fan_out in zip(sizes[:-1], sizes[1:]):
         layers += [torch.nn.Linear(fan_in, fan_out), torch.nn.ReLU()]
     model = torch.nn.Sequential(*layers[:-1]).to(where)
+    _last_model[0] = model
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     x = torch.randn(batch, sizes[0], device=where)
     y = torch.randint(0, sizes[-1], (batch,), device=where)
@@ -263,6 +268,28 @@ def loader_epoch(kwargs, on_device):
     return fn, sync
 
 
+def adamw_step_netcl(device):
+    """(fn, sync): AdamW step(max_norm=1.0) alone, on the gradients of one backward."""
+    fn, _ = mlp_step_netcl(device, *mlp_sizes("small"))
+    fn()  # leaves gradients in place
+    opt = netcl.optim.AdamW([p for p in _last_model[0].parameters()], lr=1e-3)
+    fn()
+    return (lambda: opt.step(max_norm=1.0)), device.finish
+
+
+def adamw_step_torch(where):
+    sizes, batch = mlp_sizes("small")
+    fn, sync = mlp_step_torch(sizes, batch, where)
+    fn()
+    params = list(_last_model[0].parameters())
+    opt = torch.optim.AdamW(params, lr=1e-3)
+
+    def step():
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+    return step, sync
+
+
 def launch_overhead(device, calls=2000):
     """Microseconds per enqueued elementwise op on a tiny tensor, one sync at the end."""
     x = netcl.Tensor.from_host(np.ones(256, np.float32), device.queue)
@@ -364,6 +391,10 @@ def measure(full=False):
     for where in torch_places:
         cells[f"torch-{where}"] = CONV_FLOPS / timeit(*conv_torch(where)) / 1e9
     rows.append(("conv2d fwd+bwd (64,32,28,28) 64x3x3 pad 1", "GFLOP/s", cells))
+    cells = {label: 1.0 / timeit(*adamw_step_netcl(device)) for label, device in DEVICES}
+    for where in torch_places:
+        cells[f"torch-{where}"] = 1.0 / timeit(*adamw_step_torch(where))
+    rows.append(("AdamW step(max_norm=1) alone, MLP small", "steps/s", cells))
     has_opencl = any(d.backend == "opencl" for _, d in DEVICES)
     for label, kwargs, on_device in LOADER_CONFIGS:
         if not on_device or has_opencl:

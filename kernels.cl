@@ -512,3 +512,131 @@ __kernel void sgd_step(const int n, const float lr, const float momentum, const 
     }
     p[i] -= lr * d;
 }
+
+// --- gradient norms. Stage one: partials[first + group] = sum of |x|^norm_type over the
+// elements this work-group visits (the maximum of |x| for the inf-norm). Stage two
+// (total_norm) combines the partials of all tensors inside the kernel that needs the norm.
+// NaN propagates through both, as through PyTorch's norm: a NaN gradient gives a NaN norm.
+float max_keeping_nan(const float a, const float b) { return (a > b || isnan(a)) ? a : b; }
+
+// Sum (or, with take_max, maximum) of `value` over a 256-wide work-group; every work-item
+// gets the result. scratch (256) is the group's local memory.
+float reduce_group(float value, const int take_max, __local float* scratch) {
+    const int lid = get_local_id(0);
+    scratch[lid] = value;
+    barrier(CLK_LOCAL_MEM_FENCE);
+    for (int stride = 128; stride > 0; stride >>= 1) {
+        if (lid < stride) {
+            const float other = scratch[lid + stride];
+            scratch[lid] = take_max ? max_keeping_nan(scratch[lid], other) : scratch[lid] + other;
+        }
+        barrier(CLK_LOCAL_MEM_FENCE);
+    }
+    const float result = scratch[0];
+    barrier(CLK_LOCAL_MEM_FENCE);  // scratch may be reused once everyone has read it
+    return result;
+}
+
+// x (n) -> partials[first + group id]. The loops are specialised by norm type, so the
+// common 2-norm is a plain multiply-add per element.
+__kernel __attribute__((reqd_work_group_size(256, 1, 1)))
+void norm_partials(const int n, const float norm_type, const int first, __global const float* x,
+                   __global float* partials) {
+    __local float scratch[256];
+    const int stride = get_global_size(0);
+    const int take_max = isinf(norm_type);
+    float acc = 0.0f;
+    if (norm_type == 2.0f) {
+        for (int i = get_global_id(0); i < n; i += stride) { const float v = x[i]; acc += v * v; }
+    } else if (take_max) {
+        for (int i = get_global_id(0); i < n; i += stride) acc = max_keeping_nan(acc, fabs(x[i]));
+    } else {
+        for (int i = get_global_id(0); i < n; i += stride) acc += pow(fabs(x[i]), norm_type);
+    }
+    const float total = reduce_group(acc, take_max, scratch);
+    if (get_local_id(0) == 0) partials[first + get_group_id(0)] = total;
+}
+
+// partials (num_partials) -> the norm: (sum)^(1/norm_type), or the maximum for the inf-norm.
+// Called by every work-item of one 256-wide group.
+float total_norm(const int num_partials, const float norm_type, __global const float* partials,
+                 __local float* scratch) {
+    const int take_max = isinf(norm_type);
+    float acc = 0.0f;
+    for (int i = get_local_id(0); i < num_partials; i += 256)
+        acc = take_max ? max_keeping_nan(acc, partials[i]) : acc + partials[i];
+    const float total = reduce_group(acc, take_max, scratch);
+    if (take_max) return total;
+    return norm_type == 2.0f ? sqrt(total) : pow(total, 1.0f / norm_type);
+}
+
+// clip_grad_norm, on one work-group: partials (num_partials) -> total_norm (1) and
+// clip_coef (1) = min(max_norm / (total_norm + 1e-6), 1), written so that NaN stays NaN.
+__kernel __attribute__((reqd_work_group_size(256, 1, 1)))
+void clip_coefficient(const int num_partials, const float norm_type, const float max_norm,
+                      __global const float* partials, __global float* total_norm_out,
+                      __global float* clip_coef) {
+    __local float scratch[256];
+    const float norm = total_norm(num_partials, norm_type, partials, scratch);
+    if (get_local_id(0) != 0) return;
+    const float coef = max_norm / (norm + 1e-6f);
+    total_norm_out[0] = norm;
+    clip_coef[0] = coef > 1.0f ? 1.0f : coef;
+}
+
+// x (n) *= scale[0]: a factor read from device memory, so the host never waits for it.
+__kernel void scale_by_device_scalar(const int n, __global const float* scale, __global float* x) {
+    const int i = get_global_id(0);
+    if (i < n) x[i] *= scale[0];
+}
+
+// --- Adam and AdamW. A step is adam_prepare (one work-group), then adam_step over the flat
+// buffers. scalars (4) = grad_scale, skip, 1 - beta1^t, sqrt(1 - beta2^t): everything the
+// update needs that depends on device-side state, so the host never reads any of it.
+//
+// adam_prepare: with num_partials > 0 (step(max_norm=...)), the 2-norm of the gradients from
+// their partials gives grad_scale = min(max_norm / (norm + 1e-6), 1), and a non-finite norm
+// sets skip; without, grad_scale = 1. step (1) counts the applied steps t: it advances only
+// when the step is not skipped. 1 - beta^t = -expm1(t ln beta), accurate in float32.
+__kernel __attribute__((reqd_work_group_size(256, 1, 1)))
+void adam_prepare(const int num_partials, const float max_norm, const float log_beta1,
+                  const float log_beta2, __global const float* partials, __global int* step,
+                  __global float* scalars) {
+    __local float scratch[256];
+    float grad_scale = 1.0f;
+    int skip = 0;
+    if (num_partials > 0) {
+        const float norm = total_norm(num_partials, 2.0f, partials, scratch);
+        const float coef = max_norm / (norm + 1e-6f);
+        grad_scale = coef > 1.0f ? 1.0f : coef;
+        skip = !isfinite(norm);
+    }
+    if (get_local_id(0) != 0) return;
+    const int t = step[0] + (skip ? 0 : 1);
+    step[0] = t;
+    scalars[0] = grad_scale;
+    scalars[1] = skip ? 1.0f : 0.0f;
+    scalars[2] = -expm1((float)t * log_beta1);
+    scalars[3] = sqrt(-expm1((float)t * log_beta2));
+}
+
+// torch/optim/adam.py's update on p, g, m (exp_avg), v (exp_avg_sq), all (n): the whole flat
+// buffers, or one parameter's segments. Adam passes its L2 weight_decay and decay = 1; AdamW
+// weight_decay = 0 and decay = 1 - lr * weight_decay (decoupled: p shrinks, g is unchanged).
+__kernel void adam_step(const int n, const float lr, const float one_minus_beta1,
+                        const float beta2, const float one_minus_beta2, const float eps,
+                        const float weight_decay, const float decay,
+                        __global const float* scalars, __global float* p,
+                        __global const float* g, __global float* m, __global float* v) {
+    const int i = get_global_id(0);
+    if (i >= n || scalars[1] != 0.0f) return;
+    float grad = g[i] * scalars[0];
+    if (weight_decay != 0.0f) grad += weight_decay * p[i];
+    const float exp_avg = m[i] + one_minus_beta1 * (grad - m[i]);
+    const float exp_avg_sq = v[i] * beta2 + one_minus_beta2 * grad * grad;
+    m[i] = exp_avg;
+    v[i] = exp_avg_sq;
+    const float step_size = lr / scalars[2];
+    const float denom = sqrt(exp_avg_sq) / scalars[3] + eps;
+    p[i] = p[i] * decay - step_size * (exp_avg / denom);
+}

@@ -27,6 +27,7 @@ to what layers need), a graph compiler, or a distributed trainer.
 
 Set NETCL_DEBUG=1 to print each kernel build, NETCL_DEBUG=2 to also time every launch.
 """
+import builtins
 import contextlib
 import gzip
 import math
@@ -410,6 +411,12 @@ class Tensor:
             cl.enqueue_copy(self.device.queue, host, self.data, is_blocking=True)
         return host
 
+    def __float__(self):
+        """The value of a one-element tensor (a sync: it waits for the work that writes it)."""
+        if self.size != 1:
+            raise TypeError(f"only a one-element tensor converts to float, got shape {self.shape}")
+        return float(self.to_host().reshape(()))
+
     @property
     def queue(self):
         """The queue of the device this tensor lives on."""
@@ -547,12 +554,17 @@ class Node:
 
 
 class Parameter(Node):
-    """A trainable leaf: a Node with requires_grad=True."""
+    """A trainable leaf: a Node with requires_grad=True.
 
-    __slots__ = ()
+    `_grad_home` is None, or the Tensor where backward stores this parameter's gradient: an
+    optimizer that keeps every gradient in one flat buffer points it at its segment there.
+    """
+
+    __slots__ = ("_grad_home",)
 
     def __init__(self, value):
         super().__init__(value, requires_grad=True)
+        self._grad_home = None
 
 
 class Tape:
@@ -638,9 +650,10 @@ def _record(value, parents, backward):
 
 def _accumulate_grad(leaf, grad):
     """PyTorch semantics: the first gradient is stored, later ones are added in place. The
-    first is copied, so no two leaves ever share (and later mutate) one buffer."""
+    first is copied, so no two leaves ever share (and later mutate) one buffer; into the
+    leaf's `_grad_home` when an optimizer gave it one (Adam's flat gradient buffer)."""
     if leaf.grad is None:
-        leaf.grad = _copy(grad)
+        leaf.grad = _copy(grad, out=getattr(leaf, "_grad_home", None))
     elif leaf.grad.device.backend == "cpu":
         np.add(leaf.grad.data, grad.data, out=leaf.grad.data)
     elif grad.size:
@@ -723,8 +736,8 @@ def _fill(shape, value, like):
     return out
 
 
-def _copy(x):
-    out = _like(x)
+def _copy(x, out=None):
+    out = _like(x) if out is None else out
     if x.device.backend == "cpu":
         np.copyto(out.data, x.data)
     elif x.size:
@@ -1809,8 +1822,12 @@ def load(path):
 
 
 # ============================================================================ optimizers
-# PyTorch's update rules, one kernel launch per parameter. A parameter whose .grad is None is
-# left untouched. `.lr` is a plain attribute, so a schedule can set it between steps.
+# PyTorch's update rules. A parameter whose .grad is None is left untouched; `.lr` is a plain
+# attribute, so a schedule can set it between steps. SGD runs one launch per parameter. Adam
+# and AdamW keep the whole model in flat buffers, so that a step, gradient clipping included,
+# is three launches whatever the number of parameters, and never waits for the device: the
+# gradient norm, the clipping coefficient, the skip decision and the step count all stay in
+# device memory.
 
 class Optimizer:
     """Base class: holds the parameters; zero_grad() sets every .grad to None."""
@@ -1822,7 +1839,9 @@ class Optimizer:
         for i, p in enumerate(self.params):
             if not isinstance(p, Node) or not p.requires_grad:
                 raise ValueError(f"optimizer: parameter {i} is not a Parameter: {p!r}")
-        _check_non_negative("lr", lr)
+            if any(p is q for q in self.params[:i]):  # it would be updated twice per step
+                raise ValueError(f"optimizer: parameter {i} appears more than once")
+        _check_hyperparameter("learning rate", lr)
         self.lr = float(lr)
 
     def zero_grad(self):
@@ -1831,9 +1850,10 @@ class Optimizer:
             p.grad = None
 
 
-def _check_non_negative(name, value):
-    if not isinstance(value, (int, float, np.floating, np.integer)) or not value >= 0:
-        raise ValueError(f"invalid {name}: {value!r} (must be a number >= 0)")
+def _check_hyperparameter(what, value, below=None):
+    """PyTorch's check and message, e.g. "Invalid learning rate: -1": 0 <= value (< below)."""
+    if not (0.0 <= value and (below is None or value < below)):
+        raise ValueError(f"Invalid {what}: {value}")
 
 
 class SGD(Optimizer):
@@ -1847,8 +1867,8 @@ class SGD(Optimizer):
 
     def __init__(self, params, lr, momentum=0, weight_decay=0, nesterov=False):
         super().__init__(params, lr)
-        _check_non_negative("momentum", momentum)
-        _check_non_negative("weight_decay", weight_decay)
+        _check_hyperparameter("momentum value", momentum)
+        _check_hyperparameter("weight_decay value", weight_decay)
         if nesterov and momentum <= 0:
             raise ValueError(f"Nesterov momentum requires momentum > 0, got momentum={momentum!r}")
         self.momentum, self.weight_decay, self.nesterov = float(momentum), float(weight_decay), bool(nesterov)
@@ -1900,6 +1920,396 @@ class SGD(Optimizer):
                                  f"{buf.shape}, parameter has {self.params[i].shape}")
             self.momentum_buffers[i] = Tensor.from_host(buf, self.params[i].value.queue)
 
+
+# --- gradient norms and clip_grad_norm -------------------------------------------------------
+# The norm of many gradients is the norm of all of them seen as one vector (PyTorch computes
+# the norm of the per-tensor norms, torch/nn/utils/clip_grad.py: the same thing). It never
+# leaves the device. Stage one writes partial results: sums of |g|^p (maxima of |g| for the
+# inf-norm), one per OpenCL work-group, one per tensor on the NumPy backend. Stage two, inside
+# whichever kernel needs the norm, has one work-group combine them into (sum)^(1/p) or the
+# maximum, so the norm is ready in device memory without the host ever reading it.
+
+def _norm_groups(n):
+    """Work-groups for the partials of n elements: 4096+ elements each, 256 groups at most."""
+    return min(max(-(-n // 4096), 1), 256)
+
+
+def _norm_partials(grads, norm_type):
+    """Partial results of the norm_type-norm of the tensors `grads` (stage one above)."""
+    device = grads[0].device
+    if device.backend == "cpu":
+        with np.errstate(all="ignore"):  # an inf/NaN gradient gives an inf/NaN norm, silently
+            values = [g.data.ravel() for g in grads]
+            partials = [np.abs(v).max(initial=0.0) if math.isinf(norm_type) else
+                        np.dot(v, v) if norm_type == 2 else np.sum(np.abs(v) ** norm_type)
+                        for v in values]
+        return Tensor.from_host(np.array(partials), device.queue, np.float64)
+    groups = [_norm_groups(g.size) for g in grads]
+    partials = Tensor.empty((builtins.sum(groups),), np.float32, device.queue)
+    first = 0
+    for g, count in zip(grads, groups):
+        device.launch("norm_partials", (count * 256,), (256,), g.size, norm_type, first,
+                      g.data, partials.data)
+        first += count
+    return partials
+
+
+def _total_norm(partials, norm_type):
+    """Stage two on the NumPy backend (kernels.cl: total_norm): partials (k,) -> the norm."""
+    if math.isinf(norm_type):
+        return partials.max(initial=0.0)
+    return partials.sum() ** (1.0 / norm_type)
+
+
+def clip_grad_norm(params, max_norm, norm_type=2.0, error_if_nonfinite=False):
+    """Scale the gradients of `params` in place so that their global norm is at most max_norm,
+    and return the norm they had: a device scalar (a Tensor of shape ()) that float() reads.
+    That read is the only sync; clipping itself never waits for the device.
+
+    PyTorch's clip_grad_norm_ (torch/nn/utils/clip_grad.py): total = the norm_type-norm of all
+    gradients seen as one vector (norm_type > 0, or inf / "inf"); every gradient is multiplied
+    by min(max_norm / (total + 1e-6), 1), by 1 too, since deciding would need a sync. A
+    non-finite total raises RuntimeError with error_if_nonfinite=True; otherwise the gradients
+    are multiplied all the same and become non-finite (Adam.step(max_norm=...) is what skips).
+    """
+    params = [params] if isinstance(params, Node) else list(params)
+    max_norm, norm_type = float(max_norm), float(norm_type)
+    if not norm_type > 0:
+        raise ValueError(f"clip_grad_norm: norm_type must be positive or inf, got {norm_type}")
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:  # as PyTorch: nothing to clip, and the norm is 0
+        return _fill((), 0.0, params[0].value) if params else Tensor.from_host(np.float32(0.0))
+    device = _devices_of("clip_grad_norm", *grads)
+    partials = _norm_partials(grads, norm_type)
+    total_norm = Tensor.empty((), np.float32, device.queue)
+    clip_coef = Tensor.empty((), np.float32, device.queue)
+    if device.backend == "cpu":
+        total_norm.data[...] = _total_norm(partials.data, norm_type)
+        with np.errstate(all="ignore"):
+            clip_coef.data[...] = np.minimum(max_norm / (total_norm.data + np.float32(1e-6)), 1.0)
+    else:
+        device.launch("clip_coefficient", (256,), (256,), partials.size, norm_type, max_norm,
+                      partials.data, total_norm.data, clip_coef.data)
+    # Only this check needs the norm's value on the host: a deliberate sync, asked for.
+    if error_if_nonfinite and not math.isfinite(float(total_norm)):
+        raise RuntimeError(
+            f"The total norm of order {norm_type} for gradients from `parameters` is "
+            f"non-finite, so it cannot be clipped. To disable this error and scale the "
+            f"gradients by the non-finite norm anyway, set `error_if_nonfinite=False`")
+    for g in grads:
+        if device.backend == "cpu":
+            with np.errstate(all="ignore"):  # inf * 0 is NaN here, as in PyTorch
+                g.data *= clip_coef.data
+        elif g.size:
+            device.launch("scale_by_device_scalar", *_grid(g.size), g.size, clip_coef.data, g.data)
+    return total_norm
+
+
+clip_grad_norm_ = clip_grad_norm  # PyTorch's in-place name
+
+
+# --- flat buffers ------------------------------------------------------------------------------
+# Adam and AdamW keep parameters, gradients and both moments in four flat buffers, each
+# parameter owning the same segment of each. A parameter's `.value` becomes a view of its
+# segment of the parameter buffer, so the model keeps working through the same Parameter
+# objects, and its `_grad_home` the view of its segment of the gradient buffer, so backward
+# stores the gradient there (_accumulate_grad). The gradient norm is then one reduction over
+# the flat gradients and the update one launch over all four buffers.
+#
+# Views are OpenCL sub-buffers (ndarray slices on the NumPy backend) rather than offsets that
+# kernels would have to take: every other kernel, and .to_host(), sees an ordinary buffer. A
+# sub-buffer must start at a multiple of the device's base-address alignment (128 bytes on
+# PoCL, 512 on NVIDIA), so each segment is padded up to it. The padding of the gradient
+# buffer is zero and stays zero (backward and clip_grad_norm write segments only, the update
+# only reads gradients), so a reduction over the whole buffer is the norm of the gradients.
+# The flat buffers come from the pool like any tensor's memory and go back to it with the
+# optimizer; the parameters' old buffers go back at once.
+
+def _segment(flat, offset, shape):
+    """A view of `shape` into the 1-D tensor `flat`, from element `offset`."""
+    size = math.prod(shape)
+    if flat.device.backend == "cpu":
+        data = flat.data[offset:offset + size].reshape(shape)
+    else:  # a sub-buffer may not be empty: a zero-size segment still spans one element
+        itemsize = flat.dtype.itemsize
+        data = flat.data.get_sub_region(offset * itemsize, max(size, 1) * itemsize)
+    return Tensor(flat.device, shape, flat.dtype, data, base=flat)
+
+
+class _FlatBuffers:
+    """`params`, `grads`, `exp_avg`, `exp_avg_sq`: flat float32 tensors (size,), and each
+    parameter's segment of each (`param_views[i]`, `grad_views[i]`, ...)."""
+
+    def __init__(self, params):
+        like = params[0].value
+        device = like.device
+        # Segment starts, in float32 elements: mem_base_addr_align is in bits; NumPy needs none.
+        align = 1 if device.backend == "cpu" else max(device.cl_device.mem_base_addr_align // 32, 1)
+        offsets, self.size = [], 0
+        for p in params:
+            offsets.append(self.size)
+            self.size += -(-max(p.value.size, 1) // align) * align
+        self.params, self.grads, self.exp_avg, self.exp_avg_sq = (
+            _fill((self.size,), 0.0, like) for _ in range(4))
+        views = lambda flat: [_segment(flat, offset, p.shape) for offset, p in zip(offsets, params)]
+        self.param_views, self.grad_views = views(self.params), views(self.grads)
+        self.exp_avg_views, self.exp_avg_sq_views = views(self.exp_avg), views(self.exp_avg_sq)
+        for p, value, home in zip(params, self.param_views, self.grad_views):
+            p.value = _copy(p.value, out=value)
+            if isinstance(p, Parameter):  # a plain Node leaf has no home: its grads stay apart
+                p._grad_home = home
+                if p.grad is not None:
+                    p.grad = _copy(p.grad, out=home)
+
+
+# --- Adam and AdamW ----------------------------------------------------------------------------
+
+class Adam(Optimizer):
+    """Adam with PyTorch's rule and defaults (torch/optim/adam.py, _single_tensor_adam):
+        g = grad + weight_decay * p                 (an L2 penalty; AdamW decays p instead)
+        m = m + (1 - beta1) * (g - m)               (exp_avg.lerp_(g, 1 - beta1))
+        v = beta2 * v + (1 - beta2) * g * g
+        p = p - lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
+    where t counts the applied steps. PyTorch keeps one such count per parameter; netcl keeps
+    one per optimizer, on the device. The two agree whenever every parameter gets a gradient
+    on every step (a parameter whose .grad is None is left untouched, moments included).
+
+    step(max_norm=c) clips first, exactly as clip_grad_norm(params, c) would, but inside the
+    update: each gradient is scaled in registers and .grad is left as it was. A non-finite
+    gradient norm makes the step a no-op on the device: parameters and moments stay
+    bit-identical and t does not advance. Since the parameters live in flat buffers (see
+    above), a step is three kernel launches (two without max_norm) whatever the number of
+    parameters, and it never syncs.
+    """
+
+    decoupled_weight_decay = False
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0):
+        super().__init__(params, lr)
+        self._set_hyperparameters(betas, eps, weight_decay)
+        name = type(self).__name__
+        device = _devices_of(name, *self.params)
+        for i, p in enumerate(self.params):
+            if p.dtype != np.float32:
+                raise ValueError(f"{name}: parameter {i} is {p.dtype}; only float32 "
+                                 f"parameters are supported")
+        self._flat = _FlatBuffers(self.params)
+        self._step_count = Tensor.from_host(np.zeros(1, np.int32), device.queue)  # t
+        self._scalars = Tensor.empty((4,), np.float32, device.queue)  # see _prepare
+
+    def _set_hyperparameters(self, betas, eps, weight_decay):
+        _check_hyperparameter("epsilon value", eps)
+        _check_hyperparameter("beta parameter at index 0", betas[0], below=1.0)
+        _check_hyperparameter("beta parameter at index 1", betas[1], below=1.0)
+        _check_hyperparameter("weight_decay value", weight_decay)
+        self.betas = (float(betas[0]), float(betas[1]))
+        self.eps, self.weight_decay = float(eps), float(weight_decay)
+
+    def step(self, max_norm=None):
+        """Update every parameter that has a gradient; with max_norm, clip the gradients'
+        global 2-norm to it first (in registers: .grad is not changed)."""
+        runs = self._runs()
+        if not runs:
+            return
+        partials = None if max_norm is None else _norm_partials([g for _, g, _, _ in runs], 2.0)
+        self._prepare(partials, max_norm)
+        for p, g, m, v in runs:
+            self._update(p, g, m, v)
+
+    def _runs(self):
+        """(param, grad, exp_avg, exp_avg_sq) tensors to update: the four whole flat buffers
+        when every parameter's value and gradient are its segments (as after any backward),
+        else each parameter that has a gradient, one by one (one launch each)."""
+        flat = self._flat
+        if all(p.value is value and p.grad is home
+               for p, value, home in zip(self.params, flat.param_views, flat.grad_views)):
+            return [(flat.params, flat.grads, flat.exp_avg, flat.exp_avg_sq)]
+        runs = []
+        for i, (p, m, v) in enumerate(zip(self.params, flat.exp_avg_views, flat.exp_avg_sq_views)):
+            if p.grad is None:
+                continue
+            if p.grad.shape != p.shape or p.grad.dtype != p.dtype or p.grad.device is not p.device:
+                raise ValueError(f"{type(self).__name__}.step: parameter {i} {p.shape} has a "
+                                 f"gradient of shape {p.grad.shape}, dtype {p.grad.dtype}")
+            runs.append((p.value, p.grad, m, v))
+        return runs
+
+    # A step's scalars are written in device memory by one small kernel before the update:
+    #   scalars (4) = grad_scale, skip, 1 - beta1^t, sqrt(1 - beta2^t)
+    # grad_scale multiplies every gradient in registers (the clip coefficient; a GradScaler
+    # can fold its 1/scale in here) and a nonzero skip makes the update a no-op (a non-finite
+    # norm; a GradScaler's found_inf can set it too). t advances only when the step applies.
+    def _prepare(self, partials, max_norm):
+        beta1, beta2 = self.betas
+        step_count, scalars = self._step_count, self._scalars
+        if step_count.device.backend == "cpu":
+            grad_scale, skip = 1.0, False
+            if partials is not None:
+                total_norm = np.float32(_total_norm(partials.data, 2.0))
+                skip = not np.isfinite(total_norm)
+                with np.errstate(all="ignore"):
+                    grad_scale = min(np.float32(max_norm) / (total_norm + np.float32(1e-6)), 1.0)
+            step_count.data += 0 if skip else 1
+            t = int(step_count.data[0])
+            scalars.data[...] = (grad_scale, skip, 1 - beta1 ** t, math.sqrt(1 - beta2 ** t))
+        else:
+            # The kernel computes 1 - beta^t as -expm1(t ln beta), with ln beta from the host
+            # in float64: 1 - beta2 from beta2 rounded to float32 would keep 4 digits of 0.001.
+            log = lambda beta: math.log(beta) if beta > 0 else -math.inf
+            step_count.device.launch(
+                "adam_prepare", (256,), (256,), 0 if partials is None else partials.size,
+                0.0 if max_norm is None else float(max_norm), log(beta1), log(beta2),
+                None if partials is None else partials.data, step_count.data, scalars.data)
+
+    def _update(self, p, g, m, v):
+        """The rule of the class docstring on param p, grad g, exp_avg m, exp_avg_sq v."""
+        beta1, beta2 = self.betas
+        if p.device.backend == "cpu":
+            grad_scale, skip, bias_correction1, bias_correction2_sqrt = self._scalars.data
+            if skip:
+                return
+            # PyTorch's in-place calls, one by one; temporaries are pooled scratch (`out=`),
+            # since fresh arrays of a model's size would cost page faults on every step.
+            P, M, V = p.data, m.data, v.data
+            grad, scratch = _like(g), _like(g)
+            G, S = grad.data, scratch.data
+            with np.errstate(all="ignore"):
+                np.multiply(g.data, grad_scale, out=G)
+                if self.decoupled_weight_decay:                  # param.mul_(1 - lr * wd)
+                    P *= 1 - self.lr * self.weight_decay
+                elif self.weight_decay:                          # grad = grad.add(param, alpha=wd)
+                    G += np.multiply(P, self.weight_decay, out=S)
+                np.subtract(G, M, out=S)                         # exp_avg.lerp_(grad, 1 - beta1)
+                M += np.multiply(S, 1 - beta1, out=S)
+                V *= beta2                                       # exp_avg_sq.mul_(beta2)
+                np.multiply(G, G, out=S)                         #   .addcmul_(grad, grad,
+                V += np.multiply(S, 1 - beta2, out=S)            #             value=1 - beta2)
+                denom = np.sqrt(V, out=S)                        # denom = (exp_avg_sq.sqrt()
+                denom /= bias_correction2_sqrt                   #   / bias_correction2_sqrt)
+                denom += self.eps                                #   .add_(eps)
+                np.divide(M, denom, out=S)                       # param.addcdiv_(exp_avg, denom,
+                P -= np.multiply(S, self.lr / bias_correction1, out=S)  # value=-lr / bc1)
+        elif p.size:
+            decoupled = self.decoupled_weight_decay
+            p.device.launch("adam_step", *_grid(p.size), p.size, self.lr, 1.0 - beta1, beta2,
+                            1.0 - beta2, self.eps, 0.0 if decoupled else self.weight_decay,
+                            1.0 - self.lr * self.weight_decay if decoupled else 1.0,
+                            self._scalars.data, p.data, g.data, m.data, v.data)
+
+    def state_dict(self):
+        """PyTorch's layout, with NumPy arrays: {"state": {i: {"step", "exp_avg",
+        "exp_avg_sq"}}, "param_groups": [{"lr", "betas", "eps", "weight_decay", "params"}]}.
+        Every parameter has state, with the optimizer's one step count. Reads the device."""
+        step = int(self._step_count.to_host()[0])
+        flat = self._flat
+        moments = zip(flat.exp_avg_views, flat.exp_avg_sq_views)
+        return {"state": {i: {"step": step, "exp_avg": m.to_host(), "exp_avg_sq": v.to_host()}
+                          for i, (m, v) in enumerate(moments)},
+                "param_groups": [{"lr": self.lr, "betas": self.betas, "eps": self.eps,
+                                  "weight_decay": self.weight_decay,
+                                  "params": list(range(len(self.params)))}]}
+
+    def load_state_dict(self, state):
+        """Restore hyper-parameters, moments and the step count from state_dict()'s output,
+        so that the optimizer continues the same trajectory. A parameter without state gets
+        zero moments; where steps differ between parameters (a PyTorch checkpoint), the
+        largest is taken."""
+        name = f"{type(self).__name__}.load_state_dict"
+        group = state["param_groups"][0]
+        if len(group["params"]) != len(self.params):
+            raise ValueError(f"{name}: the state is for {len(group['params'])} parameters, the "
+                             f"optimizer has {len(self.params)}")
+        _check_hyperparameter("learning rate", group["lr"])
+        moments, steps = {}, [0]
+        for i, entry in state["state"].items():
+            i = int(i)
+            if not 0 <= i < len(self.params):
+                raise ValueError(f"{name}: state for parameter {i}, but the optimizer has "
+                                 f"{len(self.params)}")
+            moments[i] = [np.asarray(entry[key], np.float32) for key in ("exp_avg", "exp_avg_sq")]
+            for key, array in zip(("exp_avg", "exp_avg_sq"), moments[i]):
+                if array.shape != self.params[i].shape:
+                    raise ValueError(f"{name}: {key} of parameter {i} has shape {array.shape}, "
+                                     f"the parameter has {self.params[i].shape}")
+            steps.append(int(float(entry["step"])))
+        self._set_hyperparameters(group["betas"], group["eps"], group["weight_decay"])
+        self.lr = float(group["lr"])
+        flat = self._flat
+        for i, views in enumerate(zip(flat.exp_avg_views, flat.exp_avg_sq_views)):
+            zeros = np.zeros(self.params[i].shape, np.float32)
+            for view, array in zip(views, moments.get(i, (zeros, zeros))):
+                _write(view, array)
+        _write(self._step_count, np.array([max(steps)], np.int32))
+
+
+class AdamW(Adam):
+    """AdamW: Adam with decoupled weight decay (torch/optim/adamw.py). Instead of adding
+    weight_decay * p to the gradient, each step first shrinks p = p * (1 - lr * weight_decay),
+    then applies Adam's rule without weight decay. PyTorch's defaults (weight_decay=0.01);
+    step(max_norm=...), the flat buffers and the per-optimizer step count as Adam's."""
+
+    decoupled_weight_decay = True
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01):
+        super().__init__(params, lr, betas, eps, weight_decay)
+
+
+# --- learning-rate schedule --------------------------------------------------------------------
+
+class WarmupCosine:
+    """Linear warm-up from 0 to the optimizer's learning rate, then cosine decay to min_lr.
+
+    With base_lr the optimizer's lr when the schedule is built, W = warmup_steps,
+    T = total_steps and s the number of step() calls so far (0 at construction):
+        lr(s) = base_lr * s / W                                              for s < W
+        lr(s) = min_lr + (base_lr - min_lr) * (1 + cos(pi * (s - W) / (T - W))) / 2
+                                                                             for W <= s < T
+        lr(s) = min_lr                                                       for s >= T
+    The optimizer's .lr is set to lr(0) at construction (0 when W > 0) and to lr(s) by each
+    step(). Call step() after optimizer.step(), as with PyTorch's schedulers.
+    """
+
+    def __init__(self, optimizer, warmup_steps, total_steps, min_lr=0.0):
+        for name, value, least in (("warmup_steps", warmup_steps, 0),
+                                   ("total_steps", total_steps, 1)):
+            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < least:
+                raise ValueError(f"WarmupCosine: {name} must be an integer >= {least}, "
+                                 f"got {value!r}")
+        if warmup_steps > total_steps:
+            raise ValueError(f"WarmupCosine: warmup_steps ({warmup_steps}) must not exceed "
+                             f"total_steps ({total_steps})")
+        self.optimizer = optimizer
+        self.base_lr, self.min_lr = float(optimizer.lr), float(min_lr)
+        self.warmup_steps, self.total_steps = int(warmup_steps), int(total_steps)
+        self.last_step = 0
+        optimizer.lr = self.lr_at(0)
+
+    def lr_at(self, s):
+        """lr(s), the formula of the class docstring."""
+        W, T = self.warmup_steps, self.total_steps
+        if s >= T:
+            return self.min_lr
+        if s < W:
+            return self.base_lr * s / W
+        cosine = (1 + math.cos(math.pi * (s - W) / (T - W))) / 2
+        return self.min_lr + (self.base_lr - self.min_lr) * cosine
+
+    def step(self):
+        """Count one optimizer step and set the optimizer's lr for the next."""
+        self.last_step += 1
+        self.optimizer.lr = self.lr_at(self.last_step)
+
+    def state_dict(self):
+        """The schedule's settings and position, plain Python numbers."""
+        return {"base_lr": self.base_lr, "min_lr": self.min_lr, "warmup_steps": self.warmup_steps,
+                "total_steps": self.total_steps, "last_step": self.last_step}
+
+    def load_state_dict(self, state):
+        """Restore state_dict()'s output and set the optimizer's lr to match."""
+        self.base_lr, self.min_lr = float(state["base_lr"]), float(state["min_lr"])
+        self.warmup_steps, self.total_steps = int(state["warmup_steps"]), int(state["total_steps"])
+        self.last_step = int(state["last_step"])
+        self.optimizer.lr = self.lr_at(self.last_step)
 
 # ============================================================================ data
 # A DataLoader turns a dataset (anything indexable that returns (x, y, *extra) tuples) into
@@ -2389,7 +2799,9 @@ autograd = _alias("autograd", Node=Node, Parameter=Parameter, Tape=Tape, no_grad
 nn = _alias("nn", Module=Module, Linear=Linear, ReLU=ReLU, Tanh=Tanh, Sigmoid=Sigmoid,
             GELU=GELU, Dropout=Dropout, Flatten=Flatten, Sequential=Sequential,
             Conv2d=Conv2d, MaxPool2d=MaxPool2d, Parameter=Parameter, functional=functional)
-optim = _alias("optim", Optimizer=Optimizer, SGD=SGD)
+optim = _alias("optim", Optimizer=Optimizer, SGD=SGD, Adam=Adam, AdamW=AdamW,
+               clip_grad_norm=clip_grad_norm, clip_grad_norm_=clip_grad_norm_,
+               WarmupCosine=WarmupCosine)
 data = _alias("data", DataLoader=DataLoader, ArrayDataset=ArrayDataset, GpuBatch=GpuBatch,
               load_idx=load_idx)
 data.dataloader = _alias("data.dataloader", DataLoader=DataLoader)
