@@ -14,10 +14,12 @@
 
 // ---------------------------------------------------------------------------- autograd
 
-// dst (n) += src (n): a leaf's .grad accumulating a second backward pass.
-__kernel void accumulate(const int n, __global float* dst, __global const float* src) {
+// dst (n) += alpha * src (n): a leaf's .grad accumulating a second backward pass (alpha 1),
+// or the Trainer summing batch losses weighted by batch size.
+__kernel void accumulate(const int n, const float alpha, __global float* dst,
+                         __global const float* src) {
     const int i = get_global_id(0);
-    if (i < n) dst[i] += src[i];
+    if (i < n) dst[i] += alpha * src[i];
 }
 
 // ---------------------------------------------------------------------------- operations

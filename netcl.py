@@ -30,6 +30,7 @@ Set NETCL_DEBUG=1 to print each kernel build, NETCL_DEBUG=2 to also time every l
 import builtins
 import contextlib
 import gzip
+import inspect
 import math
 import multiprocessing
 import multiprocessing.connection
@@ -654,11 +655,16 @@ def _accumulate_grad(leaf, grad):
     leaf's `_grad_home` when an optimizer gave it one (Adam's flat gradient buffer)."""
     if leaf.grad is None:
         leaf.grad = _copy(grad, out=getattr(leaf, "_grad_home", None))
-    elif leaf.grad.device.backend == "cpu":
-        np.add(leaf.grad.data, grad.data, out=leaf.grad.data)
-    elif grad.size:
-        leaf.grad.device.launch("accumulate", (grad.size,), (256,), grad.size,
-                                leaf.grad.data, grad.data)
+    else:
+        _add_into(leaf.grad, grad)
+
+
+def _add_into(dst, src, alpha=1.0):
+    """dst += alpha * src, in place (same size)."""
+    if dst.device.backend == "cpu":
+        dst.data += alpha * src.data.reshape(dst.shape) if alpha != 1.0 else src.data.reshape(dst.shape)
+    elif src.size:
+        dst.device.launch("accumulate", *_grid(src.size), src.size, alpha, dst.data, src.data)
 
 
 # ============================================================================ operations
@@ -1431,8 +1437,7 @@ def conv2d(x, w, b=None, stride=1, padding=0):
                     if grad_w is None:
                         grad_w = part.reshape(weight.shape)
                     else:
-                        g.device.launch("accumulate", *_grid(part.size), part.size,
-                                        grad_w.data, part.data)
+                        _add_into(grad_w, part)
                 if grad_x is not None:  # dcols = w^T @ g_rows, then each pixel gathers its own
                     grad_cols = _gemm(weight_rows, g_rows, trans_a=True)  # (C*R*S, nb*OH*OW)
                     g.device.launch("col2im", (nb * H * W, C), (256, 1), n0, nb, C, *window,
@@ -2777,6 +2782,304 @@ def load_idx(path):
     return data.astype(dtype.newbyteorder("="))
 
 
+# ============================================================================ Trainer
+# A small wrapper around the explicit Tape loop for classification. Its step is the async
+# pipeline of the wiki page: enqueue the forward; drain (wait, interruptibly, only for steps
+# long done, so at most a few steps are ever in flight); read metrics every metrics_stride-th
+# step; enqueue backward and the optimizer step without waiting; move on to the next batch
+# while the device works. No gc.collect(): the Tape frees the graph after backward.
+
+class History(list):
+    """What fit() returns: one dict per epoch (epoch, loss, accuracy, [val_loss, val_accuracy,]
+    samples_per_s, seconds)."""
+
+
+class Trainer:
+    """fit()/evaluate() for classifiers: `Trainer(model, optimizer, grad_clip=1.0).fit(loader)`.
+
+    model: any callable mapping an input Node to logits (N, C). optimizer: a netcl optimizer.
+    device_queue: the queue batches are uploaded to (default: manager.default()'s).
+    mixed_precision: forward under autocast with an AMPGradScaler (off on the NumPy backend).
+    grad_clip: global-norm clipping each step, fused into optimizer.step(max_norm=...) when the
+    optimizer's step accepts it. loss_fn: default loss (cross_entropy). metrics_stride: read
+    loss and accuracy back every this many steps (each read is a host sync).
+    """
+
+    MAX_IN_FLIGHT = 2  # steps queued ahead of the one the host has waited for
+
+    def __init__(self, model, optimizer, device_queue=None, mixed_precision=False,
+                 grad_clip=None, loss_fn=None, metrics_stride=10):
+        if not callable(model):
+            raise ValueError(f"Trainer: model must be callable, got {model!r}")
+        if not callable(getattr(optimizer, "step", None)):
+            raise ValueError(f"Trainer: optimizer must have a step() method, got {optimizer!r}")
+        if grad_clip is not None and not (_is_scalar(grad_clip) and grad_clip > 0):
+            raise ValueError(f"Trainer: grad_clip must be a positive number or None, got {grad_clip!r}")
+        if loss_fn is not None and not callable(loss_fn):
+            raise ValueError(f"Trainer: loss_fn must be callable or None, got {loss_fn!r}")
+        if not isinstance(metrics_stride, (int, np.integer)) or isinstance(metrics_stride, bool) \
+                or metrics_stride < 1:
+            raise ValueError(f"Trainer: metrics_stride must be a positive integer, got {metrics_stride!r}")
+        self.model, self.optimizer = model, optimizer
+        self.device = _device_of(device_queue)
+        self.grad_clip = None if grad_clip is None else float(grad_clip)
+        self.loss_fn = loss_fn
+        self.metrics_stride = int(metrics_stride)
+        if mixed_precision and self.device.backend == "cpu":
+            print("netcl: mixed precision has no effect on the NumPy backend; training in float32")
+            mixed_precision = False
+        self.mixed_precision = bool(mixed_precision)
+        self.scaler = AMPGradScaler() if self.mixed_precision else None
+        # Checked once: does this optimizer clip inside its own step?
+        self._fused_clip = "max_norm" in inspect.signature(optimizer.step).parameters
+        self._in_flight = deque()  # one marker event per queued step (OpenCL)
+        self._loss_sum = None      # device scalar: the epoch's summed batch losses
+
+    # --- the step ---------------------------------------------------------------------------
+    def _train_step(self, x, target, labels, loss_fn, want_metrics):
+        """One step; returns (loss, logits) as host values on metrics steps, else None."""
+        # 1. Enqueue the forward (returns as soon as the kernels are queued).
+        with Tape() as tape, self._autocast():
+            logits = self.model(x)
+            _check_labels(labels, _as_value(logits).shape)
+            loss = loss_fn(logits, target)
+        # 2. Drain: wait, interruptibly, for old steps only, so memory stays bounded.
+        self._drain(self.MAX_IN_FLIGHT)
+        # 3. Metrics: one read for the loss, one for the logits; waits for this forward.
+        metrics = None
+        if want_metrics:
+            if self.device.backend == "opencl":  # wait for this forward, interruptibly
+                self._drain(0)
+                _wait_interruptibly(cl.enqueue_marker(self.device.queue))
+            metrics = float(loss.value.to_host()), _as_value(logits).to_host()
+        # The epoch's loss is summed on the device, weighted by batch size: exact, no sync.
+        if self._loss_sum is None:
+            self._loss_sum = _fill((), 0.0, loss.value)
+        _add_into(self._loss_sum, loss.value, float(x.shape[0]))
+        # 4. Enqueue backward and the optimizer step, without waiting.
+        self.optimizer.zero_grad()
+        if self.scaler is not None:
+            tape.backward(self.scaler.scale(loss))
+            if self.grad_clip is not None and not self._fused_clip:
+                self.scaler.unscale_(self.optimizer)
+                clip_grad_norm(self.optimizer.params, self.grad_clip)
+            self.scaler.step(self.optimizer, **self._clip_kwargs())
+            self.scaler.update()
+        else:
+            tape.backward(loss)
+            if self.grad_clip is not None and not self._fused_clip:
+                clip_grad_norm(self.optimizer.params, self.grad_clip)
+            self.optimizer.step(**self._clip_kwargs())
+        if self.device.backend == "opencl":
+            self._in_flight.append(cl.enqueue_marker(self.device.queue))
+        # 5. Return: the caller fetches the next batch while the device works.
+        return metrics
+
+    def _autocast(self):
+        return autocast(enabled=True) if self.mixed_precision else contextlib.nullcontext()
+
+    def _clip_kwargs(self):
+        return {"max_norm": self.grad_clip} if self.grad_clip is not None and self._fused_clip else {}
+
+    def _drain(self, keep):
+        """Wait until at most `keep` steps are queued. Polls instead of blocking in finish()
+        so that Ctrl-C interrupts the wait."""
+        while len(self._in_flight) > keep:
+            _wait_interruptibly(self._in_flight.popleft())
+
+    # --- fit / evaluate ---------------------------------------------------------------------
+    def fit(self, train_loader, val_loader=None, epochs=1, loss_fn=None, log_every=1,
+            checkpoint=None):
+        """Train for `epochs` epochs; validate every `log_every` epochs; return a History.
+
+        checkpoint: a path where the model's state_dict is saved after each validation that
+        improves on the best accuracy so far (the first validation always saves).
+        """
+        if not isinstance(epochs, (int, np.integer)) or isinstance(epochs, bool) or epochs < 0:
+            raise ValueError(f"fit: epochs must be a non-negative integer, got {epochs!r}")
+        if not isinstance(log_every, (int, np.integer)) or isinstance(log_every, bool) or log_every < 1:
+            raise ValueError(f"fit: log_every must be a positive integer, got {log_every!r}")
+        if checkpoint is not None and not callable(getattr(self.model, "state_dict", None)):
+            raise ValueError("fit: checkpoint needs a model with state_dict()")
+        loss_fn = loss_fn or self.loss_fn or cross_entropy
+        history, best_accuracy, step = History(), None, 0
+        total_steps = None
+        try:
+            total_steps = epochs * len(train_loader)
+        except TypeError:
+            pass
+        progress = _Progress(total_steps) if sys.stdout.isatty() else None
+        for epoch in range(1, epochs + 1):
+            _set_mode(self.model, True)
+            started = time.perf_counter()
+            samples, seen, correct = 0, 0, 0
+            self._loss_sum = None
+            for batch in train_loader:
+                x, target, labels = self._prepare(batch)
+                metrics = self._train_step(x, target, labels, loss_fn,
+                                           step % self.metrics_stride == 0)
+                batch_size = x.shape[0]
+                samples += batch_size
+                if metrics is not None:
+                    loss_value, logits = metrics
+                    if not math.isfinite(loss_value):
+                        raise RuntimeError(f"non-finite loss at step {step}")
+                    seen += batch_size
+                    correct += int((logits.argmax(1) == _class_indices(_host_labels(labels))).sum())
+                    if progress:
+                        progress.update(step + 1, loss_value, samples / (time.perf_counter() - started))
+                step += 1
+            self._drain(0)
+            # One read per epoch, which also waits for the epoch's last step.
+            loss_sum = float(self._loss_sum.to_host()) if self._loss_sum is not None else math.nan
+            seconds = time.perf_counter() - started
+            # loss: every step's, weighted by batch size; accuracy: sampled at metrics steps.
+            record = {"epoch": epoch, "loss": loss_sum / samples if samples else math.nan,
+                      "accuracy": correct / seen if seen else math.nan}
+            if val_loader is not None:
+                record["val_loss"] = record["val_accuracy"] = None
+                if epoch % log_every == 0 or epoch == epochs:
+                    result = self._evaluate(val_loader, loss_fn)
+                    record["val_loss"], record["val_accuracy"] = result["loss"], result["accuracy"]
+                    if checkpoint is not None and (best_accuracy is None
+                                                   or result["accuracy"] > best_accuracy):
+                        best_accuracy = result["accuracy"]
+                        save(self.model.state_dict(), checkpoint)
+            record["samples_per_s"] = samples / seconds if seconds > 0 else math.nan
+            record["seconds"] = seconds
+            history.append(record)
+            if progress:
+                progress.clear()
+            if epoch % log_every == 0 or epoch == epochs:
+                print(_epoch_line(record, epochs))
+        return history
+
+    def evaluate(self, data_loader, loss_fn=None):
+        """One pass in eval mode without gradients: {"loss": mean per sample, "accuracy"}."""
+        result = self._evaluate(data_loader, loss_fn or self.loss_fn or cross_entropy)
+        print(f"evaluate: loss {result['loss']:.4f}, accuracy {result['accuracy']:.4f}")
+        return result
+
+    def _evaluate(self, data_loader, loss_fn):
+        was_training = getattr(self.model, "training", None)
+        _set_mode(self.model, False)
+        total, loss_sum, correct = 0, 0.0, 0
+        try:
+            with no_grad(), self._autocast():
+                for batch in data_loader:
+                    x, target, labels = self._prepare(batch)
+                    logits = self.model(x)
+                    _check_labels(labels, _as_value(logits).shape)
+                    loss = loss_fn(logits, target)
+                    n = x.shape[0]
+                    loss_sum += float(loss.value.to_host()) * n
+                    correct += int((_as_value(logits).to_host().argmax(1)
+                                    == _class_indices(_host_labels(labels))).sum())
+                    total += n
+        finally:
+            if was_training is not None:
+                _set_mode(self.model, was_training)
+        return {"loss": loss_sum / total if total else math.nan,
+                "accuracy": correct / total if total else math.nan}
+
+    def _prepare(self, batch):
+        """(input Node, target for the loss, labels) from a batch (xb, yb, *extra). labels is
+        a host array when one exists (NumPy batches, GpuBatch.host), else the device Tensor,
+        read back only when metrics need it."""
+        if not isinstance(batch, (tuple, list)) or len(batch) < 2:
+            raise ValueError(f"Trainer: a batch must be a tuple (xb, yb, *extra), got "
+                             f"{type(batch).__name__}")
+        xb, yb = batch[0], batch[1]
+        if isinstance(batch, GpuBatch):
+            labels = batch.host[1]
+        elif isinstance(yb, (Tensor, Node)):
+            value = _as_value(yb)
+            labels = value._labels if value._labels is not None else value
+        else:
+            labels = np.asarray(yb)
+        x = xb if isinstance(xb, Node) else Node(xb if isinstance(xb, Tensor)
+                                                 else Tensor.from_host(xb, self.device.queue))
+        target = yb if isinstance(yb, (Tensor, Node)) else Tensor.from_host(labels, self.device.queue)
+        return x, target, labels
+
+
+def _as_value(x):
+    return x.value if isinstance(x, Node) else x
+
+
+def _set_mode(model, training):
+    if callable(getattr(model, "train", None)):
+        model.train(training)
+
+
+def _host_labels(labels):
+    return labels if isinstance(labels, np.ndarray) else labels.to_host()
+
+
+def _check_labels(labels, logits_shape):
+    """Class indices (N,) in [0, C) or one-hot rows (N, C), for logits (N, C); checked on the
+    host copy (a device-only Tensor of labels is left to the loss)."""
+    if not isinstance(labels, np.ndarray) or len(logits_shape) != 2:
+        return
+    n, classes = logits_shape
+    if labels.ndim == 2:
+        if labels.shape != (n, classes):
+            raise ValueError(f"Trainer: one-hot labels of shape {labels.shape} (width "
+                             f"{labels.shape[1]}) do not match the model's output ({n}, {classes})")
+    elif labels.ndim == 1 and labels.dtype.kind in "iu":
+        bad = labels[(labels < 0) | (labels >= classes)]
+        if bad.size:
+            raise ValueError(f"Trainer: label {bad[0]} out of range for the model's "
+                             f"{classes} outputs [0, {classes})")
+    else:
+        raise ValueError(f"Trainer: labels must be class indices (N,) or one-hot (N, C), got "
+                         f"shape {labels.shape} dtype {labels.dtype}")
+
+
+def _class_indices(labels):
+    return labels.argmax(1) if labels.ndim == 2 else labels
+
+
+def _wait_interruptibly(event):
+    """Wait for an OpenCL event by polling, so KeyboardInterrupt is delivered meanwhile."""
+    spins = 0
+    while event.command_execution_status != cl.command_execution_status.COMPLETE:
+        spins += 1
+        time.sleep(0 if spins < 100 else 0.0005)
+
+
+def _epoch_line(record, epochs):
+    parts = [f"epoch {record['epoch']}/{epochs}", f"loss {record['loss']:.4f}",
+             f"accuracy {record['accuracy']:.4f}"]
+    if record.get("val_loss") is not None:
+        parts += [f"val_loss {record['val_loss']:.4f}", f"val_accuracy {record['val_accuracy']:.4f}"]
+    parts += [f"{record['samples_per_s']:.0f} samples/s", f"{record['seconds']:.2f} s"]
+    return "  ".join(parts)
+
+
+class _Progress:
+    """A one-line progress bar for terminals, redrawn at metrics steps."""
+
+    def __init__(self, total):
+        self.total, self.started = total, time.perf_counter()
+
+    def update(self, step, loss, samples_per_s):
+        elapsed = time.perf_counter() - self.started
+        if self.total:
+            done = min(step / self.total, 1.0)
+            bar = "=" * int(24 * done) + ">" + " " * (24 - int(24 * done))
+            eta = elapsed / done - elapsed if done else 0.0
+            text = f"[{bar}] {step}/{self.total} loss {loss:.4f} {samples_per_s:.0f} samples/s ETA {eta:.0f}s"
+        else:
+            text = f"step {step} loss {loss:.4f} {samples_per_s:.0f} samples/s"
+        sys.stdout.write("\r" + text + "\033[K")
+        sys.stdout.flush()
+
+    def clear(self):
+        sys.stdout.write("\r\033[K")
+        sys.stdout.flush()
+
+
 # ============================================================================ import aliases
 # The one file also answers the dotted import paths people know (netcl.nn, netcl.optim, ...):
 # each is a small module object registered in sys.modules, holding the same objects.
@@ -2805,6 +3108,7 @@ optim = _alias("optim", Optimizer=Optimizer, SGD=SGD, Adam=Adam, AdamW=AdamW,
 data = _alias("data", DataLoader=DataLoader, ArrayDataset=ArrayDataset, GpuBatch=GpuBatch,
               load_idx=load_idx)
 data.dataloader = _alias("data.dataloader", DataLoader=DataLoader)
+trainer = _alias("trainer", Trainer=Trainer, History=History)
 # Flat names for the reductions too (netcl.sum, netcl.mean), bound last so that nothing in
 # this file ever calls them by mistake for Python's built-in sum.
 globals().update(sum=reduce_sum, mean=reduce_mean)

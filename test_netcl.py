@@ -2802,3 +2802,294 @@ def test_warmup_cosine_validates(warmup, total, needle):
     opt = netcl.SGD([param(np.zeros(2), netcl.manager.default("cpu"))], lr=0.1)
     with raises_naming(ValueError, needle):
         netcl.WarmupCosine(opt, warmup, total)
+
+
+# ---------------------------------------------------------------------------------------------
+# Trainer: the wiki's fit/evaluate pipeline, errors, History, output and checkpoints
+# ---------------------------------------------------------------------------------------------
+
+TRAINER_SETTINGS = settings(max_examples=8, deadline=None,
+                            suppress_health_check=[HealthCheck.too_slow,
+                                                   HealthCheck.function_scoped_fixture])
+
+
+def _blobs(n=96, features=8, classes=3, seed=0):
+    """Separable Gaussian blobs: x (n, features) float32, y (n,) int64."""
+    rng = np.random.default_rng(seed)
+    centers = rng.standard_normal((classes, features)) * 3
+    y = rng.integers(0, classes, n)
+    return (centers[y] + rng.standard_normal((n, features))).astype(np.float32), y
+
+
+def _trainer_model(dev, features=8, classes=3, seed=0):
+    netcl.manual_seed(seed)
+    return nn.Sequential(nn.Linear(features, 16, queue=dev.queue), nn.ReLU(),
+                         nn.Linear(16, classes, queue=dev.queue))
+
+
+def _batches(x, y, batch_size):
+    return [(x[i:i + batch_size], y[i:i + batch_size]) for i in range(0, len(x), batch_size)]
+
+
+def test_trainer_history_records_every_epoch(backend, capsys):
+    x, y = _blobs()
+    model = _trainer_model(backend)
+    trainer = netcl.Trainer(model, netcl.AdamW(model.parameters(), lr=1e-2),
+                            device_queue=backend.queue, metrics_stride=1)
+    history = trainer.fit(_batches(x, y, 32), _batches(x, y, 48), epochs=3)
+    assert isinstance(history, list) and len(history) == 3
+    assert [h["epoch"] for h in history] == [1, 2, 3]
+    for h in history:
+        assert set(h) == {"epoch", "loss", "accuracy", "val_loss", "val_accuracy",
+                          "samples_per_s", "seconds"}
+        assert h["samples_per_s"] == pytest.approx(len(x) / h["seconds"], rel=1e-6)
+    assert history[-1]["loss"] < history[0]["loss"]
+    no_val = trainer.fit(_batches(x, y, 32), epochs=1)
+    assert "val_loss" not in no_val[0] and "val_accuracy" not in no_val[0]
+    out = capsys.readouterr().out
+    assert "\r" not in out and "\x1b" not in out  # not a terminal: plain lines only
+    assert out.count("epoch ") == 4
+
+
+@TRAINER_SETTINGS
+@given(stride=st.integers(1, 4), bad_step=st.integers(0, 9))
+def test_trainer_non_finite_loss_names_the_step(backend, stride, bad_step):
+    x, y = _blobs(n=40)
+    inner = _trainer_model(backend)
+    calls = [0]
+
+    def model(xb):  # NaN logits from training step `bad_step` on (SGD spreads it to weights)
+        factor = math.nan if calls[0] >= bad_step else 1.0
+        calls[0] += 1
+        return inner(xb) * factor
+
+    trainer = netcl.Trainer(model, netcl.SGD(inner.parameters(), lr=0.1),
+                            device_queue=backend.queue, metrics_stride=stride)
+    first_bad_metrics_step = -(-bad_step // stride) * stride
+    batches = _batches(x, y, 4)  # 10 steps per epoch
+    if first_bad_metrics_step < len(batches):
+        with raises_naming(RuntimeError, f"non-finite loss at step {first_bad_metrics_step}"):
+            trainer.fit(batches, epochs=1)
+    else:
+        trainer.fit(batches, epochs=1)
+
+
+def test_trainer_index_and_one_hot_labels_give_the_same_history(backend):
+    x, y = _blobs()
+    histories = []
+    for labels in (y, np.eye(3, dtype=np.float32)[y]):
+        model = _trainer_model(backend)
+        trainer = netcl.Trainer(model, netcl.AdamW(model.parameters(), lr=1e-2), grad_clip=1.0,
+                                device_queue=backend.queue, metrics_stride=2)
+        histories.append(trainer.fit(_batches(x, labels, 16), _batches(x, labels, 50), epochs=2))
+    for a, b in zip(*histories):
+        for key in ("loss", "accuracy", "val_loss", "val_accuracy"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), key
+
+
+def test_trainer_rejects_out_of_range_labels(backend):
+    x, y = _blobs(n=32)
+    model = _trainer_model(backend)
+    trainer = netcl.Trainer(model, netcl.SGD(model.parameters(), lr=0.1), device_queue=backend.queue)
+    bad = y.copy()
+    bad[5] = 7
+    with raises_naming(ValueError, "7"):
+        trainer.fit([(x, bad)], epochs=1)
+    with raises_naming(ValueError, "-1"):
+        trainer.fit([(x, np.full(32, -1))], epochs=1)
+    with raises_naming(ValueError, "4"):
+        trainer.fit([(x, np.eye(4, dtype=np.float32)[y])], epochs=1)
+
+
+def test_trainer_clips_through_the_fused_step_or_clip_grad_norm(backend, monkeypatch):
+    x, y = _blobs(n=48)
+    x = x * 100  # large gradients, so clipping matters
+    clip_calls = []
+    real_clip = netcl.clip_grad_norm
+    monkeypatch.setattr(netcl, "clip_grad_norm",
+                        lambda params, max_norm, *a, **k: clip_calls.append(max_norm)
+                        or real_clip(params, max_norm, *a, **k))
+    # SGD's step takes no max_norm: the Trainer clips with clip_grad_norm, then steps.
+    model = _trainer_model(backend)
+    before = [host(p) for p in model.parameters()]
+    trainer = netcl.Trainer(model, netcl.SGD(model.parameters(), lr=1.0), grad_clip=0.5,
+                            device_queue=backend.queue)
+    trainer.fit([(x, y)], epochs=1)
+    assert clip_calls == [0.5]
+    update = math.sqrt(sum(float(((host(p) - b) ** 2).sum())
+                           for p, b in zip(model.parameters(), before)))
+    assert update <= 0.5 * (1 + 1e-4)  # lr 1: the update is the clipped gradient
+    # AdamW clips inside its step: step(max_norm=...) once per batch, never clip_grad_norm.
+    model = _trainer_model(backend)
+    opt = netcl.AdamW(model.parameters(), lr=1e-3)
+    steps = []
+    real_step = opt.step
+    opt.step = lambda max_norm=None: steps.append(max_norm) or real_step(max_norm=max_norm)
+    netcl.Trainer(model, opt, grad_clip=0.5, device_queue=backend.queue).fit(
+        _batches(x, y, 16), epochs=1)
+    assert steps == [0.5, 0.5, 0.5] and clip_calls == [0.5]
+
+
+def test_trainer_evaluate_changes_nothing_and_restores_the_mode(backend, capsys):
+    x, y = _blobs(n=50)
+    model = nn.Sequential(nn.Linear(8, 16, queue=backend.queue), nn.Dropout(0.5),
+                          nn.Linear(16, 3, queue=backend.queue))
+    opt = netcl.AdamW(model.parameters(), lr=1e-2)
+    trainer = netcl.Trainer(model, opt, device_queue=backend.queue)
+    trainer.fit(_batches(x, y, 25), epochs=1)
+    params = [host(p) for p in model.parameters()]
+    grads = [host(p.grad) for p in model.parameters()]
+    state = opt.state_dict()
+    for mode in (True, False):
+        model.train(mode)
+        result = trainer.evaluate(_batches(x, y, 20))
+        assert model.training is mode
+        assert set(result) == {"loss", "accuracy"}
+        logits = host(model.eval()(tensor(x, backend)))
+        model.train(mode)
+        expected_loss = float(np.mean(
+            np.log(np.exp(logits - logits.max(1, keepdims=True)).sum(1))
+            + logits.max(1) - logits[np.arange(len(y)), y]))
+        assert result["loss"] == pytest.approx(expected_loss, rel=1e-4)
+        assert result["accuracy"] == pytest.approx((logits.argmax(1) == y).mean())
+    for p, before, g in zip(model.parameters(), params, grads):
+        np.testing.assert_array_equal(host(p), before)
+        np.testing.assert_array_equal(host(p.grad), g)
+    assert str(opt.state_dict()) == str(state)
+    assert "accuracy" in capsys.readouterr().out
+
+
+def test_trainer_checkpoint_saves_only_on_improvement(backend, tmp_path, monkeypatch):
+    x, y = _blobs(n=30)
+    model = _trainer_model(backend)
+    trainer = netcl.Trainer(model, netcl.SGD(model.parameters(), lr=0.01), device_queue=backend.queue)
+    scripted = iter([0.5, 0.4, 0.6, 0.6, 0.7])
+    monkeypatch.setattr(trainer, "_evaluate", lambda *a: {"loss": 1.0, "accuracy": next(scripted)})
+    saved = []
+    real_save = netcl.save
+    monkeypatch.setattr(netcl, "save", lambda state, path: saved.append(
+        {k: v.copy() for k, v in state.items()}) or real_save(state, path))
+    path = tmp_path / "best.npz"
+    trainer.fit(_batches(x, y, 10), _batches(x, y, 10), epochs=4, checkpoint=path)
+    assert len(saved) == 2  # epoch 1 (the first validation) and epoch 3 (0.6 > 0.5); not 0.6 again
+    loaded = netcl.load(path)
+    assert set(loaded) == set(saved[-1])
+    for key in loaded:
+        np.testing.assert_array_equal(loaded[key], saved[-1][key])
+    fresh = _trainer_model(backend, seed=1)
+    fresh.load_state_dict(loaded)
+    assert path.exists()
+    with raises_naming(ValueError, "checkpoint"):
+        netcl.Trainer(lambda xb: xb, netcl.SGD(model.parameters(), lr=0.1)).fit(
+            [], [], checkpoint=path)
+
+
+def test_trainer_accepts_any_callable_loss_and_gpu_batches(backend):
+    x, y = _blobs(n=64)
+    extra = np.arange(64)
+    w = param(np.random.default_rng(0).uniform(-0.3, 0.3, (3, 8)), backend)
+    b = param(np.zeros(3), backend)
+    model = lambda xb: F.linear(xb, w, b)  # a plain function: no train/eval/parameters
+    calls = []
+
+    def loss_fn(logits, target):
+        calls.append(1)
+        return F.cross_entropy(logits, target)
+
+    loader = netcl.DataLoader(netcl.ArrayDataset(x, y, extra), batch_size=16, seed=0,
+                              device_queue=backend.queue)
+    trainer = netcl.Trainer(model, netcl.SGD([w, b], lr=0.1), device_queue=backend.queue,
+                            loss_fn=lambda *a: 1 / 0, metrics_stride=1)
+    history = trainer.fit(loader, epochs=2, loss_fn=loss_fn)  # fit's loss_fn wins
+    assert len(calls) == 8 and history[-1]["accuracy"] > 0.5
+
+
+def test_trainer_memory_stays_flat_without_gc(backend):
+    x, y = _blobs(n=64)
+    model = _trainer_model(backend)
+    trainer = netcl.Trainer(model, netcl.AdamW(model.parameters(), lr=1e-2), grad_clip=1.0,
+                            device_queue=backend.queue, metrics_stride=3)
+    batches = _batches(x, y, 8)
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        trainer.fit(batches, epochs=2)
+        in_use = []
+        for _ in range(4):
+            trainer.fit(batches, epochs=1)
+            in_use.append(backend.pool.stats()["in_use_bytes"])
+    finally:
+        if was_enabled:
+            gc.enable()
+    assert len(set(in_use)) == 1, in_use
+
+
+def test_trainer_host_syncs_per_100_steps(opencl):
+    x, y = _blobs(n=400)
+    model = _trainer_model(opencl)
+    trainer = netcl.Trainer(model, netcl.AdamW(model.parameters(), lr=1e-2), grad_clip=1.0,
+                            device_queue=opencl.queue, metrics_stride=10)
+    batches = _batches(x, y, 4)  # 100 steps
+    trainer.fit(batches[:10], epochs=1)  # warm up: kernels built, buffers pooled
+    before = opencl.syncs
+    trainer.fit(batches, epochs=1)
+    # Two reads (loss, logits) at each of the 10 metrics steps, one read of the epoch's loss.
+    assert opencl.syncs - before == 2 * 10 + 1
+
+
+def test_trainer_mixed_precision_on_cpu_is_float32_with_a_notice(cpu, capsys):
+    x, y = _blobs()
+    histories = []
+    for mixed in (False, True):
+        model = _trainer_model(cpu)
+        trainer = netcl.Trainer(model, netcl.AdamW(model.parameters(), lr=1e-2),
+                                device_queue=cpu.queue, mixed_precision=mixed, metrics_stride=1)
+        histories.append(trainer.fit(_batches(x, y, 32), epochs=2))
+    assert "mixed precision" in capsys.readouterr().out
+    for a, b in zip(*histories):
+        assert a["loss"] == b["loss"] and a["accuracy"] == b["accuracy"]
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    ({"metrics_stride": 0}, "metrics_stride"), ({"grad_clip": -1.0}, "grad_clip"),
+    ({"loss_fn": 3}, "loss_fn")])
+def test_trainer_validates_its_arguments(cpu, kwargs, needle):
+    model = _trainer_model(cpu)
+    with raises_naming(ValueError, needle):
+        netcl.Trainer(model, netcl.SGD(model.parameters(), lr=0.1), **kwargs)
+
+
+def test_trainer_reaches_95_percent_on_digits(backend):
+    datasets = pytest.importorskip("sklearn.datasets")
+    digits = datasets.load_digits()
+    x = (digits.data / 16.0).astype(np.float32)
+    order = np.random.default_rng(0).permutation(len(x))
+    train, test = order[:1400], order[1400:]
+    netcl.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128, queue=backend.queue), nn.ReLU(),
+                          nn.Linear(128, 10, queue=backend.queue))
+    trainer = netcl.Trainer(model, netcl.AdamW(model.parameters(), lr=3e-3), grad_clip=1.0,
+                            device_queue=backend.queue)
+    train_loader = netcl.DataLoader(netcl.ArrayDataset(x[train], digits.target[train]),
+                                    batch_size=32, seed=0)
+    test_loader = netcl.DataLoader(netcl.ArrayDataset(x[test], digits.target[test]),
+                                   batch_size=200, shuffle=False)
+    trainer.fit(train_loader, epochs=15)
+    assert trainer.evaluate(test_loader)["accuracy"] >= 0.95
+
+
+def test_trainer_epoch_loss_is_the_mean_over_every_step(backend):
+    x, y = _blobs(n=70)
+    model = _trainer_model(backend)
+    losses = []
+
+    def loss_fn(logits, target):
+        loss = F.cross_entropy(logits, target)
+        losses.append((loss, logits.shape[0]))
+        return loss
+
+    trainer = netcl.Trainer(model, netcl.SGD(model.parameters(), lr=0.1), loss_fn=loss_fn,
+                            device_queue=backend.queue, metrics_stride=100)
+    history = trainer.fit(_batches(x, y, 16), epochs=1)  # 5 steps, the last of 6 samples
+    expected = sum(float(host(loss)) * n for loss, n in losses) / len(x)
+    assert history[0]["loss"] == pytest.approx(expected, rel=1e-5)
