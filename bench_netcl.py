@@ -127,13 +127,17 @@ def mlp_step_netcl(device, sizes, batch):
 
 
 def mlp_step_numpy(sizes, batch):
-    """A plain hand-written NumPy float32 step of the same MLP (SGD with momentum)."""
+    """The same step hand-written in NumPy float32: forward, backward, clip to norm 1.0 and
+    AdamW (torch/optim/adamw.py's formulas, lr 1e-3, weight decay 0.01)."""
     rng = np.random.default_rng(0)
     ws = [rng.uniform(-1, 1, (o, i)).astype(np.float32) / np.sqrt(i) for i, o in zip(sizes[:-1], sizes[1:])]
     bs = [np.zeros(o, np.float32) for o in sizes[1:]]
-    bufs = [np.zeros_like(p) for p in ws + bs]
+    params = ws + bs
+    m = [np.zeros_like(p) for p in params]
+    v = [np.zeros_like(p) for p in params]
     x = rng.standard_normal((batch, sizes[0]), np.float32)
     y = rng.integers(0, sizes[-1], batch)
+    step = [0]
 
     def fn():
         acts = [x]
@@ -150,10 +154,20 @@ def mlp_step_numpy(sizes, batch):
             grads_w[i], grads_b[i] = g.T @ acts[i], g.sum(0)
             if i:
                 g = (g @ ws[i]) * (acts[i] > 0)
-        for p_, g_, buf in zip(ws + bs, grads_w + grads_b, bufs):
-            buf *= 0.9
-            buf += g_
-            p_ -= 0.01 * buf
+        grads = grads_w + grads_b
+        norm = np.sqrt(sum(float(np.dot(g_.ravel(), g_.ravel())) for g_ in grads))
+        coef = min(1.0 / (norm + 1e-6), 1.0)
+        step[0] += 1
+        lr, beta1, beta2 = 1e-3, 0.9, 0.999
+        bc1, bc2 = 1 - beta1 ** step[0], 1 - beta2 ** step[0]
+        for p_, g_, m_, v_ in zip(params, grads, m, v):
+            g_ *= coef
+            p_ *= 1 - lr * 0.01
+            m_ *= beta1
+            m_ += (1 - beta1) * g_
+            v_ *= beta2
+            v_ += (1 - beta2) * g_ * g_
+            p_ -= (lr / bc1) * m_ / (np.sqrt(v_) / np.sqrt(bc2) + 1e-8)
     return fn, (lambda: None)
 
 
@@ -327,12 +341,36 @@ def _bench(benchmark, fn, sync):
     benchmark(lambda: (fn(), sync()))
 
 
+def _gpu_only(device):
+    if not is_gpu(device):
+        pytest.skip("a large workload: measured on GPUs only")
+
+
 def test_sgemm_1024(benchmark, device):
     _bench(benchmark, *sgemm_netcl(device, 1024))
 
 
+def test_sgemm_4096(benchmark, device):
+    _gpu_only(device)
+    _bench(benchmark, *sgemm_netcl(device, 4096))
+
+
 def test_mlp_small_step(benchmark, device):
     _bench(benchmark, *mlp_step_netcl(device, *mlp_sizes("small")))
+
+
+def test_mlp_large_step(benchmark, device):
+    _gpu_only(device)
+    _bench(benchmark, *mlp_step_netcl(device, *mlp_sizes("large")))
+
+
+def test_adamw_step(benchmark, device):
+    _bench(benchmark, *adamw_step_netcl(device))
+
+
+def test_launch_overhead(benchmark, device):
+    x = netcl.Tensor.from_host(np.ones(256, np.float32), device.queue)
+    _bench(benchmark, lambda: netcl._unary_tensor("relu", x), device.finish)
 
 
 def test_conv2d_step(benchmark, device):

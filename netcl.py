@@ -375,8 +375,11 @@ class Tensor:
     def empty(shape, dtype=np.float32, queue=None):
         """An uninitialised tensor from the pool of `queue`'s device (default device if None)."""
         device = _device_of(queue)
-        shape = _check_shape(shape)
-        dtype = _check_dtype(dtype, device)
+        return Tensor._alloc(device, _check_shape(shape), _check_dtype(dtype, device))
+
+    @staticmethod
+    def _alloc(device, shape, dtype):
+        """Tensor.empty without the argument checks, for the ops' own outputs."""
         nbytes = math.prod(shape) * dtype.itemsize
         buffer = device.pool.alloc(nbytes)
         data = buffer[:nbytes].view(dtype).reshape(shape) if device.backend == "cpu" else buffer
@@ -730,7 +733,8 @@ def _is_scalar(value):
 
 def _like(x, shape=None, dtype=None):
     """An uninitialised tensor on x's device, shaped like x unless `shape` is given."""
-    return Tensor.empty(x.shape if shape is None else shape, dtype or x.dtype, x.device.queue)
+    return Tensor._alloc(x.device, x.shape if shape is None else tuple(shape),
+                         x.dtype if dtype is None else np.dtype(dtype))
 
 
 def _fill(shape, value, like):
@@ -773,8 +777,8 @@ def _erf(x):
 
 _UNARY = {  # name: (forward on x, gradient from (g, s, alpha), s is "x" or "y")
     "neg": (lambda x, a: -x, lambda g, s, a: -g, None),
-    "relu": (lambda x, a: np.where(x > 0, x, 0 * x),  # 0 * x keeps NaN, as PyTorch
-             lambda g, s, a: np.where(s > 0, g, 0), "x"),
+    "relu": (lambda x, a: np.maximum(x, 0),  # np.maximum keeps NaN, as PyTorch
+             lambda g, s, a: g * (s > 0), "x"),
     "leaky_relu": (lambda x, a: np.where(x > 0, x, x * a),
                    lambda g, s, a: np.where(s > 0, g, g * a), "x"),
     "sigmoid": (lambda x, a: 1 / (1 + np.exp(-x)), lambda g, s, a: g * s * (1 - s), "y"),
@@ -792,8 +796,8 @@ def _unary_tensor(name, x, alpha=0.0):
     """out = f(x) for the elementwise op `name` (a kernel `{name}_fwd` or a scalar kernel)."""
     out = _like(x)
     if x.device.backend == "cpu":
+        forward = _UNARY[name][0] if name in _UNARY else _SCALAR_OPS[name]
         with np.errstate(all="ignore"):  # inf/nan are values here, not errors (as PyTorch)
-            forward = _UNARY[name][0] if name in _UNARY else _SCALAR_OPS[name]
             out.data[...] = forward(x.data, alpha)
     elif x.size:
         kernel = f"{name}_fwd" if name in _UNARY else name
