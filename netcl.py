@@ -657,9 +657,20 @@ def _accumulate_grad(leaf, grad):
     first is copied, so no two leaves ever share (and later mutate) one buffer; into the
     leaf's `_grad_home` when an optimizer gave it one (Adam's flat gradient buffer)."""
     if leaf.grad is None:
-        leaf.grad = _copy(grad, out=getattr(leaf, "_grad_home", None))
+        home = getattr(leaf, "_grad_home", None)
+        leaf.grad = grad if grad is home else _copy(grad, out=home)
     else:
         _add_into(leaf.grad, grad)
+
+
+def _grad_slot(node):
+    """Where an op's backward may write a leaf's gradient directly: the leaf's slot in its
+    optimizer's flat gradient buffer while it holds no gradient yet (saves the copy that
+    _accumulate_grad would make), else None."""
+    home = getattr(node, "_grad_home", None)
+    if home is None or node.grad is not None or node._backward is not None or not node.requires_grad:
+        return None
+    return home
 
 
 def _add_into(dst, src, alpha=1.0):
@@ -985,11 +996,12 @@ def div(a, b):
 
 # --- matrix products -------------------------------------------------------------------------
 
-def _gemm(a, b, trans_a=False, trans_b=False, bias=None):
-    """C (M, N) = op(a) @ op(b) [+ bias (N)]; op transposes when asked, without a copy."""
+def _gemm(a, b, trans_a=False, trans_b=False, bias=None, out=None):
+    """C (M, N) = op(a) @ op(b) [+ bias (N)]; op transposes when asked, without a copy.
+    `out`, if given, is the (M, N) tensor to write."""
     M, K = (a.shape[1], a.shape[0]) if trans_a else a.shape
     N = b.shape[0] if trans_b else b.shape[1]
-    out = _like(a, (M, N), np.result_type(a.dtype, b.dtype))
+    out = _like(a, (M, N), np.result_type(a.dtype, b.dtype)) if out is None else out
     if a.device.backend == "cpu":
         np.matmul(a.data.T if trans_a else a.data, b.data.T if trans_b else b.data, out=out.data)
         if bias is not None:
@@ -1047,10 +1059,20 @@ def linear(x, w, b=None):
     x2 = x if len(x.shape) == 2 else reshape(x, (-1, x.shape[-1]))
     X, W = x2.value, w.value
 
-    def backward(g):
-        grads = [_gemm(g, W), _gemm(g, X, trans_a=True)]  # dx = g W, dW = g^T x
+    def backward(g):  # only the gradients somebody needs (the input's usually is not)
+        grads = [_gemm(g, W) if x2.requires_grad else None]                    # dx = g W
+        slot = _grad_slot(w)                                                   # dW = g^T x
+        if slot is not None:
+            grads.append(_gemm(g, X, trans_a=True, out=slot))
+        else:
+            grads.append(_gemm(g, X, trans_a=True) if w.requires_grad else None)
         if b is not None:
-            grads.append(_sum_axis_tensor(g, 1, g.shape[0], g.shape[1]).reshape(b.shape))
+            slot = _grad_slot(b)
+            if slot is not None:
+                _sum_axis_tensor(g, 1, g.shape[0], g.shape[1], out=slot.reshape((1, -1)))
+            grads.append(slot if slot is not None else
+                         _sum_axis_tensor(g, 1, g.shape[0], g.shape[1]).reshape(b.shape)
+                         if b.requires_grad else None)
         return grads
     out = _record(_gemm(X, W, trans_b=True, bias=None if b is None else b.value),
                   (x2, w) + ((b,) if b is not None else ()), backward)
@@ -1115,16 +1137,18 @@ def _axes(op, shape, axis):
     return tuple(sorted(normalised)) if shape else ()
 
 
-def _sum_axis_tensor(x, outer, R, inner, scale=1.0):
-    """x seen as (outer, R, inner) -> (outer, inner), scale * sum over R."""
-    out = _like(x, (outer, inner))
+def _sum_axis_tensor(x, outer, R, inner, scale=1.0, out=None):
+    """x seen as (outer, R, inner) -> (outer, inner), scale * sum over R (into `out` if given)."""
+    out = _like(x, (outer, inner)) if out is None else out
     if x.device.backend == "cpu":
         np.sum(x.data.reshape(outer, R, inner), axis=1, out=out.data)
         if scale != 1.0:
             out.data *= scale
     elif out.size:
-        if R == 0:
-            return _fill((outer, inner), 0.0 if scale == scale else scale, x)
+        if R == 0:  # an empty sum: 0 (a mean's scale is then nan, and so is the mean)
+            cl.enqueue_fill_buffer(x.device.queue, out.data,
+                                   np.float32(0.0 if scale == scale else scale), 0, out.nbytes)
+            return out
         if outer * inner == 1 and R > 4096:  # one long sum: in parallel, then the partials
             groups = min(-(-R // 4096), 256)
             partial = _like(x, (groups,))
