@@ -105,17 +105,22 @@ __kernel void transpose2d(const int rows, const int cols, __global const float* 
 //   work-items read neighbouring float4s (no bank conflicts); rows are padded by 4 floats so
 //   the k-fast stores into local memory spread over the banks.
 // WPT = 4 (64x64 tiles) keeps small products spread over many work-groups; WPT = 8 (128x128)
-// does twice the arithmetic per local-memory read, for large products.
+// does twice the arithmetic per local-memory read, for large products. A product with few
+// tiles but a long K (a convolution's weight gradient) splits K over the grid's third
+// dimension (k_chunk); the host then sums the partial products.
 #define TILE_K 16
 // - Register prefetch: while the work-group multiplies the tile staged in local memory, each
 //   work-item already loads its share of the next tile from global memory into registers,
 //   so global-memory latency hides behind the arithmetic (+5% on the H200 at n=4096).
-#define GEMM(NAME, WPT, A_AT, A_K_FAST, B_AT, B_K_FAST)                               \
+#define GEMM(NAME, WPT, A_AT, A_K_FAST, B_AT, B_K_FAST)                                        \
 __kernel __attribute__((reqd_work_group_size(16, 16, 1)))                                      \
-void NAME(const int M, const int N, const int K, const int has_bias,                           \
+void NAME(const int M, const int N, const int K, const int k_chunk, const int has_bias,        \
           __global const float* A, __global const float* B, __global const float* bias,        \
           __global float* C) {                                                                 \
     const int TILE = 16 * WPT;                                                                 \
+    /* split-K: work-group z multiplies k in [kz, k_end) into its own (M, N) slice */          \
+    const int kz = get_group_id(2) * k_chunk, k_end = min(K, kz + k_chunk);                    \
+    C += get_group_id(2) * M * N;                                                              \
     __local float As[TILE_K][16 * WPT + 4];                                                    \
     __local float Bs[TILE_K][16 * WPT + 4];                                                    \
     const int tx = get_local_id(0), ty = get_local_id(1), lid = ty * 16 + tx;                  \
@@ -124,16 +129,16 @@ void NAME(const int M, const int N, const int K, const int has_bias,            
     for (int i = 0; i < WPT; ++i) for (int j = 0; j < WPT; ++j) acc[i][j] = 0.0f;              \
     for (int l = 0; l < WPT; ++l) {                                                            \
         const int e = lid + 256 * l;                                                           \
-        const int am = A_K_FAST ? e / TILE_K : e % TILE, ak = A_K_FAST ? e % TILE_K : e / TILE; \
-        const int bn = B_K_FAST ? e / TILE_K : e % TILE, bk = B_K_FAST ? e % TILE_K : e / TILE; \
-        a_next[l] = (row0 + am < M && ak < K) ? A_AT(row0 + am, ak) : 0.0f;                    \
-        b_next[l] = (col0 + bn < N && bk < K) ? B_AT(bk, col0 + bn) : 0.0f;                    \
+        const int am = A_K_FAST ? e / TILE_K : e % TILE, ak = A_K_FAST ? e % TILE_K : e / TILE;\
+        const int bn = B_K_FAST ? e / TILE_K : e % TILE, bk = B_K_FAST ? e % TILE_K : e / TILE;\
+        a_next[l] = (row0 + am < M && kz + ak < k_end) ? A_AT(row0 + am, kz + ak) : 0.0f;      \
+        b_next[l] = (col0 + bn < N && kz + bk < k_end) ? B_AT(kz + bk, col0 + bn) : 0.0f;      \
     }                                                                                          \
-    for (int k0 = 0; k0 < K; k0 += TILE_K) {                                                   \
+    for (int k0 = kz; k0 < k_end; k0 += TILE_K) {                                              \
         for (int l = 0; l < WPT; ++l) {                                                        \
             const int e = lid + 256 * l;                                                       \
-            const int am = A_K_FAST ? e / TILE_K : e % TILE, ak = A_K_FAST ? e % TILE_K : e / TILE; \
-            const int bn = B_K_FAST ? e / TILE_K : e % TILE, bk = B_K_FAST ? e % TILE_K : e / TILE; \
+            const int am = A_K_FAST ? e / TILE_K : e % TILE, ak = A_K_FAST ? e % TILE_K : e / TILE;\
+            const int bn = B_K_FAST ? e / TILE_K : e % TILE, bk = B_K_FAST ? e % TILE_K : e / TILE;\
             As[ak][am] = a_next[l];                                                            \
             Bs[bk][bn] = b_next[l];                                                            \
         }                                                                                      \
@@ -141,20 +146,20 @@ void NAME(const int M, const int N, const int K, const int has_bias,            
         const int k1 = k0 + TILE_K;                                                            \
         for (int l = 0; l < WPT; ++l) {                                                        \
             const int e = lid + 256 * l;                                                       \
-            const int am = A_K_FAST ? e / TILE_K : e % TILE, ak = A_K_FAST ? e % TILE_K : e / TILE; \
-            const int bn = B_K_FAST ? e / TILE_K : e % TILE, bk = B_K_FAST ? e % TILE_K : e / TILE; \
-            a_next[l] = (row0 + am < M && k1 + ak < K) ? A_AT(row0 + am, k1 + ak) : 0.0f;      \
-            b_next[l] = (col0 + bn < N && k1 + bk < K) ? B_AT(k1 + bk, col0 + bn) : 0.0f;      \
+            const int am = A_K_FAST ? e / TILE_K : e % TILE, ak = A_K_FAST ? e % TILE_K : e / TILE;\
+            const int bn = B_K_FAST ? e / TILE_K : e % TILE, bk = B_K_FAST ? e % TILE_K : e / TILE;\
+            a_next[l] = (row0 + am < M && k1 + ak < k_end) ? A_AT(row0 + am, k1 + ak) : 0.0f;  \
+            b_next[l] = (col0 + bn < N && k1 + bk < k_end) ? B_AT(k1 + bk, col0 + bn) : 0.0f;  \
         }                                                                                      \
         for (int k = 0; k < TILE_K; ++k) {                                                     \
             float a[WPT], b[WPT];                                                              \
             for (int h = 0; h < WPT / 4; ++h) {                                                \
                 const float4 a4 = vload4(0, &As[k][h * 64 + ty * 4]);                          \
                 const float4 b4 = vload4(0, &Bs[k][h * 64 + tx * 4]);                          \
-                a[4 * h] = a4.x; a[4 * h + 1] = a4.y; a[4 * h + 2] = a4.z; a[4 * h + 3] = a4.w; \
-                b[4 * h] = b4.x; b[4 * h + 1] = b4.y; b[4 * h + 2] = b4.z; b[4 * h + 3] = b4.w; \
+                a[4 * h] = a4.x; a[4 * h + 1] = a4.y; a[4 * h + 2] = a4.z; a[4 * h + 3] = a4.w;\
+                b[4 * h] = b4.x; b[4 * h + 1] = b4.y; b[4 * h + 2] = b4.z; b[4 * h + 3] = b4.w;\
             }                                                                                  \
-            for (int i = 0; i < WPT; ++i) for (int j = 0; j < WPT; ++j) acc[i][j] += a[i] * b[j]; \
+            for (int i = 0; i < WPT; ++i) for (int j = 0; j < WPT; ++j) acc[i][j] += a[i] * b[j];\
         }                                                                                      \
         barrier(CLK_LOCAL_MEM_FENCE);                                                          \
     }                                                                                          \

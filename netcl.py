@@ -1021,13 +1021,28 @@ def _gemm(a, b, trans_a=False, trans_b=False, bias=None, out=None):
                         bias.data if bias is not None else None, out.data)
     elif M and N:
         # 128x128 tiles when there are enough of them to fill every compute unit, else 64x64.
-        big = -(-M // 128) * -(-N // 128) >= a.device.compute_units
+        units = a.device.compute_units
+        big = -(-M // 128) * -(-N // 128) >= units
         tile = 128 if big else 64
         kernel = ("gemm_tn" if trans_a else "gemm_nt" if trans_b else "gemm_nn") + ("_big" if big else "")
-        a.device.launch(kernel, (-(-N // tile) * 16, -(-M // tile) * 16), (16, 16), M, N, K,
-                        int(bias is not None), a.data, b.data,
-                        bias.data if bias is not None else None, out.data)
+        grid = (-(-N // tile) * 16, -(-M // tile) * 16)
+        tiles = grid[0] * grid[1] // 256
+        # Split K when the tiles leave most compute units idle and K is long enough to share.
+        splits = min(units // tiles, K // 1024) if bias is None and 2 * tiles <= units else 1
+        if splits > 1:
+            k_chunk = -(-K // splits // _TILE_K) * _TILE_K
+            splits = -(-K // k_chunk)
+            partial = _like(out, (splits, M, N))
+            a.device.launch(kernel, grid + (splits,), (16, 16, 1), M, N, K, k_chunk, 0,
+                            a.data, b.data, None, partial.data)
+            _sum_axis_tensor(partial, 1, splits, M * N, out=out.reshape((1, M * N)))
+        else:
+            a.device.launch(kernel, grid, (16, 16), M, N, K, K, int(bias is not None),
+                            a.data, b.data, bias.data if bias is not None else None, out.data)
     return out
+
+
+_TILE_K = 16  # kernels.cl's GEMM tile depth: split-K chunks are multiples of it
 
 
 def matmul(a, b):

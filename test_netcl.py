@@ -820,6 +820,34 @@ def test_gemm_edge_shapes_opencl_matches_numpy(cpu, opencl, m, k, n):
         np.testing.assert_allclose(g_cl, g_cpu, **TOLERANCE["acc"])
 
 
+# Each device picks one GEMM form (packed float8 rows on CPU devices; 64x64 or 128x128
+# local-memory tiles on GPUs, split over K when the tiles are few and K is long). CI runs on
+# PoCL, so every form is forced here in turn.
+GEMM_FORMS = {"packed": ("packed", None), "tiles64": ("tiled", 10 ** 9),
+              "tiles128": ("tiled", 1), "split_k": ("tiled", 64)}
+
+
+@pytest.mark.parametrize("form", sorted(GEMM_FORMS))
+@pytest.mark.parametrize("m, k, n", [(1, 1, 1), (5, 0, 3), (70, 129, 33), (130, 17, 129),
+                                     (64, 5000, 100), (7, 4099, 9)])
+def test_every_gemm_form_matches_numpy(opencl, monkeypatch, form, m, k, n):
+    gemm, units = GEMM_FORMS[form]
+    monkeypatch.setattr(opencl, "gemm", gemm)
+    if units is not None:
+        monkeypatch.setattr(opencl, "compute_units", units)
+    rng = np.random.default_rng(m * 7 + k * 3 + n)
+    a, b = rng.standard_normal((m, k)), rng.standard_normal((k, n))
+    bias = rng.standard_normal(n)
+    for trans_a, trans_b in ((False, False), (False, True), (True, False)):
+        A = tensor(a.T.copy() if trans_a else a, opencl)
+        B = tensor(b.T.copy() if trans_b else b, opencl)
+        for with_bias in (False, True):
+            out = netcl._gemm(A, B, trans_a, trans_b, tensor(bias, opencl) if with_bias else None)
+            expected = a @ b + (bias if with_bias else 0)
+            np.testing.assert_allclose(host(out), expected, rtol=1e-4,
+                                       atol=1e-4 * max(1.0, np.abs(expected).max()))
+
+
 def test_flat_names_match_functional():
     for name in ["matmul", "linear", "add", "sub", "mul", "div", "relu", "leaky_relu",
                  "sigmoid", "tanh", "gelu", "exp", "log", "sum", "mean", "reshape", "flatten",
