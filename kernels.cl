@@ -112,6 +112,21 @@ __kernel void transpose2d(const int rows, const int cols, __global const float* 
 // - Register prefetch: while the work-group multiplies the tile staged in local memory, each
 //   work-item already loads its share of the next tile from global memory into registers,
 //   so global-memory latency hides behind the arithmetic (+5% on the H200 at n=4096).
+// Load l of a work-item stages element (am, ak) of the A tile and (bk, bn) of the B tile;
+// consecutive work-items take consecutive addresses of each operand's layout.
+#define TILE_COORDS(l, TILE, A_K_FAST, B_K_FAST)                                               \
+    const int e = lid + 256 * (l);                                                             \
+    const int am = A_K_FAST ? e / TILE_K : e % (TILE), ak = A_K_FAST ? e % TILE_K : e / (TILE);\
+    const int bn = B_K_FAST ? e / TILE_K : e % (TILE), bk = B_K_FAST ? e % TILE_K : e / (TILE);
+
+// Each work-item's share of the tiles starting at k = K0, into registers (zero past an edge).
+#define LOAD_TILES(K0, WPT, A_AT, A_K_FAST, B_AT, B_K_FAST)                                    \
+    for (int l = 0; l < WPT; ++l) {                                                            \
+        TILE_COORDS(l, 16 * WPT, A_K_FAST, B_K_FAST)                                           \
+        a_next[l] = (row0 + am < M && (K0) + ak < k_end) ? A_AT(row0 + am, (K0) + ak) : 0.0f;  \
+        b_next[l] = (col0 + bn < N && (K0) + bk < k_end) ? B_AT((K0) + bk, col0 + bn) : 0.0f;  \
+    }
+
 #define GEMM(NAME, WPT, A_AT, A_K_FAST, B_AT, B_K_FAST)                                        \
 __kernel __attribute__((reqd_work_group_size(16, 16, 1)))                                      \
 void NAME(const int M, const int N, const int K, const int k_chunk, const int has_bias,        \
@@ -127,30 +142,15 @@ void NAME(const int M, const int N, const int K, const int k_chunk, const int ha
     const int row0 = get_group_id(1) * TILE, col0 = get_group_id(0) * TILE;                    \
     float acc[WPT][WPT], a_next[WPT], b_next[WPT];                                             \
     for (int i = 0; i < WPT; ++i) for (int j = 0; j < WPT; ++j) acc[i][j] = 0.0f;              \
-    for (int l = 0; l < WPT; ++l) {                                                            \
-        const int e = lid + 256 * l;                                                           \
-        const int am = A_K_FAST ? e / TILE_K : e % TILE, ak = A_K_FAST ? e % TILE_K : e / TILE;\
-        const int bn = B_K_FAST ? e / TILE_K : e % TILE, bk = B_K_FAST ? e % TILE_K : e / TILE;\
-        a_next[l] = (row0 + am < M && kz + ak < k_end) ? A_AT(row0 + am, kz + ak) : 0.0f;      \
-        b_next[l] = (col0 + bn < N && kz + bk < k_end) ? B_AT(kz + bk, col0 + bn) : 0.0f;      \
-    }                                                                                          \
+    LOAD_TILES(kz, WPT, A_AT, A_K_FAST, B_AT, B_K_FAST)                                        \
     for (int k0 = kz; k0 < k_end; k0 += TILE_K) {                                              \
         for (int l = 0; l < WPT; ++l) {                                                        \
-            const int e = lid + 256 * l;                                                       \
-            const int am = A_K_FAST ? e / TILE_K : e % TILE, ak = A_K_FAST ? e % TILE_K : e / TILE;\
-            const int bn = B_K_FAST ? e / TILE_K : e % TILE, bk = B_K_FAST ? e % TILE_K : e / TILE;\
+            TILE_COORDS(l, TILE, A_K_FAST, B_K_FAST)                                           \
             As[ak][am] = a_next[l];                                                            \
             Bs[bk][bn] = b_next[l];                                                            \
         }                                                                                      \
         barrier(CLK_LOCAL_MEM_FENCE);                                                          \
-        const int k1 = k0 + TILE_K;                                                            \
-        for (int l = 0; l < WPT; ++l) {                                                        \
-            const int e = lid + 256 * l;                                                       \
-            const int am = A_K_FAST ? e / TILE_K : e % TILE, ak = A_K_FAST ? e % TILE_K : e / TILE;\
-            const int bn = B_K_FAST ? e / TILE_K : e % TILE, bk = B_K_FAST ? e % TILE_K : e / TILE;\
-            a_next[l] = (row0 + am < M && k1 + ak < k_end) ? A_AT(row0 + am, k1 + ak) : 0.0f;  \
-            b_next[l] = (col0 + bn < N && k1 + bk < k_end) ? B_AT(k1 + bk, col0 + bn) : 0.0f;  \
-        }                                                                                      \
+        LOAD_TILES(k0 + TILE_K, WPT, A_AT, A_K_FAST, B_AT, B_K_FAST)                           \
         for (int k = 0; k < TILE_K; ++k) {                                                     \
             float a[WPT], b[WPT];                                                              \
             for (int h = 0; h < WPT / 4; ++h) {                                                \
