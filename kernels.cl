@@ -54,7 +54,7 @@ __kernel void NAME(const int n, const float alpha, __global const float* g_,    
     if (i < n) { const float g = g_[i], s = s_[i]; out[i] = (EXPR); }                   \
 }
 
-UNARY_GRAD(relu_bwd, s > 0.0f ? g : 0.0f)                      // s = x
+UNARY_GRAD(relu_bwd, s <= 0.0f ? 0.0f : g)                     // s = y: NaN passes g, as PyTorch
 UNARY_GRAD(leaky_relu_bwd, s > 0.0f ? g : g * alpha)           // s = x
 UNARY_GRAD(sigmoid_bwd, g * s * (1.0f - s))                    // s = y
 UNARY_GRAD(tanh_bwd, g * (1.0f - s * s))                       // s = y

@@ -251,7 +251,8 @@ def _default_device(device=None):
             raise ValueError(f"device {request!r}: no OpenCL device {key[1]} on platform "
                              f"{key[0]}; available: {sorted(found)}")
         return _opencl_device(*key, found[key])
-    raise ValueError(f"device must be 'cpu', 'gpu', 'opencl', 'auto' or 'opencl:P:D', "
+    source = "device" if device is not None else "NETCL_DEVICE"
+    raise ValueError(f"{source} must be 'cpu', 'gpu', 'opencl', 'auto' or 'opencl:P:D', "
                      f"got {device if device is not None else request!r}")
 
 
@@ -512,6 +513,7 @@ class Node:
     """A value in the computation graph: `.value` (a Tensor), `.grad` (a Tensor or None)."""
 
     __slots__ = ("value", "grad", "requires_grad", "_parents", "_backward", "__weakref__")
+    __array_ufunc__ = None  # `array * node` calls node.__rmul__, not NumPy's elementwise loop
 
     def __init__(self, value, requires_grad=False):
         self.value = value if isinstance(value, Tensor) else Tensor.from_host(value)
@@ -721,21 +723,29 @@ def _as_tensor(value, like):
 
 
 def _as_node(value, device, dtype=None):
+    """value as a Node; arrays become float tensors (dtype, a partner's float dtype, or
+    float32): netcl's operations compute in floating point, as PyTorch promotes ints."""
     if isinstance(value, Node):
         return value
     if isinstance(value, Tensor):
         return Node(value)
     array = np.asarray(value)
-    if dtype is not None and array.dtype.kind == "f":
-        return Node(Tensor.from_host(array, device.queue, dtype if dtype.kind == "f" else None))
-    return Node(Tensor.from_host(array, device.queue))
+    float_dtype = dtype if dtype is not None and dtype.kind == "f" else np.dtype(np.float32)
+    return Node(Tensor.from_host(array, device.queue, float_dtype))
 
 
-def _nodes(op, *values):
-    """Nodes for the operands of `op`, all on one device (arrays and scalars join it)."""
+def _nodes(op, *values, numeric=True):
+    """Nodes for the operands of `op`, all on one device (arrays and scalars join it).
+    Numeric ops refuse int32 tensors, which hold labels and indices, not values."""
     device = _devices_of(op, *values)
     dtype = next((v.dtype for v in values if isinstance(v, (Node, Tensor))), None)
-    return [_as_node(v, device, dtype) for v in values]
+    nodes = [_as_node(v, device, dtype) for v in values]
+    if numeric:
+        for node in nodes:
+            if node.dtype.kind != "f":
+                raise ValueError(f"{op}: operand of dtype {node.dtype.name} (shape {node.shape}); "
+                                 f"netcl computes in float32 (labels and indices stay int32)")
+    return nodes
 
 
 def _is_scalar(value):
@@ -789,7 +799,7 @@ def _erf(x):
 _UNARY = {  # name: (forward on x, gradient from (g, s, alpha), s is "x" or "y")
     "neg": (lambda x, a: -x, lambda g, s, a: -g, None),
     "relu": (lambda x, a: np.maximum(x, 0),  # np.maximum keeps NaN, as PyTorch
-             lambda g, s, a: g * (s > 0), "x"),
+             lambda g, s, a: g * ~(s <= 0), "y"),  # gated on y, as PyTorch: NaN passes g
     "leaky_relu": (lambda x, a: np.where(x > 0, x, x * a),
                    lambda g, s, a: np.where(s > 0, g, g * a), "x"),
     "sigmoid": (lambda x, a: 1 / (1 + np.exp(-x)), lambda g, s, a: g * s * (1 - s), "y"),
@@ -1096,7 +1106,7 @@ def linear(x, w, b=None):
 
 def transpose(x):
     """The transpose of a 2-D x (a copy)."""
-    (x,) = _nodes("transpose", x)
+    (x,) = _nodes("transpose", x, numeric=False)
     if len(x.shape) != 2:
         raise ValueError(f"transpose: expected a 2-D operand, got shape {x.shape}")
     return _record(_transpose_tensor(x.value), (x,), lambda g: (_transpose_tensor(g),))
@@ -1116,14 +1126,14 @@ def _transpose_tensor(x):
 
 def reshape(x, shape):
     """A view of x with a new shape (one -1 allowed)."""
-    (x,) = _nodes("reshape", x)
+    (x,) = _nodes("reshape", x, numeric=False)
     old_shape = x.shape
     return _record(x.value.reshape(shape), (x,), lambda g: (g.reshape(old_shape),))
 
 
 def flatten(x, start_dim=1, end_dim=-1):
     """Merge dimensions start_dim..end_dim into one (the batch dimension stays by default)."""
-    (x,) = _nodes("flatten", x)
+    (x,) = _nodes("flatten", x, numeric=False)
     ndim = len(x.shape)
     start, end = (start_dim + ndim if start_dim < 0 else start_dim,
                   end_dim + ndim if end_dim < 0 else end_dim)
@@ -1138,7 +1148,7 @@ def flatten(x, start_dim=1, end_dim=-1):
 # --- reductions -------------------------------------------------------------------------------
 
 def _axes(op, shape, axis):
-    if axis is None:
+    if axis is None or (isinstance(axis, (tuple, list)) and not axis):  # (): all, as PyTorch
         return tuple(range(len(shape)))
     axes = (axis,) if isinstance(axis, (int, np.integer)) else tuple(axis)
     ndim = max(len(shape), 1)
@@ -1596,8 +1606,9 @@ def _dropout_keep(n, seed, p):
 
 def dropout(x, p=0.5, training=True):
     """Zero each element with probability p and scale the rest by 1/(1-p) (when training)."""
-    if not isinstance(p, (int, float)) or not 0.0 <= p <= 1.0:
+    if not _is_scalar(p) or not 0.0 <= p <= 1.0:
         raise ValueError(f"dropout: p must be a probability in [0, 1], got {p!r}")
+    p = float(p)
     (x,) = _nodes("dropout", x)
     if not training or p == 0.0:
         return x
@@ -1633,12 +1644,15 @@ class Module:
         if "_parameters" not in self.__dict__:
             raise RuntimeError(f"{type(self).__name__}.__init__ must call super().__init__() "
                                f"before assigning attributes")
-        self._parameters.pop(name, None)
-        self._modules.pop(name, None)
-        if isinstance(value, Parameter):
+        if isinstance(value, Parameter):  # a reassigned name keeps its place, as PyTorch
+            self._modules.pop(name, None)
             self._parameters[name] = value
         elif isinstance(value, Module):
+            self._parameters.pop(name, None)
             self._modules[name] = value
+        else:
+            self._parameters.pop(name, None)
+            self._modules.pop(name, None)
         object.__setattr__(self, name, value)
 
     def __call__(self, *args, **kwargs):
@@ -1801,7 +1815,7 @@ class Dropout(Module):
 
     def __init__(self, p=0.5):
         super().__init__()
-        if not isinstance(p, (int, float)) or not 0.0 <= p <= 1.0:
+        if not _is_scalar(p) or not 0.0 <= p <= 1.0:
             raise ValueError(f"Dropout: p must be a probability in [0, 1], got {p!r}")
         self.p = float(p)
 
@@ -1889,7 +1903,7 @@ class Optimizer:
                 raise ValueError(f"optimizer: parameter {i} is not a Parameter: {p!r}")
             if any(p is q for q in self.params[:i]):  # it would be updated twice per step
                 raise ValueError(f"optimizer: parameter {i} appears more than once")
-        _check_hyperparameter("learning rate", lr)
+        _check_hyperparameter("learning rate", lr, name="lr")
         self.lr = float(lr)
 
     def zero_grad(self):
@@ -1898,10 +1912,11 @@ class Optimizer:
             p.grad = None
 
 
-def _check_hyperparameter(what, value, below=None):
-    """PyTorch's check and message, e.g. "Invalid learning rate: -1": 0 <= value (< below)."""
-    if not (0.0 <= value and (below is None or value < below)):
-        raise ValueError(f"Invalid {what}: {value}")
+def _check_hyperparameter(what, value, below=None, name=None):
+    """PyTorch's check and message, e.g. "Invalid learning rate: -1 (lr)": 0 <= value (< below),
+    with the argument's name added."""
+    if not _is_scalar(value) or not (0.0 <= value and (below is None or value < below)):
+        raise ValueError(f"Invalid {what}: {value}" + (f" ({name})" if name else ""))
 
 
 class SGD(Optimizer):
@@ -1915,8 +1930,8 @@ class SGD(Optimizer):
 
     def __init__(self, params, lr, momentum=0, weight_decay=0, nesterov=False):
         super().__init__(params, lr)
-        _check_hyperparameter("momentum value", momentum)
-        _check_hyperparameter("weight_decay value", weight_decay)
+        _check_hyperparameter("momentum value", momentum, name="momentum")
+        _check_hyperparameter("weight_decay value", weight_decay, name="weight_decay")
         if nesterov and momentum <= 0:
             raise ValueError(f"Nesterov momentum requires momentum > 0, got momentum={momentum!r}")
         self.momentum, self.weight_decay, self.nesterov = float(momentum), float(weight_decay), bool(nesterov)
@@ -2146,10 +2161,12 @@ class Adam(Optimizer):
         self._scalars = Tensor.empty((4,), np.float32, device.queue)  # see _prepare
 
     def _set_hyperparameters(self, betas, eps, weight_decay):
-        _check_hyperparameter("epsilon value", eps)
-        _check_hyperparameter("beta parameter at index 0", betas[0], below=1.0)
-        _check_hyperparameter("beta parameter at index 1", betas[1], below=1.0)
-        _check_hyperparameter("weight_decay value", weight_decay)
+        _check_hyperparameter("epsilon value", eps, name="eps")
+        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+            raise ValueError(f"Invalid betas: {betas!r} (a pair (beta1, beta2) is needed)")
+        _check_hyperparameter("beta parameter at index 0", betas[0], below=1.0, name="betas")
+        _check_hyperparameter("beta parameter at index 1", betas[1], below=1.0, name="betas")
+        _check_hyperparameter("weight_decay value", weight_decay, name="weight_decay")
         self.betas = (float(betas[0]), float(betas[1]))
         self.eps, self.weight_decay = float(eps), float(weight_decay)
 
@@ -2326,6 +2343,8 @@ class WarmupCosine:
         if warmup_steps > total_steps:
             raise ValueError(f"WarmupCosine: warmup_steps ({warmup_steps}) must not exceed "
                              f"total_steps ({total_steps})")
+        if not _is_scalar(min_lr) or not min_lr >= 0.0:
+            raise ValueError(f"WarmupCosine: min_lr must be a number >= 0, got {min_lr!r}")
         self.optimizer = optimizer
         self.base_lr, self.min_lr = float(optimizer.lr), float(min_lr)
         self.warmup_steps, self.total_steps = int(warmup_steps), int(total_steps)
@@ -2534,6 +2553,12 @@ def _stop_workers(processes, connections, blocks):
         block.unlink()
 
 
+def _new_block(nbytes):
+    """A shared-memory block named netcl_<pid>_<random>: whose it is shows in /dev/shm."""
+    return shared_memory.SharedMemory(name=f"netcl_{os.getpid()}_{os.urandom(6).hex()}",
+                                      create=True, size=nbytes)
+
+
 class _WorkerPool:
     """Worker processes building one epoch's batches ahead of the consumer.
 
@@ -2585,7 +2610,7 @@ class _WorkerPool:
         if layout is None:
             return  # not a tuple of plain arrays: batches travel pickled
         for _ in range(self.num_workers * self.depth):
-            self.blocks.append(shared_memory.SharedMemory(create=True, size=max(layout[1], 1)))
+            self.blocks.append(_new_block(max(layout[1], 1)))
 
     def _block_index(self, batch_no):
         worker_id = batch_no % self.num_workers
@@ -2647,7 +2672,7 @@ class _WorkerPool:
     def _grow_block(self, index, nbytes):
         """Replace a block too small for a batch; the worker attaches the new one by name."""
         old = self.blocks[index]
-        self.blocks[index] = shared_memory.SharedMemory(create=True, size=nbytes)
+        self.blocks[index] = _new_block(nbytes)
         old.close()
         old.unlink()
 
@@ -2691,11 +2716,8 @@ class DataLoader:
         self.batch_size = _check_int("batch_size", batch_size, 1)
         self.num_workers = _check_int("num_workers", num_workers, 0)
         self.prefetch = _check_int("prefetch", prefetch, 1)
-        if drop_last and len(dataset) < self.batch_size:
-            raise ValueError(f"DataLoader: drop_last=True with batch_size={self.batch_size} and "
-                             f"{len(dataset)} samples leaves no batch")
         if collate_fn is not None and not callable(collate_fn):
-            raise TypeError(f"DataLoader: collate_fn must be callable, got {collate_fn!r}")
+            raise ValueError(f"DataLoader: collate_fn must be callable, got {collate_fn!r}")
         self.dataset = dataset
         self.shuffle = bool(shuffle)
         self.use_shared_mem = bool(use_shared_mem)
@@ -2879,8 +2901,9 @@ class Trainer:
         self._loss_sum = None      # device scalar: the epoch's summed batch losses
 
     # --- the step ---------------------------------------------------------------------------
-    def _train_step(self, x, target, labels, loss_fn, want_metrics):
-        """One step; returns (loss, logits) as host values on metrics steps, else None."""
+    def _train_step(self, step, x, target, labels, loss_fn):
+        """One step. Returns (metrics, logits): metrics is (loss, logits) as host values on
+        metrics steps, else None; logits is this step's output Node."""
         # 1. Enqueue the forward (returns as soon as the kernels are queued).
         with Tape() as tape, self._autocast():
             logits = self.model(x)
@@ -2890,11 +2913,13 @@ class Trainer:
         self._drain(self.MAX_IN_FLIGHT)
         # 3. Metrics: one read for the loss, one for the logits; waits for this forward.
         metrics = None
-        if want_metrics:
+        if step % self.metrics_stride == 0:
             if self.device.backend == "opencl":  # wait for this forward, interruptibly
                 self._drain(0)
                 _wait_interruptibly(cl.enqueue_marker(self.device.queue))
             metrics = float(loss.value.to_host()), _as_value(logits).to_host()
+            if not math.isfinite(metrics[0]):  # before its backward and step: nothing applied
+                raise RuntimeError(f"non-finite loss at step {step}")
         # The epoch's loss is summed on the device, weighted by batch size: exact, no sync.
         if self._loss_sum is None:
             self._loss_sum = _fill((), 0.0, loss.value)
@@ -2916,7 +2941,7 @@ class Trainer:
         if self.device.backend == "opencl":
             self._in_flight.append(cl.enqueue_marker(self.device.queue))
         # 5. Return: the caller fetches the next batch while the device works.
-        return metrics
+        return metrics, logits
 
     def _autocast(self):
         return autocast(enabled=True) if self.mixed_precision else contextlib.nullcontext()
@@ -2933,7 +2958,8 @@ class Trainer:
     # --- fit / evaluate ---------------------------------------------------------------------
     def fit(self, train_loader, val_loader=None, epochs=1, loss_fn=None, log_every=1,
             checkpoint=None):
-        """Train for `epochs` epochs; validate every `log_every` epochs; return a History.
+        """Train for `epochs` epochs, printing a line per epoch, and validate with evaluate()
+        every `log_every` epochs; return the History.
 
         checkpoint: a path where the model's state_dict is saved after each validation that
         improves on the best accuracy so far (the first validation always saves).
@@ -2957,22 +2983,26 @@ class Trainer:
             started = time.perf_counter()
             samples, seen, correct = 0, 0, 0
             self._loss_sum = None
+            last = None
             for batch in train_loader:
                 x, target, labels = self._prepare(batch)
-                metrics = self._train_step(x, target, labels, loss_fn,
-                                           step % self.metrics_stride == 0)
+                metrics, last_logits = self._train_step(step, x, target, labels, loss_fn)
+                last = (last_logits, labels)
                 batch_size = x.shape[0]
                 samples += batch_size
                 if metrics is not None:
                     loss_value, logits = metrics
-                    if not math.isfinite(loss_value):
-                        raise RuntimeError(f"non-finite loss at step {step}")
                     seen += batch_size
                     correct += int((logits.argmax(1) == _class_indices(_host_labels(labels))).sum())
                     if progress:
                         progress.update(step + 1, loss_value, samples / (time.perf_counter() - started))
                 step += 1
             self._drain(0)
+            if seen == 0 and last is not None:  # no metrics step this epoch: sample its last
+                seen = len(last[1])
+                correct = int((_as_value(last[0]).to_host().argmax(1)
+                               == _class_indices(_host_labels(last[1]))).sum())
+            last = None
             # One read per epoch, which also waits for the epoch's last step.
             loss_sum = float(self._loss_sum.to_host()) if self._loss_sum is not None else math.nan
             seconds = time.perf_counter() - started
@@ -2981,8 +3011,8 @@ class Trainer:
                       "accuracy": correct / seen if seen else math.nan}
             if val_loader is not None:
                 record["val_loss"] = record["val_accuracy"] = None
-                if epoch % log_every == 0 or epoch == epochs:
-                    result = self._evaluate(val_loader, loss_fn)
+                if epoch % log_every == 0:
+                    result = self.evaluate(val_loader, loss_fn)
                     record["val_loss"], record["val_accuracy"] = result["loss"], result["accuracy"]
                     if checkpoint is not None and (best_accuracy is None
                                                    or result["accuracy"] > best_accuracy):
@@ -2993,8 +3023,7 @@ class Trainer:
             history.append(record)
             if progress:
                 progress.clear()
-            if epoch % log_every == 0 or epoch == epochs:
-                print(_epoch_line(record, epochs))
+            print(_epoch_line(record, epochs))
         return history
 
     def evaluate(self, data_loader, loss_fn=None):
@@ -3042,7 +3071,13 @@ class Trainer:
             labels = np.asarray(yb)
         x = xb if isinstance(xb, Node) else Node(xb if isinstance(xb, Tensor)
                                                  else Tensor.from_host(xb, self.device.queue))
-        target = yb if isinstance(yb, (Tensor, Node)) else Tensor.from_host(labels, self.device.queue)
+        if isinstance(labels, np.ndarray) and labels.ndim == 2 and labels.dtype.kind != "f":
+            # integer one-hot rows: the loss takes them as class probabilities
+            target = Tensor.from_host(labels.astype(np.float32), self.device.queue)
+        elif isinstance(yb, (Tensor, Node)):
+            target = yb
+        else:
+            target = Tensor.from_host(labels, self.device.queue)
         return x, target, labels
 
 
@@ -3145,6 +3180,7 @@ autograd = _alias("autograd", Node=Node, Parameter=Parameter, Tape=Tape, no_grad
 nn = _alias("nn", Module=Module, Linear=Linear, ReLU=ReLU, Tanh=Tanh, Sigmoid=Sigmoid,
             GELU=GELU, Dropout=Dropout, Flatten=Flatten, Sequential=Sequential,
             Conv2d=Conv2d, MaxPool2d=MaxPool2d, Parameter=Parameter, functional=functional)
+sys.modules[f"{__name__}.nn.functional"] = functional  # import netcl.nn.functional as F
 optim = _alias("optim", Optimizer=Optimizer, SGD=SGD, Adam=Adam, AdamW=AdamW,
                clip_grad_norm=clip_grad_norm, clip_grad_norm_=clip_grad_norm_,
                WarmupCosine=WarmupCosine)
