@@ -10,6 +10,8 @@ by side comparison means anything. Every timed call ends with a sync (device.fin
 torch.cuda.synchronize()), so queued work is counted.
 """
 import argparse
+import contextlib
+import io
 import json
 import math
 import platform
@@ -304,6 +306,42 @@ def adamw_step_torch(where):
     return step, sync
 
 
+def fit_epoch(device, dataset):
+    """(fn, samples, steps): one Trainer.fit epoch, AdamW with grad_clip 1.0, metrics_stride 10.
+    dataset "digits": scikit-learn's 1797 digits, MLP 64-128-10, batch 32; "synthetic":
+    60000 x 784 float32, MLP 784-256-256-10, batch 128."""
+    rng = np.random.default_rng(0)
+    if dataset == "digits":
+        from sklearn.datasets import load_digits
+        digits = load_digits()
+        x, y, sizes, batch = (digits.data / 16).astype(np.float32), digits.target, (64, 128, 10), 32
+    else:
+        x, y = rng.random((60000, 784), dtype=np.float32), rng.integers(0, 10, 60000)
+        sizes, batch = (784, 256, 256, 10), 128
+    netcl.manual_seed(0)
+    layers = []
+    for fan_in, fan_out in zip(sizes[:-1], sizes[1:]):
+        layers += [netcl.nn.Linear(fan_in, fan_out, queue=device.queue), netcl.nn.ReLU()]
+    model = netcl.nn.Sequential(*layers[:-1])
+    trainer = netcl.Trainer(model, netcl.optim.AdamW(model.parameters(), lr=1e-3),
+                            device_queue=device.queue, grad_clip=1.0, metrics_stride=10)
+    loader = netcl.DataLoader(netcl.ArrayDataset(x, y), batch_size=batch, seed=0,
+                              device_queue=device.queue)
+    return (lambda: trainer.fit(loader, epochs=1)), len(x), len(loader)
+
+
+def fit_figures(device, dataset):
+    """(samples/s of a fit epoch, host syncs per 100 steps), after a warm-up epoch."""
+    fn, samples, steps = fit_epoch(device, dataset)
+    with contextlib.redirect_stdout(io.StringIO()):  # fit prints its epoch line
+        fn()
+        syncs = device.syncs
+        started = time.perf_counter()
+        fn()
+        seconds = time.perf_counter() - started
+    return samples / seconds, 100 * (device.syncs - syncs) / steps
+
+
 def launch_overhead(device, calls=2000):
     """Microseconds per enqueued elementwise op on a tiny tensor, one sync at the end."""
     x = netcl.Tensor.from_host(np.ones(256, np.float32), device.queue)
@@ -386,6 +424,13 @@ def test_loader_epoch(benchmark, label, kwargs, on_device):
     benchmark.pedantic(lambda: (fn(), sync()), rounds=2, iterations=1)
 
 
+def test_fit_epoch_digits(benchmark, device):
+    fn, _, _ = fit_epoch(device, "digits")
+    with contextlib.redirect_stdout(io.StringIO()):
+        fn()
+        benchmark.pedantic(fn, rounds=2, iterations=1)
+
+
 def test_sgemm_1024_numpy(benchmark):
     _bench(benchmark, *sgemm_numpy(1024))
 
@@ -433,6 +478,13 @@ def measure(full=False):
     for where in torch_places:
         cells[f"torch-{where}"] = 1.0 / timeit(*adamw_step_torch(where))
     rows.append(("AdamW step(max_norm=1) alone, MLP small", "steps/s", cells))
+    for dataset in ("digits", "synthetic"):
+        cells, syncs = {}, {}
+        for label, device in DEVICES:
+            cells[label], syncs[label] = fit_figures(device, dataset)
+        rows.append((f"Trainer.fit epoch, {dataset}", "samples/s", cells))
+        rows.append((f"Trainer.fit epoch, {dataset}", "syncs/100 steps",
+                     {label: f"{v:.1f}" for label, v in syncs.items()}))
     has_opencl = any(d.backend == "opencl" for _, d in DEVICES)
     for label, kwargs, on_device in LOADER_CONFIGS:
         if not on_device or has_opencl:
