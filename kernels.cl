@@ -140,8 +140,10 @@ __kernel void cast_from_act(const int n, __global const act_t* x, __global float
 // materialised. A 16x16 work-group computes a TILE x TILE block of C, TILE = 16 * WPT, each
 // work-item a WPT x WPT block of it, staging 16-deep slices of op(A) and op(B) in local
 // memory. Out-of-range elements load as zero, so any M, N, K works.
-// A and C are activations (act_t: under autocast the forward product reads and writes float16
-// storage), B (the weight) and bias are float; accumulation is float either way.
+// Operand types are macro arguments too, float or act_t, and accumulation is float: gemm_nn and
+// gemm_nt read A and write C as act_t, B (the weight) float (under autocast, the forward
+// products); gemm_tn reads B as act_t, A and C float (linear's weight gradient g^T x, from the
+// x the forward kept). bias is float.
 // - Global loads are coalesced: consecutive work-items read consecutive addresses, along k
 //   (K_FAST) or along m/n, whichever is contiguous in the operand's layout.
 // - Each work-item owns rows {h*64 + ty*4 + 0..3} and columns {h*64 + tx*4 + 0..3} for
@@ -151,11 +153,15 @@ __kernel void cast_from_act(const int n, __global const act_t* x, __global float
 // WPT = 4 (64x64 tiles) keeps small products spread over many work-groups; WPT = 8 (128x128)
 // does twice the arithmetic per local-memory read, for large products.
 #define TILE_K 16
-#define GEMM(NAME, WPT, A_AT, A_K_FAST, B_AT, B_K_FAST)                                        \
+#define LOAD_float(p, i) ((p)[i])
+#define LOAD_act_t(p, i) LOAD(p, i)
+#define STORE_float(p, i, v) ((p)[i] = (v))
+#define STORE_act_t(p, i, v) STORE(p, i, v)
+#define GEMM(NAME, WPT, A_T, A_AT, A_K_FAST, B_T, B_AT, B_K_FAST, C_T)                         \
 __kernel __attribute__((reqd_work_group_size(16, 16, 1)))                                      \
 void NAME(const int M, const int N, const int K, const int has_bias,                           \
-          __global const act_t* A, __global const float* B, __global const float* bias,        \
-          __global act_t* C) {                                                                 \
+          __global const A_T* A, __global const B_T* B, __global const float* bias,            \
+          __global C_T* C) {                                                                   \
     const int TILE = 16 * WPT;                                                                 \
     __local float As[TILE_K][16 * WPT + 4];                                                    \
     __local float Bs[TILE_K][16 * WPT + 4];                                                    \
@@ -168,8 +174,10 @@ void NAME(const int M, const int N, const int K, const int has_bias,            
             const int e = lid + 256 * l;                                                       \
             const int am = A_K_FAST ? e / TILE_K : e % TILE, ak = A_K_FAST ? e % TILE_K : e / TILE; \
             const int bn = B_K_FAST ? e / TILE_K : e % TILE, bk = B_K_FAST ? e % TILE_K : e / TILE; \
-            As[ak][am] = (row0 + am < M && k0 + ak < K) ? A_AT(row0 + am, k0 + ak) : 0.0f;    \
-            Bs[bk][bn] = (col0 + bn < N && k0 + bk < K) ? B_AT(k0 + bk, col0 + bn) : 0.0f;    \
+            As[ak][am] = (row0 + am < M && k0 + ak < K)                                        \
+                ? LOAD_##A_T(A, A_AT(row0 + am, k0 + ak)) : 0.0f;                              \
+            Bs[bk][bn] = (col0 + bn < N && k0 + bk < K)                                        \
+                ? LOAD_##B_T(B, B_AT(k0 + bk, col0 + bn)) : 0.0f;                              \
         }                                                                                      \
         barrier(CLK_LOCAL_MEM_FENCE);                                                          \
         for (int k = 0; k < TILE_K; ++k) {                                                     \
@@ -189,28 +197,29 @@ void NAME(const int M, const int N, const int K, const int has_bias,            
         if (r >= M) continue;                                                                  \
         for (int j = 0; j < WPT; ++j) {                                                        \
             const int c = col0 + (j / 4) * 64 + tx * 4 + j % 4;                                \
-            if (c < N) STORE(C, r * N + c, acc[i][j] + (has_bias ? bias[c] : 0.0f));           \
+            if (c < N) STORE_##C_T(C, r * N + c, acc[i][j] + (has_bias ? bias[c] : 0.0f));     \
         }                                                                                      \
     }                                                                                          \
 }
 
-#define A_ROWMAJOR(m, k) LOAD(A, (m) * K + (k))   // A stored (M, K)
-#define A_COLMAJOR(m, k) LOAD(A, (k) * M + (m))   // A stored (K, M): op(A) = A^T
-#define B_ROWMAJOR(k, n) B[(k) * N + (n)]   // B stored (K, N)
-#define B_COLMAJOR(k, n) B[(n) * K + (k)]   // B stored (N, K): op(B) = B^T
-GEMM(gemm_nn, 4, A_ROWMAJOR, 1, B_ROWMAJOR, 0)
-GEMM(gemm_nt, 4, A_ROWMAJOR, 1, B_COLMAJOR, 1)
-GEMM(gemm_tn, 4, A_COLMAJOR, 0, B_ROWMAJOR, 0)
-GEMM(gemm_nn_big, 8, A_ROWMAJOR, 1, B_ROWMAJOR, 0)
-GEMM(gemm_nt_big, 8, A_ROWMAJOR, 1, B_COLMAJOR, 1)
-GEMM(gemm_tn_big, 8, A_COLMAJOR, 0, B_ROWMAJOR, 0)
+// Where op(A)[m][k] and op(B)[k][n] are in memory:
+#define A_ROWMAJOR(m, k) ((m) * K + (k))   // A stored (M, K)
+#define A_COLMAJOR(m, k) ((k) * M + (m))   // A stored (K, M): op(A) = A^T
+#define B_ROWMAJOR(k, n) ((k) * N + (n))   // B stored (K, N)
+#define B_COLMAJOR(k, n) ((n) * K + (k))   // B stored (N, K): op(B) = B^T
+GEMM(gemm_nn, 4, act_t, A_ROWMAJOR, 1, float, B_ROWMAJOR, 0, act_t)
+GEMM(gemm_nt, 4, act_t, A_ROWMAJOR, 1, float, B_COLMAJOR, 1, act_t)
+GEMM(gemm_tn, 4, float, A_COLMAJOR, 0, act_t, B_ROWMAJOR, 0, float)
+GEMM(gemm_nn_big, 8, act_t, A_ROWMAJOR, 1, float, B_ROWMAJOR, 0, act_t)
+GEMM(gemm_nt_big, 8, act_t, A_ROWMAJOR, 1, float, B_COLMAJOR, 1, act_t)
+GEMM(gemm_tn_big, 8, float, A_COLMAJOR, 0, act_t, B_ROWMAJOR, 0, float)
 
 // --- GEMM for CPU devices (PoCL). Local memory is slow there and wide vector loads are
 // fast, so both operands are first packed (transposing if asked, padding with zeros) into
 // layouts whose rows are aligned float8 runs: Ap (Mp, K) with Mp a multiple of 4, and
 // Bp (K, Np) with Np a multiple of 16. Each work-item then computes a 4x16 block of C with
-// eight float8 accumulators and no bounds checks in the loop over K. A and C are act_t as in
-// the tiled GEMM; packing widens A to float, so the inner loop never sees half.
+// eight float8 accumulators and no bounds checks in the loop over K. Packing reads either
+// operand as act_t and writes float, so the inner loop never sees half; C is act_t.
 
 // A (act_t) stored (M, K), or (K, M) when transposed -> Ap (Mp, K) float, rows past M zero.
 __kernel void pack_a(const int M, const int K, const int Mp, const int transposed,
@@ -221,13 +230,13 @@ __kernel void pack_a(const int M, const int K, const int Mp, const int transpose
     Ap[i] = m < M ? (transposed ? LOAD(A, k * M + m) : LOAD(A, m * K + k)) : 0.0f;
 }
 
-// B stored (K, N), or (N, K) when transposed -> Bp (K, Np), columns past N zero.
+// B (act_t) stored (K, N), or (N, K) when transposed -> Bp (K, Np) float, columns past N zero.
 __kernel void pack_b(const int K, const int N, const int Np, const int transposed,
-                     __global const float* B, __global float* Bp) {
+                     __global const act_t* B, __global float* Bp) {
     const int i = get_global_id(0);
     if (i >= K * Np) return;
     const int k = i / Np, n = i % Np;
-    Bp[i] = n < N ? (transposed ? B[n * K + k] : B[k * N + n]) : 0.0f;
+    Bp[i] = n < N ? (transposed ? LOAD(B, n * K + k) : LOAD(B, k * N + n)) : 0.0f;
 }
 
 // Ap (Mp, K) @ Bp (K, Np) -> C (M, N) [+ bias (N)]; work-item (j, i) owns rows 4i..4i+3,

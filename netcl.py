@@ -1048,51 +1048,60 @@ def div(a, b):
 def _gemm(a, b, trans_a=False, trans_b=False, bias=None, half=False):
     """C (M, N) = op(a) @ op(b) [+ bias (N)]; op transposes when asked, without a copy.
 
-    half=True (autocast, OpenCL only): a is read and C written in float16 storage, b (the
-    weight) and bias in float32, accumulating in float32 (kernels.cl: act_t). Otherwise every
-    operand is float32; a float16 one is widened first (a saved activation in backward).
+    half=True (autocast, OpenCL only): C is written in float16 storage from a read as float16
+    (a float32 a, the network's input say, is rounded to it first), accumulating in float32.
+    Otherwise C is float32. An operand in float16 storage (a value the forward kept) is read
+    as such where the kernel takes it, and widened to float32 first where it does not.
     """
     M, K = (a.shape[1], a.shape[0]) if trans_a else a.shape
     N = b.shape[0] if trans_b else b.shape[1]
-    if a.device.backend == "opencl" and half:  # float32 a: the network's input, say
-        a, b = (a if a.dtype == np.float16 else _cast(a, np.float16)), _float32(b)
-    elif a.device.backend == "opencl":
-        a, b = _float32(a), _float32(b)
-    out = _like(a, (M, N), np.float16 if half else np.result_type(a.dtype, b.dtype))
+    if half and a.dtype != np.float16:
+        a = _cast(a, np.float16)
+    out = _like(a, (M, N), np.float16 if half else
+                _compute_dtype(np.result_type(a.dtype, b.dtype)))
     if a.device.backend == "cpu":
         np.matmul(a.data.T if trans_a else a.data, b.data.T if trans_b else b.data, out=out.data)
         if bias is not None:
             out.data += bias.data
     elif M and N and a.device.gemm == "packed":
-        # CPU devices: pack op(a) to (Mp, K) and op(b) to (K, Np) unless already in shape;
-        # float16 storage is always packed, which widens it: the inner loop reads float only.
+        # CPU devices: pack op(a) to (Mp, K) and op(b) to (K, Np) unless already in shape.
+        # Packing reads float16 storage and writes float32, so it takes any operand's storage
+        # and the inner loop reads float only.
         Mp, Np = -(-M // 4) * 4, -(-N // 16) * 16
         A, B = a, b
-        if trans_a or Mp != M or half:
+        if trans_a or Mp != M or a.dtype == np.float16:
             A = _like(a, (Mp, K), np.float32)
             a.device.launch("pack_a", *_grid(Mp * K), M, K, Mp, int(trans_a), a.data, A.data,
-                            half=half)
-        if trans_b or Np != N:
-            B = _like(b, (K, Np))
-            b.device.launch("pack_b", *_grid(K * Np), K, N, Np, int(trans_b), b.data, B.data)
+                            half=a.dtype == np.float16)
+        if trans_b or Np != N or b.dtype == np.float16:
+            B = _like(b, (K, Np), np.float32)
+            b.device.launch("pack_b", *_grid(K * Np), K, N, Np, int(trans_b), b.data, B.data,
+                            half=b.dtype == np.float16)
         a.device.launch("gemm_packed", (Np // 16, Mp // 4), (8, 1), M, N, K, Np,
                         int(bias is not None), A.data, B.data,
                         bias.data if bias is not None else None, out.data, half=half)
     elif M and N:
+        # The half build's tiled kernels read float16 where autocast leaves it (kernels.cl):
+        # gemm_nn and gemm_nt take a (and write C) in float16, for the forward products, and
+        # gemm_tn takes b, for linear's weight gradient g^T x. Other float16 operands widen.
+        reads_half_b = trans_a and b.dtype == np.float16
+        a = a if half else _float32(a)
+        b = b if reads_half_b else _float32(b)
         # 128x128 tiles when there are enough of them to fill every compute unit, else 64x64.
         big = -(-M // 128) * -(-N // 128) >= a.device.compute_units
         tile = 128 if big else 64
         kernel = ("gemm_tn" if trans_a else "gemm_nt" if trans_b else "gemm_nn") + ("_big" if big else "")
         a.device.launch(kernel, (-(-N // tile) * 16, -(-M // tile) * 16), (16, 16), M, N, K,
                         int(bias is not None), a.data, b.data,
-                        bias.data if bias is not None else None, out.data, half=half)
+                        bias.data if bias is not None else None, out.data,
+                        half=half or reads_half_b)
     return out
 
 
 def matmul(a, b):
     """a (M, K) @ b (K, N) -> (M, N); a 1-D operand is a row (left) or column (right) vector.
-    Inside autocast (OpenCL) the product is float16 storage: a is read as float16 (cast if
-    float32), b as float32 (widened if float16)."""
+    Inside autocast (OpenCL) the product is float16 storage, computed from a rounded to
+    float16 and b (float32 on GPUs, widened if float16)."""
     a, b = _nodes("matmul", a, b)
     if not (1 <= len(a.shape) <= 2 and 1 <= len(b.shape) <= 2):
         raise ValueError(f"matmul: expected 1-D or 2-D operands, got shapes {a.shape} and {b.shape}")

@@ -2813,7 +2813,7 @@ def test_warmup_cosine_validates(warmup, total, needle):
 # references above.
 # ---------------------------------------------------------------------------------------------
 
-AMP_SETTINGS = settings(max_examples=10, deadline=None,
+AMP_SETTINGS = settings(max_examples=20, deadline=None,
                         suppress_health_check=[HealthCheck.too_slow,
                                                HealthCheck.function_scoped_fixture])
 # Rounding a value to float16 moves it by at most half an ulp, 2**-11 relative (2**-25 absolute
@@ -2932,27 +2932,36 @@ def test_mixed_float16_and_float32_operands_compute_in_float32(opencl):
 def test_autocast_products_are_the_float32_result_rounded(opencl, monkeypatch, gemm, m, k, n):
     """With float16 inputs, the autocast linear/matmul/conv2d output is exactly the float32
     result on the same values rounded to float16: the same float32 accumulation, one rounding.
+    The gradients, read from the float16 input the forward kept, are exactly the float32 ones.
     Both GEMM variants run here (the GPUs' tiled one too); 150 x 140 takes the 128-wide tiles."""
     monkeypatch.setattr(opencl, "gemm", gemm)
     rng = np.random.default_rng(m + k + n)
-    x = rng.standard_normal((m, k)).astype(np.float16)
-    w = (rng.standard_normal((n, k)) / math.sqrt(k)).astype(np.float32)
-    b = rng.standard_normal(n).astype(np.float32)
-    images = rng.standard_normal((2, 3, 7, 6)).astype(np.float16)
-    filters = (rng.standard_normal((n % 5 + 2, 3, 3, 3)) / 5).astype(np.float32)
-    bias = rng.standard_normal(n % 5 + 2).astype(np.float32)
-    products = {
-        "linear": lambda x16, dt: F.linear(tensor(x, opencl, dt), tensor(w, opencl), tensor(b, opencl)),
-        "matmul": lambda x16, dt: F.matmul(tensor(x, opencl, dt), tensor(w.T.copy(), opencl)),
-        "conv2d": lambda x16, dt: F.conv2d(tensor(images, opencl, dt), tensor(filters, opencl),
-                                           tensor(bias, opencl), stride=(1, 2), padding=1),
+    arrays = {
+        "linear": [rng.standard_normal((m, k)), rng.standard_normal((n, k)) / math.sqrt(k),
+                   rng.standard_normal(n)],
+        "matmul": [rng.standard_normal((m, k)), rng.standard_normal((k, n)) / math.sqrt(k)],
+        "conv2d": [rng.standard_normal((2, 3, 7, 6)), rng.standard_normal((n % 5 + 2, 3, 3, 3)) / 5,
+                   rng.standard_normal(n % 5 + 2)],
     }
+    products = {"linear": F.linear, "matmul": F.matmul,
+                "conv2d": lambda x, w, b: F.conv2d(x, w, b, stride=(1, 2), padding=1)}
     for name, product in products.items():
-        single = host(product(x, np.float32))
-        with netcl.autocast():
-            half = host(product(x, np.float16))
+        x, *weights = arrays[name]
+        x = x.astype(np.float16)  # the input in float16 storage, or those values in float32
+        results = {}
+        for enabled, dtype in ((False, np.float32), (True, np.float16)):
+            leaves = [param(x, opencl, dtype)] + [param(w, opencl) for w in weights]
+            with netcl.Tape() as tape, netcl.autocast(enabled=enabled):
+                out = product(*leaves)
+            seed = np.random.default_rng(1).standard_normal(out.shape).astype(np.float16)
+            tape.backward(out, grad=seed.astype(np.float32))
+            results[enabled] = host(out), [host(p.grad) for p in leaves]
+        (single, grads32), (half, grads16) = results[False], results[True]
         assert half.dtype == np.float16 and single.dtype == np.float32, name
         np.testing.assert_array_equal(half, single.astype(np.float16), err_msg=name)
+        for g16, g32 in zip(grads16, grads32):
+            assert g16.dtype == np.float32
+            np.testing.assert_array_equal(g16, g32, err_msg=name)
 
 
 def _digits_mlp(dev, hidden=64):
