@@ -2548,7 +2548,6 @@ class AMPGradScaler:
         if not self._enabled:
             return loss
         (loss,) = _nodes("AMPGradScaler.scale", loss)
-        loss = _to_float32(loss)
         device = loss.device
         if self._scale is None:
             queue = device.queue
@@ -2562,7 +2561,7 @@ class AMPGradScaler:
         scale = self._scale
 
         def times_scale(x):  # the scale is read on the device: the host never knows it
-            out = _copy(x)
+            out = _cast(x, np.float32) if x.dtype == np.float16 else _copy(x)
             if device.backend == "cpu":
                 with np.errstate(all="ignore"):  # an overflow to inf is what update() detects
                     out.data *= scale.data[0]

@@ -2837,42 +2837,48 @@ def _gelu_reference(x):
     return 0.5 * x * (1 + np.vectorize(math.erf)(x / math.sqrt(2)))
 
 
+def _one(shape=(7, 5), low=None):
+    """Inputs of a case: one array, standard normal or uniform in [low, 2)."""
+    return lambda r: [r.standard_normal(shape) if low is None else r.uniform(low, 2, shape)]
+
+
+def _two(b_shape=(7, 5), b_low=None):
+    return lambda r: [r.standard_normal((7, 5))] + _one(b_shape, b_low)(r)
+
+
 # (name, inputs from a generator, netcl op, float64 reference, output stays float16)
 HALF_OP_CASES = [
-    ("relu", lambda r: [r.standard_normal((7, 5))], F.relu, lambda x: np.maximum(x, 0), True),
-    ("leaky_relu", lambda r: [r.standard_normal((7, 5))], lambda x: F.leaky_relu(x, 0.1),
-     lambda x: np.where(x > 0, x, 0.1 * x), True),
-    ("sigmoid", lambda r: [r.standard_normal((7, 5))], F.sigmoid, lambda x: 1 / (1 + np.exp(-x)), True),
-    ("tanh", lambda r: [r.standard_normal((7, 5))], F.tanh, np.tanh, True),
-    ("gelu", lambda r: [r.standard_normal((7, 5))], F.gelu, _gelu_reference, True),
-    ("exp", lambda r: [r.standard_normal((7, 5))], F.exp, np.exp, True),
-    ("log", lambda r: [r.uniform(0.1, 3, (7, 5))], F.log, np.log, True),
-    ("neg", lambda r: [r.standard_normal((7, 5))], lambda x: -x, lambda x: -x, True),
-    ("add", lambda r: [r.standard_normal((7, 5)), r.standard_normal((7, 5))], F.add, np.add, True),
-    ("sub_bias", lambda r: [r.standard_normal((7, 5)), r.standard_normal(5)], F.sub, np.subtract, True),
-    ("mul", lambda r: [r.standard_normal((7, 5)), r.standard_normal((7, 5))], F.mul, np.multiply, True),
-    ("div", lambda r: [r.standard_normal((7, 5)), r.uniform(0.5, 2, (7, 5))], F.div, np.divide, True),
-    ("add_scalar", lambda r: [r.standard_normal((7, 5))], lambda x: x + 1.5, lambda x: x + 1.5, True),
-    ("rsub_scalar", lambda r: [r.standard_normal((7, 5))], lambda x: 2.0 - x, lambda x: 2.0 - x, True),
-    ("mul_scalar", lambda r: [r.standard_normal((7, 5))], lambda x: x * 0.3, lambda x: x * 0.3, True),
-    ("div_scalar", lambda r: [r.standard_normal((7, 5))], lambda x: x / 3.0, lambda x: x / 3.0, True),
-    ("rdiv_scalar", lambda r: [r.uniform(0.5, 2, (7, 5))], lambda x: 3.0 / x, lambda x: 3.0 / x, True),
-    ("transpose", lambda r: [r.standard_normal((7, 5))], lambda x: x.T, lambda x: x.T, True),
-    ("max_pool2d", lambda r: [r.standard_normal((2, 3, 6, 6))], lambda x: F.max_pool2d(x, 2),
+    ("relu", _one(), F.relu, lambda x: np.maximum(x, 0), True),
+    ("leaky_relu", _one(), lambda x: F.leaky_relu(x, 0.1), lambda x: np.where(x > 0, x, 0.1 * x),
+     True),
+    ("sigmoid", _one(), F.sigmoid, lambda x: 1 / (1 + np.exp(-x)), True),
+    ("tanh", _one(), F.tanh, np.tanh, True),
+    ("gelu", _one(), F.gelu, _gelu_reference, True),
+    ("exp", _one(), F.exp, np.exp, True),
+    ("log", _one(low=0.1), F.log, np.log, True),
+    ("neg", _one(), lambda x: -x, lambda x: -x, True),
+    ("add", _two(), F.add, np.add, True),
+    ("sub_bias", _two((5,)), F.sub, np.subtract, True),
+    ("mul", _two(), F.mul, np.multiply, True),
+    ("div", _two(b_low=0.5), F.div, np.divide, True),
+    ("add_scalar", _one(), lambda x: x + 1.5, lambda x: x + 1.5, True),
+    ("rsub_scalar", _one(), lambda x: 2.0 - x, lambda x: 2.0 - x, True),
+    ("mul_scalar", _one(), lambda x: x * 0.3, lambda x: x * 0.3, True),
+    ("div_scalar", _one(), lambda x: x / 3.0, lambda x: x / 3.0, True),
+    ("rdiv_scalar", _one(low=0.5), lambda x: 3.0 / x, lambda x: 3.0 / x, True),
+    ("transpose", _one(), lambda x: x.T, lambda x: x.T, True),
+    ("max_pool2d", _one((2, 3, 6, 6)), lambda x: F.max_pool2d(x, 2),
      lambda x: x.reshape(2, 3, 3, 2, 3, 2).max(axis=(3, 5)), True),
-    ("avg_pool2d", lambda r: [r.standard_normal((2, 3, 6, 6))], lambda x: F.avg_pool2d(x, 2),
+    ("avg_pool2d", _one((2, 3, 6, 6)), lambda x: F.avg_pool2d(x, 2),
      lambda x: x.reshape(2, 3, 3, 2, 3, 2).mean(axis=(3, 5)), True),
-    ("sum", lambda r: [r.standard_normal((7, 5))], lambda x: x.sum(), np.sum, False),
-    ("mean_axis0", lambda r: [r.standard_normal((7, 5))], lambda x: F.mean(x, 0),
-     lambda x: x.mean(0), False),
-    ("sum_long", lambda r: [r.standard_normal(5000)], F.sum, np.sum, False),
-    ("softmax", lambda r: [r.standard_normal((7, 5))], F.softmax, _softmax_ref, False),
-    ("log_softmax", lambda r: [r.standard_normal((7, 5))], F.log_softmax, _log_softmax, False),
-    ("cross_entropy", lambda r: [r.standard_normal((7, 5))],
-     lambda x: F.cross_entropy(x, np.arange(7) % 5),
+    ("sum", _one(), lambda x: x.sum(), np.sum, False),
+    ("mean_axis0", _one(), lambda x: F.mean(x, 0), lambda x: x.mean(0), False),
+    ("sum_long", _one((5000,)), F.sum, np.sum, False),
+    ("softmax", _one(), F.softmax, _softmax_ref, False),
+    ("log_softmax", _one(), F.log_softmax, _log_softmax, False),
+    ("cross_entropy", _one(), lambda x: F.cross_entropy(x, np.arange(7) % 5),
      lambda x: _cross_entropy_ref(x, np.arange(7) % 5, "mean"), False),
-    ("mse_loss", lambda r: [r.standard_normal((7, 5)), r.standard_normal((7, 5))], F.mse_loss,
-     lambda x, t: np.mean((x - t) ** 2), False),
+    ("mse_loss", _two(), F.mse_loss, lambda x, t: np.mean((x - t) ** 2), False),
 ]
 
 
@@ -2966,8 +2972,9 @@ def test_autocast_products_are_the_float32_result_rounded(opencl, monkeypatch, g
 
 def _digits_mlp(dev, hidden=64):
     q = dev.queue
-    return nn.Sequential(nn.Linear(64, hidden, queue=q), nn.ReLU(), nn.Linear(hidden, hidden, queue=q),
-                         nn.Tanh(), nn.Linear(hidden, 10, queue=q))
+    return nn.Sequential(nn.Linear(64, hidden, queue=q), nn.ReLU(),
+                         nn.Linear(hidden, hidden, queue=q), nn.Tanh(),
+                         nn.Linear(hidden, 10, queue=q))
 
 
 @pytest.mark.parametrize("gemm", ["packed", "tiled"])
@@ -3225,6 +3232,23 @@ def test_scaler_growth_stops_short_of_inf(backend):
             scaler.state_dict()["_growth_tracker"] == 0
 
 
+def test_scaler_scales_a_float16_loss_and_takes_a_new_scale(opencl):
+    p = param([1.0, 2.0], opencl)
+    scaler = netcl.AMPGradScaler(init_scale=4.0)
+    x = tensor(np.ones((1, 2), np.float32), opencl)
+    with netcl.Tape() as tape, netcl.autocast():
+        out = F.linear(x, F.reshape(p, (1, 2))).reshape(())
+    assert out.dtype == np.float16
+    scaled = scaler.scale(out)  # after the Tape closed, as the Trainer does
+    assert scaled.dtype == np.float32 and float(scaled.value) == 12.0
+    tape.backward(scaled)
+    np.testing.assert_array_equal(host(p.grad), [4.0, 4.0])
+    scaler.step(netcl.SGD([p], lr=0.0))
+    scaler.update(new_scale=256.0)  # PyTorch's update(new_scale): the tracker is left as is
+    assert scaler.state_dict() == {"scale": 256.0, "growth_factor": 2.0, "backoff_factor": 0.5,
+                                   "growth_interval": 2000, "_growth_tracker": 0}
+
+
 def _scaler_setup(dev, kind="sgd"):
     p = param(np.array([1.0, -2.0, 3.0], np.float32), dev)
     opt = netcl.SGD([p], lr=0.1) if kind == "sgd" else netcl.AdamW([p], lr=0.1)
@@ -3234,8 +3258,9 @@ def _scaler_setup(dev, kind="sgd"):
 def test_scaler_call_order_errors_are_pytorch_s(backend):
     p, opt, scaler = _scaler_setup(backend)
     g = [np.array([0.5, 0.25, -1.0], np.float32)]
-    for call, name in [(lambda: scaler.unscale_(opt), "unscale_"), (lambda: scaler.step(opt), "step"),
-                       (scaler.update, "update")]:
+    calls = [(lambda: scaler.unscale_(opt), "unscale_"), (lambda: scaler.step(opt), "step"),
+             (scaler.update, "update")]
+    for call, name in calls:
         with raises_naming(RuntimeError, f"Attempted {name} but _scale is None"):
             call()
     _scaled_backward(scaler, [p], g)
@@ -3274,7 +3299,7 @@ def test_scaler_rejects_bad_arguments(kwargs, needle):
 
 def test_disabled_scaler_passes_through(backend):
     rng = np.random.default_rng(16)
-    initial, g = rng.standard_normal(6).astype(np.float32), rng.standard_normal(6).astype(np.float32)
+    initial, g = (rng.standard_normal(6).astype(np.float32) for _ in range(2))
     p, q = param(initial, backend), param(initial, backend)
     opt_p, opt_q = netcl.AdamW([p], lr=0.1), netcl.AdamW([q], lr=0.1)
     scaler = netcl.AMPGradScaler(enabled=False)
