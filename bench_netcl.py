@@ -105,8 +105,9 @@ def _make_optimizer(params):
     return opt, opt.step
 
 
-def mlp_step_netcl(device, sizes, batch):
-    """(fn, sync) for one training step of an MLP with ReLUs, cross-entropy, and the optimizer."""
+def mlp_step_netcl(device, sizes, batch, amp=False):
+    """(fn, sync) for one training step of an MLP with ReLUs, cross-entropy, and the optimizer;
+    amp=True: the forward under autocast, AdamW stepped through an AMPGradScaler (clip 1.0)."""
     netcl.manual_seed(0)
     layers = []
     for fan_in, fan_out in zip(sizes[:-1], sizes[1:]):
@@ -118,14 +119,39 @@ def mlp_step_netcl(device, sizes, batch):
     x = netcl.Tensor.from_host(rng.standard_normal((batch, sizes[0]), np.float32), device.queue)
     y = netcl.Tensor.from_host(rng.integers(0, sizes[-1], batch).astype(np.int32), device.queue)
     y_host = y.to_host()
+    scaler = netcl.AMPGradScaler(enabled=amp)
 
     def fn():
-        with netcl.Tape() as tape:
+        with netcl.Tape() as tape, netcl.autocast(enabled=amp):
             loss = netcl.functional.cross_entropy(model(x), y_host)
         opt.zero_grad()
-        tape.backward(loss)
-        step()
+        if amp:
+            tape.backward(scaler.scale(loss))
+            scaler.step(opt, max_norm=1.0)
+            scaler.update()
+        else:
+            tape.backward(loss)
+            step()
     return fn, device.finish
+
+
+def mlp_amp_comparison(device, sizes, batch):
+    """{amp: (seconds per step, peak pool bytes)} for the float32 and the autocast step,
+    measured one after the other. The peak counts what the step's model, optimizer, scaler and
+    activations hold at most, above what was in use before it was built."""
+    pool, results = device.pool, {}
+    overall_peak = pool.peak_bytes
+    for amp in (False, True):
+        _last_model[0] = None  # freed now, not while this run is measured
+        pool.empty_cache()  # the previous run's buffers go back to the driver
+        baseline = pool.peak_bytes = pool.in_use_bytes  # the pool's peak from here on
+        fn, sync = mlp_step_netcl(device, sizes, batch, amp)
+        seconds = timeit(fn, sync)
+        results[amp] = (seconds, pool.stats()["peak_bytes"] - baseline)
+        overall_peak = max(overall_peak, pool.peak_bytes)
+        del fn
+    pool.peak_bytes = overall_peak  # the "pool peak" row still means the whole run
+    return results
 
 
 def mlp_step_numpy(sizes, batch):
@@ -353,8 +379,8 @@ def launch_overhead(device, calls=2000):
     return 1e6 * (time.perf_counter() - started) / calls
 
 
-def syncs_per_step(device, sizes, batch, steps=10):
-    fn, sync = mlp_step_netcl(device, sizes, batch)
+def syncs_per_step(device, sizes, batch, steps=10, amp=False):
+    fn, sync = mlp_step_netcl(device, sizes, batch, amp)
     fn()
     sync()
     before_syncs, before_launches = device.syncs, device.launches
@@ -410,6 +436,9 @@ def test_launch_overhead(benchmark, device):
     x = netcl.Tensor.from_host(np.ones(256, np.float32), device.queue)
     _bench(benchmark, lambda: netcl._unary_tensor("relu", x), device.finish)
 
+
+def test_mlp_small_step_autocast(benchmark, device):
+    _bench(benchmark, *mlp_step_netcl(device, *mlp_sizes("small"), amp=True))
 
 def test_conv2d_step(benchmark, device):
     _bench(benchmark, *conv_netcl(device))
@@ -469,6 +498,15 @@ def measure(full=False):
             if name == "small" or full or where == "cuda":
                 cells[f"torch-{where}"] = batch / timeit(*mlp_step_torch(sizes, batch, where))
         rows.append((f"MLP {'-'.join(map(str, sizes))} b={batch} step", "samples/s", cells))
+        # float32 against autocast + AMPGradScaler on the same device, one after the other.
+        for label, device in DEVICES:
+            if device.backend == "opencl" and (name == "small" or full or is_gpu(device)):
+                compared = mlp_amp_comparison(device, sizes, batch)
+                (seconds32, peak32), (seconds16, peak16) = compared[False], compared[True]
+                rows.append((f"{label}: MLP {name} step, float32 | autocast", "ms",
+                             {label: f"{1e3 * seconds32:.2f} | {1e3 * seconds16:.2f}"}))
+                rows.append((f"{label}: MLP {name} pool peak, f32 | autocast", "MiB",
+                             {label: f"{peak32 / 2 ** 20:.0f} | {peak16 / 2 ** 20:.0f}"}))
     cells = {label: CONV_FLOPS / timeit(*conv_netcl(device)) / 1e9 for label, device in DEVICES}
     cells["numpy"] = CONV_FLOPS / timeit(*conv_numpy()) / 1e9
     for where in torch_places:
@@ -498,6 +536,10 @@ def measure(full=False):
         rows.append((f"{label}: launch overhead per op", "µs", {label: launch_overhead(device)}))
         rows.append((f"{label}: MLP small step", "syncs, launches",
                      {label: f"{syncs:g} syncs, {launches:g} launches"}))
+        if device.backend == "opencl":
+            syncs, launches = syncs_per_step(device, sizes, batch, amp=True)
+            rows.append((f"{label}: MLP small step, autocast", "syncs, launches",
+                         {label: f"{syncs:g} syncs, {launches:g} launches"}))
         rows.append((f"{label}: pool peak", "MiB",
                      {label: device.pool.stats()["peak_bytes"] / 2 ** 20}))
     return rows

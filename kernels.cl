@@ -2,7 +2,7 @@
 //
 // The sections follow netcl.py's order, so the two files can be read side by side:
 // autograd (gradient accumulation) -> operations (elementwise, GEMM, convolution and pooling,
-// reductions, softmax, cross-entropy, dropout) -> optimizers.
+// reductions, softmax, cross-entropy, dropout) -> optimizers -> mixed precision.
 //
 // Conventions:
 // - Every kernel takes its sizes first, then runtime scalars, then buffers; a shape comment
@@ -11,6 +11,29 @@
 // - 1-D kernels guard `i < n`: the host rounds the global size up to a multiple of the fixed
 //   local size (a new local size is a new compile on some drivers, PoCL among them).
 // - Built without -cl-fast-relaxed-math / -cl-finite-math-only so NaN and Inf stay IEEE.
+//
+// Two builds of this one source per device, with HALF_STORAGE=0 and HALF_STORAGE=1 (netcl.py:
+// Device.launch(..., half=True) picks the second). `act_t` is the storage type of
+// activations, the values a forward pass writes and keeps for backward: float, or half in the
+// half build, used for float16 storage under autocast. Half values are only loaded and stored,
+// with vload_half / vstore_half (core OpenCL 1.2), never computed with: many devices, NVIDIA's
+// among them, have no cl_khr_fp16. All arithmetic is float in both builds, and gradients,
+// weights, optimizer state and the outputs of reductions, softmax and losses are always float.
+// In the float build act_t is float and LOAD/STORE are plain accesses: that build is exactly
+// the float32 library. Each kernel says which of its buffers are act_t; a kernel has the same
+// name and arguments in both builds.
+#ifndef HALF_STORAGE
+#define HALF_STORAGE 0
+#endif
+#if HALF_STORAGE
+typedef half act_t;
+#define LOAD(p, i) vload_half((i), (p))
+#define STORE(p, i, v) vstore_half((v), (i), (p))  // rounds to nearest even; overflow -> inf
+#else
+typedef float act_t;
+#define LOAD(p, i) ((p)[i])
+#define STORE(p, i, v) ((p)[i] = (v))
+#endif
 
 // ---------------------------------------------------------------------------- autograd
 
@@ -24,12 +47,12 @@ __kernel void accumulate(const int n, const float alpha, __global float* dst,
 
 // ---------------------------------------------------------------------------- operations
 // --- elementwise, one input: out (n) = f(x, alpha). alpha is the op's scalar (a slope, a
-// constant operand), unused by most.
+// constant operand), unused by most. x and out are activations (act_t).
 #define UNARY(NAME, EXPR)                                                               \
 __kernel void NAME(const int n, const float alpha,                                      \
-                   __global const float* x_, __global float* out) {                     \
+                   __global const act_t* x_, __global act_t* out) {                     \
     const int i = get_global_id(0);                                                     \
-    if (i < n) { const float x = x_[i]; out[i] = (EXPR); }                              \
+    if (i < n) { const float x = LOAD(x_, i); STORE(out, i, (EXPR)); }                  \
 }
 
 UNARY(neg_fwd, -x)
@@ -46,12 +69,13 @@ UNARY(div_scalar, x / alpha)
 UNARY(rsub_scalar, alpha - x)
 UNARY(rdiv_scalar, alpha / x)
 
-// --- their gradients: out (n) = dL/dx from g = dL/dout and s, the saved input x or output y.
+// --- their gradients: out (n) = dL/dx from g = dL/dout and s, the saved input x or output y
+// (an activation, act_t); g and out are gradients (float).
 #define UNARY_GRAD(NAME, EXPR)                                                          \
 __kernel void NAME(const int n, const float alpha, __global const float* g_,            \
-                   __global const float* s_, __global float* out) {                     \
+                   __global const act_t* s_, __global float* out) {                     \
     const int i = get_global_id(0);                                                     \
-    if (i < n) { const float g = g_[i], s = s_[i]; out[i] = (EXPR); }                   \
+    if (i < n) { const float g = g_[i], s = LOAD(s_, i); out[i] = (EXPR); }             \
 }
 
 UNARY_GRAD(relu_bwd, s <= 0.0f ? 0.0f : g)                     // s = y: NaN passes g, as PyTorch
@@ -66,12 +90,16 @@ UNARY_GRAD(rdiv_bwd, -alpha * g / (s * s))                     // s = x, d(alpha
 
 // --- elementwise, two inputs: out (n) = f(a, b). An operand of fewer elements repeats along
 // the leading dimensions (a bias (cols) against x (rows, cols), or a scalar of size 1).
+// a, b and out are act_t (netcl.py widens a float16 operand met with a float32 one).
 #define BINARY(NAME, EXPR)                                                              \
 __kernel void NAME(const int n, const int a_size, const int b_size,                     \
-                   __global const float* a_, __global const float* b_,                  \
-                   __global float* out) {                                               \
+                   __global const act_t* a_, __global const act_t* b_,                  \
+                   __global act_t* out) {                                               \
     const int i = get_global_id(0);                                                     \
-    if (i < n) { const float a = a_[i % a_size], b = b_[i % b_size]; out[i] = (EXPR); } \
+    if (i < n) {                                                                        \
+        const float a = LOAD(a_, i % a_size), b = LOAD(b_, i % b_size);                 \
+        STORE(out, i, (EXPR));                                                          \
+    }                                                                                   \
 }
 
 BINARY(add_fwd, a + b)
@@ -79,18 +107,34 @@ BINARY(sub_fwd, a - b)
 BINARY(mul_fwd, a * b)
 BINARY(div_fwd, a / b)
 
-// d(a/b)/db = -g a / b^2, with g (n) full size and a, b possibly repeated.
+// d(a/b)/db = -g a / b^2, with g (n) full size and a, b (act_t) possibly repeated.
 __kernel void div_bwd_b(const int n, const int a_size, const int b_size, __global const float* g,
-                        __global const float* a, __global const float* b, __global float* out) {
+                        __global const act_t* a, __global const act_t* b, __global float* out) {
     const int i = get_global_id(0);
-    if (i < n) { const float bv = b[i % b_size]; out[i] = -g[i] * a[i % a_size] / (bv * bv); }
+    if (i < n) {
+        const float bv = LOAD(b, i % b_size);
+        out[i] = -g[i] * LOAD(a, i % a_size) / (bv * bv);
+    }
 }
 
-// x (rows, cols) -> out (cols, rows)
-__kernel void transpose2d(const int rows, const int cols, __global const float* x,
-                          __global float* out) {
+// x (rows, cols) -> out (cols, rows), both act_t
+__kernel void transpose2d(const int rows, const int cols, __global const act_t* x,
+                          __global act_t* out) {
     const int c = get_global_id(0), r = get_global_id(1);
-    if (r < rows && c < cols) out[c * rows + r] = x[r * cols + c];
+    if (r < rows && c < cols) STORE(out, c * rows + r, LOAD(x, r * cols + c));
+}
+
+// float16 storage <-> float32, for operands that must change storage: in the half build
+// cast_to_act rounds to half (nearest even, overflow to inf) and cast_from_act widens
+// exactly; in the float build both are copies. x, out (n).
+__kernel void cast_to_act(const int n, __global const float* x, __global act_t* out) {
+    const int i = get_global_id(0);
+    if (i < n) STORE(out, i, x[i]);
+}
+
+__kernel void cast_from_act(const int n, __global const act_t* x, __global float* out) {
+    const int i = get_global_id(0);
+    if (i < n) out[i] = LOAD(x, i);
 }
 
 // --- GEMM: C (M, N) = op(A) (M, K) @ op(B) (K, N) [+ bias (N)], op = identity or transpose.
@@ -98,6 +142,10 @@ __kernel void transpose2d(const int rows, const int cols, __global const float* 
 // materialised. A 16x16 work-group computes a TILE x TILE block of C, TILE = 16 * WPT, each
 // work-item a WPT x WPT block of it, staging 16-deep slices of op(A) and op(B) in local
 // memory. Out-of-range elements load as zero, so any M, N, K works.
+// Operand types are macro arguments too, float or act_t, and accumulation is float: gemm_nn and
+// gemm_nt read A and write C as act_t, B (the weight) float (under autocast, the forward
+// products); gemm_tn reads B as act_t, A and C float (linear's weight gradient g^T x, from the
+// x the forward kept). bias is float.
 // - Global loads are coalesced: consecutive work-items read consecutive addresses, along k
 //   (K_FAST) or along m/n, whichever is contiguous in the operand's layout.
 // - Each work-item owns rows {h*64 + ty*4 + 0..3} and columns {h*64 + tx*4 + 0..3} for
@@ -112,6 +160,11 @@ __kernel void transpose2d(const int rows, const int cols, __global const float* 
 // - Register prefetch: while the work-group multiplies the tile staged in local memory, each
 //   work-item already loads its share of the next tile from global memory into registers,
 //   so global-memory latency hides behind the arithmetic (+5% on the H200 at n=4096).
+#define LOAD_float(p, i) ((p)[i])
+#define LOAD_act_t(p, i) LOAD(p, i)
+#define STORE_float(p, i, v) ((p)[i] = (v))
+#define STORE_act_t(p, i, v) STORE(p, i, v)
+
 // Load l of a work-item stages element (am, ak) of the A tile and (bk, bn) of the B tile;
 // consecutive work-items take consecutive addresses of each operand's layout.
 #define TILE_COORDS(l, TILE, A_K_FAST, B_K_FAST)                                               \
@@ -120,18 +173,20 @@ __kernel void transpose2d(const int rows, const int cols, __global const float* 
     const int bn = B_K_FAST ? e / TILE_K : e % (TILE), bk = B_K_FAST ? e % TILE_K : e / (TILE);
 
 // Each work-item's share of the tiles starting at k = K0, into registers (zero past an edge).
-#define LOAD_TILES(K0, WPT, A_AT, A_K_FAST, B_AT, B_K_FAST)                                    \
+#define LOAD_TILES(K0, WPT, A_T, A_AT, A_K_FAST, B_T, B_AT, B_K_FAST)                          \
     for (int l = 0; l < WPT; ++l) {                                                            \
         TILE_COORDS(l, 16 * WPT, A_K_FAST, B_K_FAST)                                           \
-        a_next[l] = (row0 + am < M && (K0) + ak < k_end) ? A_AT(row0 + am, (K0) + ak) : 0.0f;  \
-        b_next[l] = (col0 + bn < N && (K0) + bk < k_end) ? B_AT((K0) + bk, col0 + bn) : 0.0f;  \
+        a_next[l] = (row0 + am < M && (K0) + ak < k_end)                                       \
+            ? LOAD_##A_T(A, A_AT(row0 + am, (K0) + ak)) : 0.0f;                                \
+        b_next[l] = (col0 + bn < N && (K0) + bk < k_end)                                       \
+            ? LOAD_##B_T(B, B_AT((K0) + bk, col0 + bn)) : 0.0f;                                \
     }
 
-#define GEMM(NAME, WPT, A_AT, A_K_FAST, B_AT, B_K_FAST)                                        \
+#define GEMM(NAME, WPT, A_T, A_AT, A_K_FAST, B_T, B_AT, B_K_FAST, C_T)                         \
 __kernel __attribute__((reqd_work_group_size(16, 16, 1)))                                      \
 void NAME(const int M, const int N, const int K, const int k_chunk, const int has_bias,        \
-          __global const float* A, __global const float* B, __global const float* bias,        \
-          __global float* C) {                                                                 \
+          __global const A_T* A, __global const B_T* B, __global const float* bias,            \
+          __global C_T* C) {                                                                   \
     const int TILE = 16 * WPT;                                                                 \
     /* split-K: work-group z multiplies k in [kz, k_end) into its own (M, N) slice */          \
     const int kz = get_group_id(2) * k_chunk, k_end = min(K, kz + k_chunk);                    \
@@ -142,7 +197,7 @@ void NAME(const int M, const int N, const int K, const int k_chunk, const int ha
     const int row0 = get_group_id(1) * TILE, col0 = get_group_id(0) * TILE;                    \
     float acc[WPT][WPT], a_next[WPT], b_next[WPT];                                             \
     for (int i = 0; i < WPT; ++i) for (int j = 0; j < WPT; ++j) acc[i][j] = 0.0f;              \
-    LOAD_TILES(kz, WPT, A_AT, A_K_FAST, B_AT, B_K_FAST)                                        \
+    LOAD_TILES(kz, WPT, A_T, A_AT, A_K_FAST, B_T, B_AT, B_K_FAST)                              \
     for (int k0 = kz; k0 < k_end; k0 += TILE_K) {                                              \
         for (int l = 0; l < WPT; ++l) {                                                        \
             TILE_COORDS(l, TILE, A_K_FAST, B_K_FAST)                                           \
@@ -150,7 +205,7 @@ void NAME(const int M, const int N, const int K, const int k_chunk, const int ha
             Bs[bk][bn] = b_next[l];                                                            \
         }                                                                                      \
         barrier(CLK_LOCAL_MEM_FENCE);                                                          \
-        LOAD_TILES(k0 + TILE_K, WPT, A_AT, A_K_FAST, B_AT, B_K_FAST)                           \
+        LOAD_TILES(k0 + TILE_K, WPT, A_T, A_AT, A_K_FAST, B_T, B_AT, B_K_FAST)                 \
         for (int k = 0; k < TILE_K; ++k) {                                                     \
             float a[WPT], b[WPT];                                                              \
             for (int h = 0; h < WPT / 4; ++h) {                                                \
@@ -168,51 +223,53 @@ void NAME(const int M, const int N, const int K, const int k_chunk, const int ha
         if (r >= M) continue;                                                                  \
         for (int j = 0; j < WPT; ++j) {                                                        \
             const int c = col0 + (j / 4) * 64 + tx * 4 + j % 4;                                \
-            if (c < N) C[r * N + c] = acc[i][j] + (has_bias ? bias[c] : 0.0f);                 \
+            if (c < N) STORE_##C_T(C, r * N + c, acc[i][j] + (has_bias ? bias[c] : 0.0f));     \
         }                                                                                      \
     }                                                                                          \
 }
 
-#define A_ROWMAJOR(m, k) A[(m) * K + (k)]   // A stored (M, K)
-#define A_COLMAJOR(m, k) A[(k) * M + (m)]   // A stored (K, M): op(A) = A^T
-#define B_ROWMAJOR(k, n) B[(k) * N + (n)]   // B stored (K, N)
-#define B_COLMAJOR(k, n) B[(n) * K + (k)]   // B stored (N, K): op(B) = B^T
-GEMM(gemm_nn, 4, A_ROWMAJOR, 1, B_ROWMAJOR, 0)
-GEMM(gemm_nt, 4, A_ROWMAJOR, 1, B_COLMAJOR, 1)
-GEMM(gemm_tn, 4, A_COLMAJOR, 0, B_ROWMAJOR, 0)
-GEMM(gemm_nn_big, 8, A_ROWMAJOR, 1, B_ROWMAJOR, 0)
-GEMM(gemm_nt_big, 8, A_ROWMAJOR, 1, B_COLMAJOR, 1)
-GEMM(gemm_tn_big, 8, A_COLMAJOR, 0, B_ROWMAJOR, 0)
+// Where op(A)[m][k] and op(B)[k][n] are in memory:
+#define A_ROWMAJOR(m, k) ((m) * K + (k))   // A stored (M, K)
+#define A_COLMAJOR(m, k) ((k) * M + (m))   // A stored (K, M): op(A) = A^T
+#define B_ROWMAJOR(k, n) ((k) * N + (n))   // B stored (K, N)
+#define B_COLMAJOR(k, n) ((n) * K + (k))   // B stored (N, K): op(B) = B^T
+GEMM(gemm_nn, 4, act_t, A_ROWMAJOR, 1, float, B_ROWMAJOR, 0, act_t)
+GEMM(gemm_nt, 4, act_t, A_ROWMAJOR, 1, float, B_COLMAJOR, 1, act_t)
+GEMM(gemm_tn, 4, float, A_COLMAJOR, 0, act_t, B_ROWMAJOR, 0, float)
+GEMM(gemm_nn_big, 8, act_t, A_ROWMAJOR, 1, float, B_ROWMAJOR, 0, act_t)
+GEMM(gemm_nt_big, 8, act_t, A_ROWMAJOR, 1, float, B_COLMAJOR, 1, act_t)
+GEMM(gemm_tn_big, 8, float, A_COLMAJOR, 0, act_t, B_ROWMAJOR, 0, float)
 
 // --- GEMM for CPU devices (PoCL). Local memory is slow there and wide vector loads are
 // fast, so both operands are first packed (transposing if asked, padding with zeros) into
 // layouts whose rows are aligned float8 runs: Ap (Mp, K) with Mp a multiple of 4, and
 // Bp (K, Np) with Np a multiple of 16. Each work-item then computes a 4x16 block of C with
-// eight float8 accumulators and no bounds checks in the loop over K.
+// eight float8 accumulators and no bounds checks in the loop over K. Packing reads either
+// operand as act_t and writes float, so the inner loop never sees half; C is act_t.
 
-// A stored (M, K), or (K, M) when transposed -> Ap (Mp, K), rows past M zero.
+// A (act_t) stored (M, K), or (K, M) when transposed -> Ap (Mp, K) float, rows past M zero.
 __kernel void pack_a(const int M, const int K, const int Mp, const int transposed,
-                     __global const float* A, __global float* Ap) {
+                     __global const act_t* A, __global float* Ap) {
     const int i = get_global_id(0);
     if (i >= Mp * K) return;
     const int m = i / K, k = i % K;
-    Ap[i] = m < M ? (transposed ? A[k * M + m] : A[m * K + k]) : 0.0f;
+    Ap[i] = m < M ? (transposed ? LOAD(A, k * M + m) : LOAD(A, m * K + k)) : 0.0f;
 }
 
-// B stored (K, N), or (N, K) when transposed -> Bp (K, Np), columns past N zero.
+// B (act_t) stored (K, N), or (N, K) when transposed -> Bp (K, Np) float, columns past N zero.
 __kernel void pack_b(const int K, const int N, const int Np, const int transposed,
-                     __global const float* B, __global float* Bp) {
+                     __global const act_t* B, __global float* Bp) {
     const int i = get_global_id(0);
     if (i >= K * Np) return;
     const int k = i / Np, n = i % Np;
-    Bp[i] = n < N ? (transposed ? B[n * K + k] : B[k * N + n]) : 0.0f;
+    Bp[i] = n < N ? (transposed ? LOAD(B, n * K + k) : LOAD(B, k * N + n)) : 0.0f;
 }
 
 // Ap (Mp, K) @ Bp (K, Np) -> C (M, N) [+ bias (N)]; work-item (j, i) owns rows 4i..4i+3,
 // columns 16j..16j+15. Products are written a*b+c: PoCL turns fma()/mad() into calls.
 __kernel void gemm_packed(const int M, const int N, const int K, const int Np, const int has_bias,
                           __global const float* Ap, __global const float* Bp,
-                          __global const float* bias, __global float* C) {
+                          __global const float* bias, __global act_t* C) {
     const int col = get_global_id(0) * 16, row = get_global_id(1) * 4;
     if (col >= Np || row >= M) return;
     __global const float* a = Ap + row * K;
@@ -236,7 +293,7 @@ __kernel void gemm_packed(const int M, const int N, const int K, const int Np, c
     vstore8(c30, 0, out[3]); vstore8(c31, 1, out[3]);
     for (int r = 0; r < 4 && row + r < M; ++r)
         for (int c = 0; c < 16 && col + c < N; ++c)
-            C[(row + r) * N + col + c] = out[r][c] + (has_bias ? bias[col + c] : 0.0f);
+            STORE(C, (row + r) * N + col + c, out[r][c] + (has_bias ? bias[col + c] : 0.0f));
 }
 
 // --- convolution and pooling on NCHW images. Every kernel takes the window geometry in this
@@ -255,20 +312,20 @@ __kernel void gemm_packed(const int M, const int N, const int K, const int Np, c
 // the window of that output pixel, row (c, r, s) one of its taps; zero over padding. A 2-D
 // launch over (output pixel, channel): each work-item copies its R*S taps, so the index
 // arithmetic (integer division is slow on CPUs) is shared by R*S values, and neighbouring
-// work-items still write neighbouring addresses.
+// work-items still write neighbouring addresses. x is act_t, cols float (a scratch buffer).
 __kernel void im2col(const int n0, const int nb, const int C, WINDOW_ARGS,
-                     __global const float* x, __global float* cols) {
+                     __global const act_t* x, __global float* cols) {
     const int p = get_global_id(0), c = get_global_id(1), P = nb * OH * OW;
     if (p >= P) return;
     const int q = p / OW, ow = p - q * OW, n = q / OH, oh = q - n * OH;
-    __global const float* plane = x + ((n0 + n) * C + c) * H * W;
+    __global const act_t* plane = x + ((n0 + n) * C + c) * H * W;
     __global float* column = cols + c * R * S * P + p;
     for (int r = 0; r < R; ++r) {
         const int h = oh * SH - PH + r;
         for (int s = 0; s < S; ++s) {
             const int w = ow * SW - PW + s;
             const int inside = h >= 0 && h < H && w >= 0 && w < W;
-            column[(r * S + s) * P] = inside ? plane[h * W + w] : 0.0f;
+            column[(r * S + s) * P] = inside ? LOAD(plane, h * W + w) : 0.0f;
         }
     }
 }
@@ -297,24 +354,26 @@ __kernel void col2im(const int n0, const int nb, const int C, WINDOW_ARGS,
 }
 
 // x (A, B, L) from element x_offset -> out (B, A, L) from element out_offset, + bias (A) when
-// has_bias: conv2d's GEMM output (K, N, OH*OW) into NCHW, and its gradient back.
+// has_bias: conv2d's GEMM output (K, N, OH*OW) into NCHW (out act_t: conv2d's output), and its
+// gradient back (float build).
 __kernel void swap_axes01(const int A, const int B, const int L, const int x_offset,
                           const int out_offset, const int has_bias, __global const float* x,
-                          __global const float* bias, __global float* out) {
+                          __global const float* bias, __global act_t* out) {
     const int i = get_global_id(0);
     if (i >= A * B * L) return;
     const int q = i / L, l = i - q * L, b = q / A, a = q - b * A;
-    out[out_offset + i] = x[x_offset + (a * B + b) * L + l] + (has_bias ? bias[a] : 0.0f);
+    STORE(out, out_offset + i, x[x_offset + (a * B + b) * L + l] + (has_bias ? bias[a] : 0.0f));
 }
 
 // x (planes, H, W) -> out, argmax (planes, OH, OW): the window's maximum over its real pixels
 // (padding is -inf) and the index h * W + w of the first one, as PyTorch; NaN wins, the first.
-__kernel void max_pool2d_fwd(const int planes, WINDOW_ARGS, __global const float* x,
-                             __global float* out, __global int* argmax) {
+// x and out are act_t.
+__kernel void max_pool2d_fwd(const int planes, WINDOW_ARGS, __global const act_t* x,
+                             __global act_t* out, __global int* argmax) {
     const int i = get_global_id(0);
     if (i >= planes * OH * OW) return;
     const int ow = i % OW, oh = (i / OW) % OH;
-    __global const float* plane = x + (i / (OH * OW)) * H * W;
+    __global const act_t* plane = x + (i / (OH * OW)) * H * W;
     const int h0 = oh * SH - PH, w0 = ow * SW - PW;
     const int h_start = h0 > 0 ? h0 : 0, h_end = h0 + R < H ? h0 + R : H;
     const int w_start = w0 > 0 ? w0 : 0, w_end = w0 + S < W ? w0 + S : W;
@@ -322,11 +381,11 @@ __kernel void max_pool2d_fwd(const int planes, WINDOW_ARGS, __global const float
     int best_at = h_start * W + w_start;
     for (int h = h_start; h < h_end; ++h) {
         for (int w = w_start; w < w_end; ++w) {
-            const float v = plane[h * W + w];
+            const float v = LOAD(plane, h * W + w);
             if (v > best || (isnan(v) && !isnan(best))) { best = v; best_at = h * W + w; }
         }
     }
-    out[i] = best;
+    STORE(out, i, best);
     argmax[i] = best_at;
 }
 
@@ -348,19 +407,20 @@ __kernel void max_pool2d_bwd(const int planes, WINDOW_ARGS, __global const float
 }
 
 // x (planes, H, W) -> out (planes, OH, OW): the window's sum / (R*S), padded zeros counted.
-__kernel void avg_pool2d_fwd(const int planes, WINDOW_ARGS, __global const float* x,
-                             __global float* out) {
+// x and out are act_t.
+__kernel void avg_pool2d_fwd(const int planes, WINDOW_ARGS, __global const act_t* x,
+                             __global act_t* out) {
     const int i = get_global_id(0);
     if (i >= planes * OH * OW) return;
     const int ow = i % OW, oh = (i / OW) % OH;
-    __global const float* plane = x + (i / (OH * OW)) * H * W;
+    __global const act_t* plane = x + (i / (OH * OW)) * H * W;
     const int h0 = oh * SH - PH, w0 = ow * SW - PW;
     const int h_start = h0 > 0 ? h0 : 0, h_end = h0 + R < H ? h0 + R : H;
     const int w_start = w0 > 0 ? w0 : 0, w_end = w0 + S < W ? w0 + S : W;
     float acc = 0.0f;
     for (int h = h_start; h < h_end; ++h)
-        for (int w = w_start; w < w_end; ++w) acc += plane[h * W + w];
-    out[i] = acc / (float)(R * S);
+        for (int w = w_start; w < w_end; ++w) acc += LOAD(plane, h * W + w);
+    STORE(out, i, acc / (float)(R * S));
 }
 
 // g (planes, OH, OW) -> dx (planes, H, W): each pixel sums g / (R*S) over its windows.
@@ -378,15 +438,16 @@ __kernel void avg_pool2d_bwd(const int planes, WINDOW_ARGS, __global const float
 }
 
 // --- reductions. A reduction over one axis sees x as (outer, R, inner) and reduces R.
+// Reductions, softmax and cross-entropy read activations (act_t) and write float.
 // x (outer, R, inner) -> out (outer, inner) = scale * sum over R
 __kernel void sum_axis(const int outer, const int R, const int inner, const float scale,
-                       __global const float* x, __global float* out) {
+                       __global const act_t* x, __global float* out) {
     const int i = get_global_id(0);
     if (i >= outer * inner) return;
     const int o = i / inner, in = i % inner;
-    __global const float* row = x + o * R * inner + in;
+    __global const act_t* row = x + o * R * inner + in;
     float acc = 0.0f;
-    for (int r = 0; r < R; ++r) acc += row[r * inner];
+    for (int r = 0; r < R; ++r) acc += LOAD(row, r * inner);
     out[i] = scale * acc;
 }
 
@@ -402,11 +463,11 @@ __kernel void expand_axis(const int outer, const int R, const int inner, const f
 // x (n) -> out (groups) = scale * partial sums, one per 256-wide work-group; run once more
 // on the partials when there is more than one group. A tree in local memory per group.
 __kernel __attribute__((reqd_work_group_size(256, 1, 1)))
-void sum_all(const int n, const float scale, __global const float* x, __global float* out) {
+void sum_all(const int n, const float scale, __global const act_t* x, __global float* out) {
     __local float partial[256];
     const int lid = get_local_id(0);
     float acc = 0.0f;
-    for (int i = get_global_id(0); i < n; i += get_global_size(0)) acc += x[i];
+    for (int i = get_global_id(0); i < n; i += get_global_size(0)) acc += LOAD(x, i);
     partial[lid] = acc;
     barrier(CLK_LOCAL_MEM_FENCE);
     for (int stride = 128; stride > 0; stride >>= 1) {
@@ -418,17 +479,17 @@ void sum_all(const int n, const float scale, __global const float* x, __global f
 
 // --- softmax along an axis: x (outer, R, inner) -> y, softmax or (log_mode) log-softmax.
 __kernel void softmax_axis(const int outer, const int R, const int inner, const int log_mode,
-                           __global const float* x, __global float* y) {
+                           __global const act_t* x, __global float* y) {
     const int i = get_global_id(0);
     if (i >= outer * inner) return;
     const int base = (i / inner) * R * inner + i % inner;
     float m = -INFINITY;
-    for (int r = 0; r < R; ++r) m = fmax(m, x[base + r * inner]);
+    for (int r = 0; r < R; ++r) m = fmax(m, LOAD(x, base + r * inner));
     float total = 0.0f;
-    for (int r = 0; r < R; ++r) total += exp(x[base + r * inner] - m);
+    for (int r = 0; r < R; ++r) total += exp(LOAD(x, base + r * inner) - m);
     const float log_total = log(total);
     for (int r = 0; r < R; ++r) {
-        const float shifted = x[base + r * inner] - m;
+        const float shifted = LOAD(x, base + r * inner) - m;
         y[base + r * inner] = log_mode ? shifted - log_total : exp(shifted) / total;
     }
 }
@@ -453,54 +514,54 @@ __kernel void softmax_axis_bwd(const int outer, const int R, const int inner, co
 
 // --- cross-entropy, fused with log-softmax. One work-item per row.
 // logits (N, C), target (N) class indices -> loss (N) = logsumexp(x) - x[target]
-__kernel void cross_entropy_index(const int N, const int C, __global const float* x,
+__kernel void cross_entropy_index(const int N, const int C, __global const act_t* x,
                                   __global const int* target, __global float* loss) {
     const int r = get_global_id(0);
     if (r >= N) return;
-    __global const float* row = x + r * C;
+    __global const act_t* row = x + r * C;
     float m = -INFINITY;
-    for (int c = 0; c < C; ++c) m = fmax(m, row[c]);
+    for (int c = 0; c < C; ++c) m = fmax(m, LOAD(row, c));
     float total = 0.0f;
-    for (int c = 0; c < C; ++c) total += exp(row[c] - m);
-    loss[r] = m + log(total) - row[target[r]];
+    for (int c = 0; c < C; ++c) total += exp(LOAD(row, c) - m);
+    loss[r] = m + log(total) - LOAD(row, target[r]);
 }
 
 // logits (N, C), target (N, C) probabilities -> loss (N) = sum_c t_c (logsumexp(x) - x_c)
-__kernel void cross_entropy_soft(const int N, const int C, __global const float* x,
+__kernel void cross_entropy_soft(const int N, const int C, __global const act_t* x,
                                  __global const float* target, __global float* loss) {
     const int r = get_global_id(0);
     if (r >= N) return;
-    __global const float* row = x + r * C;
+    __global const act_t* row = x + r * C;
     __global const float* t = target + r * C;
     float m = -INFINITY;
-    for (int c = 0; c < C; ++c) m = fmax(m, row[c]);
+    for (int c = 0; c < C; ++c) m = fmax(m, LOAD(row, c));
     float total = 0.0f;
-    for (int c = 0; c < C; ++c) total += exp(row[c] - m);
+    for (int c = 0; c < C; ++c) total += exp(LOAD(row, c) - m);
     const float lse = m + log(total);
     float acc = 0.0f;
-    for (int c = 0; c < C; ++c) acc += t[c] * (lse - row[c]);
+    for (int c = 0; c < C; ++c) acc += t[c] * (lse - LOAD(row, c));
     loss[r] = acc;
 }
 
 // dx (N, C) = g_r (softmax(x) sum_c t_c - t), g_r = scale * g[r * g_stride]: g_stride is 0
 // when the loss was reduced to a scalar, 1 for reduction="none". Index targets are one-hot.
 __kernel void cross_entropy_bwd(const int N, const int C, const int g_stride, const float scale,
-                                const int soft, __global const float* g, __global const float* x,
+                                const int soft, __global const float* g, __global const act_t* x,
                                 __global const int* index, __global const float* target,
                                 __global float* out) {
     const int r = get_global_id(0);
     if (r >= N) return;
-    __global const float* row = x + r * C;
+    __global const act_t* row = x + r * C;
     float m = -INFINITY;
-    for (int c = 0; c < C; ++c) m = fmax(m, row[c]);
+    for (int c = 0; c < C; ++c) m = fmax(m, LOAD(row, c));
     float total = 0.0f;
-    for (int c = 0; c < C; ++c) total += exp(row[c] - m);
+    for (int c = 0; c < C; ++c) total += exp(LOAD(row, c) - m);
     float mass = 1.0f;
     if (soft) { mass = 0.0f; for (int c = 0; c < C; ++c) mass += target[r * C + c]; }
     const float g_r = scale * g[r * g_stride];
     for (int c = 0; c < C; ++c) {
         const float t = soft ? target[r * C + c] : (c == index[r] ? 1.0f : 0.0f);
-        out[r * C + c] = g_r * (exp(row[c] - m) / total * mass - t);
+        out[r * C + c] = g_r * (exp(LOAD(row, c) - m) / total * mass - t);
     }
 }
 
@@ -511,24 +572,27 @@ uint fmix32(uint h) {  // MurmurHash3's finaliser: a cheap, well-mixed 32-bit ha
     return h;
 }
 
-// out (n) = x * scale where uniform(seed, i) >= p, else 0. Forward and backward alike.
+// out (n) = x * scale where uniform(seed, i) >= p, else 0. Forward (act_t) and backward
+// (float build) alike.
 __kernel void dropout_mask(const int n, const uint seed, const float p, const float scale,
-                           __global const float* x, __global float* out) {
+                           __global const act_t* x, __global act_t* out) {
     const int i = get_global_id(0);
     if (i >= n) return;
     const float u = (float)(fmix32((uint)i * 0x9E3779B1u + fmix32(seed)) >> 8) * (1.0f / 16777216.0f);
-    out[i] = u >= p ? x[i] * scale : 0.0f;
+    STORE(out, i, u >= p ? LOAD(x, i) * scale : 0.0f);
 }
 
 // ---------------------------------------------------------------------------- optimizers
 
 // SGD as torch/optim/sgd.py (dampening 0): d = g + wd p; buf = first ? d : momentum buf + d;
-// d = nesterov ? d + momentum buf : buf; p -= lr d. p, g, buf (n).
+// d = nesterov ? d + momentum buf : buf; p -= lr d. p, g, buf (n). With has_found_inf, a
+// nonzero found_inf (1) (an AMPGradScaler's) makes the step a no-op.
 __kernel void sgd_step(const int n, const float lr, const float momentum, const float weight_decay,
-                       const int nesterov, const int first_step, __global float* p,
+                       const int nesterov, const int first_step, const int has_found_inf,
+                       __global const int* found_inf, __global float* p,
                        __global const float* g, __global float* buf) {
     const int i = get_global_id(0);
-    if (i >= n) return;
+    if (i >= n || (has_found_inf && found_inf[0])) return;
     float d = g[i] + weight_decay * p[i];
     if (momentum != 0.0f) {
         const float b = first_step ? d : momentum * buf[i] + d;
@@ -621,20 +685,21 @@ __kernel void scale_by_device_scalar(const int n, __global const float* scale, _
 //
 // adam_prepare: with num_partials > 0 (step(max_norm=...)), the 2-norm of the gradients from
 // their partials gives grad_scale = min(max_norm / (norm + 1e-6), 1), and a non-finite norm
-// sets skip; without, grad_scale = 1. step (1) counts the applied steps t: it advances only
-// when the step is not skipped. 1 - beta^t = -expm1(t ln beta), accurate in float32.
+// sets skip; without, grad_scale = 1. With has_found_inf, a nonzero found_inf (1) (an
+// AMPGradScaler's inf check) sets skip too. step (1) counts the applied steps t: it advances
+// only when the step is not skipped. 1 - beta^t = -expm1(t ln beta), accurate in float32.
 __kernel __attribute__((reqd_work_group_size(256, 1, 1)))
 void adam_prepare(const int num_partials, const float max_norm, const float log_beta1,
-                  const float log_beta2, __global const float* partials, __global int* step,
-                  __global float* scalars) {
+                  const float log_beta2, const int has_found_inf, __global const float* partials,
+                  __global const int* found_inf, __global int* step, __global float* scalars) {
     __local float scratch[256];
     float grad_scale = 1.0f;
-    int skip = 0;
+    int skip = has_found_inf && found_inf[0];
     if (num_partials > 0) {
         const float norm = total_norm(num_partials, 2.0f, partials, scratch);
         const float coef = max_norm / (norm + 1e-6f);
         grad_scale = coef > 1.0f ? 1.0f : coef;
-        skip = !isfinite(norm);
+        skip = skip || !isfinite(norm);
     }
     if (get_local_id(0) != 0) return;
     const int t = step[0] + (skip ? 0 : 1);
@@ -664,4 +729,68 @@ __kernel void adam_step(const int n, const float lr, const float one_minus_beta1
     const float step_size = lr / scalars[2];
     const float denom = sqrt(exp_avg_sq) / scalars[3] + eps;
     p[i] = p[i] * decay - step_size * (exp_avg / denom);
+}
+
+// ---------------------------------------------------------------------------- mixed precision
+// AMPGradScaler's device state: scale (1) float, growth_tracker (1) int, and found_inf flags
+// (1) int, one per optimizer plus found_inf_any for the scaler. The host never reads them
+// during training: the optimizer kernels read found_inf to skip, amp_update_scale reads
+// found_inf_any to back off or grow.
+
+#ifdef cl_khr_fp64
+#pragma OPENCL EXTENSION cl_khr_fp64 : enable
+#endif
+
+// 1 / x rounded as PyTorch's `scale.double().reciprocal().float()`: OpenCL's float division
+// may be off by ulps, a double division is exact before its one rounding to float.
+float reciprocal_as_pytorch(const float x) {
+#ifdef cl_khr_fp64
+    return (float)(1.0 / (double)x);
+#else
+    return 1.0f / x;
+#endif
+}
+
+// aten's _amp_foreach_non_finite_check_and_unscale_ on g (n): g *= 1 / scale[0] in place, and
+// any inf or NaN sets found_inf and found_inf_any (zeroed beforehand by the host's queue).
+// The check tests each value, not a sum of squares, which could overflow from finite values.
+// Work-items stride over g; one that saw a non-finite value sets the flags with atomic_or
+// (several may: the result is the same).
+__kernel void amp_unscale(const int n, __global const float* scale, __global float* g,
+                          __global int* found_inf, __global int* found_inf_any) {
+    const float inv_scale = reciprocal_as_pytorch(scale[0]);
+    int found = 0;
+    for (int i = get_global_id(0); i < n; i += get_global_size(0)) {
+        const float v = g[i];
+        found |= !isfinite(v);
+        g[i] = v * inv_scale;
+    }
+    if (found) {
+        atomic_or(found_inf, 1);
+        atomic_or(found_inf_any, 1);
+    }
+}
+
+// aten's _amp_update_scale_, on one work-item: after a step with an inf/NaN gradient
+// scale *= backoff_factor and the tracker restarts; after growth_interval clean steps in a
+// row scale *= growth_factor (kept only if finite) and the tracker restarts. found_inf_any is
+// then zeroed for the next step.
+__kernel void amp_update_scale(const float growth_factor, const float backoff_factor,
+                               const int growth_interval, __global int* found_inf_any,
+                               __global float* scale, __global int* growth_tracker) {
+    if (get_global_id(0) != 0) return;
+    if (found_inf_any[0]) {
+        scale[0] = scale[0] * backoff_factor;
+        growth_tracker[0] = 0;
+    } else {
+        const int successful = growth_tracker[0] + 1;
+        if (successful == growth_interval) {
+            const float grown = scale[0] * growth_factor;
+            if (isfinite(grown)) scale[0] = grown;
+            growth_tracker[0] = 0;
+        } else {
+            growth_tracker[0] = successful;
+        }
+    }
+    found_inf_any[0] = 0;
 }

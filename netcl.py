@@ -6,7 +6,7 @@ from PyTorch. This file is the whole library; `kernels.cl` beside it holds every
 sections that mirror the ones below. Read it top to bottom:
 
     device & kernels -> BufferPool -> Tensor -> autograd (Node, Tape) -> operations
-    -> nn modules -> optimizers -> the import aliases (netcl.nn, netcl.optim, ...)
+    -> nn modules -> optimizers -> mixed precision -> the import aliases (netcl.nn, ...)
 
 A training step:
 
@@ -61,9 +61,9 @@ _INSTALL_HINT = ("install an OpenCL driver for your GPU, or PoCL for a CPU OpenC
 
 # ============================================================================ device & kernels
 # A Device is one backend instance: the NumPy backend ("cpu"), or one OpenCL device with one
-# context, one in-order queue, one compiled program and one BufferPool. The in-order queue is
-# what makes buffer reuse safe: a buffer released by the host may still be read by a queued
-# kernel, but any kernel that later writes it is queued behind that read.
+# context, one in-order queue, one compiled program (two: see launch) and one BufferPool. The
+# in-order queue is what makes buffer reuse safe: a buffer released by the host may still be
+# read by a queued kernel, but any kernel that later writes it is queued behind that read.
 
 class _CpuQueue:
     """The NumPy backend's stand-in for a command queue: work runs at once, so finish() is free."""
@@ -88,7 +88,8 @@ class Device:
         self.name = name
         self.launches = 0
         self.syncs = 0
-        self._kernels = {}
+        self._kernels = {}          # kernels.cl built for float32 activations
+        self._half_kernels = None   # built for float16 storage, on the first call that needs it
         if backend == "cpu":
             self.queue = _CpuQueue(self)
             self.context = None
@@ -103,7 +104,7 @@ class Device:
             # where local memory is slow and wide vector loads are fast (PERF-NOTES).
             self.gemm = "packed" if cl_device.type & cl.device_type.CPU else "tiled"
             self.compute_units = cl_device.max_compute_units
-            self._build_program()
+            self._kernels = self._build_program(half=False)
 
     def __repr__(self):
         return f"Device({self.backend!r}, {self.name!r})"
@@ -130,28 +131,42 @@ class Device:
     # --- kernels: one program per context, one pyopencl.Kernel object per kernel name.
     # Fetching `program.name` creates a new Kernel object each time (~100 µs on a GPU), so
     # every kernel is created once here, with its scalar argument types preset.
-    def _build_program(self):
+    # kernels.cl is built twice from the same source: HALF_STORAGE=0 for float32 activations,
+    # HALF_STORAGE=1 for float16 storage (autocast), where the buffers a kernel marks act_t
+    # hold halfs. The same names, the same arguments; launch(..., half=True) picks the second.
+    def _build_program(self, half):
+        """kernels.cl built for float32 (half=False) or float16-storage activations, as
+        {kernel name: pyopencl.Kernel}."""
         source = _kernel_source()
-        options = ["-cl-mad-enable", "-cl-kernel-arg-info"]  # never fast-relaxed: keep NaN/Inf
+        options = ["-cl-mad-enable", "-cl-kernel-arg-info",  # never fast-relaxed: keep NaN/Inf
+                   f"-DHALF_STORAGE={int(half)}"]
         started = time.perf_counter()
         program = cl.Program(self.context, source)
         try:
             program.build(options=options)
         except cl.Error as error:
             log = program.get_build_info(self.cl_device, cl.program_build_info.LOG)
-            raise RuntimeError(f"building kernels.cl for {self.name} failed:\n{log or error}") from None
+            raise RuntimeError(f"building kernels.cl (HALF_STORAGE={int(half)}) for {self.name} "
+                               f"failed:\n{log or error}") from None
+        kernels = {}
         for kernel in program.all_kernels():
             kernel.set_scalar_arg_dtypes([_CL_SCALARS.get(kernel.get_arg_info(
                 i, cl.kernel_arg_info.TYPE_NAME)) for i in range(kernel.num_args)])
-            self._kernels[kernel.function_name] = kernel
+            kernels[kernel.function_name] = kernel
         if DEBUG:
-            print(f"netcl: built {len(self._kernels)} kernels for {self.name} "
-                  f"in {time.perf_counter() - started:.2f} s", file=sys.stderr)
+            print(f"netcl: built {len(kernels)} kernels ({'float16' if half else 'float32'} "
+                  f"activations) for {self.name} in {time.perf_counter() - started:.2f} s",
+                  file=sys.stderr)
+        return kernels
 
-    def launch(self, name, global_size, local_size, *args):
-        """Enqueue kernel `name`; global sizes are rounded up to multiples of the local size."""
+    def launch(self, name, global_size, local_size, *args, half=False):
+        """Enqueue kernel `name`; global sizes are rounded up to multiples of the local size.
+        half=True runs the float16-storage build: the buffers the kernel marks act_t are halfs."""
         global_size = tuple(-(-g // l) * l for g, l in zip(global_size, local_size))
-        self._kernels[name](self.queue, global_size, local_size, *args)
+        if half and self._half_kernels is None:
+            self._half_kernels = self._build_program(half=True)
+        kernels = self._half_kernels if half else self._kernels
+        kernels[name](self.queue, global_size, local_size, *args)
         self.launches += 1
         if DEBUG >= 2:  # a deliberate sync per launch, to time each kernel
             started = time.perf_counter()
@@ -590,7 +605,8 @@ class Tape:
         """Accumulate d(loss)/d(leaf) into every leaf's `.grad`, then free the graph.
 
         `grad` (a Tensor, Node or array shaped like loss) seeds the backward pass; without it
-        the loss must have one element and the seed is 1.
+        the loss must have one element and the seed is 1. Gradients are float32 even where
+        values are float16 storage (autocast).
         """
         if not isinstance(loss, Node):
             raise TypeError(f"backward: loss must be a Node, got {type(loss).__name__}")
@@ -603,9 +619,13 @@ class Tape:
                                    f"element, got shape {loss.shape}")
             grad = _fill(loss.shape, 1.0, loss.value)
         else:
-            grad = _as_tensor(grad, loss.value)
+            grad = _float32(_as_tensor(grad, loss.value))
             if grad.shape != loss.shape:
                 raise ValueError(f"backward: grad shape {grad.shape} != loss shape {loss.shape}")
+        if loss._backward is not None and not any(node is loss for node in self._nodes):
+            # A head recorded on no tape: AMPGradScaler.scale(loss) called after the `with`
+            # block closed. Its backward runs first, then the tape's, and it is freed with them.
+            self._nodes.append(loss)
         grads = {id(loss): grad}
         try:
             if loss._backward is None:  # the loss is itself a leaf
@@ -689,6 +709,7 @@ def _add_into(dst, src, alpha=1.0):
 # Ops accept Nodes, Tensors, arrays and Python scalars; arrays join the other operand's device.
 
 _generator = [np.random.default_rng()]
+_autocast_enabled = [False]  # a stack: the mixed-precision section's autocast pushes onto it
 
 
 def manual_seed(seed):
@@ -759,7 +780,8 @@ def _like(x, shape=None, dtype=None):
 
 
 def _fill(shape, value, like):
-    out = _like(like, shape)
+    """A tensor of `value` on like's device, in like's compute dtype (see _compute_dtype)."""
+    out = _like(like, shape, _compute_dtype(like.dtype))
     if like.device.backend == "cpu":
         out.data.fill(value)
     elif out.size:
@@ -778,6 +800,49 @@ def _copy(x, out=None):
 
 def _grid(n):
     return (n,), (256,)
+
+
+# --- float16 storage ----------------------------------------------------------------------
+# float16 is a storage type only: kernels load it, compute in float32 and store the result
+# rounded back (kernels.cl: act_t). The rules, on both backends:
+# - matmul, linear and conv2d write float16 inside autocast on OpenCL (_half_activations);
+# - elementwise ops, pooling and transpose keep their input's storage: float16 in, float16 out;
+# - an op whose operands mix float16 and float32 widens the float16 one and computes in float32;
+# - reductions, softmax and losses read float16 and return float32, and every gradient is
+#   float32 (_compute_dtype).
+
+def _half_activations(device):
+    """Whether matmul, linear and conv2d write float16 storage: inside autocast, on OpenCL
+    (on the NumPy backend autocast does nothing)."""
+    return _autocast_enabled[-1] and device.backend == "opencl"
+
+
+def _compute_dtype(dtype):
+    """The dtype results are computed and gradients kept in: float32 for float16 storage."""
+    return np.dtype(np.float32) if dtype == np.float16 else np.dtype(dtype)
+
+
+def _cast(x, dtype):
+    """A copy of x in float16 storage or float32 (rounding to nearest even, as NumPy)."""
+    out = _like(x, dtype=dtype)
+    if x.device.backend == "cpu":
+        out.data[...] = x.data
+    elif x.size:  # the half build's casts; act_t is half there
+        kernel = "cast_to_act" if out.dtype == np.float16 else "cast_from_act"
+        x.device.launch(kernel, *_grid(x.size), x.size, x.data, out.data, half=True)
+    return out
+
+
+def _float32(x):
+    """x itself, or a float32 copy if it is float16 storage."""
+    return _cast(x, np.float32) if x.dtype == np.float16 else x
+
+
+def _to_float32(x):
+    """The Node x widened to float32 when it is float16 storage (its gradient passes through)."""
+    if x.dtype != np.float16:
+        return x
+    return _record(_cast(x.value, np.float32), (x,), lambda g: (g,))
 
 
 # --- elementwise, one input ---------------------------------------------------------------
@@ -822,7 +887,8 @@ def _unary_tensor(name, x, alpha=0.0):
             out.data[...] = forward(x.data, alpha)
     elif x.size:
         kernel = f"{name}_fwd" if name in _UNARY else name
-        x.device.launch(kernel, *_grid(x.size), x.size, alpha, x.data, out.data)
+        x.device.launch(kernel, *_grid(x.size), x.size, alpha, x.data, out.data,
+                        half=x.dtype == np.float16)
     return out
 
 
@@ -831,8 +897,9 @@ def _unary_grad_tensor(name, g, s, alpha=0.0):
     if g.device.backend == "cpu":
         with np.errstate(all="ignore"):
             out.data[...] = _UNARY[name][1](g.data, s.data, alpha)
-    elif g.size:
-        g.device.launch(f"{name}_bwd", *_grid(g.size), g.size, alpha, g.data, s.data, out.data)
+    elif g.size:  # g and out are float32 gradients, s the saved value in its own storage
+        g.device.launch(f"{name}_bwd", *_grid(g.size), g.size, alpha, g.data, s.data, out.data,
+                        half=s.dtype == np.float16)
     return out
 
 
@@ -911,13 +978,15 @@ def _broadcast_shape(op, a_shape, b_shape):
 
 
 def _binary_tensor(name, a, b, shape):
+    if a.dtype != b.dtype:  # float16 against float32 (a gradient, a weight): compute in float32
+        a, b = _float32(a), _float32(b)
     out = _like(a, shape, np.result_type(a.dtype, b.dtype))
     if a.device.backend == "cpu":
         with np.errstate(all="ignore"):
             _BINARY[name](a.data, b.data, out=out.data)
     elif out.size:
         out.device.launch(f"{name}_fwd", *_grid(out.size), out.size, a.size, b.size,
-                          a.data, b.data, out.data)
+                          a.data, b.data, out.data, half=out.dtype == np.float16)
     return out
 
 
@@ -992,44 +1061,65 @@ def div(a, b):
     shape = _broadcast_shape("div", a.shape, b.shape)
 
     def backward(g):
-        grad_a = _binary_tensor("div", g, b.value, shape)
+        A, B = (a.value, b.value) if a.dtype == b.dtype else (_float32(a.value), _float32(b.value))
+        grad_a = _binary_tensor("div", g, B, shape)
         grad_b = _like(g)
         if g.device.backend == "cpu":
             with np.errstate(all="ignore"):
-                grad_b.data[...] = -g.data * a.value.data / (b.value.data * b.value.data)
+                grad_b.data[...] = -g.data * A.data / (B.data * B.data)
         elif g.size:
-            g.device.launch("div_bwd_b", *_grid(g.size), g.size, a.value.size, b.value.size,
-                            g.data, a.value.data, b.value.data, grad_b.data)
+            g.device.launch("div_bwd_b", *_grid(g.size), g.size, A.size, B.size, g.data, A.data,
+                            B.data, grad_b.data, half=A.dtype == np.float16)
         return _unbroadcast(grad_a, a.shape), _unbroadcast(grad_b, b.shape)
     return _record(_binary_tensor("div", a.value, b.value, shape), (a, b), backward)
 
 
 # --- matrix products -------------------------------------------------------------------------
 
-def _gemm(a, b, trans_a=False, trans_b=False, bias=None, out=None):
+def _gemm(a, b, trans_a=False, trans_b=False, bias=None, half=False, out=None):
     """C (M, N) = op(a) @ op(b) [+ bias (N)]; op transposes when asked, without a copy.
-    `out`, if given, is the (M, N) tensor to write."""
+
+    half=True (autocast, OpenCL only): C is written in float16 storage from a read as float16
+    (a float32 a, the network's input say, is rounded to it first), accumulating in float32.
+    Otherwise C is float32. An operand in float16 storage (a value the forward kept) is read
+    as such where the kernel takes it, and widened to float32 first where it does not.
+    `out`, if given, is the (M, N) tensor to write.
+    """
     M, K = (a.shape[1], a.shape[0]) if trans_a else a.shape
     N = b.shape[0] if trans_b else b.shape[1]
-    out = _like(a, (M, N), np.result_type(a.dtype, b.dtype)) if out is None else out
+    if half and a.dtype != np.float16:
+        a = _cast(a, np.float16)
+    if out is None:
+        out = _like(a, (M, N), np.float16 if half else
+                    _compute_dtype(np.result_type(a.dtype, b.dtype)))
     if a.device.backend == "cpu":
         np.matmul(a.data.T if trans_a else a.data, b.data.T if trans_b else b.data, out=out.data)
         if bias is not None:
             out.data += bias.data
     elif M and N and a.device.gemm == "packed":
         # CPU devices: pack op(a) to (Mp, K) and op(b) to (K, Np) unless already in shape.
+        # Packing reads float16 storage and writes float32, so it takes any operand's storage
+        # and the inner loop reads float only.
         Mp, Np = -(-M // 4) * 4, -(-N // 16) * 16
         A, B = a, b
-        if trans_a or Mp != M:
-            A = _like(a, (Mp, K))
-            a.device.launch("pack_a", *_grid(Mp * K), M, K, Mp, int(trans_a), a.data, A.data)
-        if trans_b or Np != N:
-            B = _like(b, (K, Np))
-            b.device.launch("pack_b", *_grid(K * Np), K, N, Np, int(trans_b), b.data, B.data)
+        if trans_a or Mp != M or a.dtype == np.float16:
+            A = _like(a, (Mp, K), np.float32)
+            a.device.launch("pack_a", *_grid(Mp * K), M, K, Mp, int(trans_a), a.data, A.data,
+                            half=a.dtype == np.float16)
+        if trans_b or Np != N or b.dtype == np.float16:
+            B = _like(b, (K, Np), np.float32)
+            b.device.launch("pack_b", *_grid(K * Np), K, N, Np, int(trans_b), b.data, B.data,
+                            half=b.dtype == np.float16)
         a.device.launch("gemm_packed", (Np // 16, Mp // 4), (8, 1), M, N, K, Np,
                         int(bias is not None), A.data, B.data,
-                        bias.data if bias is not None else None, out.data)
+                        bias.data if bias is not None else None, out.data, half=half)
     elif M and N:
+        # The half build's tiled kernels read float16 where autocast leaves it (kernels.cl):
+        # gemm_nn and gemm_nt take a (and write C) in float16, for the forward products, and
+        # gemm_tn takes b, for linear's weight gradient g^T x. Other float16 operands widen.
+        reads_half_b = trans_a and b.dtype == np.float16
+        a = a if half else _float32(a)
+        b = b if reads_half_b else _float32(b)
         # 128x128 tiles when there are enough of them to fill every compute unit, else 64x64.
         units = a.device.compute_units
         big = -(-M // 128) * -(-N // 128) >= units
@@ -1037,18 +1127,21 @@ def _gemm(a, b, trans_a=False, trans_b=False, bias=None, out=None):
         kernel = ("gemm_tn" if trans_a else "gemm_nt" if trans_b else "gemm_nn") + ("_big" if big else "")
         grid = (-(-N // tile) * 16, -(-M // tile) * 16)
         tiles = grid[0] * grid[1] // 256
-        # Split K when the tiles leave most compute units idle and K is long enough to share.
-        splits = min(units // tiles, K // 1024) if bias is None and 2 * tiles <= units else 1
+        # Split K when the tiles leave most compute units idle and K is long enough to share
+        # (float32 results only: partial sums in float16 would lose what float32 keeps).
+        splits = (min(units // tiles, K // 1024)
+                  if bias is None and not half and 2 * tiles <= units else 1)
         if splits > 1:
             k_chunk = -(-K // splits // _TILE_K) * _TILE_K
             splits = -(-K // k_chunk)
             partial = _like(out, (splits, M, N))
             a.device.launch(kernel, grid + (splits,), (16, 16, 1), M, N, K, k_chunk, 0,
-                            a.data, b.data, None, partial.data)
+                            a.data, b.data, None, partial.data, half=reads_half_b)
             _sum_axis_tensor(partial, 1, splits, M * N, out=out.reshape((1, M * N)))
         else:
             a.device.launch(kernel, grid, (16, 16), M, N, K, K, int(bias is not None),
-                            a.data, b.data, bias.data if bias is not None else None, out.data)
+                            a.data, b.data, bias.data if bias is not None else None, out.data,
+                            half=half or reads_half_b)
     return out
 
 
@@ -1056,7 +1149,9 @@ _TILE_K = 16  # kernels.cl's GEMM tile depth: split-K chunks are multiples of it
 
 
 def matmul(a, b):
-    """a (M, K) @ b (K, N) -> (M, N); a 1-D operand is a row (left) or column (right) vector."""
+    """a (M, K) @ b (K, N) -> (M, N); a 1-D operand is a row (left) or column (right) vector.
+    Inside autocast (OpenCL) the product is float16 storage, computed from a rounded to
+    float16 and b (float32 on GPUs, widened if float16)."""
     a, b = _nodes("matmul", a, b)
     if not (1 <= len(a.shape) <= 2 and 1 <= len(b.shape) <= 2):
         raise ValueError(f"matmul: expected 1-D or 2-D operands, got shapes {a.shape} and {b.shape}")
@@ -1066,14 +1161,16 @@ def matmul(a, b):
         raise ValueError(f"matmul: shapes {a.shape} and {b.shape} do not align "
                          f"({a2.shape[1]} != {b2.shape[0]})")
     A, B = a2.value, b2.value
-    out = _record(_gemm(A, B), (a2, b2),
-                  lambda g: (_gemm(g, B, trans_b=True), _gemm(A, g, trans_a=True)))
+    out = _record(_gemm(A, B, half=_half_activations(A.device)), (a2, b2),
+                  lambda g: (_gemm(g, B, trans_b=True) if a2.requires_grad else None,
+                             _gemm(A, g, trans_a=True) if b2.requires_grad else None))
     out_shape = a.shape[:-1] + b.shape[1:]
     return out if out.shape == out_shape else reshape(out, out_shape)
 
 
 def linear(x, w, b=None):
-    """x (..., in) @ w.T + b: w is (out, in) as in PyTorch, b (out,) or None."""
+    """x (..., in) @ w.T + b: w is (out, in) as in PyTorch, b (out,) or None. Inside autocast
+    (OpenCL) x is read and the output written as float16 storage; w and b stay float32."""
     x, w, *rest = _nodes("linear", x, w, *(() if b is None else (b,)))
     b = rest[0] if rest else None
     if len(w.shape) != 2 or not x.shape or x.shape[-1] != w.shape[1]:
@@ -1099,7 +1196,8 @@ def linear(x, w, b=None):
                          _sum_axis_tensor(g, 1, g.shape[0], g.shape[1]).reshape(b.shape)
                          if b.requires_grad else None)
         return grads
-    out = _record(_gemm(X, W, trans_b=True, bias=None if b is None else b.value),
+    out = _record(_gemm(X, W, trans_b=True, bias=None if b is None else b.value,
+                        half=_half_activations(X.device)),
                   (x2, w) + ((b,) if b is not None else ()), backward)
     return out if len(x.shape) == 2 else reshape(out, x.shape[:-1] + (w.shape[0],))
 
@@ -1118,7 +1216,8 @@ def _transpose_tensor(x):
     if x.device.backend == "cpu":
         np.copyto(out.data, x.data.T)
     elif x.size:
-        x.device.launch("transpose2d", (cols, rows), (16, 16), rows, cols, x.data, out.data)
+        x.device.launch("transpose2d", (cols, rows), (16, 16), rows, cols, x.data, out.data,
+                        half=x.dtype == np.float16)
     return out
 
 
@@ -1163,10 +1262,12 @@ def _axes(op, shape, axis):
 
 
 def _sum_axis_tensor(x, outer, R, inner, scale=1.0, out=None):
-    """x seen as (outer, R, inner) -> (outer, inner), scale * sum over R (into `out` if given)."""
-    out = _like(x, (outer, inner)) if out is None else out
+    """x seen as (outer, R, inner) -> (outer, inner), scale * sum over R (float32 for float16;
+    into `out` if given)."""
+    out = _like(x, (outer, inner), _compute_dtype(x.dtype)) if out is None else out
+    half = x.dtype == np.float16
     if x.device.backend == "cpu":
-        np.sum(x.data.reshape(outer, R, inner), axis=1, out=out.data)
+        np.sum(x.data.reshape(outer, R, inner), axis=1, out=out.data, dtype=out.dtype)
         if scale != 1.0:
             out.data *= scale
     elif out.size:
@@ -1176,12 +1277,13 @@ def _sum_axis_tensor(x, outer, R, inner, scale=1.0, out=None):
             return out
         if outer * inner == 1 and R > 4096:  # one long sum: in parallel, then the partials
             groups = min(-(-R // 4096), 256)
-            partial = _like(x, (groups,))
-            x.device.launch("sum_all", (groups * 256,), (256,), R, 1.0, x.data, partial.data)
+            partial = _like(out, (groups,))
+            x.device.launch("sum_all", (groups * 256,), (256,), R, 1.0, x.data, partial.data,
+                            half=half)
             x.device.launch("sum_all", (256,), (256,), groups, scale, partial.data, out.data)
         else:
             x.device.launch("sum_axis", *_grid(outer * inner), outer, R, inner, scale,
-                            x.data, out.data)
+                            x.data, out.data, half=half)
     return out
 
 
@@ -1208,8 +1310,8 @@ def _reduce(op, x, axis, keepdims, mean):
         last = a == axes[0]
         value = _sum_axis_tensor(value, outer, R, inner, scale if last else 1.0)
         value = value.reshape(steps[-1][3][:a] + steps[-1][3][a + 1:])
-    if not axes and mean:
-        value = _copy(value)  # mean over no axes is x itself, but a new tensor
+    if not axes and mean:  # mean over no axes is x itself, but a new tensor (float32)
+        value = _cast(value, np.float32) if value.dtype == np.float16 else _copy(value)
     out_shape = tuple(1 if i in axes else s for i, s in enumerate(shape)) if keepdims else \
         tuple(s for i, s in enumerate(shape) if i not in axes)
 
@@ -1238,16 +1340,16 @@ def _softmax(op, x, axis, log_mode):
     shape = x.shape or (1,)
     outer, R, inner = math.prod(shape[:a]), shape[a], math.prod(shape[a + 1:])
     X = x.value
-    y = _like(X)
+    y = _like(X, dtype=_compute_dtype(X.dtype))
     if X.device.backend == "cpu":
-        v = X.data.reshape(outer, R, inner)
+        v = X.data.reshape(outer, R, inner).astype(y.dtype, copy=False)
         shifted = v - v.max(axis=1, keepdims=True)
         with np.errstate(all="ignore"):
             lse = np.log(np.exp(shifted).sum(axis=1, keepdims=True))
             y.data.reshape(outer, R, inner)[...] = shifted - lse if log_mode else np.exp(shifted - lse)
     elif X.size:
         X.device.launch("softmax_axis", *_grid(outer * inner), outer, R, inner, int(log_mode),
-                        X.data, y.data)
+                        X.data, y.data, half=X.dtype == np.float16)
 
     def backward(g):
         out = _like(g)
@@ -1307,7 +1409,8 @@ def cross_entropy(logits, target, reduction="mean"):
         if len(shape) != 2 or shape[0] != N or shape[1] != C:
             raise ValueError(f"cross_entropy: probability target of shape {shape} (width "
                              f"{shape[-1] if shape else None}) does not match logits ({N}, {C})")
-        T = t if isinstance(t, Tensor) else Tensor.from_host(host, x.value.queue, x.dtype)
+        T = _float32(t) if isinstance(t, Tensor) else Tensor.from_host(
+            host, x.value.queue, _compute_dtype(x.dtype))
     else:
         if host.shape != (N,):
             raise ValueError(f"cross_entropy: index target of shape {host.shape} does not match "
@@ -1317,15 +1420,17 @@ def cross_entropy(logits, target, reduction="mean"):
             raise ValueError(f"cross_entropy: target label {bad[0]} out of range [0, {C})")
         T = t if isinstance(t, Tensor) else Tensor.from_host(host.astype(np.int32), x.value.queue)
     X = x.value
+    half = X.dtype == np.float16  # float16 logits are read as such; the loss is float32
 
-    losses = _like(X, (N,))
+    losses = _like(X, (N,), _compute_dtype(X.dtype))
     if X.device.backend == "cpu":
-        shifted = X.data - X.data.max(axis=1, keepdims=True)
+        logits = X.data.astype(losses.dtype, copy=False)
+        shifted = logits - logits.max(axis=1, keepdims=True)
         log_p = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
         losses.data[...] = -(T.data * log_p).sum(1) if soft else -log_p[np.arange(N), T.data]
     elif N:
         X.device.launch("cross_entropy_soft" if soft else "cross_entropy_index", *_grid(N),
-                        N, C, X.data, T.data, losses.data)
+                        N, C, X.data, T.data, losses.data, half=half)
     if reduction == "none":
         loss = losses
     else:
@@ -1334,9 +1439,10 @@ def cross_entropy(logits, target, reduction="mean"):
     scale = 1.0 / N if reduction == "mean" and N else 1.0
 
     def backward(g):
-        out = _like(X)
+        out = _like(X, dtype=losses.dtype)
         if X.device.backend == "cpu":
-            shifted = X.data - X.data.max(axis=1, keepdims=True)
+            logits = X.data.astype(out.dtype, copy=False)
+            shifted = logits - logits.max(axis=1, keepdims=True)
             p = np.exp(shifted)
             p /= p.sum(axis=1, keepdims=True)
             if soft:
@@ -1348,19 +1454,20 @@ def cross_entropy(logits, target, reduction="mean"):
         elif N:
             X.device.launch("cross_entropy_bwd", *_grid(N), N, C, int(reduction == "none"),
                             scale, int(soft), g.data, X.data, None if soft else T.data,
-                            T.data if soft else None, out.data)
+                            T.data if soft else None, out.data, half=half)
         return (out,)
     return _record(loss, (x,), backward)
 
 
 def mse_loss(input, target, reduction="mean"):
-    """Mean (or summed, or per-element) squared error (input - target) ** 2."""
+    """Mean (or summed, or per-element) squared error (input - target) ** 2, in float32 for
+    float16 storage (a square overflows float16 from a difference of 256)."""
     if reduction not in _REDUCTIONS:
         raise ValueError(f"mse_loss: reduction must be one of {_REDUCTIONS}, got {reduction!r}")
     x, t = _nodes("mse_loss", input, target)
     if x.shape != t.shape:
         raise ValueError(f"mse_loss: input shape {x.shape} != target shape {t.shape}")
-    diff = sub(x, t)
+    diff = sub(_to_float32(x), _to_float32(t))
     squared = mul(diff, diff)
     return squared if reduction == "none" else _reduce(reduction, squared, None, False,
                                                        mean=reduction == "mean")
@@ -1421,12 +1528,13 @@ _IM2COL_BYTES = 1 << 28  # conv2d's im2col buffer at most (256 MiB): larger batc
 
 
 def _im2col(X, n0, nb, window):
-    """Samples n0 .. n0+nb-1 of x (N, C, H, W) -> cols (C*R*S, nb*OH*OW): column p holds the
-    window of output pixel p, zeros where it covers padding."""
+    """Samples n0 .. n0+nb-1 of x (N, C, H, W) -> cols (C*R*S, nb*OH*OW) float32: column p
+    holds the window of output pixel p, zeros where it covers padding."""
     H, W, R, S, SH, SW, PH, PW, OH, OW = window
     C = X.shape[1]
-    cols = _like(X, (C * R * S, nb * OH * OW))
-    X.device.launch("im2col", (nb * OH * OW, C), (256, 1), n0, nb, C, *window, X.data, cols.data)
+    cols = _like(X, (C * R * S, nb * OH * OW), np.float32)
+    X.device.launch("im2col", (nb * OH * OW, C), (256, 1), n0, nb, C, *window, X.data, cols.data,
+                    half=X.dtype == np.float16)
     return cols
 
 
@@ -1434,7 +1542,8 @@ def conv2d(x, w, b=None, stride=1, padding=0):
     """x (N, C, H, W) with filters w (K, C, R, S) [+ b (K,)] -> (N, K, OH, OW), as PyTorch's
     conv2d (a cross-correlation, zero padding):
         out[n, k, i, j] = b[k] + sum over c, r, s of w[k, c, r, s] * x[n, c, i*SH + r, j*SW + s]
-    stride and padding are an int or a pair (height, width)."""
+    stride and padding are an int or a pair (height, width). Inside autocast (OpenCL) the
+    output is float16 storage; x is read in its own storage; the product is float32."""
     stride = _pair("conv2d", "stride", stride, 1)
     padding = _pair("conv2d", "padding", padding, 0)
     x, w, *rest = _nodes("conv2d", x, w, *(() if b is None else (b,)))
@@ -1455,7 +1564,8 @@ def conv2d(x, w, b=None, stride=1, padding=0):
     per_chunk = max(1, _IM2COL_BYTES // max(1, C * R * S * L * X.dtype.itemsize))
     chunks = [(n0, min(per_chunk, N - n0)) for n0 in range(0, N, per_chunk)]
 
-    out = _like(X, (N, K, OH, OW))
+    half = _half_activations(X.device)
+    out = _like(X, (N, K, OH, OW), np.float16 if half else None)
     if X.device.backend == "cpu":
         windows = _windows_numpy(X.data, window, 0.0)
         out.data[...] = np.einsum("nchwrs,kcrs->nkhw", windows, weight.data, optimize=True)
@@ -1466,11 +1576,11 @@ def conv2d(x, w, b=None, stride=1, padding=0):
             y = _gemm(weight_rows, _im2col(X, n0, nb, window))  # (K, nb*OH*OW)
             X.device.launch("swap_axes01", *_grid(y.size), K, nb, L, 0, n0 * K * L,
                             int(bias is not None), y.data, None if bias is None else bias.data,
-                            out.data)  # (K, nb, OH*OW) + bias -> out[n0:n0+nb] (nb, K, OH*OW)
+                            out.data, half=half)  # (K, nb, OH*OW) + bias -> out[n0:n0+nb]
 
     def backward(g):  # g (N, K, OH, OW) -> dx (N, C, H, W), dw (K, C, R, S), db (K,)
         # A gradient nobody needs is not computed: a first layer's input is data.
-        grad_x = _like(X) if x.requires_grad else None
+        grad_x = _like(X, dtype=_compute_dtype(X.dtype)) if x.requires_grad else None
         grad_w = None
         if g.device.backend == "cpu":
             windows = _windows_numpy(X.data, window, 0.0)
@@ -1544,10 +1654,10 @@ def max_pool2d(x, kernel_size, stride=None, padding=0):
         argmax.data[...] = h * W + w
     elif out.size:
         X.device.launch("max_pool2d_fwd", *_grid(out.size), N * C, *window, X.data, out.data,
-                        argmax.data)
+                        argmax.data, half=X.dtype == np.float16)
 
     def backward(g):  # g (N, C, OH, OW) -> dx (N, C, H, W)
-        grad_x = _like(X)
+        grad_x = _like(X, dtype=_compute_dtype(X.dtype))
         if g.device.backend == "cpu":
             planes = np.arange(N * C).reshape(N, C, 1, 1) * (H * W)
             grad_x.data[...] = np.bincount((planes + argmax.data).ravel(), g.data.ravel(),
@@ -1570,10 +1680,11 @@ def avg_pool2d(x, kernel_size, stride=None, padding=0):
     if X.device.backend == "cpu":
         out.data[...] = _windows_numpy(X.data, window, 0.0).mean(axis=(-2, -1))
     elif out.size:
-        X.device.launch("avg_pool2d_fwd", *_grid(out.size), N * C, *window, X.data, out.data)
+        X.device.launch("avg_pool2d_fwd", *_grid(out.size), N * C, *window, X.data, out.data,
+                        half=X.dtype == np.float16)
 
     def backward(g):  # g (N, C, OH, OW) -> dx (N, C, H, W): each window's share, g / (R*S)
-        grad_x = _like(X)
+        grad_x = _like(X, dtype=_compute_dtype(X.dtype))
         if g.device.backend == "cpu":
             shares = np.broadcast_to((g.data / (R * S)).reshape(N, C, OH, OW, 1, 1),
                                      (N, C, OH, OW, R, S))
@@ -1622,7 +1733,7 @@ def dropout(x, p=0.5, training=True):
                                      v.data * scale, 0)
         elif v.size:
             v.device.launch("dropout_mask", *_grid(v.size), v.size, seed, p, scale,
-                            v.data, out.data)
+                            v.data, out.data, half=v.dtype == np.float16)
         return out
     return _record(masked(x.value), (x,), lambda g: (masked(g),))
 
@@ -1892,7 +2003,14 @@ def load(path):
 # device memory.
 
 class Optimizer:
-    """Base class: holds the parameters; zero_grad() sets every .grad to None."""
+    """Base class: holds the parameters; zero_grad() sets every .grad to None.
+
+    `_found_inf` is None, or, for the duration of one AMPGradScaler.step, the scaler's device
+    flag (an int32 Tensor (1,)) saying a gradient was inf/NaN: a subclass whose step reads it
+    on the device and makes the step a no-op says so with `_skips_on_device = True`.
+    """
+
+    _skips_on_device = False
 
     def __init__(self, params, lr):
         self.params = list(params)
@@ -1905,11 +2023,16 @@ class Optimizer:
                 raise ValueError(f"optimizer: parameter {i} appears more than once")
         _check_hyperparameter("learning rate", lr, name="lr")
         self.lr = float(lr)
+        self._found_inf = None
 
     def zero_grad(self):
         """Drop every gradient (set to None, as PyTorch's set_to_none=True)."""
         for p in self.params:
             p.grad = None
+
+    def _grads(self):
+        """The gradient tensors a step reads (for AMPGradScaler.unscale_)."""
+        return [p.grad for p in self.params if p.grad is not None]
 
 
 def _check_hyperparameter(what, value, below=None, name=None):
@@ -1928,6 +2051,8 @@ class SGD(Optimizer):
         p -= lr * d
     """
 
+    _skips_on_device = True
+
     def __init__(self, params, lr, momentum=0, weight_decay=0, nesterov=False):
         super().__init__(params, lr)
         _check_hyperparameter("momentum value", momentum, name="momentum")
@@ -1939,12 +2064,17 @@ class SGD(Optimizer):
 
     def step(self):
         """Update every parameter that has a gradient."""
+        found_inf = self._found_inf  # an AMPGradScaler's: nonzero makes the step a no-op
+        if found_inf is not None and found_inf.device.backend == "cpu" and found_inf.data[0]:
+            return
         for i, p in enumerate(self.params):
             if p.grad is None:
                 continue
             first = self.momentum_buffers[i] is None
             if first and self.momentum:
-                self.momentum_buffers[i] = _like(p.value)
+                # Zeros, not garbage: a first step the device skips leaves the buffer as it was,
+                # and momentum * 0 + d on the next step is then what a first step gives.
+                self.momentum_buffers[i] = _fill(p.shape, 0.0, p.value)
             buf = self.momentum_buffers[i]
             P, G = p.value, p.grad
             if P.device.backend == "cpu":
@@ -1955,8 +2085,10 @@ class SGD(Optimizer):
                 P.data -= self.lr * d
             elif P.size:
                 P.device.launch("sgd_step", *_grid(P.size), P.size, self.lr, self.momentum,
-                                self.weight_decay, int(self.nesterov), int(first), P.data,
-                                G.data, (buf or P).data)
+                                self.weight_decay, int(self.nesterov), int(first),
+                                int(found_inf is not None),
+                                None if found_inf is None else found_inf.data,
+                                P.data, G.data, (buf or P).data)
 
     def state_dict(self):
         """PyTorch's layout: {"state": {index: {"momentum_buffer": array}}, "param_groups"}."""
@@ -2146,6 +2278,7 @@ class Adam(Optimizer):
     """
 
     decoupled_weight_decay = False
+    _skips_on_device = True
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0):
         super().__init__(params, lr)
@@ -2199,19 +2332,24 @@ class Adam(Optimizer):
             runs.append((p.value, p.grad, m, v))
         return runs
 
+    def _grads(self):
+        """The gradients the step reads: the flat gradient buffer, or each parameter's."""
+        return [g for _, g, _, _ in self._runs()]
+
     # A step's scalars are written in device memory by one small kernel before the update:
     #   scalars (4) = grad_scale, skip, 1 - beta1^t, sqrt(1 - beta2^t)
-    # grad_scale multiplies every gradient in registers (the clip coefficient; a GradScaler
-    # can fold its 1/scale in here) and a nonzero skip makes the update a no-op (a non-finite
-    # norm; a GradScaler's found_inf can set it too). t advances only when the step applies.
+    # grad_scale multiplies every gradient in registers (the clip coefficient) and a nonzero
+    # skip makes the update a no-op: a non-finite norm, or an AMPGradScaler's found_inf (its
+    # unscale_ has already divided the gradients by the scale, in place, as PyTorch's does).
+    # t advances only when the step applies.
     def _prepare(self, partials, max_norm):
         beta1, beta2 = self.betas
-        step_count, scalars = self._step_count, self._scalars
+        step_count, scalars, found_inf = self._step_count, self._scalars, self._found_inf
         if step_count.device.backend == "cpu":
-            grad_scale, skip = 1.0, False
+            grad_scale, skip = 1.0, found_inf is not None and bool(found_inf.data[0])
             if partials is not None:
                 total_norm = np.float32(_total_norm(partials.data, 2.0))
-                skip = not np.isfinite(total_norm)
+                skip = skip or not np.isfinite(total_norm)
                 with np.errstate(all="ignore"):
                     grad_scale = min(np.float32(max_norm) / (total_norm + np.float32(1e-6)), 1.0)
             step_count.data += 0 if skip else 1
@@ -2224,7 +2362,8 @@ class Adam(Optimizer):
             step_count.device.launch(
                 "adam_prepare", (256,), (256,), 0 if partials is None else partials.size,
                 0.0 if max_norm is None else float(max_norm), log(beta1), log(beta2),
-                None if partials is None else partials.data, step_count.data, scalars.data)
+                int(found_inf is not None), None if partials is None else partials.data,
+                None if found_inf is None else found_inf.data, step_count.data, scalars.data)
 
     def _update(self, p, g, m, v):
         """The rule of the class docstring on param p, grad g, exp_avg m, exp_avg_sq v."""
@@ -2377,6 +2516,270 @@ class WarmupCosine:
         self.warmup_steps, self.total_steps = int(state["warmup_steps"]), int(state["total_steps"])
         self.last_step = int(state["last_step"])
         self.optimizer.lr = self.lr_at(self.last_step)
+
+
+# ============================================================================ mixed precision
+# Mixed precision here means float16 *storage* for activations. Inside `autocast`, matmul,
+# linear and conv2d write their outputs as float16 and the ops after them keep that storage
+# (operations: "float16 storage"), so the activations a forward pass keeps for backward take
+# half the memory and half the memory traffic. Every kernel still computes in float32 (half
+# arithmetic, cl_khr_fp16, is missing on many devices, NVIDIA's OpenCL among them), and
+# weights, gradients and optimizer state stay float32.
+#
+# AMPGradScaler is PyTorch's GradScaler (torch/amp/grad_scaler.py): the loss is multiplied by
+# a scale before backward; unscale_ divides the gradients by it and checks them for inf/NaN;
+# step skips the update if it found any; update lowers the scale after such a step and raises
+# it after growth_interval clean ones. As netcl's gradients are float32, small ones do not
+# underflow and large ones rarely overflow, so the scale mostly grows: what the scaler gives
+# is PyTorch's training loop, unchanged, and the skip of any step whose gradients hold an
+# inf/NaN. It all runs on the device. The scale, the growth tracker and the inf flags live in
+# device memory; the inf check is one pass over the gradients; where PyTorch reads found_inf on
+# the host to decide whether to call optimizer.step (`.item()` in _maybe_opt_step), netcl
+# always calls it and its kernel skips; the scale update is one single-work-item kernel. So an
+# AMP step never waits for the device; only get_scale() and state_dict() read it.
+
+class autocast(contextlib.ContextDecorator):
+    """Inside `with autocast():` (or a function decorated with it), matmul, linear and conv2d
+    on an OpenCL device read and write activations as float16 storage, accumulating in
+    float32; elementwise ops keep float16, reductions, softmax and losses return float32, and
+    gradients and weights stay float32. `autocast(enabled=False)` inside it turns it off
+    again. On the NumPy backend it does nothing."""
+
+    def __init__(self, enabled=True):
+        self.enabled = bool(enabled)
+
+    def __enter__(self):
+        _autocast_enabled.append(self.enabled)
+        return self
+
+    def __exit__(self, *exc):
+        _autocast_enabled.pop()
+
+
+def _zero_flag(flag):
+    """Set an int32 device flag (1,) to 0 without waiting (a fill, not a kernel)."""
+    if flag.device.backend == "cpu":
+        flag.data[0] = 0
+    else:
+        cl.enqueue_fill_buffer(flag.device.queue, flag.data, np.int32(0), 0, 4)
+    return flag
+
+
+# Where each optimizer stands between two update() calls (PyTorch's OptState).
+_READY, _UNSCALED, _STEPPED = "ready", "unscaled", "stepped"
+
+
+class AMPGradScaler:
+    """PyTorch's GradScaler, with its defaults and call order, running on the device:
+
+        scaler = AMPGradScaler()
+        with Tape() as tape, autocast():
+            loss = cross_entropy(model(x), y)
+        tape.backward(scaler.scale(loss))
+        scaler.step(optimizer, max_norm=1.0)  # or unscale_, clip_grad_norm, step(optimizer)
+        scaler.update()
+
+    scale(loss) is loss * scale, so backward gives every gradient times the scale.
+    unscale_(optimizer) divides the optimizer's gradients by the scale, in place, and records
+    on the device whether any is inf or NaN; call it before working on the true gradients
+    (clip_grad_norm), once per optimizer per update(). step(optimizer, **kw) unscales first
+    unless unscale_ was called, then calls optimizer.step(**kw) (so max_norm clips the unscaled
+    gradients); after an inf/NaN that step is a no-op on the device: parameters and moments
+    stay bit-identical and Adam's step count does not advance. update() multiplies the scale
+    by backoff_factor after such a step, and by growth_factor (if the result is finite) after
+    growth_interval clean steps in a row; growth_factor and backoff_factor act as float32
+    numbers (exactly PyTorch's arithmetic for any factor that is one, the defaults included).
+    With enabled=False every method passes through: scale returns the loss, step calls
+    optimizer.step, get_scale() is 1.0, state_dict() is {}.
+    """
+
+    def __init__(self, init_scale=65536.0, growth_factor=2.0, backoff_factor=0.5,
+                 growth_interval=2000, enabled=True):  # PyTorch's defaults
+        self._enabled = bool(enabled)
+        if self._enabled:  # PyTorch's checks and messages (asserts there)
+            if not growth_factor > 1.0:
+                raise ValueError(f"The growth factor must be > 1.0, got {growth_factor!r}")
+            if not 0.0 < backoff_factor < 1.0:
+                raise ValueError(f"The backoff factor must be < 1.0 (and > 0), got "
+                                 f"{backoff_factor!r}")
+            if not (math.isfinite(init_scale) and init_scale > 0):
+                raise ValueError(f"init_scale must be positive and finite, got {init_scale!r}")
+            _check_positive_int("growth_interval", growth_interval)
+        self._init_scale = float(init_scale)
+        self._growth_factor, self._backoff_factor = float(growth_factor), float(backoff_factor)
+        self._growth_interval = int(growth_interval)
+        self._init_growth_tracker = 0
+        # Device state, created by the first scale() on the loss's device: scale (1,) float32,
+        # growth tracker (1,) int32, and found_inf_any (1,) int32, the OR of every optimizer's
+        # inf check since the last update (which reads it and zeroes it).
+        self._scale = self._growth_tracker = self._found_inf_any = None
+        self._per_optimizer = {}  # id(optimizer) -> {"stage", "found_inf": int32 (1,) flag}
+
+    def scale(self, loss):
+        """loss * scale (a float32 Node), to pass to tape.backward."""
+        if not self._enabled:
+            return loss
+        (loss,) = _nodes("AMPGradScaler.scale", loss)
+        device = loss.device
+        if self._scale is None:
+            queue = device.queue
+            self._scale = Tensor.from_host(np.array([self._init_scale], np.float32), queue)
+            self._growth_tracker = Tensor.from_host(
+                np.array([self._init_growth_tracker], np.int32), queue)
+            self._found_inf_any = _zero_flag(Tensor.empty((1,), np.int32, queue))
+        elif device is not self._scale.device:
+            raise ValueError(f"AMPGradScaler.scale: the loss is on {device.name}, the scale on "
+                             f"{self._scale.device.name}")
+        scale = self._scale
+
+        def times_scale(x):  # the scale is read on the device: the host never knows it
+            out = _cast(x, np.float32) if x.dtype == np.float16 else _copy(x)
+            if device.backend == "cpu":
+                with np.errstate(all="ignore"):  # an overflow to inf is what update() detects
+                    out.data *= scale.data[0]
+            elif out.size:
+                device.launch("scale_by_device_scalar", *_grid(out.size), out.size, scale.data,
+                              out.data)
+            return out
+
+        # Recorded on no tape, since the scaler usually runs after the `with Tape()` block
+        # has closed: Tape.backward runs such a head node first.
+        scaled = Node(times_scale(loss.value), requires_grad=loss.requires_grad)
+        if loss.requires_grad:
+            scaled._parents, scaled._backward = (loss,), lambda g: (times_scale(g),)
+        return scaled
+
+    def unscale_(self, optimizer):
+        """Divide the optimizer's gradients by the scale in place, and note on the device
+        whether any of them is inf or NaN (one pass over the flat gradient buffer of Adam and
+        AdamW; one launch per gradient otherwise)."""
+        if not self._enabled:
+            return
+        self._check_scale("unscale_")
+        state = self._per_optimizer.setdefault(id(optimizer), {"stage": _READY, "found_inf": None})
+        if state["stage"] == _UNSCALED:
+            raise RuntimeError("unscale_() has already been called on this optimizer since the "
+                               "last update().")
+        if state["stage"] == _STEPPED:
+            raise RuntimeError("unscale_() is being called after step().")
+        grads = optimizer._grads()
+        if any(g.dtype == np.float16 for g in grads):
+            raise ValueError("Attempting to unscale FP16 gradients.")
+        device = self._scale.device
+        _devices_of("AMPGradScaler.unscale_", self._scale, *grads)
+        found_inf = _zero_flag(Tensor.empty((1,), np.int32, device.queue))
+        for g in grads:
+            if device.backend == "cpu":
+                # 1/scale in float64, then rounded, as PyTorch (scale.double().reciprocal()).
+                inv_scale = np.float32(1.0 / np.float64(self._scale.data[0]))
+                if not np.isfinite(g.data).all():
+                    found_inf.data[0] = self._found_inf_any.data[0] = 1
+                with np.errstate(all="ignore"):
+                    g.data *= inv_scale
+            elif g.size:
+                device.launch("amp_unscale", (_norm_groups(g.size) * 256,), (256,), g.size,
+                              self._scale.data, g.data, found_inf.data, self._found_inf_any.data)
+        state["stage"], state["found_inf"] = _UNSCALED, found_inf
+
+    def step(self, optimizer, *args, **kwargs):
+        """optimizer.step(*args, **kwargs) after unscaling (unless unscale_ was called), as a
+        no-op on the device if a gradient was inf/NaN. Returns what optimizer.step returns."""
+        if not self._enabled:
+            return optimizer.step(*args, **kwargs)
+        if "closure" in kwargs:
+            raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
+        self._check_scale("step")
+        state = self._per_optimizer.get(id(optimizer), {"stage": _READY})
+        if state["stage"] == _STEPPED:
+            raise RuntimeError("step() has already been called since the last update().")
+        if state["stage"] == _READY:
+            self.unscale_(optimizer)
+            state = self._per_optimizer[id(optimizer)]
+        result = None
+        if getattr(optimizer, "_skips_on_device", False):
+            optimizer._found_inf = state["found_inf"]
+            try:
+                result = optimizer.step(*args, **kwargs)
+            finally:
+                optimizer._found_inf = None
+        elif not state["found_inf"].to_host()[0]:
+            # An optimizer that cannot skip by itself: decide on the host, as PyTorch does.
+            result = optimizer.step(*args, **kwargs)
+        state["stage"] = _STEPPED
+        return result
+
+    def update(self, new_scale=None):
+        """Back off after a step with an inf/NaN gradient, grow after growth_interval clean
+        steps (aten's _amp_update_scale_, one kernel); or, with new_scale, set the scale."""
+        if not self._enabled:
+            return
+        self._check_scale("update")
+        if new_scale is not None:
+            _write(self._scale, np.array([float(new_scale)], np.float32))
+            _zero_flag(self._found_inf_any)
+        elif not any(state["found_inf"] is not None for state in self._per_optimizer.values()):
+            raise RuntimeError("No inf checks were recorded prior to update.")
+        elif self._scale.device.backend == "cpu":
+            scale, tracker, found_inf = (self._scale.data, self._growth_tracker.data,
+                                         self._found_inf_any.data)
+            if found_inf[0]:
+                scale[0] *= np.float32(self._backoff_factor)
+                tracker[0] = 0
+            elif tracker[0] + 1 == self._growth_interval:
+                with np.errstate(over="ignore"):
+                    grown = scale[0] * np.float32(self._growth_factor)
+                if np.isfinite(grown):
+                    scale[0] = grown
+                tracker[0] = 0
+            else:
+                tracker[0] += 1
+            found_inf[0] = 0
+        else:
+            self._scale.device.launch(
+                "amp_update_scale", (1,), (1,), self._growth_factor, self._backoff_factor,
+                self._growth_interval, self._found_inf_any.data, self._scale.data,
+                self._growth_tracker.data)
+        self._per_optimizer = {}
+
+    def _check_scale(self, funcname):
+        if self._scale is None:  # PyTorch's message (an assert there)
+            raise RuntimeError(f"Attempted {funcname} but _scale is None.  This may indicate "
+                               f"your script did not use scaler.scale(loss or outputs) earlier "
+                               f"in the iteration.")
+
+    def get_scale(self):
+        """The current scale as a float (a sync: it reads the device); 1.0 when disabled."""
+        if not self._enabled:
+            return 1.0
+        return self._init_scale if self._scale is None else float(self._scale.to_host()[0])
+
+    def state_dict(self):
+        """PyTorch's keys: scale, growth_factor, backoff_factor, growth_interval,
+        _growth_tracker (reads the device); {} when disabled."""
+        if not self._enabled:
+            return {}
+        tracker = (self._init_growth_tracker if self._growth_tracker is None
+                   else int(self._growth_tracker.to_host()[0]))
+        return {"scale": self.get_scale(), "growth_factor": self._growth_factor,
+                "backoff_factor": self._backoff_factor, "growth_interval": self._growth_interval,
+                "_growth_tracker": tracker}
+
+    def load_state_dict(self, state):
+        """Restore state_dict()'s output (a no-op when disabled)."""
+        if not self._enabled:
+            return
+        if len(state) == 0:
+            raise RuntimeError("The source state dict is empty, possibly because it was saved "
+                               "from a disabled instance of GradScaler.")
+        self._init_scale = float(state["scale"])
+        self._growth_factor = float(state["growth_factor"])
+        self._backoff_factor = float(state["backoff_factor"])
+        self._growth_interval = int(state["growth_interval"])
+        self._init_growth_tracker = int(state["_growth_tracker"])
+        if self._scale is not None:
+            _write(self._scale, np.array([self._init_scale], np.float32))
+            _write(self._growth_tracker, np.array([self._init_growth_tracker], np.int32))
+
 
 # ============================================================================ data
 # A DataLoader turns a dataset (anything indexable that returns (x, y, *extra) tuples) into
@@ -3183,7 +3586,8 @@ nn = _alias("nn", Module=Module, Linear=Linear, ReLU=ReLU, Tanh=Tanh, Sigmoid=Si
 sys.modules[f"{__name__}.nn.functional"] = functional  # import netcl.nn.functional as F
 optim = _alias("optim", Optimizer=Optimizer, SGD=SGD, Adam=Adam, AdamW=AdamW,
                clip_grad_norm=clip_grad_norm, clip_grad_norm_=clip_grad_norm_,
-               WarmupCosine=WarmupCosine)
+               WarmupCosine=WarmupCosine, AMPGradScaler=AMPGradScaler)
+amp = _alias("amp", autocast=autocast, AMPGradScaler=AMPGradScaler)
 data = _alias("data", DataLoader=DataLoader, ArrayDataset=ArrayDataset, GpuBatch=GpuBatch,
               load_idx=load_idx)
 data.dataloader = _alias("data.dataloader", DataLoader=DataLoader)

@@ -3241,3 +3241,610 @@ def test_reassigning_a_parameter_keeps_its_place():
 def test_nn_functional_is_importable():
     import netcl.nn.functional as nnf
     assert nnf.relu is F.relu
+
+
+# --- mixed precision
+# ---------------------------------------------------------------------------------------------
+# autocast (float16 storage, float32 arithmetic) and AMPGradScaler. The scaler is checked
+# against a NumPy transcription of PyTorch's GradScaler (torch/amp/grad_scaler.py: scale,
+# unscale_, step, update) with aten's kernels (aten/src/ATen/native/cuda/AmpKernels.cu:
+# _amp_foreach_non_finite_check_and_unscale_, _amp_update_scale_), followed by the optimizer
+# references above.
+# ---------------------------------------------------------------------------------------------
+
+AMP_SETTINGS = settings(max_examples=20, deadline=None,
+                        suppress_health_check=[HealthCheck.too_slow,
+                                               HealthCheck.function_scoped_fixture])
+# Rounding a value to float16 moves it by at most half an ulp, 2**-11 relative (2**-25 absolute
+# among subnormals); 1e-6 more covers the float32 arithmetic before the rounding.
+HALF_RTOL, HALF_ATOL = 2.0 ** -11 + 1e-6, 2.0 ** -25
+
+
+def _assert_rounded_from(out, exact, what=""):
+    """out (float16) is `exact` (float64) rounded to float16, up to float32 arithmetic."""
+    assert out.dtype == np.float16, f"{what}: {out.dtype}"
+    np.testing.assert_allclose(out.astype(np.float64), exact, rtol=HALF_RTOL, atol=HALF_ATOL,
+                               err_msg=what)
+
+
+def _relative_error(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return np.linalg.norm(a - b) / np.linalg.norm(b)
+
+
+def _gelu_reference(x):
+    return 0.5 * x * (1 + np.vectorize(math.erf)(x / math.sqrt(2)))
+
+
+def _one(shape=(7, 5), low=None):
+    """Inputs of a case: one array, standard normal or uniform in [low, 2)."""
+    return lambda r: [r.standard_normal(shape) if low is None else r.uniform(low, 2, shape)]
+
+
+def _two(b_shape=(7, 5), b_low=None):
+    return lambda r: [r.standard_normal((7, 5))] + _one(b_shape, b_low)(r)
+
+
+# (name, inputs from a generator, netcl op, float64 reference, output stays float16)
+HALF_OP_CASES = [
+    ("relu", _one(), F.relu, lambda x: np.maximum(x, 0), True),
+    ("leaky_relu", _one(), lambda x: F.leaky_relu(x, 0.1), lambda x: np.where(x > 0, x, 0.1 * x),
+     True),
+    ("sigmoid", _one(), F.sigmoid, lambda x: 1 / (1 + np.exp(-x)), True),
+    ("tanh", _one(), F.tanh, np.tanh, True),
+    ("gelu", _one(), F.gelu, _gelu_reference, True),
+    ("exp", _one(), F.exp, np.exp, True),
+    ("log", _one(low=0.1), F.log, np.log, True),
+    ("neg", _one(), lambda x: -x, lambda x: -x, True),
+    ("add", _two(), F.add, np.add, True),
+    ("sub_bias", _two((5,)), F.sub, np.subtract, True),
+    ("mul", _two(), F.mul, np.multiply, True),
+    ("div", _two(b_low=0.5), F.div, np.divide, True),
+    ("add_scalar", _one(), lambda x: x + 1.5, lambda x: x + 1.5, True),
+    ("rsub_scalar", _one(), lambda x: 2.0 - x, lambda x: 2.0 - x, True),
+    ("mul_scalar", _one(), lambda x: x * 0.3, lambda x: x * 0.3, True),
+    ("div_scalar", _one(), lambda x: x / 3.0, lambda x: x / 3.0, True),
+    ("rdiv_scalar", _one(low=0.5), lambda x: 3.0 / x, lambda x: 3.0 / x, True),
+    ("transpose", _one(), lambda x: x.T, lambda x: x.T, True),
+    ("max_pool2d", _one((2, 3, 6, 6)), lambda x: F.max_pool2d(x, 2),
+     lambda x: x.reshape(2, 3, 3, 2, 3, 2).max(axis=(3, 5)), True),
+    ("avg_pool2d", _one((2, 3, 6, 6)), lambda x: F.avg_pool2d(x, 2),
+     lambda x: x.reshape(2, 3, 3, 2, 3, 2).mean(axis=(3, 5)), True),
+    ("sum", _one(), lambda x: x.sum(), np.sum, False),
+    ("mean_axis0", _one(), lambda x: F.mean(x, 0), lambda x: x.mean(0), False),
+    ("sum_long", _one((5000,)), F.sum, np.sum, False),
+    ("softmax", _one(), F.softmax, _softmax_ref, False),
+    ("log_softmax", _one(), F.log_softmax, _log_softmax, False),
+    ("cross_entropy", _one(), lambda x: F.cross_entropy(x, np.arange(7) % 5),
+     lambda x: _cross_entropy_ref(x, np.arange(7) % 5, "mean"), False),
+    ("mse_loss", _two(), F.mse_loss, lambda x, t: np.mean((x - t) ** 2), False),
+]
+
+
+@pytest.mark.parametrize("case", HALF_OP_CASES, ids=[c[0] for c in HALF_OP_CASES])
+def test_float16_storage_ops(opencl, case):
+    """float16 in: elementwise ops, pooling and transpose write float16 (the float32 result
+    rounded), reductions, softmax and losses return float32; every gradient is float32, the
+    float32 gradient of the same values up to the float16 rounding of what backward keeps."""
+    name, make, op, reference, stays_half = case
+    rng = np.random.default_rng(11)
+    arrays = [a.astype(np.float16) for a in make(rng)]
+    exact = reference(*[a.astype(np.float64) for a in arrays])
+    outs, grads = {}, {}
+    for dtype in (np.float16, np.float32):
+        netcl.manual_seed(0)
+        leaves = [param(a.astype(dtype), opencl, dtype) for a in arrays]
+        with netcl.Tape() as tape:
+            y = op(*leaves)
+            weights = np.random.default_rng(5).standard_normal(y.shape).astype(np.float32)
+            weights = tensor(weights, opencl)  # float32: the gradient reaching y is float32
+            loss = (y * weights).sum()
+        tape.backward(loss)
+        outs[dtype], grads[dtype] = host(y), [host(p.grad) for p in leaves]
+    if stays_half:
+        _assert_rounded_from(outs[np.float16], exact, name)
+    else:
+        assert outs[np.float16].dtype == np.float32
+        np.testing.assert_allclose(outs[np.float16], exact, rtol=1e-5, atol=1e-6, err_msg=name)
+    for half_grad, float_grad in zip(grads[np.float16], grads[np.float32]):
+        assert half_grad.dtype == np.float32
+        np.testing.assert_allclose(half_grad, float_grad, rtol=4e-3, atol=1e-3, err_msg=name)
+
+
+def test_dropout_keeps_float16_storage(opencl):
+    x = np.random.default_rng(12).standard_normal((9, 40)).astype(np.float16)
+    outs = []
+    for dtype in (np.float16, np.float32):
+        netcl.manual_seed(3)
+        outs.append(host(F.dropout(tensor(x, opencl, dtype), 0.3, training=True)))
+    _assert_rounded_from(outs[0], outs[1].astype(np.float64), "dropout")
+
+
+def test_mixed_float16_and_float32_operands_compute_in_float32(opencl):
+    rng = np.random.default_rng(13)
+    a = rng.standard_normal((6, 4)).astype(np.float16)
+    b = rng.standard_normal(4).astype(np.float32)
+    half, single = tensor(a, opencl), tensor(b, opencl)
+    for out, expected in [(F.add(half, single), a.astype(np.float32) + b),
+                          (F.mul(single, half), b * a.astype(np.float32)),
+                          (F.div(half, single), a.astype(np.float32) / b)]:
+        assert out.dtype == np.float32
+        np.testing.assert_array_equal(host(out), expected)
+
+
+@pytest.mark.parametrize("gemm", ["packed", "tiled"])
+@pytest.mark.parametrize("m, k, n", [(5, 7, 9), (64, 32, 48), (33, 70, 17), (150, 40, 140)])
+def test_autocast_products_are_the_float32_result_rounded(opencl, monkeypatch, gemm, m, k, n):
+    """With float16 inputs, the autocast linear/matmul/conv2d output is exactly the float32
+    result on the same values rounded to float16: the same float32 accumulation, one rounding.
+    The gradients, read from the float16 input the forward kept, are exactly the float32 ones.
+    Both GEMM variants run here (the GPUs' tiled one too); 150 x 140 takes the 128-wide tiles."""
+    monkeypatch.setattr(opencl, "gemm", gemm)
+    rng = np.random.default_rng(m + k + n)
+    arrays = {
+        "linear": [rng.standard_normal((m, k)), rng.standard_normal((n, k)) / math.sqrt(k),
+                   rng.standard_normal(n)],
+        "matmul": [rng.standard_normal((m, k)), rng.standard_normal((k, n)) / math.sqrt(k)],
+        "conv2d": [rng.standard_normal((2, 3, 7, 6)), rng.standard_normal((n % 5 + 2, 3, 3, 3)) / 5,
+                   rng.standard_normal(n % 5 + 2)],
+    }
+    products = {"linear": F.linear, "matmul": F.matmul,
+                "conv2d": lambda x, w, b: F.conv2d(x, w, b, stride=(1, 2), padding=1)}
+    for name, product in products.items():
+        x, *weights = arrays[name]
+        x = x.astype(np.float16)  # the input in float16 storage, or those values in float32
+        results = {}
+        for enabled, dtype in ((False, np.float32), (True, np.float16)):
+            leaves = [param(x, opencl, dtype)] + [param(w, opencl) for w in weights]
+            with netcl.Tape() as tape, netcl.autocast(enabled=enabled):
+                out = product(*leaves)
+            seed = np.random.default_rng(1).standard_normal(out.shape).astype(np.float16)
+            tape.backward(out, grad=seed.astype(np.float32))
+            results[enabled] = host(out), [host(p.grad) for p in leaves]
+        (single, grads32), (half, grads16) = results[False], results[True]
+        assert half.dtype == np.float16 and single.dtype == np.float32, name
+        np.testing.assert_array_equal(half, single.astype(np.float16), err_msg=name)
+        for g16, g32 in zip(grads16, grads32):
+            assert g16.dtype == np.float32
+            np.testing.assert_array_equal(g16, g32, err_msg=name)
+
+
+def _digits_mlp(dev, hidden=64):
+    q = dev.queue
+    return nn.Sequential(nn.Linear(64, hidden, queue=q), nn.ReLU(),
+                         nn.Linear(hidden, hidden, queue=q), nn.Tanh(),
+                         nn.Linear(hidden, 10, queue=q))
+
+
+@pytest.mark.parametrize("gemm", ["packed", "tiled"])
+def test_autocast_mlp_forward_matches_float32(opencl, monkeypatch, gemm):
+    """Under autocast every activation is float16 storage and the logits match the float32
+    forward within float16 precision; the loss, the gradients and the weights are float32."""
+    monkeypatch.setattr(opencl, "gemm", gemm)
+    rng = np.random.default_rng(14)
+    x = tensor(rng.standard_normal((48, 64)).astype(np.float32), opencl)
+    y = rng.integers(0, 10, 48)
+    netcl.manual_seed(1)
+    model = _digits_mlp(opencl)
+    results = {}
+    for enabled in (False, True):
+        for p in model.parameters():
+            p.grad = None
+        with netcl.Tape() as tape, netcl.autocast(enabled=enabled):
+            h = x
+            activations = []
+            for layer in model:
+                h = layer(h)
+                activations.append(h)
+            loss = F.cross_entropy(h, y)
+        tape.backward(loss)
+        assert loss.dtype == np.float32
+        assert all(a.dtype == (np.float16 if enabled else np.float32) for a in activations)
+        results[enabled] = (host(h), float(loss.value), [host(p.grad) for p in model.parameters()])
+    (logits32, loss32, grads32), (logits16, loss16, grads16) = results[False], results[True]
+    assert _relative_error(logits16, logits32) < 1e-2
+    assert abs(loss16 - loss32) < 1e-2 * abs(loss32)
+    for p, g16, g32 in zip(model.parameters(), grads16, grads32):
+        assert p.dtype == np.float32 and g16.dtype == np.float32
+        assert _relative_error(g16, g32) < 1e-2
+
+
+def test_autocast_is_a_noop_on_the_numpy_backend(cpu):
+    netcl.manual_seed(2)
+    model = _digits_mlp(cpu)
+    x = tensor(np.random.default_rng(15).standard_normal((8, 64)), cpu)
+    plain = host(model(x))
+    with netcl.autocast():
+        inside = model(x)
+    assert inside.dtype == np.float32
+    np.testing.assert_array_equal(host(inside), plain)
+
+
+def test_autocast_nests_and_decorates(opencl):
+    x = tensor(np.ones((4, 3), np.float32), opencl)
+    w = tensor(np.ones((2, 3), np.float32), opencl)
+
+    @netcl.autocast()
+    def product():
+        return F.linear(x, w)
+    assert F.linear(x, w).dtype == np.float32
+    assert product().dtype == np.float16
+    with netcl.autocast():
+        assert F.linear(x, w).dtype == np.float16
+        with netcl.autocast(enabled=False):
+            assert F.linear(x, w).dtype == np.float32
+        assert F.linear(x, w).dtype == np.float16
+    assert F.linear(x, w).dtype == np.float32
+
+
+def test_one_kernel_source_builds_both_storage_types(opencl):
+    with netcl.autocast():
+        F.linear(tensor(np.ones((2, 3)), opencl), tensor(np.ones((4, 3)), opencl))
+    assert opencl._half_kernels is not None
+    assert set(opencl._half_kernels) == set(opencl._kernels)
+
+
+def _digits_accuracy(dev, amp):
+    datasets = pytest.importorskip("sklearn.datasets")
+    model_selection = pytest.importorskip("sklearn.model_selection")
+    digits = datasets.load_digits()
+    x_train, x_test, y_train, y_test = model_selection.train_test_split(
+        (digits.data / 16.0).astype(np.float32), digits.target, test_size=0.2, random_state=0,
+        stratify=digits.target)
+    netcl.manual_seed(0)
+    model = _digits_mlp(dev)
+    opt = netcl.AdamW(model.parameters(), lr=3e-3)
+    scaler = netcl.AMPGradScaler(enabled=amp)
+    rng = np.random.default_rng(0)
+    for _ in range(8):
+        order = rng.permutation(len(x_train))
+        for start in range(0, len(order), 64):
+            idx = order[start:start + 64]
+            with netcl.Tape() as tape, netcl.autocast(enabled=amp):
+                loss = F.cross_entropy(model(tensor(x_train[idx], dev)), y_train[idx])
+            opt.zero_grad()
+            tape.backward(scaler.scale(loss))
+            scaler.step(opt, max_norm=1.0)
+            scaler.update()
+    with netcl.autocast(enabled=amp):
+        logits = host(model(tensor(x_test, dev)))
+    return (logits.argmax(axis=1) == y_test).mean()
+
+
+def test_autocast_training_reaches_the_float32_accuracy(opencl):
+    single, mixed = _digits_accuracy(opencl, amp=False), _digits_accuracy(opencl, amp=True)
+    assert single >= 0.94, f"float32 accuracy {single:.3f}"
+    assert mixed >= 0.94 and abs(mixed - single) <= 0.02, f"{mixed:.3f} vs float32 {single:.3f}"
+
+
+# --- AMPGradScaler against PyTorch ------------------------------------------------------------
+
+class _GradScalerReference:
+    """torch/amp/grad_scaler.py's GradScaler, as PyTorch computes it (float32 tensors):
+    scale(loss) multiplies by the float32 scale, so backward of loss = sum(p * g) gives
+    float32(scale * g); unscale_ multiplies by inv_scale = float32(1 / float64(scale)) and
+    flags any non-finite value (_amp_foreach_non_finite_check_and_unscale_); update is
+    _amp_update_scale_: the float32 scale times the (double) factor, narrowed to float32,
+    and growth only when that is finite."""
+
+    def __init__(self, init_scale, growth_factor, backoff_factor, growth_interval):
+        self.scale, self.growth_tracker = np.float32(init_scale), 0
+        self.growth_factor, self.backoff_factor = growth_factor, backoff_factor
+        self.growth_interval = growth_interval
+
+    def scaled_grads(self, grads):
+        with np.errstate(over="ignore", invalid="ignore"):
+            return [g * self.scale for g in grads]
+
+    def unscale(self, grads):
+        inv_scale = np.float32(1.0 / np.float64(self.scale))
+        found_inf = not all(np.isfinite(g).all() for g in grads)
+        with np.errstate(over="ignore", invalid="ignore"):
+            return [g * inv_scale for g in grads], found_inf
+
+    def update(self, found_inf):
+        with np.errstate(over="ignore"):
+            if found_inf:
+                self.scale = np.float32(np.float64(self.scale) * self.backoff_factor)
+                self.growth_tracker = 0
+            elif self.growth_tracker + 1 == self.growth_interval:
+                grown = np.float32(np.float64(self.scale) * self.growth_factor)
+                if np.isfinite(grown):
+                    self.scale = grown
+                self.growth_tracker = 0
+            else:
+                self.growth_tracker += 1
+
+
+def _clip_reference(grads, max_norm):
+    """clip_grad_norm_ in float64 on float32 gradients."""
+    coef = min(max_norm / (_total_norm_reference(grads) + 1e-6), 1.0)
+    return [g.astype(np.float64) * coef for g in grads]
+
+
+def _scaled_backward(scaler, params, grads):
+    """backward of scaler.scale(sum(p * g)) with the scaler applied after the Tape closed, as
+    the Trainer does: every p.grad becomes float32(scale * g)."""
+    with netcl.Tape() as tape:
+        loss = sum(((p * g).sum() for p, g in zip(params, grads)), start=0.0)
+    tape.backward(scaler.scale(loss))
+
+
+def _moments(opt, kind):
+    """{parameter index: [arrays of its optimizer state]} (Adam's step count first)."""
+    keys = ["momentum_buffer"] if kind == "sgd" else ["step", "exp_avg", "exp_avg_sq"]
+    return {i: [np.asarray(s[key]) for key in keys] for i, s in opt.state_dict()["state"].items()}
+
+
+AMP_MODES = {"sgd": ["step", "unscale_step", "unscale_clip_step"],
+             "adam": ["step", "step_max_norm", "unscale_step", "unscale_clip_step"]}
+AMP_MODES["adamw"] = AMP_MODES["adam"]
+AMP_HYPER = {"sgd": {"momentum": 0.9, "weight_decay": 0.01, "nesterov": False},
+             "adam": {"weight_decay": 0.01}, "adamw": {"weight_decay": 0.05}}
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adam", "adamw"])
+@AMP_SETTINGS
+@given(data=st.data(), shapes=SHAPES, seed=st.integers(0, 2**31 - 1))
+def test_scaler_trajectory_matches_pytorch(backend, kind, data, shapes, seed):
+    """Steps with random finite, inf and NaN gradients: the scale and growth tracker follow
+    PyTorch's exactly; unscale_ leaves exactly PyTorch's unscaled gradients; a skipped step
+    leaves parameters and moments bit-identical (Adam's step count too); applied steps follow
+    the optimizer's reference on the applied gradients."""
+    init_scale = data.draw(st.sampled_from([1.0, 3.0, 65536.0, 2.0 ** 120]), "init_scale")
+    growth_factor = data.draw(st.sampled_from([2.0, 1.5, 4.0]), "growth_factor")
+    backoff_factor = data.draw(st.sampled_from([0.5, 0.25, 0.75]), "backoff_factor")
+    growth_interval = data.draw(st.integers(1, 3), "growth_interval")
+    steps, max_norm, lr = 8, 1.0, 0.01
+    poison = data.draw(st.lists(st.sampled_from([None, None, np.inf, -np.inf, np.nan]),
+                                min_size=steps, max_size=steps), "poison")
+    modes = data.draw(st.lists(st.sampled_from(AMP_MODES[kind]), min_size=steps, max_size=steps),
+                      "modes")
+    rng = np.random.default_rng(seed)
+    initial = [rng.standard_normal(s).astype(np.float32) for s in shapes]
+    grads_per_step = [[(rng.standard_normal(s) * 10.0 ** rng.uniform(-2, 1)).astype(np.float32)
+                       for s in shapes] for _ in range(steps)]
+    for grads, bad in zip(grads_per_step, poison):
+        if bad is not None:
+            target = grads[rng.integers(len(grads))]
+            target.reshape(-1)[rng.integers(target.size)] = bad
+    hyper = AMP_HYPER[kind]
+    params = [param(p, backend) for p in initial]
+    opt = _make(kind, params, lr, hyper)
+    scaler = netcl.AMPGradScaler(init_scale, growth_factor, backoff_factor, growth_interval)
+    reference = _GradScalerReference(init_scale, growth_factor, backoff_factor, growth_interval)
+    applied = []  # the gradients each applied step used, unscaled (and clipped), float64
+    for step, (grads, mode) in enumerate(zip(grads_per_step, modes)):
+        context = f"{kind} step {step + 1} {mode}, poison {poison[step]}"
+        before = [host(p) for p in params], _moments(opt, kind)
+        opt.zero_grad()
+        _scaled_backward(scaler, params, grads)
+        unscaled, found_inf = reference.unscale(reference.scaled_grads(grads))
+        if mode.startswith("unscale"):
+            scaler.unscale_(opt)
+            for p, expected in zip(params, unscaled):
+                np.testing.assert_array_equal(host(p.grad), expected, err_msg=context)
+        if mode == "unscale_clip_step":
+            netcl.clip_grad_norm(params, max_norm)
+        if mode == "step_max_norm":
+            scaler.step(opt, max_norm=max_norm)
+        else:
+            scaler.step(opt)
+        scaler.update()
+        reference.update(found_inf)
+        assert scaler.get_scale() == float(reference.scale), context
+        assert scaler.state_dict()["_growth_tracker"] == reference.growth_tracker, context
+        if found_inf:
+            for old, p in zip(before[0], params):
+                np.testing.assert_array_equal(host(p), old, err_msg=context)
+            moments = _moments(opt, kind)
+            for i, old in before[1].items():
+                for a, b in zip(old, moments[i]):
+                    np.testing.assert_array_equal(a, b, err_msg=context)
+            for i in set(moments) - set(before[1]):  # SGD on OpenCL: zero buffers, see SGD.step
+                assert not any(a.any() for a in moments[i]), context
+            continue
+        clip = mode in ("unscale_clip_step", "step_max_norm")
+        applied.append(_clip_reference(unscaled, max_norm) if clip else
+                       [g.astype(np.float64) for g in unscaled])
+        if kind == "sgd":
+            expected = _sgd_reference_opt(initial, applied, [lr] * len(applied), **hyper)[-1]
+        else:
+            expected = _adam_reference(initial, applied, [lr] * len(applied),
+                                       decoupled=kind == "adamw", **hyper)[-1]
+            assert _moments(opt, kind)[0][0] == len(applied), context  # the step count
+        for p, e in zip(params, expected):
+            np.testing.assert_allclose(host(p), e, rtol=5e-6, atol=5e-6, err_msg=context)
+
+
+def test_scaler_growth_stops_short_of_inf(backend):
+    """As aten's _amp_update_scale_: a grown scale that would be inf is not taken, and the
+    growth tracker restarts all the same."""
+    p, opt, _ = _scaler_setup(backend)
+    scaler = netcl.AMPGradScaler(init_scale=2.0 ** 125, growth_interval=1)
+    for expected in (2.0 ** 126, 2.0 ** 127, 2.0 ** 127):
+        opt.zero_grad()
+        _scaled_backward(scaler, [p], [np.full(3, 1e-3, np.float32)])
+        scaler.step(opt)
+        scaler.update()
+        assert scaler.state_dict()["scale"] == expected and \
+            scaler.state_dict()["_growth_tracker"] == 0
+
+
+def test_scaler_scales_a_float16_loss_and_takes_a_new_scale(opencl):
+    p = param([1.0, 2.0], opencl)
+    scaler = netcl.AMPGradScaler(init_scale=4.0)
+    x = tensor(np.ones((1, 2), np.float32), opencl)
+    with netcl.Tape() as tape, netcl.autocast():
+        out = F.linear(x, F.reshape(p, (1, 2))).reshape(())
+    assert out.dtype == np.float16
+    scaled = scaler.scale(out)  # after the Tape closed, as the Trainer does
+    assert scaled.dtype == np.float32 and float(scaled.value) == 12.0
+    tape.backward(scaled)
+    np.testing.assert_array_equal(host(p.grad), [4.0, 4.0])
+    scaler.step(netcl.SGD([p], lr=0.0))
+    scaler.update(new_scale=256.0)  # PyTorch's update(new_scale): the tracker is left as is
+    assert scaler.state_dict() == {"scale": 256.0, "growth_factor": 2.0, "backoff_factor": 0.5,
+                                   "growth_interval": 2000, "_growth_tracker": 0}
+
+
+def _scaler_setup(dev, kind="sgd"):
+    p = param(np.array([1.0, -2.0, 3.0], np.float32), dev)
+    opt = netcl.SGD([p], lr=0.1) if kind == "sgd" else netcl.AdamW([p], lr=0.1)
+    return p, opt, netcl.AMPGradScaler()
+
+
+def test_scaler_call_order_errors_are_pytorch_s(backend):
+    p, opt, scaler = _scaler_setup(backend)
+    g = [np.array([0.5, 0.25, -1.0], np.float32)]
+    calls = [(lambda: scaler.unscale_(opt), "unscale_"), (lambda: scaler.step(opt), "step"),
+             (scaler.update, "update")]
+    for call, name in calls:
+        with raises_naming(RuntimeError, f"Attempted {name} but _scale is None"):
+            call()
+    _scaled_backward(scaler, [p], g)
+    with raises_naming(RuntimeError, "No inf checks were recorded prior to update."):
+        scaler.update()
+    with raises_naming(RuntimeError, "Closure use is not currently supported"):
+        scaler.step(opt, closure=lambda: None)
+    scaler.unscale_(opt)
+    with raises_naming(RuntimeError, "unscale_() has already been called on this optimizer "
+                                     "since the last update()."):
+        scaler.unscale_(opt)
+    scaler.step(opt)
+    with raises_naming(RuntimeError, "unscale_() is being called after step()."):
+        scaler.unscale_(opt)
+    with raises_naming(RuntimeError, "step() has already been called since the last update()."):
+        scaler.step(opt)
+    scaler.update()
+    opt.zero_grad()  # a new iteration works again, once each
+    _scaled_backward(scaler, [p], g)
+    scaler.step(opt)
+    scaler.update()
+    np.testing.assert_allclose(host(p), [1.0 - 0.1, -2.0 - 0.05, 3.0 + 0.2], rtol=1e-6)
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    ({"growth_factor": 1.0}, "The growth factor must be > 1.0"),
+    ({"backoff_factor": 1.0}, "The backoff factor must be < 1.0"),
+    ({"growth_interval": 0}, "growth_interval"),
+    ({"init_scale": -1.0}, "init_scale"),
+])
+def test_scaler_rejects_bad_arguments(kwargs, needle):
+    with raises_naming(ValueError, needle):
+        netcl.AMPGradScaler(**kwargs)
+    netcl.AMPGradScaler(enabled=False, **kwargs)  # as PyTorch: a disabled scaler checks nothing
+
+
+def test_disabled_scaler_passes_through(backend):
+    rng = np.random.default_rng(16)
+    initial, g = (rng.standard_normal(6).astype(np.float32) for _ in range(2))
+    p, q = param(initial, backend), param(initial, backend)
+    opt_p, opt_q = netcl.AdamW([p], lr=0.1), netcl.AdamW([q], lr=0.1)
+    scaler = netcl.AMPGradScaler(enabled=False)
+    assert scaler.get_scale() == 1.0 and isinstance(scaler.get_scale(), float)
+    assert scaler.state_dict() == {}
+    scaler.load_state_dict({"scale": 8.0})  # ignored
+    with netcl.Tape() as tape:
+        loss = (p * g).sum()
+    assert scaler.scale(loss) is loss
+    tape.backward(loss)
+    scaler.unscale_(opt_p)
+    np.testing.assert_array_equal(host(p.grad), g)
+    scaler.step(opt_p, max_norm=0.5)  # passed through to AdamW.step
+    scaler.update()
+    _set_grads_opt([q], [g])
+    opt_q.step(max_norm=0.5)
+    np.testing.assert_array_equal(host(p), host(q))
+
+
+def test_scaler_state_dict_round_trip(backend):
+    p, opt, scaler = _scaler_setup(backend, "adamw")
+    scaler = netcl.AMPGradScaler(init_scale=1024.0, growth_interval=3)
+    expected = {"scale": 1024.0, "growth_factor": 2.0, "backoff_factor": 0.5,
+                "growth_interval": 3, "_growth_tracker": 0}
+    assert scaler.state_dict() == expected  # before any scale(): the initial values
+    g = [np.array([1.0, 2.0, 3.0], np.float32)]
+    for _ in range(2):
+        opt.zero_grad()
+        _scaled_backward(scaler, [p], g)
+        scaler.step(opt)
+        scaler.update()
+    state = scaler.state_dict()
+    assert state == dict(expected, _growth_tracker=2)
+    assert isinstance(state["scale"], float) and isinstance(state["_growth_tracker"], int)
+    fresh, used = netcl.AMPGradScaler(), netcl.AMPGradScaler(init_scale=8.0)
+    _scaled_backward(used, [param(np.zeros(3), backend)], g)  # its device state exists already
+    for other in (fresh, used):
+        other.load_state_dict(state)
+        assert other.state_dict() == state
+        other_p = param(np.zeros(3), backend)
+        other_opt = netcl.SGD([other_p], lr=0.1)
+        _scaled_backward(other, [other_p], g)
+        other.step(other_opt)
+        other.update()
+        assert other.state_dict() == dict(expected, scale=2048.0)  # the third clean step grows
+    with raises_naming(RuntimeError, "The source state dict is empty"):
+        fresh.load_state_dict({})
+
+
+def _amp_step(model, opt, scaler, x, y, path):
+    with netcl.Tape() as tape, netcl.autocast():
+        loss = F.cross_entropy(model(x), y)
+    opt.zero_grad()
+    tape.backward(scaler.scale(loss))
+    if path == "fused":
+        scaler.step(opt, max_norm=1.0)
+    else:
+        scaler.unscale_(opt)
+        netcl.clip_grad_norm(opt.params, 1.0)
+        scaler.step(opt)
+    scaler.update()
+
+
+@pytest.mark.parametrize("kind, path", [("adamw", "fused"), ("adamw", "unscale_clip"),
+                                        ("sgd", "unscale_clip")])
+def test_amp_step_makes_no_host_sync(opencl, kind, path):
+    """The Trainer's mixed-precision step, both ways it clips: no host sync at all; only
+    get_scale() reads the device."""
+    netcl.manual_seed(6)
+    model = _digits_mlp(opencl, hidden=32)
+    opt = netcl.AdamW(model.parameters(), lr=1e-3) if kind == "adamw" else \
+        netcl.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    scaler = netcl.AMPGradScaler()
+    rng = np.random.default_rng(17)
+    x = tensor(rng.standard_normal((16, 64)).astype(np.float32), opencl)
+    y = tensor(rng.integers(0, 10, 16).astype(np.int32), opencl)
+    for _ in range(3):
+        syncs = opencl.syncs
+        _amp_step(model, opt, scaler, x, y, path)
+        assert opencl.syncs == syncs
+    assert scaler.get_scale() == 65536.0
+    assert opencl.syncs == syncs + 1
+
+
+def test_amp_optimizer_launches_do_not_grow_with_parameter_count(backend):
+    """unscale_ (one pass over the flat gradients), the fused clip + step, and update: the
+    same launches for 2 parameters as for 20."""
+    counts = []
+    for layers in (1, 10):
+        netcl.manual_seed(4)
+        model = _mlp_opt(layers, backend)
+        opt = netcl.AdamW(model.parameters(), lr=1e-3)
+        scaler = netcl.AMPGradScaler()
+        x = tensor(np.ones((2, 8), np.float32), backend)
+        with netcl.Tape() as tape:
+            loss = model(x).sum()
+        tape.backward(scaler.scale(loss))
+        launches = backend.launches
+        scaler.step(opt, max_norm=1.0)
+        scaler.update()
+        counts.append(backend.launches - launches)
+    assert counts == [0, 0] if backend.backend == "cpu" else counts == [5, 5]
+
+
+def test_amp_import_paths():
+    from netcl.amp import AMPGradScaler, autocast
+    from netcl.optim import AMPGradScaler as from_optim
+    assert AMPGradScaler is from_optim is netcl.AMPGradScaler
+    assert autocast is netcl.autocast
