@@ -25,6 +25,9 @@
 #ifndef HALF_STORAGE
 #define HALF_STORAGE 0
 #endif
+#ifdef cl_khr_fp64  // double is used in one place: the loss scale's reciprocal (AMP section)
+#pragma OPENCL EXTENSION cl_khr_fp64 : enable
+#endif
 #if HALF_STORAGE
 typedef half act_t;
 #define LOAD(p, i) vload_half((i), (p))
@@ -160,52 +163,58 @@ __kernel void cast_from_act(const int n, __global const act_t* x, __global float
 // - Register prefetch: while the work-group multiplies the tile staged in local memory, each
 //   work-item already loads its share of the next tile from global memory into registers,
 //   so global-memory latency hides behind the arithmetic (+5% on the H200 at n=4096).
+// - SPLIT is a compile-time 0 or 1: only the _split kernels carry split-K's bounds. (With
+//   them in every kernel, and with the tile loads factored into helper macros, the H200 ran
+//   the 128x128 kernels at 21 instead of 28 TFLOP/s: the loads are written out on purpose.)
 #define LOAD_float(p, i) ((p)[i])
 #define LOAD_act_t(p, i) LOAD(p, i)
 #define STORE_float(p, i, v) ((p)[i] = (v))
 #define STORE_act_t(p, i, v) STORE(p, i, v)
-
-// Load l of a work-item stages element (am, ak) of the A tile and (bk, bn) of the B tile;
-// consecutive work-items take consecutive addresses of each operand's layout.
-#define TILE_COORDS(l, TILE, A_K_FAST, B_K_FAST)                                               \
-    const int e = lid + 256 * (l);                                                             \
-    const int am = A_K_FAST ? e / TILE_K : e % (TILE), ak = A_K_FAST ? e % TILE_K : e / (TILE);\
-    const int bn = B_K_FAST ? e / TILE_K : e % (TILE), bk = B_K_FAST ? e % TILE_K : e / (TILE);
-
-// Each work-item's share of the tiles starting at k = K0, into registers (zero past an edge).
-#define LOAD_TILES(K0, WPT, A_T, A_AT, A_K_FAST, B_T, B_AT, B_K_FAST)                          \
-    for (int l = 0; l < WPT; ++l) {                                                            \
-        TILE_COORDS(l, 16 * WPT, A_K_FAST, B_K_FAST)                                           \
-        a_next[l] = (row0 + am < M && (K0) + ak < k_end)                                       \
-            ? LOAD_##A_T(A, A_AT(row0 + am, (K0) + ak)) : 0.0f;                                \
-        b_next[l] = (col0 + bn < N && (K0) + bk < k_end)                                       \
-            ? LOAD_##B_T(B, B_AT((K0) + bk, col0 + bn)) : 0.0f;                                \
-    }
-
-#define GEMM(NAME, WPT, A_T, A_AT, A_K_FAST, B_T, B_AT, B_K_FAST, C_T)                         \
+#define GEMM(NAME, WPT, SPLIT, A_T, A_AT, A_K_FAST, B_T, B_AT, B_K_FAST, C_T)                  \
 __kernel __attribute__((reqd_work_group_size(16, 16, 1)))                                      \
 void NAME(const int M, const int N, const int K, const int k_chunk, const int has_bias,        \
           __global const A_T* A, __global const B_T* B, __global const float* bias,            \
           __global C_T* C) {                                                                   \
     const int TILE = 16 * WPT;                                                                 \
-    /* split-K: work-group z multiplies k in [kz, k_end) into its own (M, N) slice */          \
-    const int kz = get_group_id(2) * k_chunk, k_end = min(K, kz + k_chunk);                    \
-    C += get_group_id(2) * M * N;                                                              \
+    /* split-K: work-group z multiplies k in [k_begin, k_end) into its own slice of C */       \
+    const int k_begin = SPLIT ? get_group_id(2) * k_chunk : 0;                                 \
+    const int k_end = SPLIT ? min(K, k_begin + k_chunk) : K;                                   \
+    if (SPLIT) C += get_group_id(2) * M * N;                                                   \
     __local float As[TILE_K][16 * WPT + 4];                                                    \
     __local float Bs[TILE_K][16 * WPT + 4];                                                    \
     const int tx = get_local_id(0), ty = get_local_id(1), lid = ty * 16 + tx;                  \
     const int row0 = get_group_id(1) * TILE, col0 = get_group_id(0) * TILE;                    \
     float acc[WPT][WPT], a_next[WPT], b_next[WPT];                                             \
     for (int i = 0; i < WPT; ++i) for (int j = 0; j < WPT; ++j) acc[i][j] = 0.0f;              \
-    LOAD_TILES(kz, WPT, A_T, A_AT, A_K_FAST, B_T, B_AT, B_K_FAST)                              \
-    for (int k0 = kz; k0 < k_end; k0 += TILE_K) {                                              \
+    for (int l = 0; l < WPT; ++l) {  /* 256 work-items load TILE * 16 elements of each */      \
+        const int e = lid + 256 * l;                                                           \
+        const int am = A_K_FAST ? e / TILE_K : e % TILE, ak = A_K_FAST ? e % TILE_K : e / TILE;\
+        const int bn = B_K_FAST ? e / TILE_K : e % TILE, bk = B_K_FAST ? e % TILE_K : e / TILE;\
+        const int k = k_begin;                                                                 \
+        a_next[l] = (row0 + am < M && k + ak < k_end)                                          \
+            ? LOAD_##A_T(A, A_AT(row0 + am, k + ak)) : 0.0f;                                   \
+        b_next[l] = (col0 + bn < N && k + bk < k_end)                                          \
+            ? LOAD_##B_T(B, B_AT(k + bk, col0 + bn)) : 0.0f;                                   \
+    }                                                                                          \
+    for (int k0 = k_begin; k0 < k_end; k0 += TILE_K) {                                         \
         for (int l = 0; l < WPT; ++l) {                                                        \
-            TILE_COORDS(l, TILE, A_K_FAST, B_K_FAST)                                           \
+            const int e = lid + 256 * l;                                                       \
+            const int am = A_K_FAST ? e / TILE_K : e % TILE, ak = A_K_FAST ? e % TILE_K : e / TILE;\
+            const int bn = B_K_FAST ? e / TILE_K : e % TILE, bk = B_K_FAST ? e % TILE_K : e / TILE;\
             As[ak][am] = a_next[l];                                                            \
             Bs[bk][bn] = b_next[l];                                                            \
         }                                                                                      \
         barrier(CLK_LOCAL_MEM_FENCE);                                                          \
-        LOAD_TILES(k0 + TILE_K, WPT, A_T, A_AT, A_K_FAST, B_T, B_AT, B_K_FAST)                 \
+        const int k1 = k0 + TILE_K;                                                            \
+        for (int l = 0; l < WPT; ++l) {                                                        \
+            const int e = lid + 256 * l;                                                       \
+            const int am = A_K_FAST ? e / TILE_K : e % TILE, ak = A_K_FAST ? e % TILE_K : e / TILE;\
+            const int bn = B_K_FAST ? e / TILE_K : e % TILE, bk = B_K_FAST ? e % TILE_K : e / TILE;\
+            a_next[l] = (row0 + am < M && k1 + ak < k_end)                                     \
+                ? LOAD_##A_T(A, A_AT(row0 + am, k1 + ak)) : 0.0f;                              \
+            b_next[l] = (col0 + bn < N && k1 + bk < k_end)                                     \
+                ? LOAD_##B_T(B, B_AT(k1 + bk, col0 + bn)) : 0.0f;                              \
+        }                                                                                      \
         for (int k = 0; k < TILE_K; ++k) {                                                     \
             float a[WPT], b[WPT];                                                              \
             for (int h = 0; h < WPT / 4; ++h) {                                                \
@@ -233,12 +242,15 @@ void NAME(const int M, const int N, const int K, const int k_chunk, const int ha
 #define A_COLMAJOR(m, k) ((k) * M + (m))   // A stored (K, M): op(A) = A^T
 #define B_ROWMAJOR(k, n) ((k) * N + (n))   // B stored (K, N)
 #define B_COLMAJOR(k, n) ((n) * K + (k))   // B stored (N, K): op(B) = B^T
-GEMM(gemm_nn, 4, act_t, A_ROWMAJOR, 1, float, B_ROWMAJOR, 0, act_t)
-GEMM(gemm_nt, 4, act_t, A_ROWMAJOR, 1, float, B_COLMAJOR, 1, act_t)
-GEMM(gemm_tn, 4, float, A_COLMAJOR, 0, act_t, B_ROWMAJOR, 0, float)
-GEMM(gemm_nn_big, 8, act_t, A_ROWMAJOR, 1, float, B_ROWMAJOR, 0, act_t)
-GEMM(gemm_nt_big, 8, act_t, A_ROWMAJOR, 1, float, B_COLMAJOR, 1, act_t)
-GEMM(gemm_tn_big, 8, float, A_COLMAJOR, 0, act_t, B_ROWMAJOR, 0, float)
+GEMM(gemm_nn, 4, 0, act_t, A_ROWMAJOR, 1, float, B_ROWMAJOR, 0, act_t)
+GEMM(gemm_nt, 4, 0, act_t, A_ROWMAJOR, 1, float, B_COLMAJOR, 1, act_t)
+GEMM(gemm_tn, 4, 0, float, A_COLMAJOR, 0, act_t, B_ROWMAJOR, 0, float)
+GEMM(gemm_nn_big, 8, 0, act_t, A_ROWMAJOR, 1, float, B_ROWMAJOR, 0, act_t)
+GEMM(gemm_nt_big, 8, 0, act_t, A_ROWMAJOR, 1, float, B_COLMAJOR, 1, act_t)
+GEMM(gemm_tn_big, 8, 0, float, A_COLMAJOR, 0, act_t, B_ROWMAJOR, 0, float)
+GEMM(gemm_nn_split, 4, 1, act_t, A_ROWMAJOR, 1, float, B_ROWMAJOR, 0, act_t)
+GEMM(gemm_nt_split, 4, 1, act_t, A_ROWMAJOR, 1, float, B_COLMAJOR, 1, act_t)
+GEMM(gemm_tn_split, 4, 1, float, A_COLMAJOR, 0, act_t, B_ROWMAJOR, 0, float)
 
 // --- GEMM for CPU devices (PoCL). Local memory is slow there and wide vector loads are
 // fast, so both operands are first packed (transposing if asked, padding with zeros) into
@@ -741,13 +753,22 @@ __kernel void adam_step(const int n, const float lr, const float one_minus_beta1
 #pragma OPENCL EXTENSION cl_khr_fp64 : enable
 #endif
 
-// 1 / x rounded as PyTorch's `scale.double().reciprocal().float()`: OpenCL's float division
-// may be off by ulps, a double division is exact before its one rounding to float.
+// 1 / x rounded as PyTorch's `scale.double().reciprocal().float()`. Division is not trusted
+// here (OpenCL lets float division be off by 2.5 ulps, and a driver may lower a double one
+// to an approximation): the float estimate is refined by Newton steps on FMAs, which round
+// exactly by definition. With doubles, two steps give the reciprocal to double precision
+// before its one rounding to float; without, one step in float rounds correctly but for
+// rare ties.
 float reciprocal_as_pytorch(const float x) {
+    const float estimate = 1.0f / x;
 #ifdef cl_khr_fp64
-    return (float)(1.0 / (double)x);
+    const double xd = (double)x;
+    double r = (double)estimate;
+    r = fma(r, fma(-xd, r, 1.0), r);
+    r = fma(r, fma(-xd, r, 1.0), r);
+    return (float)r;
 #else
-    return 1.0f / x;
+    return fma(estimate, fma(-x, estimate, 1.0f), estimate);
 #endif
 }
 

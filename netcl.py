@@ -140,6 +140,10 @@ class Device:
         source = _kernel_source()
         options = ["-cl-mad-enable", "-cl-kernel-arg-info",  # never fast-relaxed: keep NaN/Inf
                    f"-DHALF_STORAGE={int(half)}"]
+        if self.cl_device.single_fp_config & cl.device_fp_config.CORRECTLY_ROUNDED_DIVIDE_SQRT:
+            # IEEE division and sqrt where the device offers them, as PyTorch computes them
+            # (OpenCL's default allows errors of 2.5 and 3 ulps)
+            options.append("-cl-fp32-correctly-rounded-divide-sqrt")
         started = time.perf_counter()
         program = cl.Program(self.context, source)
         try:
@@ -1131,11 +1135,11 @@ def _gemm(a, b, trans_a=False, trans_b=False, bias=None, half=False, out=None):
         # (float32 results only: partial sums in float16 would lose what float32 keeps).
         splits = (min(units // tiles, K // 1024)
                   if bias is None and not half and 2 * tiles <= units else 1)
-        if splits > 1:
+        if splits > 1:  # the 64x64 kernels compiled for it (big is False here)
             k_chunk = -(-K // splits // _TILE_K) * _TILE_K
             splits = -(-K // k_chunk)
             partial = _like(out, (splits, M, N))
-            a.device.launch(kernel, grid + (splits,), (16, 16, 1), M, N, K, k_chunk, 0,
+            a.device.launch(kernel + "_split", grid + (splits,), (16, 16, 1), M, N, K, k_chunk, 0,
                             a.data, b.data, None, partial.data, half=reads_half_b)
             _sum_axis_tensor(partial, 1, splits, M * N, out=out.reshape((1, M * N)))
         else:
