@@ -3259,7 +3259,8 @@ def load_idx(path):
 # pipeline of the wiki page: enqueue the forward; drain (wait, interruptibly, only for steps
 # long done, so at most a few steps are ever in flight); read metrics every metrics_stride-th
 # step; enqueue backward and the optimizer step without waiting; move on to the next batch
-# while the device works. No gc.collect(): the Tape frees the graph after backward.
+# while the device works. No garbage-collector pass per step: the Tape frees the graph
+# after backward, so buffers return to the pool by reference counting.
 
 class History(list):
     """What fit() returns: one dict per epoch (epoch, loss, accuracy, [val_loss, val_accuracy,]
@@ -3549,6 +3550,7 @@ class _Progress:
         self.total, self.started = total, time.perf_counter()
 
     def update(self, step, loss, samples_per_s):
+        """Redraw the bar for `step` with the latest loss and throughput."""
         elapsed = time.perf_counter() - self.started
         if self.total:
             done = min(step / self.total, 1.0)
@@ -3561,6 +3563,7 @@ class _Progress:
         sys.stdout.flush()
 
     def clear(self):
+        """Erase the bar, so the epoch's line prints in its place."""
         sys.stdout.write("\r\033[K")
         sys.stdout.flush()
 
