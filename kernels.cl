@@ -1,8 +1,8 @@
 // kernels.cl — every OpenCL kernel netcl runs, in OpenCL C 1.2.
 //
 // The sections follow netcl.py's order, so the two files can be read side by side:
-// autograd (gradient accumulation) -> operations (elementwise, GEMM, convolution and pooling,
-// reductions, softmax, cross-entropy, dropout) -> optimizers -> mixed precision.
+// autograd (gradient accumulation) -> operations (elementwise, GEMM, reductions, softmax,
+// cross-entropy, convolution and pooling, dropout) -> optimizers -> mixed precision.
 //
 // Conventions:
 // - Every kernel takes its sizes first, then runtime scalars, then buffers; a shape comment
@@ -40,8 +40,8 @@ typedef float act_t;
 
 // ---------------------------------------------------------------------------- autograd
 
-// dst (n) += alpha * src (n): a leaf's .grad accumulating a second backward pass (alpha 1),
-// or the Trainer summing batch losses weighted by batch size.
+// dst (n) += alpha * src (n), in place: a leaf's .grad accumulating a second backward pass,
+// a convolution's weight gradient summed over chunks, the Trainer's epoch loss.
 __kernel void accumulate(const int n, const float alpha, __global float* dst,
                          __global const float* src) {
     const int i = get_global_id(0);
@@ -155,17 +155,17 @@ __kernel void cast_from_act(const int n, __global const act_t* x, __global float
 //   h < WPT/4, so it reads its operands from local memory as float4s, and neighbouring
 //   work-items read neighbouring float4s (no bank conflicts); rows are padded by 4 floats so
 //   the k-fast stores into local memory spread over the banks.
-// WPT = 4 (64x64 tiles) keeps small products spread over many work-groups; WPT = 8 (128x128)
-// does twice the arithmetic per local-memory read, for large products. A product with few
-// tiles but a long K (a convolution's weight gradient) splits K over the grid's third
-// dimension (k_chunk); the host then sums the partial products.
-#define TILE_K 16
 // - Register prefetch: while the work-group multiplies the tile staged in local memory, each
 //   work-item already loads its share of the next tile from global memory into registers,
 //   so global-memory latency hides behind the arithmetic (+5% on the H200 at n=4096).
 // - SPLIT is a compile-time 0 or 1: only the _split kernels carry split-K's bounds. (With
 //   them in every kernel, and with the tile loads factored into helper macros, the H200 ran
 //   the 128x128 kernels at 21 instead of 28 TFLOP/s: the loads are written out on purpose.)
+// WPT = 4 (64x64 tiles) keeps small products spread over many work-groups; WPT = 8 (128x128)
+// does twice the arithmetic per local-memory read, for large products. A product with few
+// tiles but a long K (a convolution's weight gradient) splits K over the grid's third
+// dimension (k_chunk, in the _split kernels); the host then sums the partial products.
+#define TILE_K 16
 #define LOAD_float(p, i) ((p)[i])
 #define LOAD_act_t(p, i) LOAD(p, i)
 #define STORE_float(p, i, v) ((p)[i] = (v))
@@ -308,6 +308,134 @@ __kernel void gemm_packed(const int M, const int N, const int K, const int Np, c
             STORE(C, (row + r) * N + col + c, out[r][c] + (has_bias ? bias[col + c] : 0.0f));
 }
 
+// --- reductions. A reduction over one axis sees x as (outer, R, inner) and reduces R.
+// Reductions, softmax and cross-entropy read activations (act_t) and write float.
+// x (outer, R, inner) -> out (outer, inner) = scale * sum over R
+__kernel void sum_axis(const int outer, const int R, const int inner, const float scale,
+                       __global const act_t* x, __global float* out) {
+    const int i = get_global_id(0);
+    if (i >= outer * inner) return;
+    const int o = i / inner, in = i % inner;
+    __global const act_t* row = x + o * R * inner + in;
+    float acc = 0.0f;
+    for (int r = 0; r < R; ++r) acc += LOAD(row, r * inner);
+    out[i] = scale * acc;
+}
+
+// g (outer, inner) -> out (outer, R, inner) = scale * g repeated along R: sum/mean backward.
+__kernel void expand_axis(const int outer, const int R, const int inner, const float scale,
+                          __global const float* g, __global float* out) {
+    const int i = get_global_id(0);
+    if (i >= outer * R * inner) return;
+    const int in = i % inner, o = i / (R * inner);
+    out[i] = scale * g[o * inner + in];
+}
+
+// x (n) -> out (groups) = scale * partial sums, one per 256-wide work-group; run once more
+// on the partials when there is more than one group. A tree in local memory per group.
+__kernel __attribute__((reqd_work_group_size(256, 1, 1)))
+void sum_all(const int n, const float scale, __global const act_t* x, __global float* out) {
+    __local float partial[256];
+    const int lid = get_local_id(0);
+    float acc = 0.0f;
+    for (int i = get_global_id(0); i < n; i += get_global_size(0)) acc += LOAD(x, i);
+    partial[lid] = acc;
+    barrier(CLK_LOCAL_MEM_FENCE);
+    for (int stride = 128; stride > 0; stride >>= 1) {
+        if (lid < stride) partial[lid] += partial[lid + stride];
+        barrier(CLK_LOCAL_MEM_FENCE);
+    }
+    if (lid == 0) out[get_group_id(0)] = scale * partial[0];
+}
+
+// --- softmax along an axis: x (outer, R, inner) -> y, softmax or (log_mode) log-softmax.
+__kernel void softmax_axis(const int outer, const int R, const int inner, const int log_mode,
+                           __global const act_t* x, __global float* y) {
+    const int i = get_global_id(0);
+    if (i >= outer * inner) return;
+    const int base = (i / inner) * R * inner + i % inner;
+    float m = -INFINITY;
+    for (int r = 0; r < R; ++r) m = fmax(m, LOAD(x, base + r * inner));
+    float total = 0.0f;
+    for (int r = 0; r < R; ++r) total += exp(LOAD(x, base + r * inner) - m);
+    const float log_total = log(total);
+    for (int r = 0; r < R; ++r) {
+        const float shifted = LOAD(x, base + r * inner) - m;
+        y[base + r * inner] = log_mode ? shifted - log_total : exp(shifted) / total;
+    }
+}
+
+// softmax: dx = y (g - sum(g y)); log-softmax: dx = g - exp(y) sum(g). y is the forward output.
+__kernel void softmax_axis_bwd(const int outer, const int R, const int inner, const int log_mode,
+                               __global const float* g, __global const float* y,
+                               __global float* out) {
+    const int i = get_global_id(0);
+    if (i >= outer * inner) return;
+    const int base = (i / inner) * R * inner + i % inner;
+    float dot = 0.0f;
+    for (int r = 0; r < R; ++r) {
+        const int j = base + r * inner;
+        dot += log_mode ? g[j] : g[j] * y[j];
+    }
+    for (int r = 0; r < R; ++r) {
+        const int j = base + r * inner;
+        out[j] = log_mode ? g[j] - exp(y[j]) * dot : y[j] * (g[j] - dot);
+    }
+}
+
+// --- cross-entropy, fused with log-softmax. One work-item per row.
+// logits (N, C), target (N) class indices -> loss (N) = logsumexp(x) - x[target]
+__kernel void cross_entropy_index(const int N, const int C, __global const act_t* x,
+                                  __global const int* target, __global float* loss) {
+    const int r = get_global_id(0);
+    if (r >= N) return;
+    __global const act_t* row = x + r * C;
+    float m = -INFINITY;
+    for (int c = 0; c < C; ++c) m = fmax(m, LOAD(row, c));
+    float total = 0.0f;
+    for (int c = 0; c < C; ++c) total += exp(LOAD(row, c) - m);
+    loss[r] = m + log(total) - LOAD(row, target[r]);
+}
+
+// logits (N, C), target (N, C) probabilities -> loss (N) = sum_c t_c (logsumexp(x) - x_c)
+__kernel void cross_entropy_soft(const int N, const int C, __global const act_t* x,
+                                 __global const float* target, __global float* loss) {
+    const int r = get_global_id(0);
+    if (r >= N) return;
+    __global const act_t* row = x + r * C;
+    __global const float* t = target + r * C;
+    float m = -INFINITY;
+    for (int c = 0; c < C; ++c) m = fmax(m, LOAD(row, c));
+    float total = 0.0f;
+    for (int c = 0; c < C; ++c) total += exp(LOAD(row, c) - m);
+    const float lse = m + log(total);
+    float acc = 0.0f;
+    for (int c = 0; c < C; ++c) acc += t[c] * (lse - LOAD(row, c));
+    loss[r] = acc;
+}
+
+// dx (N, C) = g_r (softmax(x) sum_c t_c - t), g_r = scale * g[r * g_stride]: g_stride is 0
+// when the loss was reduced to a scalar, 1 for reduction="none". Index targets are one-hot.
+__kernel void cross_entropy_bwd(const int N, const int C, const int g_stride, const float scale,
+                                const int soft, __global const float* g, __global const act_t* x,
+                                __global const int* index, __global const float* target,
+                                __global float* out) {
+    const int r = get_global_id(0);
+    if (r >= N) return;
+    __global const act_t* row = x + r * C;
+    float m = -INFINITY;
+    for (int c = 0; c < C; ++c) m = fmax(m, LOAD(row, c));
+    float total = 0.0f;
+    for (int c = 0; c < C; ++c) total += exp(LOAD(row, c) - m);
+    float mass = 1.0f;
+    if (soft) { mass = 0.0f; for (int c = 0; c < C; ++c) mass += target[r * C + c]; }
+    const float g_r = scale * g[r * g_stride];
+    for (int c = 0; c < C; ++c) {
+        const float t = soft ? target[r * C + c] : (c == index[r] ? 1.0f : 0.0f);
+        out[r * C + c] = g_r * (exp(LOAD(row, c) - m) / total * mass - t);
+    }
+}
+
 // --- convolution and pooling on NCHW images. Every kernel takes the window geometry in this
 // order: input plane (H, W), kernel (R, S), stride (SH, SW), padding (PH, PW) on each side,
 // output plane (OH, OW). Backward kernels gather: one work-item per input pixel sums the
@@ -447,134 +575,6 @@ __kernel void avg_pool2d_bwd(const int planes, WINDOW_ARGS, __global const float
     for (int oh = oh_lo; oh <= oh_hi; ++oh)
         for (int ow = ow_lo; ow <= ow_hi; ++ow) acc += g[base + oh * OW + ow];
     dx[i] = acc / (float)(R * S);
-}
-
-// --- reductions. A reduction over one axis sees x as (outer, R, inner) and reduces R.
-// Reductions, softmax and cross-entropy read activations (act_t) and write float.
-// x (outer, R, inner) -> out (outer, inner) = scale * sum over R
-__kernel void sum_axis(const int outer, const int R, const int inner, const float scale,
-                       __global const act_t* x, __global float* out) {
-    const int i = get_global_id(0);
-    if (i >= outer * inner) return;
-    const int o = i / inner, in = i % inner;
-    __global const act_t* row = x + o * R * inner + in;
-    float acc = 0.0f;
-    for (int r = 0; r < R; ++r) acc += LOAD(row, r * inner);
-    out[i] = scale * acc;
-}
-
-// g (outer, inner) -> out (outer, R, inner) = scale * g repeated along R: sum/mean backward.
-__kernel void expand_axis(const int outer, const int R, const int inner, const float scale,
-                          __global const float* g, __global float* out) {
-    const int i = get_global_id(0);
-    if (i >= outer * R * inner) return;
-    const int in = i % inner, o = i / (R * inner);
-    out[i] = scale * g[o * inner + in];
-}
-
-// x (n) -> out (groups) = scale * partial sums, one per 256-wide work-group; run once more
-// on the partials when there is more than one group. A tree in local memory per group.
-__kernel __attribute__((reqd_work_group_size(256, 1, 1)))
-void sum_all(const int n, const float scale, __global const act_t* x, __global float* out) {
-    __local float partial[256];
-    const int lid = get_local_id(0);
-    float acc = 0.0f;
-    for (int i = get_global_id(0); i < n; i += get_global_size(0)) acc += LOAD(x, i);
-    partial[lid] = acc;
-    barrier(CLK_LOCAL_MEM_FENCE);
-    for (int stride = 128; stride > 0; stride >>= 1) {
-        if (lid < stride) partial[lid] += partial[lid + stride];
-        barrier(CLK_LOCAL_MEM_FENCE);
-    }
-    if (lid == 0) out[get_group_id(0)] = scale * partial[0];
-}
-
-// --- softmax along an axis: x (outer, R, inner) -> y, softmax or (log_mode) log-softmax.
-__kernel void softmax_axis(const int outer, const int R, const int inner, const int log_mode,
-                           __global const act_t* x, __global float* y) {
-    const int i = get_global_id(0);
-    if (i >= outer * inner) return;
-    const int base = (i / inner) * R * inner + i % inner;
-    float m = -INFINITY;
-    for (int r = 0; r < R; ++r) m = fmax(m, LOAD(x, base + r * inner));
-    float total = 0.0f;
-    for (int r = 0; r < R; ++r) total += exp(LOAD(x, base + r * inner) - m);
-    const float log_total = log(total);
-    for (int r = 0; r < R; ++r) {
-        const float shifted = LOAD(x, base + r * inner) - m;
-        y[base + r * inner] = log_mode ? shifted - log_total : exp(shifted) / total;
-    }
-}
-
-// softmax: dx = y (g - sum(g y)); log-softmax: dx = g - exp(y) sum(g). y is the forward output.
-__kernel void softmax_axis_bwd(const int outer, const int R, const int inner, const int log_mode,
-                               __global const float* g, __global const float* y,
-                               __global float* out) {
-    const int i = get_global_id(0);
-    if (i >= outer * inner) return;
-    const int base = (i / inner) * R * inner + i % inner;
-    float dot = 0.0f;
-    for (int r = 0; r < R; ++r) {
-        const int j = base + r * inner;
-        dot += log_mode ? g[j] : g[j] * y[j];
-    }
-    for (int r = 0; r < R; ++r) {
-        const int j = base + r * inner;
-        out[j] = log_mode ? g[j] - exp(y[j]) * dot : y[j] * (g[j] - dot);
-    }
-}
-
-// --- cross-entropy, fused with log-softmax. One work-item per row.
-// logits (N, C), target (N) class indices -> loss (N) = logsumexp(x) - x[target]
-__kernel void cross_entropy_index(const int N, const int C, __global const act_t* x,
-                                  __global const int* target, __global float* loss) {
-    const int r = get_global_id(0);
-    if (r >= N) return;
-    __global const act_t* row = x + r * C;
-    float m = -INFINITY;
-    for (int c = 0; c < C; ++c) m = fmax(m, LOAD(row, c));
-    float total = 0.0f;
-    for (int c = 0; c < C; ++c) total += exp(LOAD(row, c) - m);
-    loss[r] = m + log(total) - LOAD(row, target[r]);
-}
-
-// logits (N, C), target (N, C) probabilities -> loss (N) = sum_c t_c (logsumexp(x) - x_c)
-__kernel void cross_entropy_soft(const int N, const int C, __global const act_t* x,
-                                 __global const float* target, __global float* loss) {
-    const int r = get_global_id(0);
-    if (r >= N) return;
-    __global const act_t* row = x + r * C;
-    __global const float* t = target + r * C;
-    float m = -INFINITY;
-    for (int c = 0; c < C; ++c) m = fmax(m, LOAD(row, c));
-    float total = 0.0f;
-    for (int c = 0; c < C; ++c) total += exp(LOAD(row, c) - m);
-    const float lse = m + log(total);
-    float acc = 0.0f;
-    for (int c = 0; c < C; ++c) acc += t[c] * (lse - LOAD(row, c));
-    loss[r] = acc;
-}
-
-// dx (N, C) = g_r (softmax(x) sum_c t_c - t), g_r = scale * g[r * g_stride]: g_stride is 0
-// when the loss was reduced to a scalar, 1 for reduction="none". Index targets are one-hot.
-__kernel void cross_entropy_bwd(const int N, const int C, const int g_stride, const float scale,
-                                const int soft, __global const float* g, __global const act_t* x,
-                                __global const int* index, __global const float* target,
-                                __global float* out) {
-    const int r = get_global_id(0);
-    if (r >= N) return;
-    __global const act_t* row = x + r * C;
-    float m = -INFINITY;
-    for (int c = 0; c < C; ++c) m = fmax(m, LOAD(row, c));
-    float total = 0.0f;
-    for (int c = 0; c < C; ++c) total += exp(LOAD(row, c) - m);
-    float mass = 1.0f;
-    if (soft) { mass = 0.0f; for (int c = 0; c < C; ++c) mass += target[r * C + c]; }
-    const float g_r = scale * g[r * g_stride];
-    for (int c = 0; c < C; ++c) {
-        const float t = soft ? target[r * C + c] : (c == index[r] ? 1.0f : 0.0f);
-        out[r * C + c] = g_r * (exp(LOAD(row, c) - m) / total * mass - t);
-    }
 }
 
 // --- dropout. The keep mask is a hash of (seed, i), so backward recomputes it instead of
@@ -749,10 +749,6 @@ __kernel void adam_step(const int n, const float lr, const float one_minus_beta1
 // during training: the optimizer kernels read found_inf to skip, amp_update_scale reads
 // found_inf_any to back off or grow.
 
-#ifdef cl_khr_fp64
-#pragma OPENCL EXTENSION cl_khr_fp64 : enable
-#endif
-
 // 1 / x rounded as PyTorch's `scale.double().reciprocal().float()`. Division is not trusted
 // here (OpenCL lets float division be off by 2.5 ulps, and a driver may lower a double one
 // to an approximation): the float estimate is refined by Newton steps on FMAs, which round
@@ -773,7 +769,8 @@ float reciprocal_as_pytorch(const float x) {
 }
 
 // aten's _amp_foreach_non_finite_check_and_unscale_ on g (n): g *= 1 / scale[0] in place, and
-// any inf or NaN sets found_inf and found_inf_any (zeroed beforehand by the host's queue).
+// any inf or NaN sets found_inf (zeroed beforehand by the host's queue) and found_inf_any
+// (zeroed by amp_update_scale).
 // The check tests each value, not a sum of squares, which could overflow from finite values.
 // Work-items stride over g; one that saw a non-finite value sets the flags with atomic_or
 // (several may: the result is the same).

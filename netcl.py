@@ -6,7 +6,8 @@ from PyTorch. This file is the whole library; `kernels.cl` beside it holds every
 sections that mirror the ones below. Read it top to bottom:
 
     device & kernels -> BufferPool -> Tensor -> autograd (Node, Tape) -> operations
-    -> nn modules -> optimizers -> mixed precision -> the import aliases (netcl.nn, ...)
+    -> nn modules -> optimizers -> mixed precision -> data -> Trainer
+    -> the import aliases (netcl.nn, netcl.optim, netcl.trainer, ...)
 
 A training step:
 
@@ -128,7 +129,8 @@ class Device:
             if not self._uploads:
                 break
 
-    # --- kernels: one program per context, one pyopencl.Kernel object per kernel name.
+    # --- kernels: one program per build (float32, float16 storage) and context, one
+    # pyopencl.Kernel object per kernel name.
     # Fetching `program.name` creates a new Kernel object each time (~100 µs on a GPU), so
     # every kernel is created once here, with its scalar argument types preset.
     # kernels.cl is built twice from the same source: HALF_STORAGE=0 for float32 activations,
@@ -303,7 +305,7 @@ def _device_of(queue=None):
 def _bucket(nbytes):
     if nbytes <= 256:
         return 256
-    step = 1 << max((nbytes - 1).bit_length() - 3, 0)  # a quarter of the next power of two
+    step = 1 << max((nbytes - 1).bit_length() - 3, 0)  # a quarter of the octave nbytes is in
     return -(-nbytes // step) * step
 
 
@@ -503,7 +505,10 @@ def _check_dtype(dtype, device):
 
 
 def _resolve_shape(op, old_shape, shape):
-    shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(int(s) for s in shape)
+    shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
+    if not all(isinstance(s, (int, np.integer)) and not isinstance(s, bool) for s in shape):
+        raise ValueError(f"{op}: shape must be integers, got {shape}")
+    shape = tuple(int(s) for s in shape)
     size = math.prod(old_shape)
     if shape.count(-1) > 1 or any(s < -1 for s in shape):
         raise ValueError(f"{op}: invalid shape {shape} (at most one -1, no other negatives)")
@@ -866,7 +871,7 @@ def _erf(x):
 
 
 _UNARY = {  # name: (forward on x, gradient from (g, s, alpha), s is "x" or "y")
-    "neg": (lambda x, a: -x, lambda g, s, a: -g, None),
+    "neg": (lambda x, a: -x, None, None),  # its backward is neg itself (_unary)
     "relu": (lambda x, a: np.maximum(x, 0),  # np.maximum keeps NaN, as PyTorch
              lambda g, s, a: g * ~(s <= 0), "y"),  # gated on y, as PyTorch: NaN passes g
     "leaky_relu": (lambda x, a: np.where(x > 0, x, x * a),
@@ -931,6 +936,8 @@ def relu(x):
 
 def leaky_relu(x, negative_slope=0.01):
     """x where x > 0, else negative_slope * x."""
+    if not _is_scalar(negative_slope):
+        raise ValueError(f"leaky_relu: negative_slope must be a number, got {negative_slope!r}")
     return _unary("leaky_relu", x, float(negative_slope))
 
 
@@ -1339,6 +1346,8 @@ def reduce_mean(x, axis=None, keepdims=False):
 # --- softmax and losses -----------------------------------------------------------------------
 
 def _softmax(op, x, axis, log_mode):
+    if not isinstance(axis, (int, np.integer)) or isinstance(axis, bool):
+        raise ValueError(f"{op}: axis must be a single int, got {axis!r}")
     (x,) = _nodes(op, x)
     (a,) = _axes(op, x.shape, axis) or (0,)
     shape = x.shape or (1,)
@@ -1565,7 +1574,7 @@ def conv2d(x, w, b=None, stride=1, padding=0):
     X, weight, bias = x.value, w.value, None if b is None else b.value
     weight_rows = weight.reshape((K, C * R * S))  # a view: the GEMM's left operand
     # im2col on the whole batch at once (fewer launches), in chunks of samples if too large.
-    per_chunk = max(1, _IM2COL_BYTES // max(1, C * R * S * L * X.dtype.itemsize))
+    per_chunk = max(1, _IM2COL_BYTES // max(1, C * R * S * L * 4))  # columns are float32
     chunks = [(n0, min(per_chunk, N - n0)) for n0 in range(0, N, per_chunk)]
 
     half = _half_activations(X.device)
@@ -2129,7 +2138,7 @@ class SGD(Optimizer):
 # maximum, so the norm is ready in device memory without the host ever reading it.
 
 def _norm_groups(n):
-    """Work-groups for the partials of n elements: 4096+ elements each, 256 groups at most."""
+    """Work-groups for the partials of n elements: about 4096 elements each, 256 at most."""
     return min(max(-(-n // 4096), 1), 256)
 
 
@@ -2160,6 +2169,11 @@ def _total_norm(partials, norm_type):
     return partials.sum() ** (1.0 / norm_type)
 
 
+def _check_max_norm(where, max_norm):
+    if not _is_scalar(max_norm) or not max_norm >= 0:
+        raise ValueError(f"{where}: max_norm must be a number >= 0, got {max_norm!r}")
+
+
 def clip_grad_norm(params, max_norm, norm_type=2.0, error_if_nonfinite=False):
     """Scale the gradients of `params` in place so that their global norm is at most max_norm,
     and return the norm they had: a device scalar (a Tensor of shape ()) that float() reads.
@@ -2172,6 +2186,7 @@ def clip_grad_norm(params, max_norm, norm_type=2.0, error_if_nonfinite=False):
     are multiplied all the same and become non-finite (Adam.step(max_norm=...) is what skips).
     """
     params = [params] if isinstance(params, Node) else list(params)
+    _check_max_norm("clip_grad_norm", max_norm)
     max_norm, norm_type = float(max_norm), float(norm_type)
     if not norm_type > 0:
         raise ValueError(f"clip_grad_norm: norm_type must be positive or inf, got {norm_type}")
@@ -2310,6 +2325,8 @@ class Adam(Optimizer):
     def step(self, max_norm=None):
         """Update every parameter that has a gradient; with max_norm, clip the gradients'
         global 2-norm to it first (in registers: .grad is not changed)."""
+        if max_norm is not None:
+            _check_max_norm(f"{type(self).__name__}.step", max_norm)
         runs = self._runs()
         if not runs:
             return
@@ -2427,7 +2444,7 @@ class Adam(Optimizer):
         if len(group["params"]) != len(self.params):
             raise ValueError(f"{name}: the state is for {len(group['params'])} parameters, the "
                              f"optimizer has {len(self.params)}")
-        _check_hyperparameter("learning rate", group["lr"])
+        _check_hyperparameter("learning rate", group["lr"], name="lr")
         moments, steps = {}, [0]
         for i, entry in state["state"].items():
             i = int(i)
@@ -2606,7 +2623,7 @@ class AMPGradScaler:
             if not 0.0 < backoff_factor < 1.0:
                 raise ValueError(f"The backoff factor must be < 1.0 (and > 0), got "
                                  f"{backoff_factor!r}")
-            if not (math.isfinite(init_scale) and init_scale > 0):
+            if not (_is_scalar(init_scale) and math.isfinite(init_scale) and init_scale > 0):
                 raise ValueError(f"init_scale must be positive and finite, got {init_scale!r}")
             _check_positive_int("growth_interval", growth_interval)
         self._init_scale = float(init_scale)

@@ -3848,3 +3848,26 @@ def test_amp_import_paths():
     from netcl.optim import AMPGradScaler as from_optim
     assert AMPGradScaler is from_optim is netcl.AMPGradScaler
     assert autocast is netcl.autocast
+
+
+def test_bad_numeric_arguments_raise_value_error(backend):
+    x = param(np.ones((2, 3)), backend)
+    with netcl.Tape() as tape:
+        loss = (x * 2.0).sum()
+    tape.backward(loss)
+    opt = netcl.AdamW([x], lr=0.1)
+    before = host(x)
+    for bad in (-1.0, "1"):
+        with raises_naming(ValueError, "max_norm", str(bad)):
+            opt.step(max_norm=bad)  # a negative max_norm would reverse the update
+        with raises_naming(ValueError, "max_norm"):
+            netcl.clip_grad_norm([x], bad)
+    np.testing.assert_array_equal(host(x), before)
+    with raises_naming(ValueError, "reshape", "2.5"):
+        F.reshape(x, (2.5, 2))
+    with raises_naming(ValueError, "softmax", "axis"):
+        F.softmax(x, axis=(0, 1))
+    with raises_naming(ValueError, "negative_slope"):
+        F.leaky_relu(x, "0.1")
+    with raises_naming(ValueError, "init_scale"):
+        netcl.AMPGradScaler(init_scale="big")
