@@ -91,6 +91,8 @@ class Device:
         self.syncs = 0
         self._kernels = {}          # kernels.cl built for float32 activations
         self._half_kernels = None   # built for float16 storage, on the first call that needs it
+        self._tensor_cores = False  # decided by the half build's probe (NVIDIA devices only)
+        self._autocast_notice = False
         if backend == "cpu":
             self.queue = _CpuQueue(self)
             self.context = None
@@ -105,6 +107,12 @@ class Device:
             # where local memory is slow and wide vector loads are fast (PERF-NOTES).
             self.gemm = "packed" if cl_device.type & cl.device_type.CPU else "tiled"
             self.compute_units = cl_device.max_compute_units
+            # Inline PTX reaches NVIDIA's tensor cores; elsewhere it would not even build.
+            # None: not probed yet (the probe is part of the first half build).
+            if "NVIDIA" in cl_device.platform.name.upper() and \
+                    os.environ.get("NETCL_TENSOR_CORES", "1") != "0":
+                self._tensor_cores = None
+            self._has_fp16 = "cl_khr_fp16" in cl_device.extensions
             self._kernels = self._build_program(half=False)
 
     def __repr__(self):
@@ -136,12 +144,61 @@ class Device:
     # kernels.cl is built twice from the same source: HALF_STORAGE=0 for float32 activations,
     # HALF_STORAGE=1 for float16 storage (autocast), where the buffers a kernel marks act_t
     # hold halfs. The same names, the same arguments; launch(..., half=True) picks the second.
-    def _build_program(self, half):
-        """kernels.cl built for float32 (half=False) or float16-storage activations, as
-        {kernel name: pyopencl.Kernel}."""
+    @property
+    def tensor_cores(self):
+        """Whether products under autocast run on tensor cores (NVIDIA, through inline PTX),
+        decided once per device by a probe; NETCL_TENSOR_CORES=0 turns them off."""
+        if self._tensor_cores is None:
+            self._half_program()
+        return self._tensor_cores
+
+    @property
+    def autocast_half(self):
+        """Whether autocast stores activations as float16 here: where tensor cores or half
+        arithmetic (cl_khr_fp16) make it pay. Elsewhere (PoCL, for one) each float16 value
+        costs a conversion on every load and store, which made steps slower than float32."""
+        return self.backend == "opencl" and (self.tensor_cores or self._has_fp16)
+
+    def _half_program(self):
+        """The float16-storage build, made on first use. On a device that may have tensor
+        cores it is first built with them and trusted only if the probe kernel computes one
+        16x8x16 product right; any failure means the portable build, silently."""
+        if self._half_kernels is None:
+            kernels = None
+            if self._tensor_cores is None:
+                try:
+                    kernels = self._build_program(half=True, tensor_cores=True)
+                    self._tensor_cores = self._probe_tensor_cores(kernels)
+                except RuntimeError:
+                    self._tensor_cores = False
+                if not self._tensor_cores:
+                    kernels = None
+            self._half_kernels = kernels or self._build_program(half=True)
+        return self._half_kernels
+
+    def _probe_tensor_cores(self, kernels):
+        rng = np.random.default_rng(0)
+        a = rng.standard_normal((16, 16)).astype(np.float16)
+        b = rng.standard_normal((16, 8)).astype(np.float16)
+        flags = cl.mem_flags.READ_ONLY | cl.mem_flags.COPY_HOST_PTR
+        a_buf = cl.Buffer(self.context, flags, hostbuf=a.view(np.uint32))
+        bt_buf = cl.Buffer(self.context, flags, hostbuf=np.ascontiguousarray(b.T).view(np.uint32))
+        d = np.zeros((16, 8), np.float32)
+        d_buf = cl.Buffer(self.context, cl.mem_flags.WRITE_ONLY, d.nbytes)
+        try:
+            kernels["tensor_core_probe"](self.queue, (32,), (32,), a_buf, bt_buf, d_buf)
+            cl.enqueue_copy(self.queue, d, d_buf, is_blocking=True)  # a sync, once per device
+        except cl.Error:
+            return False
+        expected = a.astype(np.float32) @ b.astype(np.float32)
+        return bool(np.allclose(d, expected, rtol=1e-3, atol=1e-3))
+
+    def _build_program(self, half, tensor_cores=False):
+        """kernels.cl built for float32 (half=False) or float16-storage activations (with
+        the tensor-core kernels if asked), as {kernel name: pyopencl.Kernel}."""
         source = _kernel_source()
         options = ["-cl-mad-enable", "-cl-kernel-arg-info",  # never fast-relaxed: keep NaN/Inf
-                   f"-DHALF_STORAGE={int(half)}"]
+                   f"-DHALF_STORAGE={int(half)}", f"-DTENSOR_CORES={int(tensor_cores)}"]
         if self.cl_device.single_fp_config & cl.device_fp_config.CORRECTLY_ROUNDED_DIVIDE_SQRT:
             # IEEE division and sqrt where the device offers them, as PyTorch computes them
             # (OpenCL's default allows errors of 2.5 and 3 ulps)
@@ -169,9 +226,7 @@ class Device:
         """Enqueue kernel `name`; global sizes are rounded up to multiples of the local size.
         half=True runs the float16-storage build: the buffers the kernel marks act_t are halfs."""
         global_size = tuple(-(-g // l) * l for g, l in zip(global_size, local_size))
-        if half and self._half_kernels is None:
-            self._half_kernels = self._build_program(half=True)
-        kernels = self._half_kernels if half else self._kernels
+        kernels = self._half_program() if half else self._kernels
         kernels[name](self.queue, global_size, local_size, *args)
         self.launches += 1
         if DEBUG >= 2:  # a deliberate sync per launch, to time each kernel
@@ -636,22 +691,29 @@ class Tape:
             # block closed. Its backward runs first, then the tape's, and it is freed with them.
             self._nodes.append(loss)
         grads = {id(loss): grad}
+        nodes = self._nodes
         try:
             if loss._backward is None:  # the loss is itself a leaf
                 _accumulate_grad(loss, grad)
-            for node in reversed(self._nodes):
+            while nodes:
+                # Taken off the tape as it is reached, and its closure dropped once it has
+                # run: what only this node's backward needed (saved inputs, a float16 weight
+                # copy) goes back to the pool now, not after the whole pass.
+                node = nodes.pop()
                 g = grads.pop(id(node), None)  # pop: the gradient is freed once consumed
-                if g is None:
-                    continue
-                for parent, parent_grad in zip(node._parents, node._backward(g)):
-                    if parent_grad is None or not parent.requires_grad:
-                        continue
-                    if parent._backward is None:
-                        _accumulate_grad(parent, parent_grad)
-                    elif id(parent) in grads:
-                        grads[id(parent)] = _add_tensors(grads[id(parent)], parent_grad)
-                    else:
-                        grads[id(parent)] = parent_grad
+                if g is not None:
+                    for parent, parent_grad in zip(node._parents, node._backward(g)):
+                        if parent_grad is None or not parent.requires_grad:
+                            continue
+                        if parent._backward is None:
+                            _accumulate_grad(parent, parent_grad)
+                        elif id(parent) in grads:
+                            grads[id(parent)] = _add_tensors(grads[id(parent)], parent_grad)
+                        else:
+                            grads[id(parent)] = parent_grad
+                node._parents = node._backward = None
+                node.requires_grad = False  # an intermediate value, now a constant
+                del node, g
         finally:
             self._free()
 
@@ -821,9 +883,16 @@ def _grid(n):
 #   float32 (_compute_dtype).
 
 def _half_activations(device):
-    """Whether matmul, linear and conv2d write float16 storage: inside autocast, on OpenCL
-    (on the NumPy backend autocast does nothing)."""
-    return _autocast_enabled[-1] and device.backend == "opencl"
+    """Whether matmul, linear and conv2d write float16 storage: inside autocast, on an
+    OpenCL device where it pays (Device.autocast_half; elsewhere a notice, once, says the
+    device trains in float32). On the NumPy backend autocast does nothing."""
+    if not _autocast_enabled[-1] or device.backend != "opencl":
+        return False
+    if not device.autocast_half and not device._autocast_notice:
+        device._autocast_notice = True
+        print(f"netcl: autocast keeps float32 on {device.name}: without tensor cores or half "
+              f"arithmetic, float16 storage would make steps slower", file=sys.stderr)
+    return device.autocast_half
 
 
 def _compute_dtype(dtype):
@@ -845,6 +914,11 @@ def _cast(x, dtype):
 def _float32(x):
     """x itself, or a float32 copy if it is float16 storage."""
     return _cast(x, np.float32) if x.dtype == np.float16 else x
+
+
+def _half_operand(x):
+    """x in float16 storage (a copy, rounded, unless it already is): a tensor-core operand."""
+    return x if x.dtype == np.float16 else _cast(x, np.float16)
 
 
 def _to_float32(x):
@@ -1087,6 +1161,31 @@ def div(a, b):
 
 # --- matrix products -------------------------------------------------------------------------
 
+# kernels.cl's tensor-core blocks: (rows, columns, work-items) of the large and small one.
+_TC_LARGE, _TC_SMALL = (128, 128, 256), (128, 64, 128)
+
+
+def _tensor_core_gemm(a, b, trans_a, trans_b, bias, out):
+    """Run _gemm's product on tensor cores if it can: both operands in float16 storage, a
+    device whose probe passed, and the contiguous dimension of each operand a multiple of 8
+    (kernels.cl copies 8 halves at a time). Returns whether it did."""
+    M, K = (a.shape[1], a.shape[0]) if trans_a else a.shape
+    N = b.shape[0] if trans_b else b.shape[1]
+    if not (a.dtype == b.dtype == np.float16 and a.device.tensor_cores and not
+            (trans_a and trans_b) and (M if trans_a else K) % 8 == 0 and
+            (K if trans_b else N) % 8 == 0):
+        return False
+    # The large block when its blocks alone fill every compute unit twice over.
+    large = -(-M // 128) * -(-N // 128) >= 2 * a.device.compute_units
+    rows, cols, threads = _TC_LARGE if large else _TC_SMALL
+    layout = "tn" if trans_a else "nt" if trans_b else "nn"
+    kernel = f"gemm_tc_{layout}_{'h' if out.dtype == np.float16 else 'f'}_{'l' if large else 's'}"
+    a.device.launch(kernel, (-(-N // cols) * threads, -(-M // rows)), (threads, 1), M, N, K,
+                    int(bias is not None), a.data, b.data, None if bias is None else bias.data,
+                    out.data, half=True)
+    return True
+
+
 def _gemm(a, b, trans_a=False, trans_b=False, bias=None, half=False, out=None):
     """C (M, N) = op(a) @ op(b) [+ bias (N)]; op transposes when asked, without a copy.
 
@@ -1094,7 +1193,8 @@ def _gemm(a, b, trans_a=False, trans_b=False, bias=None, half=False, out=None):
     (a float32 a, the network's input say, is rounded to it first), accumulating in float32.
     Otherwise C is float32. An operand in float16 storage (a value the forward kept) is read
     as such where the kernel takes it, and widened to float32 first where it does not.
-    `out`, if given, is the (M, N) tensor to write.
+    `out`, if given, is the (M, N) tensor to write. With both operands in float16 storage on
+    a device with tensor cores, the product runs there (_tensor_core_gemm).
     """
     M, K = (a.shape[1], a.shape[0]) if trans_a else a.shape
     N = b.shape[0] if trans_b else b.shape[1]
@@ -1124,7 +1224,7 @@ def _gemm(a, b, trans_a=False, trans_b=False, bias=None, half=False, out=None):
         a.device.launch("gemm_packed", (Np // 16, Mp // 4), (8, 1), M, N, K, Np,
                         int(bias is not None), A.data, B.data,
                         bias.data if bias is not None else None, out.data, half=half)
-    elif M and N:
+    elif M and N and not _tensor_core_gemm(a, b, trans_a, trans_b, bias, out):
         # The half build's tiled kernels read float16 where autocast leaves it (kernels.cl):
         # gemm_nn and gemm_nt take a (and write C) in float16, for the forward products, and
         # gemm_tn takes b, for linear's weight gradient g^T x. Other float16 operands widen.
@@ -1172,9 +1272,16 @@ def matmul(a, b):
         raise ValueError(f"matmul: shapes {a.shape} and {b.shape} do not align "
                          f"({a2.shape[1]} != {b2.shape[0]})")
     A, B = a2.value, b2.value
-    out = _record(_gemm(A, B, half=_half_activations(A.device)), (a2, b2),
-                  lambda g: (_gemm(g, B, trans_b=True) if a2.requires_grad else None,
-                             _gemm(A, g, trans_a=True) if b2.requires_grad else None))
+    half = _half_activations(A.device)
+    if half and A.device.tensor_cores:  # float16 operands: every product on the tensor cores
+        A, B = _half_operand(A), _half_operand(B)
+
+    def backward(g):
+        if A.dtype == B.dtype == np.float16:
+            g = _half_operand(g)
+        return (_gemm(g, B, trans_b=True) if a2.requires_grad else None,
+                _gemm(A, g, trans_a=True) if b2.requires_grad else None)
+    out = _record(_gemm(A, B, half=half), (a2, b2), backward)
     out_shape = a.shape[:-1] + b.shape[1:]
     return out if out.shape == out_shape else reshape(out, out_shape)
 
@@ -1191,8 +1298,16 @@ def linear(x, w, b=None):
         raise ValueError(f"linear: bias shape {b.shape} != ({w.shape[0]},) for weight {w.shape}")
     x2 = x if len(x.shape) == 2 else reshape(x, (-1, x.shape[-1]))
     X, W = x2.value, w.value
+    half = _half_activations(X.device)
+    # On tensor cores every product takes float16 operands: x rounded as autocast's other
+    # devices do, and a float16 copy of the weight, kept for backward.
+    tensor_cores = half and X.device.tensor_cores
+    if tensor_cores:
+        X, W = _half_operand(X), _half_operand(W)
 
     def backward(g):  # only the gradients somebody needs (the input's usually is not)
+        if tensor_cores:
+            g = _half_operand(g)
         grads = [_gemm(g, W) if x2.requires_grad else None]                    # dx = g W
         slot = _grad_slot(w)                                                   # dW = g^T x
         if slot is not None:
@@ -1207,8 +1322,7 @@ def linear(x, w, b=None):
                          _sum_axis_tensor(g, 1, g.shape[0], g.shape[1]).reshape(b.shape)
                          if b.requires_grad else None)
         return grads
-    out = _record(_gemm(X, W, trans_b=True, bias=None if b is None else b.value,
-                        half=_half_activations(X.device)),
+    out = _record(_gemm(X, W, trans_b=True, bias=None if b is None else b.value, half=half),
                   (x2, w) + ((b,) if b is not None else ()), backward)
     return out if len(x.shape) == 2 else reshape(out, x.shape[:-1] + (w.shape[0],))
 
@@ -1272,6 +1386,17 @@ def _axes(op, shape, axis):
     return tuple(sorted(normalised)) if shape else ()
 
 
+def _sum_chunks(columns, R, compute_units):
+    """Into how many chunks sum_axis splits R: one work-item per column leaves most compute
+    units idle when the columns are few and long, so R is cut into equal chunks (a power of
+    two dividing R, at least 64 long) until there are 8 work-groups' worth per unit."""
+    chunks = 1
+    while columns * chunks < 8 * 256 * compute_units and R % (2 * chunks) == 0 \
+            and R // (2 * chunks) >= 64:
+        chunks *= 2
+    return chunks
+
+
 def _sum_axis_tensor(x, outer, R, inner, scale=1.0, out=None):
     """x seen as (outer, R, inner) -> (outer, inner), scale * sum over R (float32 for float16;
     into `out` if given)."""
@@ -1286,12 +1411,19 @@ def _sum_axis_tensor(x, outer, R, inner, scale=1.0, out=None):
             cl.enqueue_fill_buffer(x.device.queue, out.data,
                                    np.float32(0.0 if scale == scale else scale), 0, out.nbytes)
             return out
+        chunks = _sum_chunks(outer * inner, R, x.device.compute_units)
         if outer * inner == 1 and R > 4096:  # one long sum: in parallel, then the partials
             groups = min(-(-R // 4096), 256)
             partial = _like(out, (groups,))
             x.device.launch("sum_all", (groups * 256,), (256,), R, 1.0, x.data, partial.data,
                             half=half)
             x.device.launch("sum_all", (256,), (256,), groups, scale, partial.data, out.data)
+        elif chunks > 1:  # few long columns (a bias gradient): sum chunks of R, then those
+            partial = _like(out, (outer * chunks, inner))
+            x.device.launch("sum_axis", *_grid(partial.size), outer * chunks, R // chunks,
+                            inner, 1.0, x.data, partial.data, half=half)
+            x.device.launch("sum_axis", *_grid(out.size), outer, chunks, inner, scale,
+                            partial.data, out.data)
         else:
             x.device.launch("sum_axis", *_grid(outer * inner), outer, R, inner, scale,
                             x.data, out.data, half=half)

@@ -3260,6 +3260,18 @@ AMP_SETTINGS = settings(max_examples=20, deadline=None,
 HALF_RTOL, HALF_ATOL = 2.0 ** -11 + 1e-6, 2.0 ** -25
 
 
+@pytest.fixture
+def portable_half(opencl, monkeypatch):
+    """autocast's float16 storage through the portable kernels, on any OpenCL device. A device
+    with neither tensor cores nor half arithmetic (PoCL) keeps float32 under autocast, and the
+    tensor cores round the weights to float16 as well, so the tests of float16 storage itself
+    pretend to half arithmetic and switch the tensor cores off."""
+    opencl._half_program()  # probe first, so the patch below outlives no decision
+    monkeypatch.setattr(opencl, "_tensor_cores", False)
+    monkeypatch.setattr(opencl, "_has_fp16", True)
+    return opencl
+
+
 def _assert_rounded_from(out, exact, what=""):
     """out (float16) is `exact` (float64) rounded to float16, up to float32 arithmetic."""
     assert out.dtype == np.float16, f"{what}: {out.dtype}"
@@ -3374,6 +3386,7 @@ def test_mixed_float16_and_float32_operands_compute_in_float32(opencl):
 
 @pytest.mark.parametrize("gemm", ["packed", "tiled"])
 @pytest.mark.parametrize("m, k, n", [(5, 7, 9), (64, 32, 48), (33, 70, 17), (150, 40, 140)])
+@pytest.mark.usefixtures("portable_half")
 def test_autocast_products_are_the_float32_result_rounded(opencl, monkeypatch, gemm, m, k, n):
     """With float16 inputs, the autocast linear/matmul/conv2d output is exactly the float32
     result on the same values rounded to float16: the same float32 accumulation, one rounding.
@@ -3417,6 +3430,7 @@ def _digits_mlp(dev, hidden=64):
 
 
 @pytest.mark.parametrize("gemm", ["packed", "tiled"])
+@pytest.mark.usefixtures("portable_half")
 def test_autocast_mlp_forward_matches_float32(opencl, monkeypatch, gemm):
     """Under autocast every activation is float16 storage and the logits match the float32
     forward within float16 precision; the loss, the gradients and the weights are float32."""
@@ -3460,6 +3474,7 @@ def test_autocast_is_a_noop_on_the_numpy_backend(cpu):
     np.testing.assert_array_equal(host(inside), plain)
 
 
+@pytest.mark.usefixtures("portable_half")
 def test_autocast_nests_and_decorates(opencl):
     x = tensor(np.ones((4, 3), np.float32), opencl)
     w = tensor(np.ones((2, 3), np.float32), opencl)
@@ -3478,10 +3493,13 @@ def test_autocast_nests_and_decorates(opencl):
 
 
 def test_one_kernel_source_builds_both_storage_types(opencl):
-    with netcl.autocast():
-        F.linear(tensor(np.ones((2, 3)), opencl), tensor(np.ones((4, 3)), opencl))
-    assert opencl._half_kernels is not None
-    assert set(opencl._half_kernels) == set(opencl._kernels)
+    """The same kernels in both builds; the half build adds the tensor-core ones only where
+    the device's probe passed."""
+    half = set(opencl._half_program())
+    extra = half - set(opencl._kernels)
+    assert set(opencl._kernels) <= half
+    assert all(name.startswith(("gemm_tc_", "tensor_core_probe")) for name in extra)
+    assert bool(extra) == opencl.tensor_cores
 
 
 def _digits_accuracy(dev, amp):
@@ -3511,10 +3529,141 @@ def _digits_accuracy(dev, amp):
     return (logits.argmax(axis=1) == y_test).mean()
 
 
-def test_autocast_training_reaches_the_float32_accuracy(opencl):
+@pytest.mark.parametrize("path", ["device", "portable"])
+def test_autocast_training_reaches_the_float32_accuracy(opencl, request, path):
+    """"device": what autocast does on this device (tensor cores on NVIDIA, float32 on PoCL);
+    "portable": float16 storage through the portable kernels."""
+    if path == "portable":
+        request.getfixturevalue("portable_half")
     single, mixed = _digits_accuracy(opencl, amp=False), _digits_accuracy(opencl, amp=True)
     assert single >= 0.94, f"float32 accuracy {single:.3f}"
     assert mixed >= 0.94 and abs(mixed - single) <= 0.02, f"{mixed:.3f} vs float32 {single:.3f}"
+
+
+def test_autocast_keeps_float32_where_float16_storage_does_not_pay(opencl, monkeypatch, capsys):
+    """Without tensor cores or half arithmetic (PoCL), float16 storage only adds conversions:
+    autocast then computes in float32 and says so once."""
+    opencl._half_program()
+    monkeypatch.setattr(opencl, "_tensor_cores", False)
+    monkeypatch.setattr(opencl, "_has_fp16", False)
+    monkeypatch.setattr(opencl, "_autocast_notice", False)
+    x, w = tensor(np.ones((4, 8)), opencl), tensor(np.ones((2, 8)), opencl)
+    with netcl.autocast():
+        first, second = F.linear(x, w), F.matmul(x, F.transpose(w))
+    assert first.dtype == second.dtype == np.float32
+    np.testing.assert_array_equal(host(first), np.full((4, 2), 8.0))
+    assert capsys.readouterr().err.count("autocast keeps float32") == 1
+
+
+def test_autocast_overflow_makes_the_scaler_skip_and_back_off(opencl):
+    """A scale so large that the scaled backward overflows: the step is skipped on the device
+    (parameters bit-identical) and the scale backs off, whatever path autocast took."""
+    netcl.manual_seed(3)
+    model = nn.Linear(64, 10, queue=opencl.queue)
+    opt = netcl.AdamW(model.parameters(), lr=1e-2)
+    before = [host(p) for p in model.parameters()]
+    # dW = sum over the batch of (scale * dloss/dlogits) x: about 32 * 2**120 / 32 * 1e4, past
+    # float32's 3.4e38 (and float16's 65504 far earlier)
+    scaler = netcl.AMPGradScaler(init_scale=2.0 ** 120)
+    x = tensor(1e4 * np.random.default_rng(4).standard_normal((32, 64)), opencl)
+    with netcl.Tape() as tape, netcl.autocast():
+        loss = F.cross_entropy(model(x), np.arange(32) % 10)
+    tape.backward(scaler.scale(loss))
+    scaler.step(opt, max_norm=1.0)
+    scaler.update()
+    for p, old in zip(model.parameters(), before):
+        np.testing.assert_array_equal(host(p), old)
+    assert scaler.get_scale() == 2.0 ** 119
+
+
+# --- tensor cores: NVIDIA only (the probe decides); the fallback is tested on every device
+
+def _tensor_core_device(opencl):
+    if not opencl.tensor_cores:
+        pytest.skip(f"{opencl.name} has no tensor cores reachable from OpenCL")
+    return opencl
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(m=st.integers(1, 300), n=st.integers(1, 300), k=st.integers(1, 600),
+       layout=st.sampled_from(["nn", "nt", "tn"]), half_out=st.booleans(),
+       with_bias=st.booleans(), seed=st.integers(0, 2 ** 31))
+def test_tensor_core_gemm_is_a_float32_product_of_float16_operands(
+        opencl, m, n, k, layout, half_out, with_bias, seed):
+    """Every layout, ragged edges included: within float32 accumulation error of the exact
+    product of the float16 operands (plus one rounding to float16 for a float16 output)."""
+    dev = _tensor_core_device(opencl)
+    round8 = lambda v: -(-v // 8) * 8  # the contiguous dimension of each operand
+    k = round8(k) if layout in ("nn", "nt") else k
+    m = round8(m) if layout == "tn" else m
+    n = round8(n) if layout in ("nn", "tn") else n
+    if layout == "tn":
+        k = max(k, 1)
+    rng = np.random.default_rng(seed)
+    a = rng.standard_normal((m, k)).astype(np.float16)
+    b = rng.standard_normal((k, n)).astype(np.float16)
+    bias = rng.standard_normal(n).astype(np.float32) if with_bias else None
+    A = tensor(a.T.copy() if layout == "tn" else a, dev)
+    B = tensor(b.T.copy() if layout == "nt" else b, dev)
+    out = netcl.Tensor.empty((m, n), np.float16 if half_out else np.float32, dev.queue)
+    assert netcl._tensor_core_gemm(A, B, layout == "tn", layout == "nt",
+                                   None if bias is None else tensor(bias, dev), out)
+    exact = a.astype(np.float64) @ b.astype(np.float64) + (0.0 if bias is None else bias)
+    bound = k * 2.0 ** -23 * (np.abs(a).astype(np.float64) @ np.abs(b)) + 1e-30
+    if half_out:
+        bound = bound + 2.0 ** -11 * np.abs(exact) + 2.0 ** -24
+    assert (np.abs(host(out).astype(np.float64) - exact) <= bound).all()
+
+
+def test_tensor_core_training_step_matches_float32(opencl):
+    """linear forward and backward on tensor cores: the gradients of an MLP are those of the
+    float32 step within float16 rounding of the operands."""
+    dev = _tensor_core_device(opencl)
+    rng = np.random.default_rng(5)
+    x = tensor(rng.standard_normal((256, 64)).astype(np.float32), dev)
+    y = rng.integers(0, 16, 256)
+    netcl.manual_seed(1)
+    model = nn.Sequential(nn.Linear(64, 128, queue=dev.queue), nn.ReLU(),
+                          nn.Linear(128, 16, queue=dev.queue))
+    grads = {}
+    for enabled in (False, True):
+        for p in model.parameters():
+            p.grad = None
+        with netcl.Tape() as tape, netcl.autocast(enabled=enabled):
+            # summed, as a loss scale would make it: float16 gradients of a mean over 256
+            # samples would sit among float16's subnormals
+            loss = F.cross_entropy(model(x), y, reduction="sum")
+        tape.backward(loss)
+        grads[enabled] = [host(p.grad) for p in model.parameters()]
+    for g16, g32 in zip(grads[True], grads[False]):
+        assert g16.dtype == np.float32 and _relative_error(g16, g32) < 1e-2
+
+
+def test_a_failed_tensor_core_probe_falls_back_to_the_portable_build(opencl, monkeypatch):
+    """A tensor-core build that fails, or a probe that computes a wrong product, leaves the
+    device with the portable float16 build and no tensor cores, silently."""
+    real_build = opencl._build_program
+
+    def build(half, tensor_cores=False):
+        if tensor_cores:
+            raise RuntimeError("building kernels.cl failed: ptxas error")
+        return real_build(half)
+    for patch in ({"_build_program": build},
+                  {"_build_program": lambda half, tensor_cores=False: real_build(half),
+                   "_probe_tensor_cores": lambda kernels: False}):
+        monkeypatch.setattr(opencl, "_half_kernels", None)
+        monkeypatch.setattr(opencl, "_tensor_cores", None)  # as on a device not yet probed
+        for name, value in patch.items():
+            monkeypatch.setattr(opencl, name, value)
+        assert opencl.tensor_cores is False
+        kernels = opencl._half_program()
+        assert "gemm_nt" in kernels and not any(name.startswith("gemm_tc") for name in kernels)
+        x, w = tensor(np.ones((3, 8)), opencl), tensor(np.ones((2, 8)), opencl)
+        a16 = netcl.Tensor.from_host(np.ones((3, 8), np.float16), opencl.queue)
+        w16 = netcl.Tensor.from_host(np.ones((8, 2), np.float16), opencl.queue)
+        assert not netcl._tensor_core_gemm(a16, w16, False, False, None,
+                                           netcl.Tensor.empty((3, 2), np.float32, opencl.queue))
+        np.testing.assert_array_equal(host(F.linear(x, w)), np.full((3, 2), 8.0))
 
 
 # --- AMPGradScaler against PyTorch ------------------------------------------------------------
@@ -3671,6 +3820,7 @@ def test_scaler_growth_stops_short_of_inf(backend):
             scaler.state_dict()["_growth_tracker"] == 0
 
 
+@pytest.mark.usefixtures("portable_half")
 def test_scaler_scales_a_float16_loss_and_takes_a_new_scale(opencl):
     p = param([1.0, 2.0], opencl)
     scaler = netcl.AMPGradScaler(init_scale=4.0)
