@@ -53,6 +53,10 @@ try:
     import pyopencl as cl
 except ImportError:  # the NumPy backend still works; asking for OpenCL explains what to install
     cl = None
+# pocl-binary-distribution without PyOpenCL leaves a directory pyopencl/.libs behind, which
+# imports as an empty namespace package: only the real module has the API.
+if cl is not None and not hasattr(cl, "get_platforms"):
+    cl = None
 
 DEBUG = int(os.environ.get("NETCL_DEBUG", "0") or 0)
 
@@ -220,6 +224,14 @@ def _opencl_devices():
     return found
 
 
+def _no_opencl_error():
+    """The RuntimeError for a request for OpenCL where there is none: what to install."""
+    if cl is None:
+        return RuntimeError("OpenCL needs PyOpenCL, which is not installed: python -m pip install "
+                            "pyopencl, or 'pyopencl[pocl]' to add PoCL for a CPU OpenCL device")
+    return RuntimeError(f"no OpenCL platform found; {_INSTALL_HINT}")
+
+
 def _opencl_device(platform_index, device_index, cl_device):
     key = ("opencl", platform_index, device_index)
     if key not in _devices:
@@ -254,7 +266,7 @@ def _default_device(device=None):
     if request in ("gpu", "opencl"):
         found = _opencl_devices()
         if not found:
-            raise RuntimeError(f"no OpenCL platform found; {_INSTALL_HINT}")
+            raise _no_opencl_error()
         rank = lambda d: (0 if d[2].type & cl.device_type.GPU else
                           1 if d[2].type & cl.device_type.ACCELERATOR else 2)
         best = min(found, key=rank)
@@ -266,7 +278,7 @@ def _default_device(device=None):
     if len(parts) == 3 and parts[0] == "opencl" and parts[1].isdigit() and parts[2].isdigit():
         found = {(p, d): dev for p, d, dev in _opencl_devices()}
         if not found:
-            raise RuntimeError(f"no OpenCL platform found; {_INSTALL_HINT}")
+            raise _no_opencl_error()
         key = (int(parts[1]), int(parts[2]))
         if key not in found:
             raise ValueError(f"device {request!r}: no OpenCL device {key[1]} on platform "

@@ -3871,3 +3871,50 @@ def test_bad_numeric_arguments_raise_value_error(backend):
         F.leaky_relu(x, "0.1")
     with raises_naming(ValueError, "init_scale"):
         netcl.AMPGradScaler(init_scale="big")
+
+
+# ---------------------------------------------------------------------------------------------
+# reliability: files: devices without PyOpenCL, atomic save, load and load_idx errors
+# ---------------------------------------------------------------------------------------------
+
+def _run_python(script, *flags, env=None, timeout=120):
+    """Run `script` in a fresh interpreter (with `flags`) that imports this checkout's netcl;
+    return its stdout."""
+    here = os.path.dirname(os.path.abspath(netcl.__file__))
+    script = f"import sys\nsys.path.insert(0, {here!r})\n" + script
+    result = subprocess.run([sys.executable, *flags, "-c", script], env=env,
+                            capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def test_default_device_without_pyopencl_is_numpy_and_opencl_says_what_to_install(tmp_path):
+    # pocl-binary-distribution installed without PyOpenCL leaves pyopencl/.libs and no
+    # __init__.py. A regular package anywhere on sys.path wins over such a directory, so the
+    # child runs without site-packages (-S) and sees only it and NumPy.
+    site = tmp_path / "site"
+    (site / "pyopencl" / ".libs").mkdir(parents=True)
+    numpy_dir = pathlib.Path(np.__file__).parent
+    for name in ("numpy", "numpy.libs"):  # numpy.libs: the BLAS a NumPy wheel links to
+        if (numpy_dir.parent / name).exists():
+            (site / name).symlink_to(numpy_dir.parent / name)
+    env = {k: v for k, v in os.environ.items() if k != "NETCL_DEVICE"}
+    env["PYTHONPATH"] = str(site)
+    out = _run_python("""
+import pyopencl
+assert getattr(pyopencl, "__file__", None) is None, pyopencl  # the empty namespace package
+import netcl
+assert netcl.manager.default().backend == "cpu"
+assert netcl.manager.default("auto") is netcl.manager.default("cpu")
+for request in ("opencl", "gpu", "opencl:0:0"):
+    try:
+        netcl.manager.default(request)
+    except RuntimeError as error:
+        print(request, "->", error)
+    else:
+        raise AssertionError(f"default({request!r}) without PyOpenCL returned a device")
+""", "-S", env=env)
+    lines = out.splitlines()
+    assert [line.split(" ->")[0] for line in lines] == ["opencl", "gpu", "opencl:0:0"], out
+    for line in lines:
+        assert "pip install pyopencl" in line and "pocl" in line.lower(), line
