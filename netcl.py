@@ -1999,7 +1999,13 @@ class Sequential(Module):
 
 
 def save(state, path):
-    """Write a dict of arrays (or Tensors/Nodes) to exactly `path` as .npz (no pickles)."""
+    """Write a dict of arrays (or Tensors/Nodes) to exactly `path` as .npz (no pickles).
+
+    The archive is written to a temporary file beside `path`, flushed to disk, then renamed
+    onto it: a full disk, a write error or a Ctrl-C leaves the previous file intact and no
+    temporary behind. A new file gets the permissions open() would give it; an existing one
+    keeps its own. A failure raises OSError naming `path`.
+    """
     arrays = {}
     for key, value in state.items():
         if isinstance(value, Node):
@@ -2008,8 +2014,38 @@ def save(state, path):
         if array.dtype.hasobject:
             raise ValueError(f"save: {key!r} is not a numeric array (dtype {array.dtype})")
         arrays[str(key)] = array
-    with open(path, "wb") as f:  # a file object, so NumPy does not append ".npz"
-        np.savez(f, **arrays)
+    path = os.fspath(path)
+    target = os.path.realpath(path)  # through a symlink, as open() would write
+    directory = os.path.dirname(target)
+    # Same directory: the rename stays on one filesystem, where it is atomic.
+    temporary = os.path.join(directory, f".{os.path.basename(target)}.{os.urandom(4).hex()}.tmp")
+    try:
+        try:
+            mode = os.stat(target).st_mode & 0o7777
+        except FileNotFoundError:
+            mode = None
+        f = open(temporary, "xb")  # "x": a new file, never one that someone else made
+        try:
+            with f:  # a file object, so NumPy does not append ".npz"
+                np.savez(f, **arrays)
+                f.flush()
+                os.fsync(f.fileno())  # the data is on disk before the name points at it
+            if mode is not None:
+                os.chmod(temporary, mode)
+            os.replace(temporary, target)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.remove(temporary)
+            raise
+    except OSError as error:  # name the file being saved, not the temporary
+        raise OSError(error.errno, f"save: {error.strerror or error}", path) from error
+    if os.name == "posix":  # make the rename durable too; Windows cannot open a directory
+        with contextlib.suppress(OSError):  # some filesystems refuse to fsync a directory
+            directory_fd = os.open(directory, os.O_RDONLY)
+            try:
+                os.fsync(directory_fd)
+            finally:
+                os.close(directory_fd)
 
 
 def load(path):

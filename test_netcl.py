@@ -3918,3 +3918,94 @@ for request in ("opencl", "gpu", "opencl:0:0"):
     assert [line.split(" ->")[0] for line in lines] == ["opencl", "gpu", "opencl:0:0"], out
     for line in lines:
         assert "pip install pyopencl" in line and "pocl" in line.lower(), line
+
+
+def _same_arrays(loaded, expected):
+    assert sorted(loaded) == sorted(expected)
+    for key, value in expected.items():
+        assert loaded[key].dtype == np.asarray(value).dtype
+        np.testing.assert_array_equal(loaded[key], value)
+
+
+def test_save_on_a_full_disk_keeps_the_previous_file(tmp_path):
+    path = tmp_path / "ckpt.npz"
+    good = {"w": np.arange(12, dtype=np.float32).reshape(3, 4), "steps": np.array(7, np.int32)}
+    netcl.save(good, path)
+    # In a child, so that the file-size limit (what a full disk does to a write) stays there.
+    out = _run_python(f"""
+import resource, signal
+import numpy as np, netcl
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # past the limit, write() fails with EFBIG
+resource.setrlimit(resource.RLIMIT_FSIZE, (2048, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+try:
+    netcl.save({{"w": np.ones((64, 64), np.float32), "steps": np.array(8)}}, {str(path)!r})
+except OSError as error:
+    print("OSError:", error)
+""")
+    _same_arrays(netcl.load(path), good)
+    assert os.listdir(tmp_path) == ["ckpt.npz"]  # no temporary left behind
+    assert out.startswith("OSError:") and str(path) in out, out
+
+
+@pytest.mark.parametrize("failure", ["KeyboardInterrupt", "OSError"])
+def test_interrupted_save_keeps_the_previous_file_and_its_mode(tmp_path, monkeypatch, failure):
+    import errno
+    path = tmp_path / "ckpt.npz"
+    good = {"w": np.arange(6, dtype=np.float32), "b": np.ones(2, np.float32)}
+    netcl.save(good, path)
+    os.chmod(path, 0o604)
+    real_savez = np.savez
+
+    def savez_then_fail(file, **arrays):
+        file.write(b"PK\x03\x04" + bytes(100))  # a partial archive, then the interruption
+        raise (KeyboardInterrupt() if failure == "KeyboardInterrupt"
+               else OSError(errno.ENOSPC, "No space left on device"))
+
+    monkeypatch.setattr(np, "savez", savez_then_fail)
+    with pytest.raises(KeyboardInterrupt if failure == "KeyboardInterrupt" else OSError) as caught:
+        netcl.save({"w": np.zeros(6, np.float32)}, path)
+    monkeypatch.setattr(np, "savez", real_savez)
+    assert os.listdir(tmp_path) == ["ckpt.npz"]
+    _same_arrays(netcl.load(path), good)
+    if failure == "OSError":
+        assert str(path) in str(caught.value) and caught.value.errno == errno.ENOSPC
+    # A save that succeeds replaces the file and keeps its mode; a new file gets open()'s.
+    newer = {"w": np.full(6, 2.0, np.float32)}
+    netcl.save(newer, path)
+    _same_arrays(netcl.load(path), newer)
+    assert os.stat(path).st_mode & 0o7777 == 0o604
+    umask = os.umask(0o027)
+    try:
+        netcl.save(newer, tmp_path / "new.ckpt")
+    finally:
+        os.umask(umask)
+    assert sorted(os.listdir(tmp_path)) == ["ckpt.npz", "new.ckpt"]  # exactly the path given
+    assert os.stat(tmp_path / "new.ckpt").st_mode & 0o7777 == 0o666 & ~0o027
+
+
+def test_fit_checkpoint_that_fails_to_save_names_it_and_keeps_the_best(backend, tmp_path,
+                                                                      monkeypatch):
+    import errno
+    x, y = _blobs(n=30)
+    model = _trainer_model(backend)
+    trainer = netcl.Trainer(model, netcl.SGD(model.parameters(), lr=0.1), device_queue=backend.queue)
+    scripted = iter([0.5, 0.6])
+    monkeypatch.setattr(trainer, "evaluate", lambda *a: {"loss": 1.0, "accuracy": next(scripted)})
+    real_savez, saved = np.savez, []
+
+    def savez_fails_the_second_time(file, **arrays):
+        saved.append({key: value.copy() for key, value in arrays.items()})
+        if len(saved) == 2:
+            file.write(b"PK\x03\x04")
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_savez(file, **arrays)
+
+    monkeypatch.setattr(np, "savez", savez_fails_the_second_time)
+    path = tmp_path / "best.npz"
+    with pytest.raises(OSError) as caught:
+        trainer.fit(_batches(x, y, 10), _batches(x, y, 10), epochs=2, checkpoint=path)
+    assert len(saved) == 2 and os.listdir(tmp_path) == ["best.npz"]
+    best = netcl.load(path)
+    _same_arrays(best, saved[0])
+    _trainer_model(backend, seed=1).load_state_dict(best)
+    assert str(path) in str(caught.value) and "No space left" in str(caught.value)
