@@ -3285,38 +3285,62 @@ def load_idx(path):
     MNIST images come back as uint8 `(N, 28, 28)`, labels as uint8 `(N,)`, in native byte
     order. Gzip is recognised by its magic bytes, whatever the file is called. A bad magic
     number, an unknown type code, or a size that does not match the header raises ValueError
-    naming the file; a missing file raises OSError.
+    naming the file; a missing file raises OSError. The file is read as a stream, header
+    first, and never past the size the header declares (plus one byte, to see that it ends):
+    a small file cannot make it allocate more than the file holds, nor read /dev/zero forever.
     """
     path = os.fspath(path)
     with open(path, "rb") as file:
-        raw = file.read()
-    if raw[:2] == b"\x1f\x8b":
+        if file.peek(2)[:2] != b"\x1f\x8b":
+            return _read_idx(file, path)
         try:
-            raw = gzip.decompress(raw)
+            with gzip.GzipFile(fileobj=file) as stream:
+                return _read_idx(stream, path)
         except (OSError, EOFError, zlib.error) as error:
             raise ValueError(f"load_idx: {path}: truncated or corrupt gzip data "
                              f"({error})") from error
-    if len(raw) < 4:
-        raise ValueError(f"load_idx: {path}: truncated header ({len(raw)} bytes)")
-    if raw[:2] != b"\x00\x00":
-        raise ValueError(f"load_idx: {path}: bad magic number 0x{raw[:4].hex()} "
+
+
+def _read_idx(stream, path):
+    """The array in IDX `stream` (the file, or its decompressed gzip stream) from `path`."""
+    header = stream.read(4)
+    if len(header) < 4:
+        raise ValueError(f"load_idx: {path}: truncated header ({len(header)} bytes)")
+    if header[:2] != b"\x00\x00":
+        raise ValueError(f"load_idx: {path}: bad magic number 0x{header.hex()} "
                          f"(an IDX file starts with 0x0000)")
-    type_code, ndim = raw[2], raw[3]
+    type_code, ndim = header[2], header[3]
     if type_code not in _IDX_DTYPES:
         raise ValueError(f"load_idx: {path}: unknown IDX type code 0x{type_code:02x}")
+    dims = stream.read(4 * ndim)
     data_start = 4 + 4 * ndim
-    if len(raw) < data_start:
+    if len(dims) < 4 * ndim:
         raise ValueError(f"load_idx: {path}: truncated header "
-                         f"({len(raw)} bytes, {ndim} dimensions)")
-    shape = struct.unpack(f">{ndim}I", raw[4:data_start])
+                         f"({4 + len(dims)} bytes, {ndim} dimensions)")
+    shape = struct.unpack(f">{ndim}I", dims)
     dtype = np.dtype(_IDX_DTYPES[type_code])
-    expected = data_start + math.prod(shape) * dtype.itemsize
-    if len(raw) != expected:
-        problem = "truncated data" if len(raw) < expected else "trailing bytes after the data"
-        raise ValueError(f"load_idx: {path}: {problem}: {len(raw)} bytes, "
-                         f"shape {shape} needs {expected}")
-    data = np.frombuffer(raw, dtype, math.prod(shape), data_start).reshape(shape)
-    return data.astype(dtype.newbyteorder("="))
+    count = math.prod(shape)
+    expected = data_start + count * dtype.itemsize
+    data = _read_at_most(stream, count * dtype.itemsize + 1)
+    if data_start + len(data) != expected:
+        problem, size = (("truncated data", f"{data_start + len(data)} bytes")
+                         if data_start + len(data) < expected else
+                         ("trailing bytes after the data", f"more than {expected} bytes"))
+        raise ValueError(f"load_idx: {path}: {problem}: {size}, shape {shape} needs {expected}")
+    array = np.frombuffer(data, dtype, count).reshape(shape)
+    return array.astype(dtype.newbyteorder("="))
+
+
+def _read_at_most(stream, limit):
+    """Up to `limit` bytes of `stream`, a piece at a time: memory grows with what the file
+    really holds, never to the size its header claims."""
+    data = bytearray()
+    while len(data) < limit:
+        piece = stream.read(min(limit - len(data), 1 << 20))
+        if not piece:
+            break
+        data += piece
+    return data
 
 
 # ============================================================================ Trainer

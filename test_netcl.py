@@ -4009,3 +4009,47 @@ def test_fit_checkpoint_that_fails_to_save_names_it_and_keeps_the_best(backend, 
     _same_arrays(best, saved[0])
     _trainer_model(backend, seed=1).load_state_dict(best)
     assert str(path) in str(caught.value) and "No space left" in str(caught.value)
+
+
+def test_load_idx_stops_reading_a_gzip_file_after_the_declared_size(tmp_path):
+    import tracemalloc
+    path = tmp_path / "bomb-idx1-ubyte.gz"
+    zeros, megabytes = bytes(1 << 20), 64
+    with gzip.open(path, "wb") as f:  # one element declared, then 64 MB that compress to little
+        f.write(bytes([0, 0, 0x08, 1]) + (1).to_bytes(4, "big") + b"\x07")
+        for _ in range(megabytes):
+            f.write(zeros)
+    tracemalloc.start()
+    try:
+        started = time.perf_counter()
+        with pytest.raises(ValueError, match="trailing") as caught:
+            nc.load_idx(path)
+        seconds = time.perf_counter() - started
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert str(path) in str(caught.value)
+    assert peak < (megabytes << 20) // 16, f"load_idx allocated {peak} bytes"
+    assert seconds < 5
+
+
+def test_load_idx_of_dev_zero_stops_after_the_header():
+    if not os.path.exists("/dev/zero"):
+        pytest.skip("no /dev/zero")
+    # In a child whose address space is capped: a reader that does not stop would otherwise
+    # take the machine's memory before failing.
+    out = _run_python("""
+import resource
+import netcl
+with open("/proc/self/statm") as f:
+    mapped = int(f.read().split()[0]) * resource.getpagesize()
+hard = resource.getrlimit(resource.RLIMIT_AS)[1]
+soft = mapped + (512 << 20)
+resource.setrlimit(resource.RLIMIT_AS, (soft if hard == resource.RLIM_INFINITY else min(soft, hard), hard))
+try:
+    netcl.load_idx("/dev/zero")
+except ValueError as error:
+    print("ValueError:", error)
+""", timeout=60)
+    assert out.startswith("ValueError:") and "/dev/zero" in out and "type code 0x00" in out, out
+
