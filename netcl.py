@@ -3327,7 +3327,10 @@ def _read_idx(stream, path):
                          if data_start + len(data) < expected else
                          ("trailing bytes after the data", f"more than {expected} bytes"))
         raise ValueError(f"load_idx: {path}: {problem}: {size}, shape {shape} needs {expected}")
-    array = np.frombuffer(data, dtype, count).reshape(shape)
+    try:
+        array = np.frombuffer(data, dtype, count).reshape(shape)
+    except ValueError as error:  # more dimensions than NumPy supports
+        raise ValueError(f"load_idx: {path}: {ndim} dimensions: {error}") from error
     return array.astype(dtype.newbyteorder("="))
 
 

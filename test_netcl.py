@@ -4053,3 +4053,23 @@ except ValueError as error:
 """, timeout=60)
     assert out.startswith("ValueError:") and "/dev/zero" in out and "type code 0x00" in out, out
 
+
+def test_load_idx_names_the_file_for_impossible_dimensions(tmp_path):
+    import tracemalloc
+    path = tmp_path / "odd-idx-ubyte"
+    dims = lambda sizes: b"".join(int(size).to_bytes(4, "big") for size in sizes)
+    # 100 dimensions whose sizes match the data: more than an ndarray can have
+    for sizes, data in (([1] * 100, b"\x07"), ([0] * 100, b"")):
+        path.write_bytes(bytes([0, 0, 0x08, len(sizes)]) + dims(sizes) + data)
+        with raises_naming(ValueError, str(path), "100 dimensions"):
+            nc.load_idx(path)
+    # An absurd declared size (2**128 bytes) is checked against the bytes there, not allocated.
+    path.write_bytes(bytes([0, 0, 0x08, 4]) + dims([2 ** 32 - 1] * 4) + bytes(10))
+    tracemalloc.start()
+    try:
+        with raises_naming(ValueError, str(path), "truncated"):
+            nc.load_idx(path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 << 20  # a read buffer, not the declared size
