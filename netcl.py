@@ -43,6 +43,7 @@ import time
 import traceback
 import types
 import weakref
+import zipfile
 import zlib
 from collections import OrderedDict, defaultdict, deque
 from multiprocessing import shared_memory
@@ -2050,9 +2051,20 @@ def save(state, path):
 
 def load(path):
     """Read a .npz written by save(): a dict of NumPy arrays. Never unpickles, so a file from
-    a stranger cannot run code; one holding pickled objects raises ValueError."""
-    with np.load(path, allow_pickle=False) as archive:
-        return {key: archive[key] for key in archive.files}
+    a stranger cannot run code. A file that is no such archive (a .npy, a truncated or damaged
+    .npz, one holding pickled objects) raises ValueError naming it; a missing one, OSError."""
+    path = os.fspath(path)
+    with open(path, "rb") as file:
+        magic = file.peek(4)[:4]
+        if magic not in (b"PK\x03\x04", b"PK\x05\x06"):  # a zip file, empty or not
+            raise ValueError(f"load: {path} is not a netcl .npz archive (it starts with "
+                             f"{magic!r}, not a zip file's b'PK')")
+        try:
+            with np.load(file, allow_pickle=False) as archive:
+                return {key: archive[key] for key in archive.files}
+        except (ValueError, EOFError, zipfile.BadZipFile, zlib.error) as error:
+            raise ValueError(f"load: {path} is not a readable netcl .npz archive "
+                             f"({error})") from error
 
 
 # ============================================================================ optimizers

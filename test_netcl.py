@@ -4073,3 +4073,23 @@ def test_load_idx_names_the_file_for_impossible_dimensions(tmp_path):
     finally:
         tracemalloc.stop()
     assert peak < 4 << 20  # a read buffer, not the declared size
+
+
+def test_load_of_a_file_that_is_no_archive_names_it(tmp_path):
+    weights = np.arange(100, dtype=np.float64)
+    netcl.save({"w": weights, "b": np.zeros(5, np.float32)}, tmp_path / "good.npz")
+    raw = (tmp_path / "good.npz").read_bytes()
+    flipped = bytearray(raw)
+    flipped[raw.index(weights.tobytes()) + 8] ^= 0xFF  # one byte of "w": its CRC no longer fits
+    np.save(tmp_path / "array.npy", weights)
+    files = {"half.npz": raw[:len(raw) // 2], "cut.npz": raw[:-10], "flipped.npz": bytes(flipped),
+             "noise.bin": np.random.default_rng(0).bytes(300), "empty.npz": b""}
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+    for name in ["array.npy", *files]:
+        with raises_naming(ValueError, str(tmp_path / name), "npz"):
+            netcl.load(tmp_path / name)
+    with pytest.raises(FileNotFoundError):
+        netcl.load(tmp_path / "missing.npz")
+    netcl.save({}, tmp_path / "nothing.npz")  # an empty archive is still one
+    assert netcl.load(tmp_path / "nothing.npz") == {}
