@@ -2014,6 +2014,10 @@ def save(state, path):
         array = value.to_host() if isinstance(value, Tensor) else np.asarray(value)
         if array.dtype.hasobject:
             raise ValueError(f"save: {key!r} is not a numeric array (dtype {array.dtype})")
+        if str(key) in arrays:  # the archive's names are strings: one would replace the other
+            first = next(k for k in state if str(k) == str(key))
+            raise ValueError(f"save: keys {first!r} and {key!r} are both {str(key)!r} as "
+                             f"strings; an archive can hold only one of them")
         arrays[str(key)] = array
     path = os.fspath(path)
     target = os.path.realpath(path)  # through a symlink, as open() would write

@@ -4093,3 +4093,11 @@ def test_load_of_a_file_that_is_no_archive_names_it(tmp_path):
         netcl.load(tmp_path / "missing.npz")
     netcl.save({}, tmp_path / "nothing.npz")  # an empty archive is still one
     assert netcl.load(tmp_path / "nothing.npz") == {}
+
+
+def test_save_rejects_keys_that_are_equal_as_strings(tmp_path):
+    path = tmp_path / "ckpt.npz"
+    with raises_naming(ValueError, "save", "'1'"):
+        netcl.save({1: np.zeros(2), "1": np.ones(2)}, path)
+    assert not path.exists()
+
