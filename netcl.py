@@ -1827,20 +1827,28 @@ class Module:
 
     def load_state_dict(self, state):
         """Copy arrays into the existing parameters (an optimizer built before keeps working).
-        A missing or an unexpected key, or a shape mismatch, raises StateDictError naming it."""
+        A missing or an unexpected key, a shape mismatch, or a bool or complex array raises
+        StateDictError naming it, before any parameter is written."""
         params = OrderedDict(self.named_parameters())
         missing = [k for k in params if k not in state]
         unexpected = [k for k in state if k not in params]
         if missing or unexpected:
             raise StateDictError(f"load_state_dict: missing keys {missing}, unexpected keys "
                                  f"{unexpected}")
+        arrays = {}
         for name, param in params.items():
             array = state[name]
             array = array.to_host() if isinstance(array, Tensor) else np.asarray(array)
             if array.shape != param.shape:
                 raise StateDictError(f"load_state_dict: {name!r} has shape {array.shape}, the "
                                      f"parameter has {param.shape}")
-            _write(param.value, array)
+            # Integers convert as PyTorch's copy_ does; bool or complex values are no weights.
+            if array.dtype.kind not in "fiu":
+                raise StateDictError(f"load_state_dict: {name!r} has dtype {array.dtype}, the "
+                                     f"parameter holds {np.dtype(param.value.dtype)}")
+            arrays[name] = array
+        for name, param in params.items():  # only once every key fits: a rejected state
+            _write(param.value, arrays[name])  # leaves every parameter as it was
 
 
 class StateDictError(KeyError, ValueError, RuntimeError):

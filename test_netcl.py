@@ -4101,3 +4101,17 @@ def test_save_rejects_keys_that_are_equal_as_strings(tmp_path):
         netcl.save({1: np.zeros(2), "1": np.ones(2)}, path)
     assert not path.exists()
 
+
+@pytest.mark.parametrize("bad", [np.complex64, np.bool_])
+def test_load_state_dict_rejects_bool_and_complex_arrays_changing_nothing(backend, bad):
+    model = _mlp(backend, seed=3)
+    before = model.state_dict()
+    state = {key: np.full(value.shape, 0.5, value.dtype) for key, value in before.items()}
+    last = list(state)[-1]
+    state[last] = np.ones(state[last].shape, bad)
+    with raises_naming(ValueError, repr(last), str(np.dtype(bad))):
+        model.load_state_dict(state)
+    _same_arrays(model.state_dict(), before)  # the keys before it were not written either
+    state[last] = np.ones(state[last].shape, np.int64)  # integers convert, as in PyTorch
+    model.load_state_dict(state)
+    assert np.all(model.state_dict()[last] == 1.0) and model.state_dict()[last].dtype == np.float32
