@@ -43,6 +43,7 @@ import time
 import traceback
 import types
 import weakref
+import zipfile
 import zlib
 from collections import OrderedDict, defaultdict, deque
 from multiprocessing import shared_memory
@@ -52,6 +53,10 @@ import numpy as np
 try:
     import pyopencl as cl
 except ImportError:  # the NumPy backend still works; asking for OpenCL explains what to install
+    cl = None
+# pocl-binary-distribution without PyOpenCL leaves a directory pyopencl/.libs behind, which
+# imports as an empty namespace package: only the real module has the API.
+if cl is not None and not hasattr(cl, "get_platforms"):
     cl = None
 
 DEBUG = int(os.environ.get("NETCL_DEBUG", "0") or 0)
@@ -275,6 +280,14 @@ def _opencl_devices():
     return found
 
 
+def _no_opencl_error():
+    """The RuntimeError for a request for OpenCL where there is none: what to install."""
+    if cl is None:
+        return RuntimeError("OpenCL needs PyOpenCL, which is not installed: python -m pip install "
+                            "pyopencl, or 'pyopencl[pocl]' to add PoCL for a CPU OpenCL device")
+    return RuntimeError(f"no OpenCL platform found; {_INSTALL_HINT}")
+
+
 def _opencl_device(platform_index, device_index, cl_device):
     key = ("opencl", platform_index, device_index)
     if key not in _devices:
@@ -309,7 +322,7 @@ def _default_device(device=None):
     if request in ("gpu", "opencl"):
         found = _opencl_devices()
         if not found:
-            raise RuntimeError(f"no OpenCL platform found; {_INSTALL_HINT}")
+            raise _no_opencl_error()
         rank = lambda d: (0 if d[2].type & cl.device_type.GPU else
                           1 if d[2].type & cl.device_type.ACCELERATOR else 2)
         best = min(found, key=rank)
@@ -321,7 +334,7 @@ def _default_device(device=None):
     if len(parts) == 3 and parts[0] == "opencl" and parts[1].isdigit() and parts[2].isdigit():
         found = {(p, d): dev for p, d, dev in _opencl_devices()}
         if not found:
-            raise RuntimeError(f"no OpenCL platform found; {_INSTALL_HINT}")
+            raise _no_opencl_error()
         key = (int(parts[1]), int(parts[2]))
         if key not in found:
             raise ValueError(f"device {request!r}: no OpenCL device {key[1]} on platform "
@@ -1946,20 +1959,28 @@ class Module:
 
     def load_state_dict(self, state):
         """Copy arrays into the existing parameters (an optimizer built before keeps working).
-        A missing or an unexpected key, or a shape mismatch, raises StateDictError naming it."""
+        A missing or an unexpected key, a shape mismatch, or a bool or complex array raises
+        StateDictError naming it, before any parameter is written."""
         params = OrderedDict(self.named_parameters())
         missing = [k for k in params if k not in state]
         unexpected = [k for k in state if k not in params]
         if missing or unexpected:
             raise StateDictError(f"load_state_dict: missing keys {missing}, unexpected keys "
                                  f"{unexpected}")
+        arrays = {}
         for name, param in params.items():
             array = state[name]
             array = array.to_host() if isinstance(array, Tensor) else np.asarray(array)
             if array.shape != param.shape:
                 raise StateDictError(f"load_state_dict: {name!r} has shape {array.shape}, the "
                                      f"parameter has {param.shape}")
-            _write(param.value, array)
+            # Integers convert as PyTorch's copy_ does; bool or complex values are no weights.
+            if array.dtype.kind not in "fiu":
+                raise StateDictError(f"load_state_dict: {name!r} has dtype {array.dtype}, the "
+                                     f"parameter holds {np.dtype(param.value.dtype)}")
+            arrays[name] = array
+        for name, param in params.items():  # only once every key fits: a rejected state
+            _write(param.value, arrays[name])  # leaves every parameter as it was
 
 
 class StateDictError(KeyError, ValueError, RuntimeError):
@@ -2119,7 +2140,13 @@ class Sequential(Module):
 
 
 def save(state, path):
-    """Write a dict of arrays (or Tensors/Nodes) to exactly `path` as .npz (no pickles)."""
+    """Write a dict of arrays (or Tensors/Nodes) to exactly `path` as .npz (no pickles).
+
+    The archive is written to a temporary file beside `path`, flushed to disk, then renamed
+    onto it: a full disk, a write error or a Ctrl-C leaves the previous file intact and no
+    temporary behind. A new file gets the permissions open() would give it; an existing one
+    keeps its own. A failure raises OSError naming `path`.
+    """
     arrays = {}
     for key, value in state.items():
         if isinstance(value, Node):
@@ -2127,16 +2154,61 @@ def save(state, path):
         array = value.to_host() if isinstance(value, Tensor) else np.asarray(value)
         if array.dtype.hasobject:
             raise ValueError(f"save: {key!r} is not a numeric array (dtype {array.dtype})")
+        if str(key) in arrays:  # the archive's names are strings: one would replace the other
+            first = next(k for k in state if str(k) == str(key))
+            raise ValueError(f"save: keys {first!r} and {key!r} are both {str(key)!r} as "
+                             f"strings; an archive can hold only one of them")
         arrays[str(key)] = array
-    with open(path, "wb") as f:  # a file object, so NumPy does not append ".npz"
-        np.savez(f, **arrays)
+    path = os.fspath(path)
+    target = os.path.realpath(path)  # through a symlink, as open() would write
+    directory = os.path.dirname(target)
+    # Same directory: the rename stays on one filesystem, where it is atomic.
+    temporary = os.path.join(directory, f".{os.path.basename(target)}.{os.urandom(4).hex()}.tmp")
+    try:
+        try:
+            mode = os.stat(target).st_mode & 0o7777
+        except FileNotFoundError:
+            mode = None
+        f = open(temporary, "xb")  # "x": a new file, never one that someone else made
+        try:
+            with f:  # a file object, so NumPy does not append ".npz"
+                np.savez(f, **arrays)
+                f.flush()
+                os.fsync(f.fileno())  # the data is on disk before the name points at it
+            if mode is not None:
+                os.chmod(temporary, mode)
+            os.replace(temporary, target)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.remove(temporary)
+            raise
+    except OSError as error:  # name the file being saved, not the temporary
+        raise OSError(error.errno, f"save: {error.strerror or error}", path) from error
+    if os.name == "posix":  # make the rename durable too; Windows cannot open a directory
+        with contextlib.suppress(OSError):  # some filesystems refuse to fsync a directory
+            directory_fd = os.open(directory, os.O_RDONLY)
+            try:
+                os.fsync(directory_fd)
+            finally:
+                os.close(directory_fd)
 
 
 def load(path):
     """Read a .npz written by save(): a dict of NumPy arrays. Never unpickles, so a file from
-    a stranger cannot run code; one holding pickled objects raises ValueError."""
-    with np.load(path, allow_pickle=False) as archive:
-        return {key: archive[key] for key in archive.files}
+    a stranger cannot run code. A file that is no such archive (a .npy, a truncated or damaged
+    .npz, one holding pickled objects) raises ValueError naming it; a missing one, OSError."""
+    path = os.fspath(path)
+    with open(path, "rb") as file:
+        magic = file.peek(4)[:4]
+        if magic not in (b"PK\x03\x04", b"PK\x05\x06"):  # a zip file, empty or not
+            raise ValueError(f"load: {path} is not a netcl .npz archive (it starts with "
+                             f"{magic!r}, not a zip file's b'PK')")
+        try:
+            with np.load(file, allow_pickle=False) as archive:
+                return {key: archive[key] for key in archive.files}
+        except (ValueError, EOFError, zipfile.BadZipFile, zlib.error) as error:
+            raise ValueError(f"load: {path} is not a readable netcl .npz archive "
+                             f"({error})") from error
 
 
 # ============================================================================ optimizers
@@ -3369,38 +3441,65 @@ def load_idx(path):
     MNIST images come back as uint8 `(N, 28, 28)`, labels as uint8 `(N,)`, in native byte
     order. Gzip is recognised by its magic bytes, whatever the file is called. A bad magic
     number, an unknown type code, or a size that does not match the header raises ValueError
-    naming the file; a missing file raises OSError.
+    naming the file; a missing file raises OSError. The file is read as a stream, header
+    first, and never past the size the header declares (plus one byte, to see that it ends):
+    a small file cannot make it allocate more than the file holds, nor read /dev/zero forever.
     """
     path = os.fspath(path)
     with open(path, "rb") as file:
-        raw = file.read()
-    if raw[:2] == b"\x1f\x8b":
+        if file.peek(2)[:2] != b"\x1f\x8b":
+            return _read_idx(file, path)
         try:
-            raw = gzip.decompress(raw)
+            with gzip.GzipFile(fileobj=file) as stream:
+                return _read_idx(stream, path)
         except (OSError, EOFError, zlib.error) as error:
             raise ValueError(f"load_idx: {path}: truncated or corrupt gzip data "
                              f"({error})") from error
-    if len(raw) < 4:
-        raise ValueError(f"load_idx: {path}: truncated header ({len(raw)} bytes)")
-    if raw[:2] != b"\x00\x00":
-        raise ValueError(f"load_idx: {path}: bad magic number 0x{raw[:4].hex()} "
+
+
+def _read_idx(stream, path):
+    """The array in IDX `stream` (the file, or its decompressed gzip stream) from `path`."""
+    header = stream.read(4)
+    if len(header) < 4:
+        raise ValueError(f"load_idx: {path}: truncated header ({len(header)} bytes)")
+    if header[:2] != b"\x00\x00":
+        raise ValueError(f"load_idx: {path}: bad magic number 0x{header.hex()} "
                          f"(an IDX file starts with 0x0000)")
-    type_code, ndim = raw[2], raw[3]
+    type_code, ndim = header[2], header[3]
     if type_code not in _IDX_DTYPES:
         raise ValueError(f"load_idx: {path}: unknown IDX type code 0x{type_code:02x}")
+    dims = stream.read(4 * ndim)
     data_start = 4 + 4 * ndim
-    if len(raw) < data_start:
+    if len(dims) < 4 * ndim:
         raise ValueError(f"load_idx: {path}: truncated header "
-                         f"({len(raw)} bytes, {ndim} dimensions)")
-    shape = struct.unpack(f">{ndim}I", raw[4:data_start])
+                         f"({4 + len(dims)} bytes, {ndim} dimensions)")
+    shape = struct.unpack(f">{ndim}I", dims)
     dtype = np.dtype(_IDX_DTYPES[type_code])
-    expected = data_start + math.prod(shape) * dtype.itemsize
-    if len(raw) != expected:
-        problem = "truncated data" if len(raw) < expected else "trailing bytes after the data"
-        raise ValueError(f"load_idx: {path}: {problem}: {len(raw)} bytes, "
-                         f"shape {shape} needs {expected}")
-    data = np.frombuffer(raw, dtype, math.prod(shape), data_start).reshape(shape)
-    return data.astype(dtype.newbyteorder("="))
+    count = math.prod(shape)
+    expected = data_start + count * dtype.itemsize
+    data = _read_at_most(stream, count * dtype.itemsize + 1)
+    if data_start + len(data) != expected:
+        problem, size = (("truncated data", f"{data_start + len(data)} bytes")
+                         if data_start + len(data) < expected else
+                         ("trailing bytes after the data", f"more than {expected} bytes"))
+        raise ValueError(f"load_idx: {path}: {problem}: {size}, shape {shape} needs {expected}")
+    try:
+        array = np.frombuffer(data, dtype, count).reshape(shape)
+    except ValueError as error:  # more dimensions than NumPy supports
+        raise ValueError(f"load_idx: {path}: {ndim} dimensions: {error}") from error
+    return array.astype(dtype.newbyteorder("="))
+
+
+def _read_at_most(stream, limit):
+    """Up to `limit` bytes of `stream`, a piece at a time: memory grows with what the file
+    really holds, never to the size its header claims."""
+    data = bytearray()
+    while len(data) < limit:
+        piece = stream.read(min(limit - len(data), 1 << 20))
+        if not piece:
+            break
+        data += piece
+    return data
 
 
 # ============================================================================ Trainer

@@ -4021,3 +4021,247 @@ def test_bad_numeric_arguments_raise_value_error(backend):
         F.leaky_relu(x, "0.1")
     with raises_naming(ValueError, "init_scale"):
         netcl.AMPGradScaler(init_scale="big")
+
+
+# ---------------------------------------------------------------------------------------------
+# reliability: files: devices without PyOpenCL, atomic save, load and load_idx errors
+# ---------------------------------------------------------------------------------------------
+
+def _run_python(script, *flags, env=None, timeout=120):
+    """Run `script` in a fresh interpreter (with `flags`) that imports this checkout's netcl;
+    return its stdout."""
+    here = os.path.dirname(os.path.abspath(netcl.__file__))
+    script = f"import sys\nsys.path.insert(0, {here!r})\n" + script
+    result = subprocess.run([sys.executable, *flags, "-c", script], env=env,
+                            capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def test_default_device_without_pyopencl_is_numpy_and_opencl_says_what_to_install(tmp_path):
+    # pocl-binary-distribution installed without PyOpenCL leaves pyopencl/.libs and no
+    # __init__.py. A regular package anywhere on sys.path wins over such a directory, so the
+    # child runs without site-packages (-S) and sees only it and NumPy.
+    site = tmp_path / "site"
+    (site / "pyopencl" / ".libs").mkdir(parents=True)
+    numpy_dir = pathlib.Path(np.__file__).parent
+    for name in ("numpy", "numpy.libs"):  # numpy.libs: the BLAS a NumPy wheel links to
+        if (numpy_dir.parent / name).exists():
+            (site / name).symlink_to(numpy_dir.parent / name)
+    env = {k: v for k, v in os.environ.items() if k != "NETCL_DEVICE"}
+    env["PYTHONPATH"] = str(site)
+    out = _run_python("""
+import pyopencl
+assert getattr(pyopencl, "__file__", None) is None, pyopencl  # the empty namespace package
+import netcl
+assert netcl.manager.default().backend == "cpu"
+assert netcl.manager.default("auto") is netcl.manager.default("cpu")
+for request in ("opencl", "gpu", "opencl:0:0"):
+    try:
+        netcl.manager.default(request)
+    except RuntimeError as error:
+        print(request, "->", error)
+    else:
+        raise AssertionError(f"default({request!r}) without PyOpenCL returned a device")
+""", "-S", env=env)
+    lines = out.splitlines()
+    assert [line.split(" ->")[0] for line in lines] == ["opencl", "gpu", "opencl:0:0"], out
+    for line in lines:
+        assert "pip install pyopencl" in line and "pocl" in line.lower(), line
+
+
+def _same_arrays(loaded, expected):
+    assert sorted(loaded) == sorted(expected)
+    for key, value in expected.items():
+        assert loaded[key].dtype == np.asarray(value).dtype
+        np.testing.assert_array_equal(loaded[key], value)
+
+
+def test_save_on_a_full_disk_keeps_the_previous_file(tmp_path):
+    path = tmp_path / "ckpt.npz"
+    good = {"w": np.arange(12, dtype=np.float32).reshape(3, 4), "steps": np.array(7, np.int32)}
+    netcl.save(good, path)
+    # In a child, so that the file-size limit (what a full disk does to a write) stays there.
+    out = _run_python(f"""
+import resource, signal
+import numpy as np, netcl
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # past the limit, write() fails with EFBIG
+resource.setrlimit(resource.RLIMIT_FSIZE, (2048, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+try:
+    netcl.save({{"w": np.ones((64, 64), np.float32), "steps": np.array(8)}}, {str(path)!r})
+except OSError as error:
+    print("OSError:", error)
+""")
+    _same_arrays(netcl.load(path), good)
+    assert os.listdir(tmp_path) == ["ckpt.npz"]  # no temporary left behind
+    assert out.startswith("OSError:") and str(path) in out, out
+
+
+@pytest.mark.parametrize("failure", ["KeyboardInterrupt", "OSError"])
+def test_interrupted_save_keeps_the_previous_file_and_its_mode(tmp_path, monkeypatch, failure):
+    import errno
+    path = tmp_path / "ckpt.npz"
+    good = {"w": np.arange(6, dtype=np.float32), "b": np.ones(2, np.float32)}
+    netcl.save(good, path)
+    os.chmod(path, 0o604)
+    real_savez = np.savez
+
+    def savez_then_fail(file, **arrays):
+        file.write(b"PK\x03\x04" + bytes(100))  # a partial archive, then the interruption
+        raise (KeyboardInterrupt() if failure == "KeyboardInterrupt"
+               else OSError(errno.ENOSPC, "No space left on device"))
+
+    monkeypatch.setattr(np, "savez", savez_then_fail)
+    with pytest.raises(KeyboardInterrupt if failure == "KeyboardInterrupt" else OSError) as caught:
+        netcl.save({"w": np.zeros(6, np.float32)}, path)
+    monkeypatch.setattr(np, "savez", real_savez)
+    assert os.listdir(tmp_path) == ["ckpt.npz"]
+    _same_arrays(netcl.load(path), good)
+    if failure == "OSError":
+        assert str(path) in str(caught.value) and caught.value.errno == errno.ENOSPC
+    # A save that succeeds replaces the file and keeps its mode; a new file gets open()'s.
+    newer = {"w": np.full(6, 2.0, np.float32)}
+    netcl.save(newer, path)
+    _same_arrays(netcl.load(path), newer)
+    assert os.stat(path).st_mode & 0o7777 == 0o604
+    umask = os.umask(0o027)
+    try:
+        netcl.save(newer, tmp_path / "new.ckpt")
+    finally:
+        os.umask(umask)
+    assert sorted(os.listdir(tmp_path)) == ["ckpt.npz", "new.ckpt"]  # exactly the path given
+    assert os.stat(tmp_path / "new.ckpt").st_mode & 0o7777 == 0o666 & ~0o027
+
+
+def test_fit_checkpoint_that_fails_to_save_names_it_and_keeps_the_best(backend, tmp_path,
+                                                                      monkeypatch):
+    import errno
+    x, y = _blobs(n=30)
+    model = _trainer_model(backend)
+    trainer = netcl.Trainer(model, netcl.SGD(model.parameters(), lr=0.1), device_queue=backend.queue)
+    scripted = iter([0.5, 0.6])
+    monkeypatch.setattr(trainer, "evaluate", lambda *a: {"loss": 1.0, "accuracy": next(scripted)})
+    real_savez, saved = np.savez, []
+
+    def savez_fails_the_second_time(file, **arrays):
+        saved.append({key: value.copy() for key, value in arrays.items()})
+        if len(saved) == 2:
+            file.write(b"PK\x03\x04")
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_savez(file, **arrays)
+
+    monkeypatch.setattr(np, "savez", savez_fails_the_second_time)
+    path = tmp_path / "best.npz"
+    with pytest.raises(OSError) as caught:
+        trainer.fit(_batches(x, y, 10), _batches(x, y, 10), epochs=2, checkpoint=path)
+    assert len(saved) == 2 and os.listdir(tmp_path) == ["best.npz"]
+    best = netcl.load(path)
+    _same_arrays(best, saved[0])
+    _trainer_model(backend, seed=1).load_state_dict(best)
+    assert str(path) in str(caught.value) and "No space left" in str(caught.value)
+
+
+def test_load_idx_stops_reading_a_gzip_file_after_the_declared_size(tmp_path):
+    import tracemalloc
+    path = tmp_path / "bomb-idx1-ubyte.gz"
+    zeros, megabytes = bytes(1 << 20), 64
+    with gzip.open(path, "wb") as f:  # one element declared, then 64 MB that compress to little
+        f.write(bytes([0, 0, 0x08, 1]) + (1).to_bytes(4, "big") + b"\x07")
+        for _ in range(megabytes):
+            f.write(zeros)
+    tracemalloc.start()
+    try:
+        started = time.perf_counter()
+        with pytest.raises(ValueError, match="trailing") as caught:
+            nc.load_idx(path)
+        seconds = time.perf_counter() - started
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert str(path) in str(caught.value)
+    assert peak < (megabytes << 20) // 16, f"load_idx allocated {peak} bytes"
+    assert seconds < 5
+
+
+def test_load_idx_of_dev_zero_stops_after_the_header():
+    if not os.path.exists("/dev/zero"):
+        pytest.skip("no /dev/zero")
+    # In a child whose address space is capped: a reader that does not stop would otherwise
+    # take the machine's memory before failing.
+    out = _run_python("""
+import resource
+import netcl
+with open("/proc/self/statm") as f:
+    mapped = int(f.read().split()[0]) * resource.getpagesize()
+hard = resource.getrlimit(resource.RLIMIT_AS)[1]
+soft = mapped + (512 << 20)
+resource.setrlimit(resource.RLIMIT_AS, (soft if hard == resource.RLIM_INFINITY else min(soft, hard), hard))
+try:
+    netcl.load_idx("/dev/zero")
+except ValueError as error:
+    print("ValueError:", error)
+""", timeout=60)
+    assert out.startswith("ValueError:") and "/dev/zero" in out and "type code 0x00" in out, out
+
+
+def test_load_idx_names_the_file_for_impossible_dimensions(tmp_path):
+    import tracemalloc
+    path = tmp_path / "odd-idx-ubyte"
+    dims = lambda sizes: b"".join(int(size).to_bytes(4, "big") for size in sizes)
+    # 100 dimensions whose sizes match the data: more than an ndarray can have
+    for sizes, data in (([1] * 100, b"\x07"), ([0] * 100, b"")):
+        path.write_bytes(bytes([0, 0, 0x08, len(sizes)]) + dims(sizes) + data)
+        with raises_naming(ValueError, str(path), "100 dimensions"):
+            nc.load_idx(path)
+    # An absurd declared size (2**128 bytes) is checked against the bytes there, not allocated.
+    path.write_bytes(bytes([0, 0, 0x08, 4]) + dims([2 ** 32 - 1] * 4) + bytes(10))
+    tracemalloc.start()
+    try:
+        with raises_naming(ValueError, str(path), "truncated"):
+            nc.load_idx(path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 << 20  # a read buffer, not the declared size
+
+
+def test_load_of_a_file_that_is_no_archive_names_it(tmp_path):
+    weights = np.arange(100, dtype=np.float64)
+    netcl.save({"w": weights, "b": np.zeros(5, np.float32)}, tmp_path / "good.npz")
+    raw = (tmp_path / "good.npz").read_bytes()
+    flipped = bytearray(raw)
+    flipped[raw.index(weights.tobytes()) + 8] ^= 0xFF  # one byte of "w": its CRC no longer fits
+    np.save(tmp_path / "array.npy", weights)
+    files = {"half.npz": raw[:len(raw) // 2], "cut.npz": raw[:-10], "flipped.npz": bytes(flipped),
+             "noise.bin": np.random.default_rng(0).bytes(300), "empty.npz": b""}
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+    for name in ["array.npy", *files]:
+        with raises_naming(ValueError, str(tmp_path / name), "npz"):
+            netcl.load(tmp_path / name)
+    with pytest.raises(FileNotFoundError):
+        netcl.load(tmp_path / "missing.npz")
+    netcl.save({}, tmp_path / "nothing.npz")  # an empty archive is still one
+    assert netcl.load(tmp_path / "nothing.npz") == {}
+
+
+def test_save_rejects_keys_that_are_equal_as_strings(tmp_path):
+    path = tmp_path / "ckpt.npz"
+    with raises_naming(ValueError, "save", "'1'"):
+        netcl.save({1: np.zeros(2), "1": np.ones(2)}, path)
+    assert not path.exists()
+
+
+@pytest.mark.parametrize("bad", [np.complex64, np.bool_])
+def test_load_state_dict_rejects_bool_and_complex_arrays_changing_nothing(backend, bad):
+    model = _mlp(backend, seed=3)
+    before = model.state_dict()
+    state = {key: np.full(value.shape, 0.5, value.dtype) for key, value in before.items()}
+    last = list(state)[-1]
+    state[last] = np.ones(state[last].shape, bad)
+    with raises_naming(ValueError, repr(last), str(np.dtype(bad))):
+        model.load_state_dict(state)
+    _same_arrays(model.state_dict(), before)  # the keys before it were not written either
+    state[last] = np.ones(state[last].shape, np.int64)  # integers convert, as in PyTorch
+    model.load_state_dict(state)
+    assert np.all(model.state_dict()[last] == 1.0) and model.state_dict()[last].dtype == np.float32
