@@ -264,8 +264,9 @@ GEMM(gemm_tn_split, 4, 1, float, A_COLMAJOR, 0, act_t, B_ROWMAJOR, 0, float)
 // - Global -> local: `cp.async` copies 16 bytes (8 halves) per instruction without passing
 //   through registers, STAGES k-tiles of depth TC_BK ahead (a pipeline with one barrier
 //   per k-tile). A copy past the matrix's edge reads 0 bytes and zero-fills, so ragged M, N
-//   and K need no separate path; the contiguous dimension of each operand must be a multiple
-//   of 8 (the host checks), so a 16-byte copy never straddles the edge.
+//   and K need no separate path. Where the contiguous dimension of an operand is a multiple
+//   of 8, a 16-byte copy never straddles the edge; other operands take the _u kernels,
+//   which gather each chunk element by element (tc_chunk).
 // - Local -> registers: `ldmatrix` loads the mma's operand fragments for a whole warp, and its
 //   `.trans` form transposes 8x8 blocks on the way, so each operand stays in local memory in
 //   its global layout: k-fast rows for A (M, K) and B stored (N, K), m- or n-fast rows for A
@@ -305,39 +306,56 @@ inline void tc_mma(float* c, const uint* a, const uint* b) {
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
+// Eight consecutive halves, the ones from `left` on zero: a chunk of an unaligned operand,
+// which cp.async cannot copy, read element by element instead.
+inline uint4 tc_gather8(__global const ushort* p, const int left) {
+    uint h[8];
+    for (int i = 0; i < 8; ++i) h[i] = i < left ? p[i] : 0;
+    return (uint4)(h[0] | h[1] << 16, h[2] | h[3] << 16, h[4] | h[5] << 16, h[6] | h[7] << 16);
+}
+
+// One 16-byte chunk of a tile: 8 halves from row `row` of an operand stored with rows of
+// `width` elements, at column `col`, rows past `rows` and columns past `width` zero.
+// aligned: width is a multiple of 8, so the chunk is a cp.async copy (or a zero fill);
+// otherwise the row starts are not 16-byte aligned and the chunk is gathered.
+inline void tc_chunk(__local uint4* dst, __global const ushort* X, const int row,
+                     const int rows, const int col, const int width, const int aligned) {
+    const int ok = row < rows && col < width;
+    if (aligned)
+        tc_copy16(dst, X + (ok ? row * width + col : 0), ok);
+    else
+        *dst = ok ? tc_gather8(X + row * width + col, width - col) : (uint4)(0);
+}
+
 // Queue the copies of k-tile `k0` of a BM x BN block into local memory. a_t: op(A) is A^T
 // (A stored (K, M), m-fast); b_n: op(B) is B (stored (K, N), n-fast), not B^T (N, K).
 inline void tc_load_tile(__local uint4* As, __local uint4* Bs, __global const ushort* A,
                          __global const ushort* B, const int M, const int N, const int K,
                          const int m0, const int n0, const int k0, const int tid,
                          const int threads, const int BM, const int BN,
-                         const int a_t, const int b_n) {
+                         const int a_t, const int b_n, const int aligned) {
     for (int e = tid; e < BM * TC_BK / 8; e += threads) {
         if (a_t) {
             const int krow = e / (BM / 8), c = e % (BM / 8);
-            const int k = k0 + krow, m = m0 + c * 8, ok = k < K && m < M;
-            tc_copy16(As + MNFAST_CHUNK(krow, c, BM / 8), A + (ok ? k * M + m : 0), ok);
+            tc_chunk(As + MNFAST_CHUNK(krow, c, BM / 8), A, k0 + krow, K, m0 + c * 8, M, aligned);
         } else {
             const int row = e >> 2, c = e & 3;
-            const int m = m0 + row, k = k0 + c * 8, ok = m < M && k < K;
-            tc_copy16(As + KFAST_CHUNK(row, c), A + (ok ? m * K + k : 0), ok);
+            tc_chunk(As + KFAST_CHUNK(row, c), A, m0 + row, M, k0 + c * 8, K, aligned);
         }
     }
     for (int e = tid; e < BN * TC_BK / 8; e += threads) {
         if (b_n) {
             const int krow = e / (BN / 8), c = e % (BN / 8);
-            const int k = k0 + krow, n = n0 + c * 8, ok = k < K && n < N;
-            tc_copy16(Bs + MNFAST_CHUNK(krow, c, BN / 8), B + (ok ? k * N + n : 0), ok);
+            tc_chunk(Bs + MNFAST_CHUNK(krow, c, BN / 8), B, k0 + krow, K, n0 + c * 8, N, aligned);
         } else {
             const int row = e >> 2, c = e & 3;
-            const int n = n0 + row, k = k0 + c * 8, ok = n < N && k < K;
-            tc_copy16(Bs + KFAST_CHUNK(row, c), B + (ok ? n * K + k : 0), ok);
+            tc_chunk(Bs + KFAST_CHUNK(row, c), B, n0 + row, N, k0 + c * 8, K, aligned);
         }
     }
 }
 
 // C (M, N) = op(A) @ op(B) [+ bias (N)]: A, B float16 storage; C_T half or float.
-#define GEMM_TC(NAME, BM, BN, WM, WN, STAGES, WAIT_OLDEST, A_T, B_N, C_T, STORE_PAIR)              \
+#define GEMM_TC(NAME, BM, BN, WM, WN, STAGES, WAIT_OLDEST, A_T, B_N, C_T, STORE_PAIR, ALIGNED)   \
 __kernel __attribute__((reqd_work_group_size((BM / WM) * (BN / WN) * 32, 1, 1)))                   \
 void NAME(const int M, const int N, const int K, const int has_bias,                               \
           __global const ushort* A, __global const ushort* B, __global const float* bias,          \
@@ -355,7 +373,8 @@ void NAME(const int M, const int N, const int K, const int has_bias,            
     const int tiles = (K + TC_BK - 1) / TC_BK;                                                     \
     for (int s = 0; s < STAGES - 1; ++s) {  /* prologue: the first k-tiles in flight */            \
         if (s < tiles) tc_load_tile(smem + s * stage_chunks, smem + s * stage_chunks + a_chunks,   \
-                                    A, B, M, N, K, m0, n0, s * TC_BK, tid, threads, BM, BN, A_T, B_N); \
+                                    A, B, M, N, K, m0, n0, s * TC_BK, tid, threads, BM, BN,     \
+                                    A_T, B_N, ALIGNED);                                           \
         asm volatile("cp.async.commit_group;" ::: "memory");                                       \
     }                                                                                              \
     for (int t = 0; t < tiles; ++t) {                                                              \
@@ -367,7 +386,8 @@ void NAME(const int M, const int N, const int K, const int has_bias,            
         if (next < tiles) {                                                                        \
             const int s = next % STAGES;                                                           \
             tc_load_tile(smem + s * stage_chunks, smem + s * stage_chunks + a_chunks,              \
-                         A, B, M, N, K, m0, n0, next * TC_BK, tid, threads, BM, BN, A_T, B_N);     \
+                         A, B, M, N, K, m0, n0, next * TC_BK, tid, threads, BM, BN,            \
+                         A_T, B_N, ALIGNED);                                                      \
         }                                                                                          \
         asm volatile("cp.async.commit_group;" ::: "memory");                                       \
         __local uint4* As = smem + (t % STAGES) * stage_chunks;                                    \
@@ -415,22 +435,25 @@ void NAME(const int M, const int N, const int K, const int has_bias,            
     do { vstore_half((v0), (i), (C)); if (both) vstore_half((v1), (i) + 1, (C)); } while (0)
 #define STORE_PAIR_FLOAT(C, i, both, v0, v1)                                                   \
     do { (C)[i] = (v0); if (both) (C)[(i) + 1] = (v1); } while (0)
-// Two tile configurations, chosen per product by the host (netcl.py: _gemm_tensor_cores):
+// Two tile configurations, chosen per product by the host (netcl.py: _tensor_core_gemm):
 // 128x128 blocks of eight 64x32 warp tiles, 3 stages, for products with many blocks; 128x64
 // blocks of four 64x32 warp tiles, 4 stages, which keep all compute units busy on smaller
 // ones (n = 1024: 83 against 65 TFLOP/s on the H200). The local memory of both is 48 KiB,
 // all a work-group may have there. Names: layout (op(A) = A or A^T, op(B) = B or B^T), C's
 // storage (h: half, f: float), and the block (l: large, s: small).
-#define GEMM_TC_FAMILY(BLOCK, BM, BN, WM, WN, STAGES, WAIT)                                    \
-GEMM_TC(gemm_tc_nn_h##BLOCK, BM, BN, WM, WN, STAGES, WAIT, 0, 1, half, STORE_PAIR_HALF)        \
-GEMM_TC(gemm_tc_nt_h##BLOCK, BM, BN, WM, WN, STAGES, WAIT, 0, 0, half, STORE_PAIR_HALF)        \
-GEMM_TC(gemm_tc_tn_h##BLOCK, BM, BN, WM, WN, STAGES, WAIT, 1, 1, half, STORE_PAIR_HALF)        \
-GEMM_TC(gemm_tc_nn_f##BLOCK, BM, BN, WM, WN, STAGES, WAIT, 0, 1, float, STORE_PAIR_FLOAT)      \
-GEMM_TC(gemm_tc_nt_f##BLOCK, BM, BN, WM, WN, STAGES, WAIT, 0, 0, float, STORE_PAIR_FLOAT)      \
-GEMM_TC(gemm_tc_tn_f##BLOCK, BM, BN, WM, WN, STAGES, WAIT, 1, 1, float, STORE_PAIR_FLOAT)
-// cp.async.wait_group takes a literal: how many younger copy groups may stay in flight
-GEMM_TC_FAMILY(_l, 128, 128, 64, 32, 3, "cp.async.wait_group 1;")
-GEMM_TC_FAMILY(_s, 128, 64, 64, 32, 4, "cp.async.wait_group 2;")
+#define GEMM_TC_FAMILY(BLOCK, BM, BN, WM, WN, STAGES, WAIT, ALIGNED)                           \
+GEMM_TC(gemm_tc_nn_h##BLOCK, BM, BN, WM, WN, STAGES, WAIT, 0, 1, half, STORE_PAIR_HALF, ALIGNED) \
+GEMM_TC(gemm_tc_nt_h##BLOCK, BM, BN, WM, WN, STAGES, WAIT, 0, 0, half, STORE_PAIR_HALF, ALIGNED) \
+GEMM_TC(gemm_tc_tn_h##BLOCK, BM, BN, WM, WN, STAGES, WAIT, 1, 1, half, STORE_PAIR_HALF, ALIGNED) \
+GEMM_TC(gemm_tc_nn_f##BLOCK, BM, BN, WM, WN, STAGES, WAIT, 0, 1, float, STORE_PAIR_FLOAT, ALIGNED) \
+GEMM_TC(gemm_tc_nt_f##BLOCK, BM, BN, WM, WN, STAGES, WAIT, 0, 0, float, STORE_PAIR_FLOAT, ALIGNED) \
+GEMM_TC(gemm_tc_tn_f##BLOCK, BM, BN, WM, WN, STAGES, WAIT, 1, 1, float, STORE_PAIR_FLOAT, ALIGNED)
+// cp.async.wait_group takes a literal: how many younger copy groups may stay in flight. The
+// small block also comes gathering its chunks (_u), for operands whose contiguous dimension
+// is not a multiple of 8 (a 10-class output layer's gradient, say).
+GEMM_TC_FAMILY(_l, 128, 128, 64, 32, 3, "cp.async.wait_group 1;", 1)
+GEMM_TC_FAMILY(_s, 128, 64, 64, 32, 4, "cp.async.wait_group 2;", 1)
+GEMM_TC_FAMILY(_u, 128, 64, 64, 32, 4, "cp.async.wait_group 2;", 0)
 
 // The probe netcl runs once per device before trusting the kernels above: one warp, one
 // 16x8x16 product D = A B, A (16, 16) row-major and B given as B^T (8, 16), in halves.

@@ -1179,20 +1179,26 @@ _TC_LARGE, _TC_SMALL = (128, 128, 256), (128, 64, 128)
 
 
 def _tensor_core_gemm(a, b, trans_a, trans_b, bias, out):
-    """Run _gemm's product on tensor cores if it can: both operands in float16 storage, a
-    device whose probe passed, and the contiguous dimension of each operand a multiple of 8
-    (kernels.cl copies 8 halves at a time). Returns whether it did."""
+    """Run _gemm's product on tensor cores if it can: both operands in float16 storage and a
+    device whose probe passed. Returns whether it did."""
     M, K = (a.shape[1], a.shape[0]) if trans_a else a.shape
     N = b.shape[0] if trans_b else b.shape[1]
     if not (a.dtype == b.dtype == np.float16 and a.device.tensor_cores and not
-            (trans_a and trans_b) and (M if trans_a else K) % 8 == 0 and
-            (K if trans_b else N) % 8 == 0):
+            (trans_a and trans_b)):
+        return False
+    # kernels.cl copies 8 halves at a time; where an operand's contiguous dimension is not a
+    # multiple of 8, its rows are not 16-byte aligned and the small block gathers instead,
+    # which pays only with blocks for every compute unit (a 10-class layer's weight gradient
+    # has 1 x N/64 of them, each over the whole batch: the split-K kernels do it faster).
+    aligned = (M if trans_a else K) % 8 == 0 and (K if trans_b else N) % 8 == 0
+    if not aligned and -(-M // 128) * -(-N // 64) < a.device.compute_units:
         return False
     # The large block when its blocks alone fill every compute unit twice over.
-    large = -(-M // 128) * -(-N // 128) >= 2 * a.device.compute_units
+    large = aligned and -(-M // 128) * -(-N // 128) >= 2 * a.device.compute_units
     rows, cols, threads = _TC_LARGE if large else _TC_SMALL
     layout = "tn" if trans_a else "nt" if trans_b else "nn"
-    kernel = f"gemm_tc_{layout}_{'h' if out.dtype == np.float16 else 'f'}_{'l' if large else 's'}"
+    block = "l" if large else "s" if aligned else "u"
+    kernel = f"gemm_tc_{layout}_{'h' if out.dtype == np.float16 else 'f'}_{block}"
     a.device.launch(kernel, (-(-N // cols) * threads, -(-M // rows)), (threads, 1), M, N, K,
                     int(bias is not None), a.data, b.data, None if bias is None else bias.data,
                     out.data, half=True)
