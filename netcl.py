@@ -412,18 +412,23 @@ class Tensor:
     @staticmethod
     def from_host(array, queue=None, dtype=None):
         """Copy a host array to the device. float64 becomes float32 (float64 stays only when
-        asked for with dtype=np.float64, on the NumPy backend); integers become int32."""
-        array = np.asarray(array)
+        asked for with dtype=np.float64, on the NumPy backend); integers become int32, and one
+        outside int32's range raises instead of wrapping around."""
+        array = _real_array("Tensor.from_host", array, "array")
         if dtype is None:
             if array.dtype == np.float16:
                 dtype = np.float16
             elif array.dtype.kind in "iub":
                 dtype = np.int32
-            elif array.dtype.kind == "f":
-                dtype = np.float32
             else:
-                raise ValueError(f"from_host: unsupported array dtype {array.dtype}")
+                dtype = np.float32
         tensor = Tensor.empty(array.shape, dtype, queue)
+        if tensor.dtype == np.int32 and not np.can_cast(array.dtype, np.int32):
+            limits = np.iinfo(np.int32)
+            outside = array[(array < limits.min) | (array > limits.max)]
+            if outside.size:
+                raise ValueError(f"Tensor.from_host: integer {outside[0]} is outside int32's "
+                                 f"range [{limits.min}, {limits.max}]")
         _write(tensor, array)
         return tensor
 
@@ -487,6 +492,20 @@ def _write(tensor, array):
         tensor.device.upload(tensor.data, host)
         if tensor.dtype == np.int32:
             tensor._labels = host
+
+
+def _real_array(where, value, what="operand"):
+    """value as an ndarray of bool, integer or float numbers, else TypeError naming `where`.
+    np.asarray makes an object array of None, a str array of a string, and the float copy
+    after it would hold NaN or fail in NumPy's words; a complex value would lose its imaginary
+    part with only a warning. PyTorch refuses all of them with a TypeError."""
+    array = np.asarray(value)
+    if array.dtype.kind not in "biuf":
+        shown = (f"of dtype {array.dtype}, shape {array.shape}" if isinstance(value, np.ndarray)
+                 else f"{value!r:.60} ({type(value).__name__})")
+        raise TypeError(f"{where}: {what} {shown} does not hold real numbers (bool, integer "
+                        f"or float)")
+    return array
 
 
 def _check_shape(shape):
@@ -628,7 +647,10 @@ class Tape:
                                    f"element, got shape {loss.shape}")
             grad = _fill(loss.shape, 1.0, loss.value)
         else:
-            grad = _float32(_as_tensor(grad, loss.value))
+            grad = _float32(_as_tensor("backward", grad, loss.value))
+            if grad.dtype.kind != "f":  # kernels would read an int32 tensor's bits as floats
+                raise ValueError(f"backward: grad of dtype {grad.dtype.name}; a gradient "
+                                 f"holds floats")
             if grad.shape != loss.shape:
                 raise ValueError(f"backward: grad shape {grad.shape} != loss shape {loss.shape}")
         if loss._backward is not None and not any(node is loss for node in self._nodes):
@@ -738,8 +760,9 @@ def _devices_of(op, *values):
     return next(iter(devices.values()), None) or _default_device()
 
 
-def _as_tensor(value, like):
-    """value as a Tensor on `like`'s device (arrays take like's float dtype)."""
+def _as_tensor(op, value, like):
+    """value as a Tensor on `like`'s device (arrays, integer ones too, take like's float
+    dtype, as PyTorch promotes integers)."""
     if isinstance(value, Node):
         value = value.value
     if isinstance(value, Tensor):
@@ -747,19 +770,19 @@ def _as_tensor(value, like):
             raise ValueError(f"operands are on different devices: {value.device.backend} and "
                              f"{like.device.backend}")
         return value
-    array = np.asarray(value)
-    dtype = like.dtype if array.dtype.kind == "f" and like.dtype.kind == "f" else None
+    array = _real_array(op, value)
+    dtype = like.dtype if like.dtype.kind == "f" else None
     return Tensor.from_host(array, queue=like.device.queue, dtype=dtype)
 
 
-def _as_node(value, device, dtype=None):
+def _as_node(op, value, device, dtype=None):
     """value as a Node; arrays become float tensors (dtype, a partner's float dtype, or
     float32): netcl's operations compute in floating point, as PyTorch promotes ints."""
     if isinstance(value, Node):
         return value
     if isinstance(value, Tensor):
         return Node(value)
-    array = np.asarray(value)
+    array = _real_array(op, value)
     float_dtype = dtype if dtype is not None and dtype.kind == "f" else np.dtype(np.float32)
     return Node(Tensor.from_host(array, device.queue, float_dtype))
 
@@ -769,7 +792,7 @@ def _nodes(op, *values, numeric=True):
     Numeric ops refuse int32 tensors, which hold labels and indices, not values."""
     device = _devices_of(op, *values)
     dtype = next((v.dtype for v in values if isinstance(v, (Node, Tensor))), None)
-    nodes = [_as_node(v, device, dtype) for v in values]
+    nodes = [_as_node(op, v, device, dtype) for v in values]
     if numeric:
         for node in nodes:
             if node.dtype.kind != "f":

@@ -3871,3 +3871,61 @@ def test_bad_numeric_arguments_raise_value_error(backend):
         F.leaky_relu(x, "0.1")
     with raises_naming(ValueError, "init_scale"):
         netcl.AMPGradScaler(init_scale="big")
+
+
+# ---------------------------------------------------------------------------------------------
+# reliability: validation: operands, BufferPool, optimizer state, Trainer inputs
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("bad, needle", [(None, "None"), ("2", "'2'"), (object(), "object"),
+                                         (np.array([1 + 5j, 2, 3]), "complex"), (1j, "1j")])
+def test_operand_that_is_not_real_numbers_raises_type_error(backend, bad, needle):
+    x = tensor(np.ones(3), backend)
+    with raises_naming(TypeError, "mul", needle):
+        F.mul(x, bad)
+    with raises_naming(TypeError, "sub", needle):
+        netcl.Node(x) - bad
+    with raises_naming(TypeError, "relu", needle):
+        F.relu(bad)
+    if bad is not None:  # grad=None is the implied seed
+        w = param(np.ones(3), backend)
+        with netcl.Tape() as tape:
+            loss = w * 2.0
+        with raises_naming(TypeError, "backward", needle):
+            tape.backward(loss, grad=bad)
+
+
+def test_bool_and_integer_operands_promote_to_float(backend):
+    x = tensor([1.0, 2.0, 3.0], backend)
+    product = F.mul(x, np.array([True, False, True]))
+    assert product.dtype == np.float32
+    np.testing.assert_array_equal(host(product), [1.0, 0.0, 3.0])
+    big = F.mul(x, np.array([2**40, 0, -(2**40)]))  # far outside int32, exact in float32
+    np.testing.assert_array_equal(host(big), [2.0**40, 0.0, -3 * 2.0**40])
+    w = param([1.0, 2.0], backend)
+    with netcl.Tape() as tape:
+        y = w * 3.0
+    tape.backward(y, grad=np.array([1, 2]))
+    assert w.grad.dtype == np.float32
+    np.testing.assert_array_equal(host(w.grad), [3.0, 6.0])
+    with netcl.Tape() as tape:
+        y = w * 3.0
+    with raises_naming(ValueError, "backward", "int32"):
+        tape.backward(y, grad=tensor(np.array([1, 2]), backend))
+
+
+def test_from_host_refuses_integers_outside_int32(backend):
+    for values, needle in (([0, 2**32 + 1], 2**32 + 1), ([-(2**31) - 1], -(2**31) - 1),
+                           (np.array([3, 2**63], np.uint64), 2**63),
+                           (np.array([2**31], np.uint32), 2**31)):
+        with raises_naming(ValueError, "from_host", needle):
+            tensor(np.array(values), backend)
+    edges = np.array([-(2**31), 2**31 - 1, 0])
+    np.testing.assert_array_equal(host(tensor(edges, backend)), edges)
+    with raises_naming(TypeError, "from_host", "complex"):
+        netcl.Tensor.from_host(np.array([1 + 5j]), backend.queue, np.float32)
+    with raises_naming(TypeError, "from_host", "object"):
+        tensor(np.array([1, None]), backend)
+    logits = tensor(np.zeros((2, 3)), backend)
+    with raises_naming(ValueError, "cross_entropy", 2**32 + 1):
+        F.cross_entropy(logits, np.array([0, 2**32 + 1]))
