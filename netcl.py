@@ -316,12 +316,17 @@ class BufferPool:
         self._allocate = allocate
         self._max_bytes = max_bytes
         self._cached = defaultdict(list)  # bucket size -> free buffers
+        self._in_use = {}  # id(buffer) -> buffer, for each buffer handed out and not given back
         self.in_use_bytes = self.cached_bytes = self.peak_bytes = 0
         self.hits = self.misses = 0
 
     def alloc(self, nbytes):
         """A buffer of at least `nbytes` bytes, from the cache when one of its bucket is free."""
-        size = _bucket(nbytes)
+        if not isinstance(nbytes, (int, np.integer)) or isinstance(nbytes, bool):
+            raise TypeError(f"BufferPool.alloc: nbytes must be an int, got {nbytes!r}")
+        if nbytes < 0:
+            raise ValueError(f"BufferPool.alloc: nbytes must be >= 0, got {nbytes}")
+        size = _bucket(int(nbytes))
         free = self._cached[size]
         if free:
             buffer = free.pop()
@@ -332,6 +337,7 @@ class BufferPool:
             self.misses += 1
         self.in_use_bytes += size
         self.peak_bytes = max(self.peak_bytes, self.in_use_bytes)
+        self._in_use[id(buffer)] = buffer
         return buffer
 
     def _fresh(self, size):
@@ -349,7 +355,12 @@ class BufferPool:
                                   f"{self.stats()}") from None
 
     def release(self, buffer):
-        """Give a buffer back; the next alloc of its bucket reuses it."""
+        """Give a buffer back; the next alloc of its bucket reuses it. Only a buffer this pool
+        handed out and not yet taken back is accepted: cached twice, one buffer would be handed
+        to two tensors at once."""
+        if self._in_use.pop(id(buffer), None) is None:
+            raise ValueError(f"BufferPool.release: {type(buffer).__name__} {id(buffer):#x} is not "
+                             f"in use from this pool (released already, or allocated elsewhere)")
         size = _buffer_bytes(buffer)
         self._cached[size].append(buffer)
         self.in_use_bytes -= size

@@ -3929,3 +3929,46 @@ def test_from_host_refuses_integers_outside_int32(backend):
     logits = tensor(np.zeros((2, 3)), backend)
     with raises_naming(ValueError, "cross_entropy", 2**32 + 1):
         F.cross_entropy(logits, np.array([0, 2**32 + 1]))
+
+
+def test_pool_alloc_takes_a_non_negative_int(backend):
+    for bad in (1.5, "8", None, True, np.float32(4)):
+        with raises_naming(TypeError, "alloc", "nbytes", repr(bad)):
+            backend.pool.alloc(bad)
+    with raises_naming(ValueError, "alloc", "nbytes", "-5"):
+        backend.pool.alloc(-5)
+    backend.pool.release(backend.pool.alloc(np.int64(0)))
+
+
+def test_pool_release_refuses_a_buffer_it_does_not_own(backend):
+    pool = backend.pool
+    gc.collect()
+    gc_was_enabled = gc.isenabled()
+    gc.disable()  # a collection in between would release tensors and move the stats
+    try:
+        first = pool.alloc(5000)
+        pool.release(first)
+        before = pool.stats()
+        with raises_naming(ValueError, "release", "released already"):
+            pool.release(first)
+        assert pool.stats() == before
+        a, b = pool.alloc(5000), pool.alloc(5000)
+        assert a is not b  # a double release would have cached `first` twice
+        # Foreign buffers: another pool's, a plain array, a tensor's view (NumPy backend) or a
+        # tensor of the other backend.
+        view = netcl.Tensor.empty((8,), queue=backend.queue)
+        elsewhere = netcl.Tensor.empty((8,), queue=netcl.manager.default("cpu").queue)
+        foreign = [netcl.BufferPool(lambda nbytes: np.empty(nbytes, np.uint8)).alloc(5000),
+                   np.empty(5000, np.uint8),
+                   view.data if backend.backend == "cpu" else elsewhere.data]
+        before = pool.stats()
+        for buffer in foreign:
+            with raises_naming(ValueError, "release", "allocated elsewhere"):
+                pool.release(buffer)
+        assert pool.stats() == before
+        pool.release(a)
+        pool.release(b)
+        del view, elsewhere
+    finally:
+        if gc_was_enabled:
+            gc.enable()
