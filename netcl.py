@@ -2042,8 +2042,8 @@ def load(path):
 
 
 # ============================================================================ optimizers
-# PyTorch's update rules. A parameter whose .grad is None is left untouched; `.lr` is a plain
-# attribute, so a schedule can set it between steps. SGD runs one launch per parameter. Adam
+# PyTorch's update rules. A parameter whose .grad is None is left untouched; `.lr` is a
+# checked property, so a schedule can set it between steps. SGD runs one launch per parameter. Adam
 # and AdamW keep the whole model in flat buffers, so that a step, gradient clipping included,
 # is three launches whatever the number of parameters, and never waits for the device: the
 # gradient norm, the clipping coefficient, the skip decision and the step count all stay in
@@ -2068,9 +2068,20 @@ class Optimizer:
                 raise ValueError(f"optimizer: parameter {i} is not a Parameter: {p!r}")
             if any(p is q for q in self.params[:i]):  # it would be updated twice per step
                 raise ValueError(f"optimizer: parameter {i} appears more than once")
-        _check_hyperparameter("learning rate", lr, name="lr")
-        self.lr = float(lr)
+        self.lr = lr
         self._found_inf = None
+
+    @property
+    def lr(self):
+        """The learning rate; settable between steps (a schedule does)."""
+        return self._lr
+
+    @lr.setter
+    def lr(self, value):
+        # Checked here as in the constructor: a string would fail only inside a kernel launch,
+        # and a negative rate would climb the loss.
+        _check_hyperparameter("learning rate", value, name="lr")
+        self._lr = float(value)
 
     def zero_grad(self):
         """Drop every gradient (set to None, as PyTorch's set_to_none=True)."""
@@ -2102,12 +2113,16 @@ class SGD(Optimizer):
 
     def __init__(self, params, lr, momentum=0, weight_decay=0, nesterov=False):
         super().__init__(params, lr)
+        self._set_hyperparameters(momentum, weight_decay, nesterov)
+        self.momentum_buffers = [None] * len(self.params)
+
+    def _set_hyperparameters(self, momentum, weight_decay, nesterov):
+        """Check all three, then set them (so a rejected load_state_dict changes nothing)."""
         _check_hyperparameter("momentum value", momentum, name="momentum")
         _check_hyperparameter("weight_decay value", weight_decay, name="weight_decay")
         if nesterov and momentum <= 0:
             raise ValueError(f"Nesterov momentum requires momentum > 0, got momentum={momentum!r}")
         self.momentum, self.weight_decay, self.nesterov = float(momentum), float(weight_decay), bool(nesterov)
-        self.momentum_buffers = [None] * len(self.params)
 
     def step(self):
         """Update every parameter that has a gradient."""
@@ -2146,21 +2161,31 @@ class SGD(Optimizer):
                                   "params": list(range(len(self.params)))}]}
 
     def load_state_dict(self, state):
-        """Restore hyper-parameters and momentum buffers from state_dict()'s output."""
+        """Restore hyper-parameters and momentum buffers from state_dict()'s output. All of it
+        is checked before anything is set: a rejected state leaves the optimizer as it was."""
+        name = "SGD.load_state_dict"
         group = state["param_groups"][0]
-        self.lr, self.momentum = float(group["lr"]), float(group["momentum"])
-        self.weight_decay, self.nesterov = float(group["weight_decay"]), bool(group["nesterov"])
-        self.momentum_buffers = [None] * len(self.params)
+        if len(group["params"]) != len(self.params):
+            raise ValueError(f"{name}: the state is for {len(group['params'])} parameters, the "
+                             f"optimizer has {len(self.params)}")
+        _check_hyperparameter("learning rate", group["lr"], name="lr")
+        buffers = [None] * len(self.params)
         for i, entry in state["state"].items():
             i = int(i)
             if not 0 <= i < len(self.params):
-                raise ValueError(f"SGD.load_state_dict: state for parameter {i}, but the "
-                                 f"optimizer has {len(self.params)}")
-            buf = np.asarray(entry["momentum_buffer"])
-            if buf.shape != self.params[i].shape:
-                raise ValueError(f"SGD.load_state_dict: momentum_buffer {i} has shape "
-                                 f"{buf.shape}, parameter has {self.params[i].shape}")
-            self.momentum_buffers[i] = Tensor.from_host(buf, self.params[i].value.queue)
+                raise ValueError(f"{name}: state for parameter {i}, but the optimizer has "
+                                 f"{len(self.params)}")
+            p = self.params[i]
+            buf = _real_array(name, entry["momentum_buffer"], f"momentum_buffer {i}")
+            if buf.shape != p.shape:
+                raise ValueError(f"{name}: momentum_buffer {i} has shape {buf.shape}, parameter "
+                                 f"has {p.shape}")
+            # In the parameter's compute dtype: an integer array would become an int32 tensor
+            # that the update kernel reads as floats.
+            buffers[i] = Tensor.from_host(buf, p.value.queue, _compute_dtype(p.dtype))
+        self._set_hyperparameters(group["momentum"], group["weight_decay"], group["nesterov"])
+        self.lr = group["lr"]
+        self.momentum_buffers = buffers
 
 
 # --- gradient norms and clip_grad_norm -------------------------------------------------------
@@ -2472,7 +2497,8 @@ class Adam(Optimizer):
         """Restore hyper-parameters, moments and the step count from state_dict()'s output,
         so that the optimizer continues the same trajectory. A parameter without state gets
         zero moments; where steps differ between parameters (a PyTorch checkpoint), the
-        largest is taken."""
+        largest is taken. All of it is checked before anything is set: a rejected state leaves
+        the optimizer as it was."""
         name = f"{type(self).__name__}.load_state_dict"
         group = state["param_groups"][0]
         if len(group["params"]) != len(self.params):
@@ -2485,14 +2511,19 @@ class Adam(Optimizer):
             if not 0 <= i < len(self.params):
                 raise ValueError(f"{name}: state for parameter {i}, but the optimizer has "
                                  f"{len(self.params)}")
-            moments[i] = [np.asarray(entry[key], np.float32) for key in ("exp_avg", "exp_avg_sq")]
+            moments[i] = [np.asarray(_real_array(name, entry[key], f"{key} of parameter {i}"),
+                                     np.float32) for key in ("exp_avg", "exp_avg_sq")]
             for key, array in zip(("exp_avg", "exp_avg_sq"), moments[i]):
                 if array.shape != self.params[i].shape:
                     raise ValueError(f"{name}: {key} of parameter {i} has shape {array.shape}, "
                                      f"the parameter has {self.params[i].shape}")
-            steps.append(int(float(entry["step"])))
+            step = float(entry["step"])  # a number, or PyTorch's one-element tensor
+            if not (step.is_integer() and 0 <= step < 2**31):  # the device count is int32
+                raise ValueError(f"{name}: step of parameter {i} must be an integer in "
+                                 f"[0, 2**31), got {entry['step']!r}")
+            steps.append(int(step))
         self._set_hyperparameters(group["betas"], group["eps"], group["weight_decay"])
-        self.lr = float(group["lr"])
+        self.lr = group["lr"]
         flat = self._flat
         for i, views in enumerate(zip(flat.exp_avg_views, flat.exp_avg_sq_views)):
             zeros = np.zeros(self.params[i].shape, np.float32)
@@ -2651,15 +2682,9 @@ class AMPGradScaler:
     def __init__(self, init_scale=65536.0, growth_factor=2.0, backoff_factor=0.5,
                  growth_interval=2000, enabled=True):  # PyTorch's defaults
         self._enabled = bool(enabled)
-        if self._enabled:  # PyTorch's checks and messages (asserts there)
-            if not growth_factor > 1.0:
-                raise ValueError(f"The growth factor must be > 1.0, got {growth_factor!r}")
-            if not 0.0 < backoff_factor < 1.0:
-                raise ValueError(f"The backoff factor must be < 1.0 (and > 0), got "
-                                 f"{backoff_factor!r}")
-            if not (_is_scalar(init_scale) and math.isfinite(init_scale) and init_scale > 0):
-                raise ValueError(f"init_scale must be positive and finite, got {init_scale!r}")
-            _check_positive_int("growth_interval", growth_interval)
+        if self._enabled:
+            self._check_settings("init_scale", init_scale, growth_factor, backoff_factor,
+                                 growth_interval)
         self._init_scale = float(init_scale)
         self._growth_factor, self._backoff_factor = float(growth_factor), float(backoff_factor)
         self._growth_interval = int(growth_interval)
@@ -2669,6 +2694,18 @@ class AMPGradScaler:
         # inf check since the last update (which reads it and zeroes it).
         self._scale = self._growth_tracker = self._found_inf_any = None
         self._per_optimizer = {}  # id(optimizer) -> {"stage", "found_inf": int32 (1,) flag}
+
+    @staticmethod
+    def _check_settings(scale_name, scale, growth_factor, backoff_factor, growth_interval):
+        """PyTorch's checks and messages (asserts there), and a positive finite scale."""
+        if not (_is_scalar(growth_factor) and growth_factor > 1.0):
+            raise ValueError(f"The growth factor must be > 1.0, got {growth_factor!r}")
+        if not (_is_scalar(backoff_factor) and 0.0 < backoff_factor < 1.0):
+            raise ValueError(f"The backoff factor must be < 1.0 (and > 0), got "
+                             f"{backoff_factor!r}")
+        if not (_is_scalar(scale) and math.isfinite(scale) and scale > 0):
+            raise ValueError(f"{scale_name} must be positive and finite, got {scale!r}")
+        _check_positive_int("growth_interval", growth_interval)
 
     def scale(self, loss):
         """loss * scale (a float32 Node), to pass to tape.backward."""
@@ -2820,17 +2857,25 @@ class AMPGradScaler:
                 "_growth_tracker": tracker}
 
     def load_state_dict(self, state):
-        """Restore state_dict()'s output (a no-op when disabled)."""
+        """Restore state_dict()'s output (a no-op when disabled). All of it is checked, with
+        the constructor's checks, before anything is set: a rejected state changes nothing."""
         if not self._enabled:
             return
         if len(state) == 0:
             raise RuntimeError("The source state dict is empty, possibly because it was saved "
                                "from a disabled instance of GradScaler.")
-        self._init_scale = float(state["scale"])
-        self._growth_factor = float(state["growth_factor"])
-        self._backoff_factor = float(state["backoff_factor"])
-        self._growth_interval = int(state["growth_interval"])
-        self._init_growth_tracker = int(state["_growth_tracker"])
+        keys = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
+        # 0-d arrays (what netcl.load gives back) count as the numbers they hold.
+        values = [state[key].item() if isinstance(state[key], np.ndarray) and state[key].ndim == 0
+                  else state[key] for key in keys]
+        scale, growth_factor, backoff_factor, growth_interval, tracker = values
+        self._check_settings("scale", scale, growth_factor, backoff_factor, growth_interval)
+        if isinstance(tracker, bool) or not isinstance(tracker, (int, np.integer)) or tracker < 0:
+            raise ValueError(f"_growth_tracker must be a non-negative integer, got {tracker!r}")
+        self._init_scale = float(scale)
+        self._growth_factor, self._backoff_factor = float(growth_factor), float(backoff_factor)
+        self._growth_interval = int(growth_interval)
+        self._init_growth_tracker = int(tracker)
         if self._scale is not None:
             _write(self._scale, np.array([self._init_scale], np.float32))
             _write(self._growth_tracker, np.array([self._init_growth_tracker], np.int32))

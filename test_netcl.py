@@ -3972,3 +3972,126 @@ def test_pool_release_refuses_a_buffer_it_does_not_own(backend):
     finally:
         if gc_was_enabled:
             gc.enable()
+
+
+def _state_variant(state, change):
+    """A deep copy of an optimizer's state_dict with `change` applied to it."""
+    copy = {"state": {i: dict(entry) for i, entry in state["state"].items()},
+            "param_groups": [dict(group) for group in state["param_groups"]]}
+    change(copy)
+    return copy
+
+
+def _trained_optimizer(kind, backend):
+    params = [param(np.arange(6.0).reshape(2, 3) / 7, backend), param([0.5, -0.25], backend)]
+    opt = _make(kind, params, 0.1, {"momentum": 0.9} if kind == "sgd" else {})
+    for grads in ([np.ones((2, 3)), np.array([1.0, -2.0])], [np.full((2, 3), 0.5), np.ones(2)]):
+        opt.zero_grad()
+        _set_grads_opt(params, grads)
+        opt.step()
+    return opt
+
+
+def _group(**changes):
+    return lambda state: state["param_groups"][0].update(changes)
+
+
+def _entry(index, **changes):
+    return lambda state: state["state"][index].update(changes)
+
+
+_SGD_REJECTED = [
+    (_group(lr=-3), ValueError, "Invalid learning rate: -3"),
+    (_group(lr="fast"), ValueError, "Invalid learning rate: fast"),
+    (_group(momentum=-1), ValueError, "Invalid momentum value: -1"),
+    (_group(momentum=0.0, nesterov=True), ValueError, "Nesterov momentum requires momentum > 0"),
+    (_group(weight_decay=-0.5), ValueError, "Invalid weight_decay value: -0.5"),
+    (_group(params=[0]), ValueError, "the state is for 1 parameters"),
+    (_entry(1, momentum_buffer=np.zeros(3)), ValueError, "momentum_buffer 1 has shape (3,)"),
+    (_entry(1, momentum_buffer=np.zeros(2, complex)), TypeError, "momentum_buffer 1"),
+    (lambda state: state.update(state={5: {"momentum_buffer": np.zeros(2)}, **state["state"]}),
+     ValueError, "state for parameter 5"),
+]
+_ADAM_REJECTED = [
+    (_group(lr=-3), ValueError, "Invalid learning rate: -3"),
+    (_group(betas=(1.0, 0.999)), ValueError, "Invalid beta parameter at index 0: 1.0"),
+    (_group(eps=-1e-8), ValueError, "Invalid epsilon value: -1e-08"),
+    (_group(weight_decay=-0.5), ValueError, "Invalid weight_decay value: -0.5"),
+    (_entry(1, exp_avg_sq=np.zeros(3)), ValueError, "exp_avg_sq of parameter 1 has shape (3,)"),
+    (_entry(1, exp_avg=np.zeros(2, complex)), TypeError, "exp_avg of parameter 1"),
+    (_entry(1, step=2**40), ValueError, "step of parameter 1"),
+    (_entry(1, step=-1), ValueError, "step of parameter 1"),
+    (_entry(0, step=1.5), ValueError, "step of parameter 0"),
+]
+
+
+@pytest.mark.parametrize("kind, change, error, message",
+                         [("sgd", *case) for case in _SGD_REJECTED]
+                         + [(kind, *case) for kind in ("adam", "adamw") for case in _ADAM_REJECTED])
+def test_optimizer_load_state_dict_rejects_a_bad_state_and_changes_nothing(backend, kind, change,
+                                                                           error, message):
+    opt = _trained_optimizer(kind, backend)
+    before = opt.state_dict()
+    with raises_naming(error, message):
+        opt.load_state_dict(_state_variant(before, change))
+    np.testing.assert_equal(opt.state_dict(), before)
+
+
+def test_sgd_load_state_dict_keeps_buffers_float(backend):
+    opt = _trained_optimizer("sgd", backend)
+    state = _state_variant(opt.state_dict(), _entry(1, momentum_buffer=np.array([2, -1])))
+    opt.load_state_dict(state)
+    assert opt.momentum_buffers[1].dtype == np.float32
+    np.testing.assert_array_equal(host(opt.momentum_buffers[1]), [2.0, -1.0])
+
+
+def test_learning_rate_assignment_is_checked(backend):
+    for kind in ("sgd", "adam", "adamw"):
+        opt = _trained_optimizer(kind, backend)
+        for bad in ("fast", -3, None, math.nan):
+            with raises_naming(ValueError, "Invalid learning rate", str(bad), "lr"):
+                opt.lr = bad
+            assert opt.lr == 0.1
+        opt.lr = np.float32(0.5)
+        assert opt.lr == 0.5 and type(opt.lr) is float
+        schedule = netcl.WarmupCosine(opt, warmup_steps=2, total_steps=4)
+        for _ in range(4):
+            opt.step()
+            schedule.step()
+        assert opt.lr == 0.0
+
+
+_SCALER_REJECTED = [
+    ({"scale": -1.0}, ValueError, "scale must be positive and finite"),
+    ({"scale": math.inf}, ValueError, "scale must be positive and finite"),
+    ({"growth_factor": 0.5}, ValueError, "The growth factor must be > 1.0"),
+    ({"backoff_factor": 2.0}, ValueError, "The backoff factor must be < 1.0"),
+    ({"growth_interval": 0}, ValueError, "growth_interval must be a positive integer"),
+    ({"_growth_tracker": -1}, ValueError, "_growth_tracker"),
+    ({"growth_factor": 4.0, "_growth_tracker": None}, KeyError, "_growth_tracker"),  # missing
+]
+
+
+@pytest.mark.parametrize("changes, error, message", _SCALER_REJECTED)
+def test_scaler_load_state_dict_rejects_a_bad_state_and_changes_nothing(backend, changes, error,
+                                                                        message):
+    scaler = netcl.AMPGradScaler(init_scale=8.0, growth_interval=3)
+    p = param(np.zeros(3), backend)
+    _scaled_backward(scaler, [p], [np.ones(3, np.float32)])  # the device state exists
+    scaler.step(netcl.SGD([p], lr=0.1))
+    scaler.update()
+    before = scaler.state_dict()
+    state = {key: value for key, value in {**before, **changes}.items() if value is not None}
+    assert state != before
+    with raises_naming(error, message):
+        scaler.load_state_dict(state)
+    assert scaler.state_dict() == before
+
+
+def test_scaler_state_survives_save_and_load(backend, tmp_path):
+    scaler = netcl.AMPGradScaler(init_scale=8.0, growth_interval=3)
+    state = dict(scaler.state_dict(), scale=32.0, _growth_tracker=2)
+    netcl.save(state, tmp_path / "scaler.npz")
+    fresh = netcl.AMPGradScaler()
+    fresh.load_state_dict(netcl.load(tmp_path / "scaler.npz"))  # 0-d arrays
+    assert fresh.state_dict() == state
