@@ -1431,7 +1431,9 @@ def cross_entropy(logits, target, reduction="mean"):
 
     Index targets: any integer array or an int32 Tensor; an index outside [0, C) raises.
     Probability (one-hot or soft) targets give the same loss and gradient as indices would.
-    "mean" divides by N, as PyTorch does for unweighted losses. The target is a constant.
+    "mean" divides by N, as PyTorch does for unweighted losses; as there, the mean over empty
+    logits (N = 0, or C = 0 with probability targets) is NaN and the sum 0. The target is a
+    constant.
     """
     if reduction not in _REDUCTIONS:
         raise ValueError(f"cross_entropy: reduction must be one of {_REDUCTIONS}, got {reduction!r}")
@@ -1472,8 +1474,11 @@ def cross_entropy(logits, target, reduction="mean"):
     losses = _like(X, (N,), _compute_dtype(X.dtype))
     if X.device.backend == "cpu":
         logits = X.data.astype(losses.dtype, copy=False)
-        shifted = logits - logits.max(axis=1, keepdims=True)
-        log_p = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
+        # initial=-inf, as the kernels start their maximum: with C = 0 a row's loss is the
+        # empty sum 0 (soft targets; index targets raised above), and log(0) no error
+        shifted = logits - logits.max(axis=1, keepdims=True, initial=-np.inf)
+        with np.errstate(divide="ignore"):
+            log_p = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
         losses.data[...] = -(T.data * log_p).sum(1) if soft else -log_p[np.arange(N), T.data]
     elif N:
         X.device.launch("cross_entropy_soft" if soft else "cross_entropy_index", *_grid(N),
@@ -1481,7 +1486,7 @@ def cross_entropy(logits, target, reduction="mean"):
     if reduction == "none":
         loss = losses
     else:
-        loss = _sum_axis_tensor(losses, 1, N, 1, 1.0 / N if reduction == "mean" and N else
+        loss = _sum_axis_tensor(losses, 1, N, 1, 1.0 / N if reduction == "mean" and X.size else
                                 (math.nan if reduction == "mean" else 1.0)).reshape(())
     scale = 1.0 / N if reduction == "mean" and N else 1.0
 
@@ -1489,7 +1494,7 @@ def cross_entropy(logits, target, reduction="mean"):
         out = _like(X, dtype=losses.dtype)
         if X.device.backend == "cpu":
             logits = X.data.astype(out.dtype, copy=False)
-            shifted = logits - logits.max(axis=1, keepdims=True)
+            shifted = logits - logits.max(axis=1, keepdims=True, initial=-np.inf)
             p = np.exp(shifted)
             p /= p.sum(axis=1, keepdims=True)
             if soft:

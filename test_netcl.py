@@ -4095,3 +4095,25 @@ def test_scaler_state_survives_save_and_load(backend, tmp_path):
     fresh = netcl.AMPGradScaler()
     fresh.load_state_dict(netcl.load(tmp_path / "scaler.npz"))  # 0-d arrays
     assert fresh.state_dict() == state
+
+
+@pytest.mark.parametrize("reduction, expected", [("mean", math.nan), ("sum", 0.0), ("none", None)])
+@pytest.mark.parametrize("n, c, soft", [(3, 0, True), (0, 0, True), (0, 0, False), (0, 3, False),
+                                        (0, 3, True)])
+def test_cross_entropy_of_empty_logits_as_pytorch(backend, n, c, soft, reduction, expected):
+    x = param(np.zeros((n, c)), backend)
+    target = np.full((n, c), 0.5) if soft else np.zeros(n, np.int64)
+    with netcl.Tape() as tape:
+        loss = F.cross_entropy(x, target, reduction=reduction)
+        total = F.sum(loss)
+    tape.backward(total)
+    if expected is None:
+        np.testing.assert_array_equal(host(loss), np.zeros(n, np.float32))
+    else:
+        assert loss.shape == () and np.array_equal(host(loss), expected, equal_nan=True)
+    assert host(x.grad).shape == (n, c)
+
+
+def test_cross_entropy_with_no_classes_refuses_every_index(backend):
+    with raises_naming(ValueError, "cross_entropy", "label 0", "[0, 0)"):
+        F.cross_entropy(tensor(np.zeros((2, 0)), backend), np.array([0, 0]))
