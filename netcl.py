@@ -1294,11 +1294,14 @@ def flatten(x, start_dim=1, end_dim=-1):
 def _axes(op, shape, axis):
     if axis is None or (isinstance(axis, (tuple, list)) and not axis):  # (): all, as PyTorch
         return tuple(range(len(shape)))
-    axes = (axis,) if isinstance(axis, (int, np.integer)) else tuple(axis)
+    axes = (axis,) if isinstance(axis, (int, np.integer)) else axis
+    if not isinstance(axes, (tuple, list)) or not all(
+            isinstance(a, (int, np.integer)) and not isinstance(a, bool) for a in axes):
+        raise TypeError(f"{op}: axis must be an int or a tuple of ints, got {axis!r}")
     ndim = max(len(shape), 1)
     normalised = []
     for a in axes:
-        if not isinstance(a, (int, np.integer)) or not -ndim <= a < ndim:
+        if not -ndim <= a < ndim:
             raise ValueError(f"{op}: axis {a} out of range for shape {shape}")
         normalised.append(int(a) % ndim)
     if len(set(normalised)) != len(normalised):

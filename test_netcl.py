@@ -4117,3 +4117,15 @@ def test_cross_entropy_of_empty_logits_as_pytorch(backend, n, c, soft, reduction
 def test_cross_entropy_with_no_classes_refuses_every_index(backend):
     with raises_naming(ValueError, "cross_entropy", "label 0", "[0, 0)"):
         F.cross_entropy(tensor(np.zeros((2, 0)), backend), np.array([0, 0]))
+
+
+def test_reduction_axis_must_be_ints(backend):
+    x = tensor(np.ones((2, 3)), backend)
+    for name, op in (("sum", F.sum), ("mean", F.mean)):
+        for bad in ("0", 1.0, True, (0, "1"), (1.0,), {0}):
+            with raises_naming(TypeError, f"{name}: axis must be an int or a tuple of ints",
+                               repr(bad)):
+                op(x, axis=bad)
+    np.testing.assert_array_equal(host(F.sum(x, axis=[np.int64(0), -1])), 6.0)
+    with raises_naming(ValueError, "sum", "axis 2 out of range"):
+        F.sum(x, axis=2)
