@@ -3471,7 +3471,7 @@ class Trainer:
     def fit(self, train_loader, val_loader=None, epochs=1, loss_fn=None, log_every=1,
             checkpoint=None):
         """Train for `epochs` epochs, printing a line per epoch, and validate with evaluate()
-        every `log_every` epochs; return the History.
+        every `log_every` epochs; return the History. A batch of no samples raises ValueError.
 
         checkpoint: a path where the model's state_dict is saved after each validation that
         improves on the best accuracy so far (the first validation always saves).
@@ -3569,7 +3569,8 @@ class Trainer:
     def _prepare(self, batch):
         """(input Node, target for the loss, labels) from a batch (xb, yb, *extra). labels is
         a host array when one exists (NumPy batches, GpuBatch.host), else the device Tensor,
-        read back only when metrics need it."""
+        read back only when metrics need it. Integer inputs (uint8 images) become float32, as
+        model(array) converts them; an empty batch raises ValueError (its mean loss is NaN)."""
         if not isinstance(batch, (tuple, list)) or len(batch) < 2:
             raise ValueError(f"Trainer: a batch must be a tuple (xb, yb, *extra), got "
                              f"{type(batch).__name__}")
@@ -3581,8 +3582,17 @@ class Trainer:
             labels = value._labels if value._labels is not None else value
         else:
             labels = np.asarray(yb)
-        x = xb if isinstance(xb, Node) else Node(xb if isinstance(xb, Tensor)
-                                                 else Tensor.from_host(xb, self.device.queue))
+        if isinstance(batch, GpuBatch) and isinstance(xb, Tensor) and xb.dtype.kind != "f":
+            xb = batch.host[0]  # the loader uploaded int32, which no op computes with
+        if isinstance(xb, (Node, Tensor)):
+            x = xb if isinstance(xb, Node) else Node(xb)
+        else:  # converted on the host, before the upload
+            xb = np.asarray(xb)
+            x = Node(Tensor.from_host(xb, self.device.queue,
+                                      np.float32 if xb.dtype.kind in "biu" else None))
+        if x.shape[:1] == (0,):
+            raise ValueError(f"Trainer: empty batch (xb of shape {x.shape}); a batch needs at "
+                             f"least one sample")
         if isinstance(labels, np.ndarray) and labels.ndim == 2 and labels.dtype.kind != "f":
             # integer one-hot rows: the loss takes them as class probabilities
             target = Tensor.from_host(labels.astype(np.float32), self.device.queue)
@@ -3609,7 +3619,10 @@ def _host_labels(labels):
 def _check_labels(labels, logits_shape):
     """Class indices (N,) in [0, C) or one-hot rows (N, C), for logits (N, C); checked on the
     host copy (a device-only Tensor of labels is left to the loss)."""
-    if not isinstance(labels, np.ndarray) or len(logits_shape) != 2:
+    if len(logits_shape) != 2:  # the accuracy is an argmax over C, whatever the loss
+        raise ValueError(f"Trainer: the model returned shape {logits_shape}; fit and evaluate "
+                         f"need class scores (N, C)")
+    if not isinstance(labels, np.ndarray):
         return
     n, classes = logits_shape
     if labels.ndim == 2:

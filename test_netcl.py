@@ -4129,3 +4129,52 @@ def test_reduction_axis_must_be_ints(backend):
     np.testing.assert_array_equal(host(F.sum(x, axis=[np.int64(0), -1])), 6.0)
     with raises_naming(ValueError, "sum", "axis 2 out of range"):
         F.sum(x, axis=2)
+
+
+def test_trainer_refuses_an_empty_batch(backend):
+    x, y = _blobs(n=8)
+    model = _trainer_model(backend)
+    trainer = netcl.Trainer(model, netcl.SGD(model.parameters(), lr=0.1),
+                            device_queue=backend.queue)
+    batches = [(x[:4], y[:4]), (x[:0], y[:0])]
+    with raises_naming(ValueError, "empty batch", "(0, 8)"):
+        trainer.fit(batches)
+    with raises_naming(ValueError, "empty batch", "(0, 8)"):
+        trainer.evaluate(batches)
+
+
+@pytest.mark.parametrize("on_device", [False, True])
+def test_trainer_trains_on_integer_inputs_as_on_their_float_values(backend, on_device, capsys):
+    x, y = _blobs(n=48)
+    images = np.clip(x * 20 + 128, 0, 255).astype(np.uint8)  # uint8 "pixels"
+    results = []
+    for inputs in (images, images.astype(np.float32)):
+        model = _trainer_model(backend)
+        loader = netcl.DataLoader(netcl.ArrayDataset(inputs, y), batch_size=16, shuffle=False,
+                                  device_queue=backend.queue if on_device else None)
+        trainer = netcl.Trainer(model, netcl.SGD(model.parameters(), lr=1e-4),
+                                device_queue=backend.queue, metrics_stride=1)
+        history = trainer.fit(loader, loader, epochs=2)
+        results.append(([(h["loss"], h["accuracy"], h["val_loss"]) for h in history],
+                        model.state_dict()))
+    (history_u8, state_u8), (history_f32, state_f32) = results
+    assert history_u8 == history_f32
+    np.testing.assert_equal(state_u8, state_f32)
+
+
+def test_trainer_needs_class_scores_from_the_model(backend, capsys):
+    x, y = _blobs(n=16)
+    inner = _trainer_model(backend)
+    model = lambda xb: F.sum(inner(xb), axis=1)  # (N,), not (N, C)
+    trainer = netcl.Trainer(model, netcl.SGD(inner.parameters(), lr=0.1),
+                            device_queue=backend.queue, loss_fn=lambda out, t: F.mean(out * out))
+    for run in (trainer.fit, trainer.evaluate):
+        with raises_naming(ValueError, "Trainer", "(16,)", "class scores (N, C)"):
+            run(_batches(x, y, 16))
+    # A regression output (N, 1) against float targets (N, 1) with its own loss keeps working.
+    head = param(np.full((1, 3), 0.1), backend)
+    regression = netcl.Trainer(lambda xb: F.linear(inner(xb), head),
+                               netcl.SGD([head], lr=1e-3), device_queue=backend.queue,
+                               loss_fn=F.mse_loss)
+    history = regression.fit(_batches(x, y[:, None].astype(np.float32), 8))
+    assert math.isfinite(history[0]["loss"])
