@@ -4178,3 +4178,17 @@ def test_trainer_needs_class_scores_from_the_model(backend, capsys):
                                loss_fn=F.mse_loss)
     history = regression.fit(_batches(x, y[:, None].astype(np.float32), 8))
     assert math.isfinite(history[0]["loss"])
+
+
+def test_tanh_saturates_to_one_with_zero_gradient(backend):
+    values = np.array([10.0, -10.0, 20.0, -20.0, np.inf, -np.inf])
+    x = param(values, backend)
+    with netcl.Tape() as tape:
+        y = F.tanh(x)
+        total = F.sum(y)
+    tape.backward(total)
+    np.testing.assert_array_equal(host(y), np.sign(values))
+    np.testing.assert_array_equal(host(x.grad), np.zeros(6))
+    half = F.tanh(tensor(values, backend, np.float16))  # float16 storage: the half build
+    np.testing.assert_array_equal(host(half), np.sign(values))
+    assert np.isnan(host(F.tanh(tensor([np.nan], backend)))[0])
