@@ -2050,8 +2050,8 @@ def load(path):
 
 
 # ============================================================================ optimizers
-# PyTorch's update rules. A parameter whose .grad is None is left untouched; `.lr` is a
-# checked property, so a schedule can set it between steps. SGD runs one launch per parameter. Adam
+# PyTorch's update rules. A parameter whose .grad is None is left untouched; `.lr` is a checked
+# property, so a schedule can set it between steps. SGD runs one launch per parameter. Adam
 # and AdamW keep the whole model in flat buffers, so that a step, gradient clipping included,
 # is three launches whatever the number of parameters, and never waits for the device: the
 # gradient norm, the clipping coefficient, the skip decision and the step count all stay in
@@ -2879,7 +2879,8 @@ class AMPGradScaler:
         scale, growth_factor, backoff_factor, growth_interval, tracker = values
         self._check_settings("scale", scale, growth_factor, backoff_factor, growth_interval)
         if isinstance(tracker, bool) or not isinstance(tracker, (int, np.integer)) or tracker < 0:
-            raise ValueError(f"_growth_tracker must be a non-negative integer, got {tracker!r}")
+            raise ValueError(f"AMPGradScaler.load_state_dict: _growth_tracker must be a "
+                             f"non-negative integer, got {tracker!r}")
         self._init_scale = float(scale)
         self._growth_factor, self._backoff_factor = float(growth_factor), float(backoff_factor)
         self._growth_interval = int(growth_interval)

@@ -3975,7 +3975,7 @@ def test_pool_release_refuses_a_buffer_it_does_not_own(backend):
 
 
 def _state_variant(state, change):
-    """A deep copy of an optimizer's state_dict with `change` applied to it."""
+    """A copy of an optimizer's state_dict (its dicts copied) with `change` applied to it."""
     copy = {"state": {i: dict(entry) for i, entry in state["state"].items()},
             "param_groups": [dict(group) for group in state["param_groups"]]}
     change(copy)
