@@ -384,12 +384,17 @@ class BufferPool:
         self._allocate = allocate
         self._max_bytes = max_bytes
         self._cached = defaultdict(list)  # bucket size -> free buffers
+        self._in_use = {}  # id(buffer) -> buffer, for each buffer handed out and not given back
         self.in_use_bytes = self.cached_bytes = self.peak_bytes = 0
         self.hits = self.misses = 0
 
     def alloc(self, nbytes):
         """A buffer of at least `nbytes` bytes, from the cache when one of its bucket is free."""
-        size = _bucket(nbytes)
+        if not isinstance(nbytes, (int, np.integer)) or isinstance(nbytes, bool):
+            raise TypeError(f"BufferPool.alloc: nbytes must be an int, got {nbytes!r}")
+        if nbytes < 0:
+            raise ValueError(f"BufferPool.alloc: nbytes must be >= 0, got {nbytes}")
+        size = _bucket(int(nbytes))
         free = self._cached[size]
         if free:
             buffer = free.pop()
@@ -400,6 +405,7 @@ class BufferPool:
             self.misses += 1
         self.in_use_bytes += size
         self.peak_bytes = max(self.peak_bytes, self.in_use_bytes)
+        self._in_use[id(buffer)] = buffer
         return buffer
 
     def _fresh(self, size):
@@ -417,7 +423,12 @@ class BufferPool:
                                   f"{self.stats()}") from None
 
     def release(self, buffer):
-        """Give a buffer back; the next alloc of its bucket reuses it."""
+        """Give a buffer back; the next alloc of its bucket reuses it. Only a buffer this pool
+        handed out and not yet taken back is accepted: cached twice, one buffer would be handed
+        to two tensors at once."""
+        if self._in_use.pop(id(buffer), None) is None:
+            raise ValueError(f"BufferPool.release: {type(buffer).__name__} {id(buffer):#x} is not "
+                             f"in use from this pool (released already, or allocated elsewhere)")
         size = _buffer_bytes(buffer)
         self._cached[size].append(buffer)
         self.in_use_bytes -= size
@@ -480,18 +491,23 @@ class Tensor:
     @staticmethod
     def from_host(array, queue=None, dtype=None):
         """Copy a host array to the device. float64 becomes float32 (float64 stays only when
-        asked for with dtype=np.float64, on the NumPy backend); integers become int32."""
-        array = np.asarray(array)
+        asked for with dtype=np.float64, on the NumPy backend); integers become int32, and one
+        outside int32's range raises instead of wrapping around."""
+        array = _real_array("Tensor.from_host", array, "array")
         if dtype is None:
             if array.dtype == np.float16:
                 dtype = np.float16
             elif array.dtype.kind in "iub":
                 dtype = np.int32
-            elif array.dtype.kind == "f":
-                dtype = np.float32
             else:
-                raise ValueError(f"from_host: unsupported array dtype {array.dtype}")
+                dtype = np.float32
         tensor = Tensor.empty(array.shape, dtype, queue)
+        if tensor.dtype == np.int32 and not np.can_cast(array.dtype, np.int32):
+            limits = np.iinfo(np.int32)
+            outside = array[(array < limits.min) | (array > limits.max)]
+            if outside.size:
+                raise ValueError(f"Tensor.from_host: integer {outside[0]} is outside int32's "
+                                 f"range [{limits.min}, {limits.max}]")
         _write(tensor, array)
         return tensor
 
@@ -555,6 +571,20 @@ def _write(tensor, array):
         tensor.device.upload(tensor.data, host)
         if tensor.dtype == np.int32:
             tensor._labels = host
+
+
+def _real_array(where, value, what="operand"):
+    """value as an ndarray of bool, integer or float numbers, else TypeError naming `where`.
+    np.asarray makes an object array of None, a str array of a string, and the float copy
+    after it would hold NaN or fail in NumPy's words; a complex value would lose its imaginary
+    part with only a warning. PyTorch refuses all of them with a TypeError."""
+    array = np.asarray(value)
+    if array.dtype.kind not in "biuf":
+        shown = (f"of dtype {array.dtype}, shape {array.shape}" if isinstance(value, np.ndarray)
+                 else f"{value!r:.60} ({type(value).__name__})")
+        raise TypeError(f"{where}: {what} {shown} does not hold real numbers (bool, integer "
+                        f"or float)")
+    return array
 
 
 def _check_shape(shape):
@@ -696,7 +726,10 @@ class Tape:
                                    f"element, got shape {loss.shape}")
             grad = _fill(loss.shape, 1.0, loss.value)
         else:
-            grad = _float32(_as_tensor(grad, loss.value))
+            grad = _float32(_as_tensor("backward", grad, loss.value))
+            if grad.dtype.kind != "f":  # kernels would read an int32 tensor's bits as floats
+                raise ValueError(f"backward: grad of dtype {grad.dtype.name}; a gradient "
+                                 f"holds floats")
             if grad.shape != loss.shape:
                 raise ValueError(f"backward: grad shape {grad.shape} != loss shape {loss.shape}")
         if loss._backward is not None and not any(node is loss for node in self._nodes):
@@ -813,8 +846,9 @@ def _devices_of(op, *values):
     return next(iter(devices.values()), None) or _default_device()
 
 
-def _as_tensor(value, like):
-    """value as a Tensor on `like`'s device (arrays take like's float dtype)."""
+def _as_tensor(op, value, like):
+    """value as a Tensor on `like`'s device (arrays, integer ones too, take like's float
+    dtype, as PyTorch promotes integers)."""
     if isinstance(value, Node):
         value = value.value
     if isinstance(value, Tensor):
@@ -822,19 +856,19 @@ def _as_tensor(value, like):
             raise ValueError(f"operands are on different devices: {value.device.backend} and "
                              f"{like.device.backend}")
         return value
-    array = np.asarray(value)
-    dtype = like.dtype if array.dtype.kind == "f" and like.dtype.kind == "f" else None
+    array = _real_array(op, value)
+    dtype = like.dtype if like.dtype.kind == "f" else None
     return Tensor.from_host(array, queue=like.device.queue, dtype=dtype)
 
 
-def _as_node(value, device, dtype=None):
+def _as_node(op, value, device, dtype=None):
     """value as a Node; arrays become float tensors (dtype, a partner's float dtype, or
     float32): netcl's operations compute in floating point, as PyTorch promotes ints."""
     if isinstance(value, Node):
         return value
     if isinstance(value, Tensor):
         return Node(value)
-    array = np.asarray(value)
+    array = _real_array(op, value)
     float_dtype = dtype if dtype is not None and dtype.kind == "f" else np.dtype(np.float32)
     return Node(Tensor.from_host(array, device.queue, float_dtype))
 
@@ -844,7 +878,7 @@ def _nodes(op, *values, numeric=True):
     Numeric ops refuse int32 tensors, which hold labels and indices, not values."""
     device = _devices_of(op, *values)
     dtype = next((v.dtype for v in values if isinstance(v, (Node, Tensor))), None)
-    nodes = [_as_node(v, device, dtype) for v in values]
+    nodes = [_as_node(op, v, device, dtype) for v in values]
     if numeric:
         for node in nodes:
             if node.dtype.kind != "f":
@@ -1393,11 +1427,14 @@ def flatten(x, start_dim=1, end_dim=-1):
 def _axes(op, shape, axis):
     if axis is None or (isinstance(axis, (tuple, list)) and not axis):  # (): all, as PyTorch
         return tuple(range(len(shape)))
-    axes = (axis,) if isinstance(axis, (int, np.integer)) else tuple(axis)
+    axes = (axis,) if isinstance(axis, (int, np.integer)) else axis
+    if not isinstance(axes, (tuple, list)) or not all(
+            isinstance(a, (int, np.integer)) and not isinstance(a, bool) for a in axes):
+        raise TypeError(f"{op}: axis must be an int or a tuple of ints, got {axis!r}")
     ndim = max(len(shape), 1)
     normalised = []
     for a in axes:
-        if not isinstance(a, (int, np.integer)) or not -ndim <= a < ndim:
+        if not -ndim <= a < ndim:
             raise ValueError(f"{op}: axis {a} out of range for shape {shape}")
         normalised.append(int(a) % ndim)
     if len(set(normalised)) != len(normalised):
@@ -1548,7 +1585,9 @@ def cross_entropy(logits, target, reduction="mean"):
 
     Index targets: any integer array or an int32 Tensor; an index outside [0, C) raises.
     Probability (one-hot or soft) targets give the same loss and gradient as indices would.
-    "mean" divides by N, as PyTorch does for unweighted losses. The target is a constant.
+    "mean" divides by N, as PyTorch does for unweighted losses; as there, the mean over empty
+    logits (N = 0, or C = 0 with probability targets) is NaN and the sum 0. The target is a
+    constant.
     """
     if reduction not in _REDUCTIONS:
         raise ValueError(f"cross_entropy: reduction must be one of {_REDUCTIONS}, got {reduction!r}")
@@ -1589,8 +1628,11 @@ def cross_entropy(logits, target, reduction="mean"):
     losses = _like(X, (N,), _compute_dtype(X.dtype))
     if X.device.backend == "cpu":
         logits = X.data.astype(losses.dtype, copy=False)
-        shifted = logits - logits.max(axis=1, keepdims=True)
-        log_p = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
+        # initial=-inf, as the kernels start their maximum: with C = 0 a row's loss is the
+        # empty sum 0 (soft targets; index targets raised above), and log(0) no error
+        shifted = logits - logits.max(axis=1, keepdims=True, initial=-np.inf)
+        with np.errstate(divide="ignore"):
+            log_p = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
         losses.data[...] = -(T.data * log_p).sum(1) if soft else -log_p[np.arange(N), T.data]
     elif N:
         X.device.launch("cross_entropy_soft" if soft else "cross_entropy_index", *_grid(N),
@@ -1598,7 +1640,7 @@ def cross_entropy(logits, target, reduction="mean"):
     if reduction == "none":
         loss = losses
     else:
-        loss = _sum_axis_tensor(losses, 1, N, 1, 1.0 / N if reduction == "mean" and N else
+        loss = _sum_axis_tensor(losses, 1, N, 1, 1.0 / N if reduction == "mean" and X.size else
                                 (math.nan if reduction == "mean" else 1.0)).reshape(())
     scale = 1.0 / N if reduction == "mean" and N else 1.0
 
@@ -1606,7 +1648,7 @@ def cross_entropy(logits, target, reduction="mean"):
         out = _like(X, dtype=losses.dtype)
         if X.device.backend == "cpu":
             logits = X.data.astype(out.dtype, copy=False)
-            shifted = logits - logits.max(axis=1, keepdims=True)
+            shifted = logits - logits.max(axis=1, keepdims=True, initial=-np.inf)
             p = np.exp(shifted)
             p /= p.sum(axis=1, keepdims=True)
             if soft:
@@ -2218,8 +2260,8 @@ def load(path):
 
 
 # ============================================================================ optimizers
-# PyTorch's update rules. A parameter whose .grad is None is left untouched; `.lr` is a plain
-# attribute, so a schedule can set it between steps. SGD runs one launch per parameter. Adam
+# PyTorch's update rules. A parameter whose .grad is None is left untouched; `.lr` is a checked
+# property, so a schedule can set it between steps. SGD runs one launch per parameter. Adam
 # and AdamW keep the whole model in flat buffers, so that a step, gradient clipping included,
 # is three launches whatever the number of parameters, and never waits for the device: the
 # gradient norm, the clipping coefficient, the skip decision and the step count all stay in
@@ -2244,9 +2286,20 @@ class Optimizer:
                 raise ValueError(f"optimizer: parameter {i} is not a Parameter: {p!r}")
             if any(p is q for q in self.params[:i]):  # it would be updated twice per step
                 raise ValueError(f"optimizer: parameter {i} appears more than once")
-        _check_hyperparameter("learning rate", lr, name="lr")
-        self.lr = float(lr)
+        self.lr = lr
         self._found_inf = None
+
+    @property
+    def lr(self):
+        """The learning rate; settable between steps (a schedule does)."""
+        return self._lr
+
+    @lr.setter
+    def lr(self, value):
+        # Checked here as in the constructor: a string would fail only inside a kernel launch,
+        # and a negative rate would climb the loss.
+        _check_hyperparameter("learning rate", value, name="lr")
+        self._lr = float(value)
 
     def zero_grad(self):
         """Drop every gradient (set to None, as PyTorch's set_to_none=True)."""
@@ -2278,12 +2331,16 @@ class SGD(Optimizer):
 
     def __init__(self, params, lr, momentum=0, weight_decay=0, nesterov=False):
         super().__init__(params, lr)
+        self._set_hyperparameters(momentum, weight_decay, nesterov)
+        self.momentum_buffers = [None] * len(self.params)
+
+    def _set_hyperparameters(self, momentum, weight_decay, nesterov):
+        """Check all three, then set them (so a rejected load_state_dict changes nothing)."""
         _check_hyperparameter("momentum value", momentum, name="momentum")
         _check_hyperparameter("weight_decay value", weight_decay, name="weight_decay")
         if nesterov and momentum <= 0:
             raise ValueError(f"Nesterov momentum requires momentum > 0, got momentum={momentum!r}")
         self.momentum, self.weight_decay, self.nesterov = float(momentum), float(weight_decay), bool(nesterov)
-        self.momentum_buffers = [None] * len(self.params)
 
     def step(self):
         """Update every parameter that has a gradient."""
@@ -2322,21 +2379,31 @@ class SGD(Optimizer):
                                   "params": list(range(len(self.params)))}]}
 
     def load_state_dict(self, state):
-        """Restore hyper-parameters and momentum buffers from state_dict()'s output."""
+        """Restore hyper-parameters and momentum buffers from state_dict()'s output. All of it
+        is checked before anything is set: a rejected state leaves the optimizer as it was."""
+        name = "SGD.load_state_dict"
         group = state["param_groups"][0]
-        self.lr, self.momentum = float(group["lr"]), float(group["momentum"])
-        self.weight_decay, self.nesterov = float(group["weight_decay"]), bool(group["nesterov"])
-        self.momentum_buffers = [None] * len(self.params)
+        if len(group["params"]) != len(self.params):
+            raise ValueError(f"{name}: the state is for {len(group['params'])} parameters, the "
+                             f"optimizer has {len(self.params)}")
+        _check_hyperparameter("learning rate", group["lr"], name="lr")
+        buffers = [None] * len(self.params)
         for i, entry in state["state"].items():
             i = int(i)
             if not 0 <= i < len(self.params):
-                raise ValueError(f"SGD.load_state_dict: state for parameter {i}, but the "
-                                 f"optimizer has {len(self.params)}")
-            buf = np.asarray(entry["momentum_buffer"])
-            if buf.shape != self.params[i].shape:
-                raise ValueError(f"SGD.load_state_dict: momentum_buffer {i} has shape "
-                                 f"{buf.shape}, parameter has {self.params[i].shape}")
-            self.momentum_buffers[i] = Tensor.from_host(buf, self.params[i].value.queue)
+                raise ValueError(f"{name}: state for parameter {i}, but the optimizer has "
+                                 f"{len(self.params)}")
+            p = self.params[i]
+            buf = _real_array(name, entry["momentum_buffer"], f"momentum_buffer {i}")
+            if buf.shape != p.shape:
+                raise ValueError(f"{name}: momentum_buffer {i} has shape {buf.shape}, parameter "
+                                 f"has {p.shape}")
+            # In the parameter's compute dtype: an integer array would become an int32 tensor
+            # that the update kernel reads as floats.
+            buffers[i] = Tensor.from_host(buf, p.value.queue, _compute_dtype(p.dtype))
+        self._set_hyperparameters(group["momentum"], group["weight_decay"], group["nesterov"])
+        self.lr = group["lr"]
+        self.momentum_buffers = buffers
 
 
 # --- gradient norms and clip_grad_norm -------------------------------------------------------
@@ -2648,7 +2715,8 @@ class Adam(Optimizer):
         """Restore hyper-parameters, moments and the step count from state_dict()'s output,
         so that the optimizer continues the same trajectory. A parameter without state gets
         zero moments; where steps differ between parameters (a PyTorch checkpoint), the
-        largest is taken."""
+        largest is taken. All of it is checked before anything is set: a rejected state leaves
+        the optimizer as it was."""
         name = f"{type(self).__name__}.load_state_dict"
         group = state["param_groups"][0]
         if len(group["params"]) != len(self.params):
@@ -2661,14 +2729,19 @@ class Adam(Optimizer):
             if not 0 <= i < len(self.params):
                 raise ValueError(f"{name}: state for parameter {i}, but the optimizer has "
                                  f"{len(self.params)}")
-            moments[i] = [np.asarray(entry[key], np.float32) for key in ("exp_avg", "exp_avg_sq")]
+            moments[i] = [np.asarray(_real_array(name, entry[key], f"{key} of parameter {i}"),
+                                     np.float32) for key in ("exp_avg", "exp_avg_sq")]
             for key, array in zip(("exp_avg", "exp_avg_sq"), moments[i]):
                 if array.shape != self.params[i].shape:
                     raise ValueError(f"{name}: {key} of parameter {i} has shape {array.shape}, "
                                      f"the parameter has {self.params[i].shape}")
-            steps.append(int(float(entry["step"])))
+            step = float(entry["step"])  # a number, or PyTorch's one-element tensor
+            if not (step.is_integer() and 0 <= step < 2**31):  # the device count is int32
+                raise ValueError(f"{name}: step of parameter {i} must be an integer in "
+                                 f"[0, 2**31), got {entry['step']!r}")
+            steps.append(int(step))
         self._set_hyperparameters(group["betas"], group["eps"], group["weight_decay"])
-        self.lr = float(group["lr"])
+        self.lr = group["lr"]
         flat = self._flat
         for i, views in enumerate(zip(flat.exp_avg_views, flat.exp_avg_sq_views)):
             zeros = np.zeros(self.params[i].shape, np.float32)
@@ -2827,15 +2900,9 @@ class AMPGradScaler:
     def __init__(self, init_scale=65536.0, growth_factor=2.0, backoff_factor=0.5,
                  growth_interval=2000, enabled=True):  # PyTorch's defaults
         self._enabled = bool(enabled)
-        if self._enabled:  # PyTorch's checks and messages (asserts there)
-            if not growth_factor > 1.0:
-                raise ValueError(f"The growth factor must be > 1.0, got {growth_factor!r}")
-            if not 0.0 < backoff_factor < 1.0:
-                raise ValueError(f"The backoff factor must be < 1.0 (and > 0), got "
-                                 f"{backoff_factor!r}")
-            if not (_is_scalar(init_scale) and math.isfinite(init_scale) and init_scale > 0):
-                raise ValueError(f"init_scale must be positive and finite, got {init_scale!r}")
-            _check_positive_int("growth_interval", growth_interval)
+        if self._enabled:
+            self._check_settings("init_scale", init_scale, growth_factor, backoff_factor,
+                                 growth_interval)
         self._init_scale = float(init_scale)
         self._growth_factor, self._backoff_factor = float(growth_factor), float(backoff_factor)
         self._growth_interval = int(growth_interval)
@@ -2845,6 +2912,18 @@ class AMPGradScaler:
         # inf check since the last update (which reads it and zeroes it).
         self._scale = self._growth_tracker = self._found_inf_any = None
         self._per_optimizer = {}  # id(optimizer) -> {"stage", "found_inf": int32 (1,) flag}
+
+    @staticmethod
+    def _check_settings(scale_name, scale, growth_factor, backoff_factor, growth_interval):
+        """PyTorch's checks and messages (asserts there), and a positive finite scale."""
+        if not (_is_scalar(growth_factor) and growth_factor > 1.0):
+            raise ValueError(f"The growth factor must be > 1.0, got {growth_factor!r}")
+        if not (_is_scalar(backoff_factor) and 0.0 < backoff_factor < 1.0):
+            raise ValueError(f"The backoff factor must be < 1.0 (and > 0), got "
+                             f"{backoff_factor!r}")
+        if not (_is_scalar(scale) and math.isfinite(scale) and scale > 0):
+            raise ValueError(f"{scale_name} must be positive and finite, got {scale!r}")
+        _check_positive_int("growth_interval", growth_interval)
 
     def scale(self, loss):
         """loss * scale (a float32 Node), to pass to tape.backward."""
@@ -2996,17 +3075,26 @@ class AMPGradScaler:
                 "_growth_tracker": tracker}
 
     def load_state_dict(self, state):
-        """Restore state_dict()'s output (a no-op when disabled)."""
+        """Restore state_dict()'s output (a no-op when disabled). All of it is checked, with
+        the constructor's checks, before anything is set: a rejected state changes nothing."""
         if not self._enabled:
             return
         if len(state) == 0:
             raise RuntimeError("The source state dict is empty, possibly because it was saved "
                                "from a disabled instance of GradScaler.")
-        self._init_scale = float(state["scale"])
-        self._growth_factor = float(state["growth_factor"])
-        self._backoff_factor = float(state["backoff_factor"])
-        self._growth_interval = int(state["growth_interval"])
-        self._init_growth_tracker = int(state["_growth_tracker"])
+        keys = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
+        # 0-d arrays (what netcl.load gives back) count as the numbers they hold.
+        values = [state[key].item() if isinstance(state[key], np.ndarray) and state[key].ndim == 0
+                  else state[key] for key in keys]
+        scale, growth_factor, backoff_factor, growth_interval, tracker = values
+        self._check_settings("scale", scale, growth_factor, backoff_factor, growth_interval)
+        if isinstance(tracker, bool) or not isinstance(tracker, (int, np.integer)) or tracker < 0:
+            raise ValueError(f"AMPGradScaler.load_state_dict: _growth_tracker must be a "
+                             f"non-negative integer, got {tracker!r}")
+        self._init_scale = float(scale)
+        self._growth_factor, self._backoff_factor = float(growth_factor), float(backoff_factor)
+        self._growth_interval = int(growth_interval)
+        self._init_growth_tracker = int(tracker)
         if self._scale is not None:
             _write(self._scale, np.array([self._init_scale], np.float32))
             _write(self._growth_tracker, np.array([self._init_growth_tracker], np.int32))
@@ -3621,7 +3709,7 @@ class Trainer:
     def fit(self, train_loader, val_loader=None, epochs=1, loss_fn=None, log_every=1,
             checkpoint=None):
         """Train for `epochs` epochs, printing a line per epoch, and validate with evaluate()
-        every `log_every` epochs; return the History.
+        every `log_every` epochs; return the History. A batch of no samples raises ValueError.
 
         checkpoint: a path where the model's state_dict is saved after each validation that
         improves on the best accuracy so far (the first validation always saves).
@@ -3719,7 +3807,8 @@ class Trainer:
     def _prepare(self, batch):
         """(input Node, target for the loss, labels) from a batch (xb, yb, *extra). labels is
         a host array when one exists (NumPy batches, GpuBatch.host), else the device Tensor,
-        read back only when metrics need it."""
+        read back only when metrics need it. Integer inputs (uint8 images) become float32, as
+        model(array) converts them; an empty batch raises ValueError (its mean loss is NaN)."""
         if not isinstance(batch, (tuple, list)) or len(batch) < 2:
             raise ValueError(f"Trainer: a batch must be a tuple (xb, yb, *extra), got "
                              f"{type(batch).__name__}")
@@ -3731,8 +3820,17 @@ class Trainer:
             labels = value._labels if value._labels is not None else value
         else:
             labels = np.asarray(yb)
-        x = xb if isinstance(xb, Node) else Node(xb if isinstance(xb, Tensor)
-                                                 else Tensor.from_host(xb, self.device.queue))
+        if isinstance(batch, GpuBatch) and isinstance(xb, Tensor) and xb.dtype.kind != "f":
+            xb = batch.host[0]  # the loader uploaded int32, which no op computes with
+        if isinstance(xb, (Node, Tensor)):
+            x = xb if isinstance(xb, Node) else Node(xb)
+        else:  # converted on the host, before the upload
+            xb = np.asarray(xb)
+            x = Node(Tensor.from_host(xb, self.device.queue,
+                                      np.float32 if xb.dtype.kind in "biu" else None))
+        if x.shape[:1] == (0,):
+            raise ValueError(f"Trainer: empty batch (xb of shape {x.shape}); a batch needs at "
+                             f"least one sample")
         if isinstance(labels, np.ndarray) and labels.ndim == 2 and labels.dtype.kind != "f":
             # integer one-hot rows: the loss takes them as class probabilities
             target = Tensor.from_host(labels.astype(np.float32), self.device.queue)
@@ -3759,7 +3857,10 @@ def _host_labels(labels):
 def _check_labels(labels, logits_shape):
     """Class indices (N,) in [0, C) or one-hot rows (N, C), for logits (N, C); checked on the
     host copy (a device-only Tensor of labels is left to the loss)."""
-    if not isinstance(labels, np.ndarray) or len(logits_shape) != 2:
+    if len(logits_shape) != 2:  # the accuracy is an argmax over C, whatever the loss
+        raise ValueError(f"Trainer: the model returned shape {logits_shape}; fit and evaluate "
+                         f"need class scores (N, C)")
+    if not isinstance(labels, np.ndarray):
         return
     n, classes = logits_shape
     if labels.ndim == 2:

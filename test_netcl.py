@@ -4267,3 +4267,323 @@ def test_load_state_dict_rejects_bool_and_complex_arrays_changing_nothing(backen
     state[last] = np.ones(state[last].shape, np.int64)  # integers convert, as in PyTorch
     model.load_state_dict(state)
     assert np.all(model.state_dict()[last] == 1.0) and model.state_dict()[last].dtype == np.float32
+
+
+# reliability: validation: operands, BufferPool, optimizer state, Trainer inputs
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("bad, needle", [(None, "None"), ("2", "'2'"), (object(), "object"),
+                                         (np.array([1 + 5j, 2, 3]), "complex"), (1j, "1j")])
+def test_operand_that_is_not_real_numbers_raises_type_error(backend, bad, needle):
+    x = tensor(np.ones(3), backend)
+    with raises_naming(TypeError, "mul", needle):
+        F.mul(x, bad)
+    with raises_naming(TypeError, "sub", needle):
+        netcl.Node(x) - bad
+    with raises_naming(TypeError, "relu", needle):
+        F.relu(bad)
+    if bad is not None:  # grad=None is the implied seed
+        w = param(np.ones(3), backend)
+        with netcl.Tape() as tape:
+            loss = w * 2.0
+        with raises_naming(TypeError, "backward", needle):
+            tape.backward(loss, grad=bad)
+
+
+def test_bool_and_integer_operands_promote_to_float(backend):
+    x = tensor([1.0, 2.0, 3.0], backend)
+    product = F.mul(x, np.array([True, False, True]))
+    assert product.dtype == np.float32
+    np.testing.assert_array_equal(host(product), [1.0, 0.0, 3.0])
+    big = F.mul(x, np.array([2**40, 0, -(2**40)]))  # far outside int32, exact in float32
+    np.testing.assert_array_equal(host(big), [2.0**40, 0.0, -3 * 2.0**40])
+    w = param([1.0, 2.0], backend)
+    with netcl.Tape() as tape:
+        y = w * 3.0
+    tape.backward(y, grad=np.array([1, 2]))
+    assert w.grad.dtype == np.float32
+    np.testing.assert_array_equal(host(w.grad), [3.0, 6.0])
+    with netcl.Tape() as tape:
+        y = w * 3.0
+    with raises_naming(ValueError, "backward", "int32"):
+        tape.backward(y, grad=tensor(np.array([1, 2]), backend))
+
+
+def test_from_host_refuses_integers_outside_int32(backend):
+    for values, needle in (([0, 2**32 + 1], 2**32 + 1), ([-(2**31) - 1], -(2**31) - 1),
+                           (np.array([3, 2**63], np.uint64), 2**63),
+                           (np.array([2**31], np.uint32), 2**31)):
+        with raises_naming(ValueError, "from_host", needle):
+            tensor(np.array(values), backend)
+    edges = np.array([-(2**31), 2**31 - 1, 0])
+    np.testing.assert_array_equal(host(tensor(edges, backend)), edges)
+    with raises_naming(TypeError, "from_host", "complex"):
+        netcl.Tensor.from_host(np.array([1 + 5j]), backend.queue, np.float32)
+    with raises_naming(TypeError, "from_host", "object"):
+        tensor(np.array([1, None]), backend)
+    logits = tensor(np.zeros((2, 3)), backend)
+    with raises_naming(ValueError, "cross_entropy", 2**32 + 1):
+        F.cross_entropy(logits, np.array([0, 2**32 + 1]))
+
+
+def test_pool_alloc_takes_a_non_negative_int(backend):
+    for bad in (1.5, "8", None, True, np.float32(4)):
+        with raises_naming(TypeError, "alloc", "nbytes", repr(bad)):
+            backend.pool.alloc(bad)
+    with raises_naming(ValueError, "alloc", "nbytes", "-5"):
+        backend.pool.alloc(-5)
+    backend.pool.release(backend.pool.alloc(np.int64(0)))
+
+
+def test_pool_release_refuses_a_buffer_it_does_not_own(backend):
+    pool = backend.pool
+    gc.collect()
+    gc_was_enabled = gc.isenabled()
+    gc.disable()  # a collection in between would release tensors and move the stats
+    try:
+        first = pool.alloc(5000)
+        pool.release(first)
+        before = pool.stats()
+        with raises_naming(ValueError, "release", "released already"):
+            pool.release(first)
+        assert pool.stats() == before
+        a, b = pool.alloc(5000), pool.alloc(5000)
+        assert a is not b  # a double release would have cached `first` twice
+        # Foreign buffers: another pool's, a plain array, a tensor's view (NumPy backend) or a
+        # tensor of the other backend.
+        view = netcl.Tensor.empty((8,), queue=backend.queue)
+        elsewhere = netcl.Tensor.empty((8,), queue=netcl.manager.default("cpu").queue)
+        foreign = [netcl.BufferPool(lambda nbytes: np.empty(nbytes, np.uint8)).alloc(5000),
+                   np.empty(5000, np.uint8),
+                   view.data if backend.backend == "cpu" else elsewhere.data]
+        before = pool.stats()
+        for buffer in foreign:
+            with raises_naming(ValueError, "release", "allocated elsewhere"):
+                pool.release(buffer)
+        assert pool.stats() == before
+        pool.release(a)
+        pool.release(b)
+        del view, elsewhere
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+
+
+def _state_variant(state, change):
+    """A copy of an optimizer's state_dict (its dicts copied) with `change` applied to it."""
+    copy = {"state": {i: dict(entry) for i, entry in state["state"].items()},
+            "param_groups": [dict(group) for group in state["param_groups"]]}
+    change(copy)
+    return copy
+
+
+def _trained_optimizer(kind, backend):
+    params = [param(np.arange(6.0).reshape(2, 3) / 7, backend), param([0.5, -0.25], backend)]
+    opt = _make(kind, params, 0.1, {"momentum": 0.9} if kind == "sgd" else {})
+    for grads in ([np.ones((2, 3)), np.array([1.0, -2.0])], [np.full((2, 3), 0.5), np.ones(2)]):
+        opt.zero_grad()
+        _set_grads_opt(params, grads)
+        opt.step()
+    return opt
+
+
+def _group(**changes):
+    return lambda state: state["param_groups"][0].update(changes)
+
+
+def _entry(index, **changes):
+    return lambda state: state["state"][index].update(changes)
+
+
+_SGD_REJECTED = [
+    (_group(lr=-3), ValueError, "Invalid learning rate: -3"),
+    (_group(lr="fast"), ValueError, "Invalid learning rate: fast"),
+    (_group(momentum=-1), ValueError, "Invalid momentum value: -1"),
+    (_group(momentum=0.0, nesterov=True), ValueError, "Nesterov momentum requires momentum > 0"),
+    (_group(weight_decay=-0.5), ValueError, "Invalid weight_decay value: -0.5"),
+    (_group(params=[0]), ValueError, "the state is for 1 parameters"),
+    (_entry(1, momentum_buffer=np.zeros(3)), ValueError, "momentum_buffer 1 has shape (3,)"),
+    (_entry(1, momentum_buffer=np.zeros(2, complex)), TypeError, "momentum_buffer 1"),
+    (lambda state: state.update(state={5: {"momentum_buffer": np.zeros(2)}, **state["state"]}),
+     ValueError, "state for parameter 5"),
+]
+_ADAM_REJECTED = [
+    (_group(lr=-3), ValueError, "Invalid learning rate: -3"),
+    (_group(betas=(1.0, 0.999)), ValueError, "Invalid beta parameter at index 0: 1.0"),
+    (_group(eps=-1e-8), ValueError, "Invalid epsilon value: -1e-08"),
+    (_group(weight_decay=-0.5), ValueError, "Invalid weight_decay value: -0.5"),
+    (_entry(1, exp_avg_sq=np.zeros(3)), ValueError, "exp_avg_sq of parameter 1 has shape (3,)"),
+    (_entry(1, exp_avg=np.zeros(2, complex)), TypeError, "exp_avg of parameter 1"),
+    (_entry(1, step=2**40), ValueError, "step of parameter 1"),
+    (_entry(1, step=-1), ValueError, "step of parameter 1"),
+    (_entry(0, step=1.5), ValueError, "step of parameter 0"),
+]
+
+
+@pytest.mark.parametrize("kind, change, error, message",
+                         [("sgd", *case) for case in _SGD_REJECTED]
+                         + [(kind, *case) for kind in ("adam", "adamw") for case in _ADAM_REJECTED])
+def test_optimizer_load_state_dict_rejects_a_bad_state_and_changes_nothing(backend, kind, change,
+                                                                           error, message):
+    opt = _trained_optimizer(kind, backend)
+    before = opt.state_dict()
+    with raises_naming(error, message):
+        opt.load_state_dict(_state_variant(before, change))
+    np.testing.assert_equal(opt.state_dict(), before)
+
+
+def test_sgd_load_state_dict_keeps_buffers_float(backend):
+    opt = _trained_optimizer("sgd", backend)
+    state = _state_variant(opt.state_dict(), _entry(1, momentum_buffer=np.array([2, -1])))
+    opt.load_state_dict(state)
+    assert opt.momentum_buffers[1].dtype == np.float32
+    np.testing.assert_array_equal(host(opt.momentum_buffers[1]), [2.0, -1.0])
+
+
+def test_learning_rate_assignment_is_checked(backend):
+    for kind in ("sgd", "adam", "adamw"):
+        opt = _trained_optimizer(kind, backend)
+        for bad in ("fast", -3, None, math.nan):
+            with raises_naming(ValueError, "Invalid learning rate", str(bad), "lr"):
+                opt.lr = bad
+            assert opt.lr == 0.1
+        opt.lr = np.float32(0.5)
+        assert opt.lr == 0.5 and type(opt.lr) is float
+        schedule = netcl.WarmupCosine(opt, warmup_steps=2, total_steps=4)
+        for _ in range(4):
+            opt.step()
+            schedule.step()
+        assert opt.lr == 0.0
+
+
+_SCALER_REJECTED = [
+    ({"scale": -1.0}, ValueError, "scale must be positive and finite"),
+    ({"scale": math.inf}, ValueError, "scale must be positive and finite"),
+    ({"growth_factor": 0.5}, ValueError, "The growth factor must be > 1.0"),
+    ({"backoff_factor": 2.0}, ValueError, "The backoff factor must be < 1.0"),
+    ({"growth_interval": 0}, ValueError, "growth_interval must be a positive integer"),
+    ({"_growth_tracker": -1}, ValueError, "_growth_tracker"),
+    ({"growth_factor": 4.0, "_growth_tracker": None}, KeyError, "_growth_tracker"),  # missing
+]
+
+
+@pytest.mark.parametrize("changes, error, message", _SCALER_REJECTED)
+def test_scaler_load_state_dict_rejects_a_bad_state_and_changes_nothing(backend, changes, error,
+                                                                        message):
+    scaler = netcl.AMPGradScaler(init_scale=8.0, growth_interval=3)
+    p = param(np.zeros(3), backend)
+    _scaled_backward(scaler, [p], [np.ones(3, np.float32)])  # the device state exists
+    scaler.step(netcl.SGD([p], lr=0.1))
+    scaler.update()
+    before = scaler.state_dict()
+    state = {key: value for key, value in {**before, **changes}.items() if value is not None}
+    assert state != before
+    with raises_naming(error, message):
+        scaler.load_state_dict(state)
+    assert scaler.state_dict() == before
+
+
+def test_scaler_state_survives_save_and_load(backend, tmp_path):
+    scaler = netcl.AMPGradScaler(init_scale=8.0, growth_interval=3)
+    state = dict(scaler.state_dict(), scale=32.0, _growth_tracker=2)
+    netcl.save(state, tmp_path / "scaler.npz")
+    fresh = netcl.AMPGradScaler()
+    fresh.load_state_dict(netcl.load(tmp_path / "scaler.npz"))  # 0-d arrays
+    assert fresh.state_dict() == state
+
+
+@pytest.mark.parametrize("reduction, expected", [("mean", math.nan), ("sum", 0.0), ("none", None)])
+@pytest.mark.parametrize("n, c, soft", [(3, 0, True), (0, 0, True), (0, 0, False), (0, 3, False),
+                                        (0, 3, True)])
+def test_cross_entropy_of_empty_logits_as_pytorch(backend, n, c, soft, reduction, expected):
+    x = param(np.zeros((n, c)), backend)
+    target = np.full((n, c), 0.5) if soft else np.zeros(n, np.int64)
+    with netcl.Tape() as tape:
+        loss = F.cross_entropy(x, target, reduction=reduction)
+        total = F.sum(loss)
+    tape.backward(total)
+    if expected is None:
+        np.testing.assert_array_equal(host(loss), np.zeros(n, np.float32))
+    else:
+        assert loss.shape == () and np.array_equal(host(loss), expected, equal_nan=True)
+    assert host(x.grad).shape == (n, c)
+
+
+def test_cross_entropy_with_no_classes_refuses_every_index(backend):
+    with raises_naming(ValueError, "cross_entropy", "label 0", "[0, 0)"):
+        F.cross_entropy(tensor(np.zeros((2, 0)), backend), np.array([0, 0]))
+
+
+def test_reduction_axis_must_be_ints(backend):
+    x = tensor(np.ones((2, 3)), backend)
+    for name, op in (("sum", F.sum), ("mean", F.mean)):
+        for bad in ("0", 1.0, True, (0, "1"), (1.0,), {0}):
+            with raises_naming(TypeError, f"{name}: axis must be an int or a tuple of ints",
+                               repr(bad)):
+                op(x, axis=bad)
+    np.testing.assert_array_equal(host(F.sum(x, axis=[np.int64(0), -1])), 6.0)
+    with raises_naming(ValueError, "sum", "axis 2 out of range"):
+        F.sum(x, axis=2)
+
+
+def test_trainer_refuses_an_empty_batch(backend):
+    x, y = _blobs(n=8)
+    model = _trainer_model(backend)
+    trainer = netcl.Trainer(model, netcl.SGD(model.parameters(), lr=0.1),
+                            device_queue=backend.queue)
+    batches = [(x[:4], y[:4]), (x[:0], y[:0])]
+    with raises_naming(ValueError, "empty batch", "(0, 8)"):
+        trainer.fit(batches)
+    with raises_naming(ValueError, "empty batch", "(0, 8)"):
+        trainer.evaluate(batches)
+
+
+@pytest.mark.parametrize("on_device", [False, True])
+def test_trainer_trains_on_integer_inputs_as_on_their_float_values(backend, on_device, capsys):
+    x, y = _blobs(n=48)
+    images = np.clip(x * 20 + 128, 0, 255).astype(np.uint8)  # uint8 "pixels"
+    results = []
+    for inputs in (images, images.astype(np.float32)):
+        model = _trainer_model(backend)
+        loader = netcl.DataLoader(netcl.ArrayDataset(inputs, y), batch_size=16, shuffle=False,
+                                  device_queue=backend.queue if on_device else None)
+        trainer = netcl.Trainer(model, netcl.SGD(model.parameters(), lr=1e-4),
+                                device_queue=backend.queue, metrics_stride=1)
+        history = trainer.fit(loader, loader, epochs=2)
+        results.append(([(h["loss"], h["accuracy"], h["val_loss"]) for h in history],
+                        model.state_dict()))
+    (history_u8, state_u8), (history_f32, state_f32) = results
+    assert history_u8 == history_f32
+    np.testing.assert_equal(state_u8, state_f32)
+
+
+def test_trainer_needs_class_scores_from_the_model(backend, capsys):
+    x, y = _blobs(n=16)
+    inner = _trainer_model(backend)
+    model = lambda xb: F.sum(inner(xb), axis=1)  # (N,), not (N, C)
+    trainer = netcl.Trainer(model, netcl.SGD(inner.parameters(), lr=0.1),
+                            device_queue=backend.queue, loss_fn=lambda out, t: F.mean(out * out))
+    for run in (trainer.fit, trainer.evaluate):
+        with raises_naming(ValueError, "Trainer", "(16,)", "class scores (N, C)"):
+            run(_batches(x, y, 16))
+    # A regression output (N, 1) against float targets (N, 1) with its own loss keeps working.
+    head = param(np.full((1, 3), 0.1), backend)
+    regression = netcl.Trainer(lambda xb: F.linear(inner(xb), head),
+                               netcl.SGD([head], lr=1e-3), device_queue=backend.queue,
+                               loss_fn=F.mse_loss)
+    history = regression.fit(_batches(x, y[:, None].astype(np.float32), 8))
+    assert math.isfinite(history[0]["loss"])
+
+
+def test_tanh_saturates_to_one_with_zero_gradient(backend):
+    values = np.array([10.0, -10.0, 20.0, -20.0, np.inf, -np.inf])
+    x = param(values, backend)
+    with netcl.Tape() as tape:
+        y = F.tanh(x)
+        total = F.sum(y)
+    tape.backward(total)
+    np.testing.assert_array_equal(host(y), np.sign(values))
+    np.testing.assert_array_equal(host(x.grad), np.zeros(6))
+    half = F.tanh(tensor(values, backend, np.float16))  # float16 storage: the half build
+    np.testing.assert_array_equal(host(half), np.sign(values))
+    assert np.isnan(host(F.tanh(tensor([np.nan], backend)))[0])
