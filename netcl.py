@@ -528,9 +528,14 @@ def _resolve_shape(op, old_shape, shape):
 # maps the output's gradient to its parents' gradients. The Tape's list is in creation order,
 # which is a topological order, so backward walks it in reverse. Afterwards the Tape drops
 # every parent link and closure, so saved tensors go back to the pool at once.
+# Nested Tapes: an op is recorded on every open Tape, so each Tape can differentiate what
+# was computed inside it (to a Tape, a value computed before it opened is a constant). A node
+# two Tapes share is freed by whichever backward runs first; a later backward through it on
+# the other Tape raises rather than return a partial gradient.
 
 _tapes = []          # the active Tapes, innermost last
 _grad_enabled = [True]
+_FREED = object()  # Node._backward once a Tape's backward has freed the node's graph
 
 
 class Node:
@@ -597,8 +602,22 @@ class Parameter(Node):
         self._grad_home = None
 
 
+class _Head(Node):
+    """A node recorded on no Tape on purpose: AMPGradScaler.scale's loss * scale, usually made
+    after the `with Tape()` block has closed. Tape.backward runs it first, then the graph of
+    its loss, which that Tape must have recorded."""
+
+    __slots__ = ()
+
+
 class Tape:
-    """Records the operations run inside `with Tape() as tape:`; `tape.backward(loss)`."""
+    """Records the operations run inside `with Tape() as tape:`; `tape.backward(loss)`.
+
+    Tapes nest: an op is recorded on every open Tape, so an outer Tape's backward runs
+    through what an inner one recorded too, while to the inner Tape a value computed before
+    it opened is a constant. Whichever backward runs first frees the nodes they share; a
+    later backward through them on the other Tape raises RuntimeError.
+    """
 
     def __init__(self):
         self._nodes = []
@@ -619,9 +638,17 @@ class Tape:
         """
         if not isinstance(loss, Node):
             raise TypeError(f"backward: loss must be a Node, got {type(loss).__name__}")
+        # The node this Tape must have recorded: the loss, or the loss under a scaler's head.
+        root = loss._parents[0] if isinstance(loss, _Head) and loss.requires_grad else loss
+        if root._backward is _FREED:
+            raise RuntimeError("backward: the graph of this loss was already freed by a backward "
+                               "(on this Tape, or on another Tape that recorded it too)")
         if not loss.requires_grad:
             raise RuntimeError("backward: loss does not require grad (it was computed outside "
-                               "a Tape, from constants only, or its graph was already freed)")
+                               "a Tape, or from constants only)")
+        if root._backward is not None and not any(node is root for node in self._nodes):
+            raise RuntimeError("backward: this loss was recorded on another Tape, not on this "
+                               "one; call backward on a Tape that was open when it was computed")
         if grad is None:
             if loss.value.size != 1:
                 raise RuntimeError(f"backward: grad can be implied only for a loss of one "
@@ -631,11 +658,10 @@ class Tape:
             grad = _float32(_as_tensor(grad, loss.value))
             if grad.shape != loss.shape:
                 raise ValueError(f"backward: grad shape {grad.shape} != loss shape {loss.shape}")
-        if loss._backward is not None and not any(node is loss for node in self._nodes):
-            # A head recorded on no tape: AMPGradScaler.scale(loss) called after the `with`
-            # block closed. Its backward runs first, then the tape's, and it is freed with them.
+        if root is not loss:  # the head runs first, then the tape's nodes; freed with them
             self._nodes.append(loss)
         grads = {id(loss): grad}
+        recorded = None  # ids of this Tape's nodes, gathered when a freed parent is met
         try:
             if loss._backward is None:  # the loss is itself a leaf
                 _accumulate_grad(loss, grad)
@@ -644,6 +670,13 @@ class Tape:
                 if g is None:
                     continue
                 for parent, parent_grad in zip(node._parents, node._backward(g)):
+                    if parent._backward is _FREED:  # a constant, unless this Tape recorded it
+                        recorded = recorded or {id(n) for n in self._nodes}
+                        if id(parent) in recorded:
+                            raise RuntimeError(
+                                "backward: part of this loss's graph was already freed by a "
+                                "backward on another Tape that recorded it too; the gradient "
+                                "through it is lost")
                     if parent_grad is None or not parent.requires_grad:
                         continue
                     if parent._backward is None:
@@ -657,7 +690,7 @@ class Tape:
 
     def _free(self):
         for node in self._nodes:
-            node._parents = node._backward = None
+            node._parents, node._backward = None, _FREED
             node.requires_grad = False  # an intermediate value, now a constant
         self._nodes.clear()
 
@@ -673,13 +706,14 @@ class no_grad(contextlib.ContextDecorator):
 
 
 def _record(value, parents, backward):
-    """Wrap an op's output; record it on the innermost Tape when a parent needs a gradient."""
+    """Wrap an op's output; record it on every open Tape when a parent needs a gradient."""
     node = Node(value)
     if _tapes and _grad_enabled[-1] and any(p.requires_grad for p in parents):
         node.requires_grad = True
         node._parents = parents
         node._backward = backward
-        _tapes[-1]._nodes.append(node)
+        for tape in _tapes:
+            tape._nodes.append(node)
     return node
 
 
@@ -2665,7 +2699,7 @@ class AMPGradScaler:
 
         # Recorded on no tape, since the scaler usually runs after the `with Tape()` block
         # has closed: Tape.backward runs such a head node first.
-        scaled = Node(times_scale(loss.value), requires_grad=loss.requires_grad)
+        scaled = _Head(times_scale(loss.value), requires_grad=loss.requires_grad)
         if loss.requires_grad:
             scaled._parents, scaled._backward = (loss,), lambda g: (times_scale(g),)
         return scaled

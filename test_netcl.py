@@ -3871,3 +3871,63 @@ def test_bad_numeric_arguments_raise_value_error(backend):
         F.leaky_relu(x, "0.1")
     with raises_naming(ValueError, "init_scale"):
         netcl.AMPGradScaler(init_scale="big")
+
+
+# ---------------------------------------------------------------------------------------------
+# reliability: autograd: nested Tapes and threads
+# ---------------------------------------------------------------------------------------------
+
+def test_nested_tapes_outer_backward_runs_through_the_inner_tape(backend):
+    p = param(np.ones(3), backend)
+    with netcl.Tape() as outer:
+        a = p * 2.0
+        with netcl.Tape() as inner:
+            loss = (a * 3.0).sum()
+    outer.backward(loss)
+    np.testing.assert_array_equal(host(p.grad), np.full(3, 6.0, np.float32))
+    with raises_naming(RuntimeError, "backward", "already freed by a backward"):
+        inner.backward(loss)  # outer's backward freed the nodes the two tapes share
+    np.testing.assert_array_equal(host(p.grad), np.full(3, 6.0, np.float32))
+
+
+def test_nested_tapes_inner_backward_sees_only_its_own_ops(backend):
+    p = param(np.ones(3), backend)
+    q_host = np.array([1.0, 2.0, 3.0], np.float32)
+    q = param(q_host, backend)
+    with netcl.Tape() as outer:
+        a = p * 2.0
+        with netcl.Tape() as inner:
+            loss = (a * 3.0 + q * q).sum()
+    inner.backward(loss)
+    assert p.grad is None  # `a` was computed before the inner Tape opened: a constant there
+    np.testing.assert_array_equal(host(q.grad), 2 * q_host)
+    with raises_naming(RuntimeError, "backward", "already freed by a backward"):
+        outer.backward(loss)
+    assert p.grad is None
+
+
+def test_nested_tapes_refuse_a_partial_gradient_through_freed_nodes(backend):
+    p = param(np.ones(3), backend)
+    with netcl.Tape() as outer:
+        a = p * 2.0
+        with netcl.Tape() as inner:
+            b = a * 3.0
+            inner_loss = b.sum()
+        inner.backward(inner_loss)  # frees b, which the outer Tape recorded too
+        loss = (b * p).sum()        # d/dp = 12 through b and a; b's graph is gone
+    with raises_naming(RuntimeError, "backward", "freed"):
+        outer.backward(loss)
+
+
+def test_backward_of_a_loss_recorded_on_another_tape_raises(backend):
+    p = param(np.ones(3), backend)
+    other = netcl.Tape()
+    with netcl.Tape() as tape:
+        loss = (p * 2.0).sum()
+    with raises_naming(RuntimeError, "backward", "another Tape"):
+        other.backward(loss)
+    with raises_naming(RuntimeError, "backward", "another Tape"):
+        other.backward(netcl.AMPGradScaler(init_scale=4.0).scale(loss))
+    assert p.grad is None
+    tape.backward(loss)  # the refused calls left the graph whole
+    np.testing.assert_array_equal(host(p.grad), np.full(3, 2.0, np.float32))
