@@ -39,6 +39,7 @@ import os
 import signal
 import struct
 import sys
+import threading
 import time
 import traceback
 import types
@@ -65,6 +66,8 @@ _INSTALL_HINT = ("install an OpenCL driver for your GPU, or PoCL for a CPU OpenC
 # context, one in-order queue, one compiled program (two: see launch) and one BufferPool. The
 # in-order queue is what makes buffer reuse safe: a buffer released by the host may still be
 # read by a queued kernel, but any kernel that later writes it is queued behind that read.
+# Several threads may use one Device: its lock makes each launch (setting a shared Kernel
+# object's arguments, then enqueueing it) one step, and guards its counters and uploads.
 
 class _CpuQueue:
     """The NumPy backend's stand-in for a command queue: work runs at once, so finish() is free."""
@@ -89,6 +92,7 @@ class Device:
         self.name = name
         self.launches = 0
         self.syncs = 0
+        self._lock = threading.Lock()  # launches, counters, uploads, the float16 build
         self._kernels = {}          # kernels.cl built for float32 activations
         self._half_kernels = None   # built for float16 storage, on the first call that needs it
         if backend == "cpu":
@@ -112,10 +116,16 @@ class Device:
 
     def finish(self):
         """Block until every queued kernel and copy has completed."""
-        self.syncs += 1
+        self._count_sync()
         self.queue.finish()
         if self.backend == "opencl":
-            self._uploads.clear()
+            with self._lock:  # not clear(): another thread may have queued a copy meanwhile
+                self._drop_completed_uploads()
+
+    def _count_sync(self):
+        """One more host-device synchronisation, counted under the lock (threads count too)."""
+        with self._lock:
+            self.syncs += 1
 
     def upload(self, buffer, host):
         """Queue a copy of the host array `host` into `buffer` without waiting for it.
@@ -123,11 +133,15 @@ class Device:
         PyOpenCL's event for such a copy holds `host` alive and, when dropped, waits for the
         copy: so events are kept here and dropped only once the device reports them complete.
         """
-        self._uploads.append(cl.enqueue_copy(self.queue, buffer, host, is_blocking=False))
-        while self._uploads[0].command_execution_status == cl.command_execution_status.COMPLETE:
+        with self._lock:
+            self._uploads.append(cl.enqueue_copy(self.queue, buffer, host, is_blocking=False))
+            self._drop_completed_uploads()
+
+    def _drop_completed_uploads(self):
+        """Drop the events of completed copies, oldest first (the queue is in order)."""
+        while (self._uploads and self._uploads[0].command_execution_status
+               == cl.command_execution_status.COMPLETE):
             self._uploads.popleft()
-            if not self._uploads:
-                break
 
     # --- kernels: one program per build (float32, float16 storage) and context, one
     # pyopencl.Kernel object per kernel name.
@@ -170,10 +184,13 @@ class Device:
         half=True runs the float16-storage build: the buffers the kernel marks act_t are halfs."""
         global_size = tuple(-(-g // l) * l for g, l in zip(global_size, local_size))
         if half and self._half_kernels is None:
-            self._half_kernels = self._build_program(half=True)
+            with self._lock:  # built once, even when two threads ask for it at once
+                if self._half_kernels is None:
+                    self._half_kernels = self._build_program(half=True)
         kernels = self._half_kernels if half else self._kernels
-        kernels[name](self.queue, global_size, local_size, *args)
-        self.launches += 1
+        with self._lock:  # another thread's set_args must not land between ours and the enqueue
+            kernels[name](self.queue, global_size, local_size, *args)
+            self.launches += 1
         if DEBUG >= 2:  # a deliberate sync per launch, to time each kernel
             started = time.perf_counter()
             self.queue.finish()
@@ -200,6 +217,7 @@ def _kernel_source():
 
 _devices = {}           # cache key -> Device: the same request returns the same Device
 _devices_by_queue = {}  # id of an OpenCL queue -> its Device
+_devices_lock = threading.Lock()  # two threads asking at once still get one Device
 
 
 def _opencl_devices():
@@ -222,12 +240,13 @@ def _opencl_devices():
 
 def _opencl_device(platform_index, device_index, cl_device):
     key = ("opencl", platform_index, device_index)
-    if key not in _devices:
-        context = cl.Context([cl_device])
-        queue = cl.CommandQueue(context)  # in-order: what makes pooled buffer reuse safe
-        device = Device("opencl", cl_device.name.strip(), queue, cl_device)
-        _devices[key] = device
-        _devices_by_queue[id(queue)] = device
+    with _devices_lock:
+        if key not in _devices:
+            context = cl.Context([cl_device])
+            queue = cl.CommandQueue(context)  # in-order: what makes pooled buffer reuse safe
+            device = Device("opencl", cl_device.name.strip(), queue, cl_device)
+            _devices[key] = device
+            _devices_by_queue[id(queue)] = device
     return _devices[key]
 
 
@@ -245,8 +264,9 @@ def _default_device(device=None):
                          f"'opencl:P:D', got {request!r}")
     request = request.strip().lower()
     if request == "cpu":
-        if "cpu" not in _devices:
-            _devices["cpu"] = Device("cpu", "NumPy")
+        with _devices_lock:
+            if "cpu" not in _devices:
+                _devices["cpu"] = Device("cpu", "NumPy")
         return _devices["cpu"]
     if request == "auto":
         gpus = [d for d in _opencl_devices() if d[2].type & cl.device_type.GPU]
@@ -292,8 +312,11 @@ def _device_of(queue=None):
                              f"got {queue!r}")
         if queue.properties & cl.command_queue_properties.OUT_OF_ORDER_EXEC_MODE_ENABLE:
             raise ValueError("queue must be in-order: pooled buffers are reused in queue order")
-        device = Device("opencl", queue.device.name.strip(), queue, queue.device)
-        _devices_by_queue[id(queue)] = device
+        with _devices_lock:
+            device = _devices_by_queue.get(id(queue))
+            if device is None:
+                device = Device("opencl", queue.device.name.strip(), queue, queue.device)
+                _devices_by_queue[id(queue)] = device
     return device
 
 
@@ -301,6 +324,7 @@ def _device_of(queue=None):
 # Allocating device memory costs a driver call (and on some drivers a sync); a training loop
 # asks for the same sizes every step. The pool keeps released buffers in size buckets and
 # hands them out again. Buckets are powers of two split in four, so at most 25% is wasted.
+# Threads share a Device's pool, so its books are kept under a lock.
 
 def _bucket(nbytes):
     if nbytes <= 256:
@@ -318,20 +342,24 @@ class BufferPool:
         self._cached = defaultdict(list)  # bucket size -> free buffers
         self.in_use_bytes = self.cached_bytes = self.peak_bytes = 0
         self.hits = self.misses = 0
+        # Reentrant: a Tensor freed while this thread holds the lock (a garbage collection
+        # inside alloc) releases its buffer into the same pool.
+        self._lock = threading.RLock()
 
     def alloc(self, nbytes):
         """A buffer of at least `nbytes` bytes, from the cache when one of its bucket is free."""
         size = _bucket(nbytes)
-        free = self._cached[size]
-        if free:
-            buffer = free.pop()
-            self.cached_bytes -= size
-            self.hits += 1
-        else:
-            buffer = self._fresh(size)
-            self.misses += 1
-        self.in_use_bytes += size
-        self.peak_bytes = max(self.peak_bytes, self.in_use_bytes)
+        with self._lock:
+            free = self._cached[size]
+            if free:
+                buffer = free.pop()
+                self.cached_bytes -= size
+                self.hits += 1
+            else:
+                buffer = self._fresh(size)
+                self.misses += 1
+            self.in_use_bytes += size
+            self.peak_bytes = max(self.peak_bytes, self.in_use_bytes)
         return buffer
 
     def _fresh(self, size):
@@ -351,19 +379,22 @@ class BufferPool:
     def release(self, buffer):
         """Give a buffer back; the next alloc of its bucket reuses it."""
         size = _buffer_bytes(buffer)
-        self._cached[size].append(buffer)
-        self.in_use_bytes -= size
-        self.cached_bytes += size
+        with self._lock:
+            self._cached[size].append(buffer)
+            self.in_use_bytes -= size
+            self.cached_bytes += size
 
     def stats(self):
         """Bytes in use and cached, the peak in use, and cache hits and misses."""
-        return {"in_use_bytes": self.in_use_bytes, "cached_bytes": self.cached_bytes,
-                "peak_bytes": self.peak_bytes, "hits": self.hits, "misses": self.misses}
+        with self._lock:
+            return {"in_use_bytes": self.in_use_bytes, "cached_bytes": self.cached_bytes,
+                    "peak_bytes": self.peak_bytes, "hits": self.hits, "misses": self.misses}
 
     def empty_cache(self):
         """Free every cached buffer (buffers in use are untouched)."""
-        self._cached.clear()
-        self.cached_bytes = 0
+        with self._lock:
+            self._cached.clear()
+            self.cached_bytes = 0
 
 
 def _buffer_bytes(buffer):
@@ -433,7 +464,7 @@ class Tensor:
             return self.data.copy()
         host = np.empty(self.shape, self.dtype)
         if host.size:
-            self.device.syncs += 1
+            self.device._count_sync()
             cl.enqueue_copy(self.device.queue, host, self.data, is_blocking=True)
         return host
 

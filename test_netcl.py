@@ -3931,3 +3931,91 @@ def test_backward_of_a_loss_recorded_on_another_tape_raises(backend):
     assert p.grad is None
     tape.backward(loss)  # the refused calls left the graph whole
     np.testing.assert_array_equal(host(p.grad), np.full(3, 2.0, np.float32))
+
+
+def _in_threads(*targets):
+    """Run each target in its own thread, all started together and switching often (the races
+    need a switch at the wrong moment); their results, or the first error raised in one."""
+    results, errors = [None] * len(targets), []
+    barrier = threading.Barrier(len(targets))
+
+    def run(i, target):
+        try:
+            barrier.wait()
+            results[i] = target()
+        except BaseException as error:  # re-raised in the test's thread
+            errors.append(error)
+    threads = [threading.Thread(target=run, args=(i, t)) for i, t in enumerate(targets)]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(interval)
+    if errors:
+        raise errors[0]
+    return results
+
+
+def test_one_kernel_launched_from_two_threads_gets_each_launch_its_own_arguments(opencl):
+    """Device.launch from two threads at once: every result belongs to its own launch,
+    uploads and counters included."""
+    steps = 3000
+
+    def launch_many(seed, n):
+        rng = np.random.default_rng(seed)
+        a_host = rng.standard_normal(n).astype(np.float32)
+        a = netcl.Tensor.empty((n,), queue=opencl.queue)
+        opencl.upload(a.data, a_host)
+        outs = [netcl.Tensor.empty((n,), queue=opencl.queue) for _ in range(steps)]
+        for i, out in enumerate(outs):  # out = a * i
+            opencl.launch("mul_scalar", *netcl._grid(n), n, float(i), a.data, out.data)
+            if i % 100 == 0:
+                opencl.finish()
+        return a_host, outs
+    launches = opencl.launches
+    results = _in_threads(lambda: launch_many(3, 37), lambda: launch_many(4, 53))
+    assert opencl.launches - launches == 2 * steps
+    for a_host, outs in results:
+        for i, out in enumerate(outs):
+            np.testing.assert_array_equal(out.to_host(), a_host * np.float32(i))
+
+
+def test_buffer_pool_shared_by_two_threads_keeps_its_books():
+    """One thread allocating and releasing, the other also emptying the cache: no buffer is
+    handed out twice, and the stats add up to what the pool really holds."""
+    pool = netcl.BufferPool(lambda nbytes: np.empty(nbytes, np.uint8))
+    holders = {}
+
+    def churn(me, empty_cache):
+        for _ in range(2000):
+            held = [pool.alloc(256) for _ in range(3)]
+            for buffer in held:
+                assert holders.setdefault(id(buffer), me) == me, "one buffer handed out twice"
+            for buffer in held:
+                del holders[id(buffer)]
+                pool.release(buffer)
+            if empty_cache:
+                pool.empty_cache()
+            assert pool.stats()["cached_bytes"] >= 0
+    _in_threads(lambda: churn(0, False), lambda: churn(1, True))
+    stats = pool.stats()
+    assert stats["in_use_bytes"] == 0
+    assert stats["hits"] + stats["misses"] == 2 * 2000 * 3
+    cached = stats["cached_bytes"] // 256
+    for _ in range(cached + 1):  # every cached buffer is a hit, then the next one a miss
+        pool.alloc(256)
+    after = pool.stats()
+    assert (after["hits"] - stats["hits"], after["misses"] - stats["misses"]) == (cached, 1)
+    assert after["cached_bytes"] == 0
+
+
+def test_two_threads_asking_for_one_queue_get_one_device(opencl):
+    import pyopencl as cl
+    queue = cl.CommandQueue(opencl.context)
+    first, second = _in_threads(lambda: netcl.Tensor.empty((1,), queue=queue).device,
+                                lambda: netcl.Tensor.empty((1,), queue=queue).device)
+    assert first is second
