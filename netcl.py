@@ -559,13 +559,27 @@ def _resolve_shape(op, old_shape, shape):
 # maps the output's gradient to its parents' gradients. The Tape's list is in creation order,
 # which is a topological order, so backward walks it in reverse. Afterwards the Tape drops
 # every parent link and closure, so saved tensors go back to the pool at once.
-# Nested Tapes: an op is recorded on every open Tape, so each Tape can differentiate what
-# was computed inside it (to a Tape, a value computed before it opened is a constant). A node
-# two Tapes share is freed by whichever backward runs first; a later backward through it on
-# the other Tape raises rather than return a partial gradient.
+# Nested Tapes: an op is recorded on every Tape open in its thread, so each Tape can
+# differentiate what was computed inside it (to a Tape, a value computed before it opened is a
+# constant). A node two Tapes share is freed by whichever backward runs first; a later backward
+# through it on the other Tape raises rather than return a partial gradient.
+# Threads: the open Tapes, no_grad and autocast are per thread, as PyTorch's grad mode and
+# autocast state: a new thread starts with no Tape, recording on and autocast off. So several
+# threads may train on one Device at once (it serialises its launches); a Tape records only
+# the ops of the thread that opened it, and is closed by that thread.
 
-_tapes = []          # the active Tapes, innermost last
-_grad_enabled = [True]
+
+class _ThreadState(threading.local):
+    """What gets recorded, per thread: the open Tapes (innermost last) and the no_grad and
+    autocast stacks (the mixed-precision section's autocast pushes onto the latter)."""
+
+    def __init__(self):  # runs again in each new thread: nothing is inherited
+        self.tapes = []
+        self.grad_enabled = [True]
+        self.autocast_enabled = [False]
+
+
+_state = _ThreadState()
 _FREED = object()  # Node._backward once a Tape's backward has freed the node's graph
 
 
@@ -644,21 +658,27 @@ class _Head(Node):
 class Tape:
     """Records the operations run inside `with Tape() as tape:`; `tape.backward(loss)`.
 
-    Tapes nest: an op is recorded on every open Tape, so an outer Tape's backward runs
-    through what an inner one recorded too, while to the inner Tape a value computed before
-    it opened is a constant. Whichever backward runs first frees the nodes they share; a
-    later backward through them on the other Tape raises RuntimeError.
+    Tapes nest: an op is recorded on every Tape open in its thread, so an outer Tape's
+    backward runs through what an inner one recorded too, while to the inner Tape a value
+    computed before it opened is a constant. Whichever backward runs first frees the nodes
+    they share; a later backward through them on the other Tape raises RuntimeError.
+    Each thread has its own open Tapes, no_grad and autocast, and several threads may train
+    on one Device at once; a Tape records the ops of the thread that opened it, and that
+    thread must close it.
     """
 
     def __init__(self):
         self._nodes = []
 
     def __enter__(self):
-        _tapes.append(self)
+        _state.tapes.append(self)
         return self
 
     def __exit__(self, *exc):
-        _tapes.remove(self)
+        if self not in _state.tapes:
+            raise RuntimeError("Tape: closed in a thread that did not open it (a Tape records "
+                               "the ops of the thread that opened it)")
+        _state.tapes.remove(self)
 
     def backward(self, loss, grad=None):
         """Accumulate d(loss)/d(leaf) into every leaf's `.grad`, then free the graph.
@@ -730,20 +750,22 @@ class no_grad(contextlib.ContextDecorator):
     """Inside `with no_grad():` (or a function decorated with it) no operation is recorded."""
 
     def __enter__(self):
-        _grad_enabled.append(False)
+        _state.grad_enabled.append(False)
 
     def __exit__(self, *exc):
-        _grad_enabled.pop()
+        _state.grad_enabled.pop()
 
 
 def _record(value, parents, backward):
-    """Wrap an op's output; record it on every open Tape when a parent needs a gradient."""
+    """Wrap an op's output; record it on every Tape open in this thread when a parent needs a
+    gradient."""
     node = Node(value)
-    if _tapes and _grad_enabled[-1] and any(p.requires_grad for p in parents):
+    tapes = _state.tapes
+    if tapes and _state.grad_enabled[-1] and any(p.requires_grad for p in parents):
         node.requires_grad = True
         node._parents = parents
         node._backward = backward
-        for tape in _tapes:
+        for tape in tapes:
             tape._nodes.append(node)
     return node
 
@@ -783,7 +805,6 @@ def _add_into(dst, src, alpha=1.0):
 # Ops accept Nodes, Tensors, arrays and Python scalars; arrays join the other operand's device.
 
 _generator = [np.random.default_rng()]
-_autocast_enabled = [False]  # a stack: the mixed-precision section's autocast pushes onto it
 
 
 def manual_seed(seed):
@@ -888,7 +909,7 @@ def _grid(n):
 def _half_activations(device):
     """Whether matmul, linear and conv2d write float16 storage: inside autocast, on OpenCL
     (on the NumPy backend autocast does nothing)."""
-    return _autocast_enabled[-1] and device.backend == "opencl"
+    return _state.autocast_enabled[-1] and device.backend == "opencl"
 
 
 def _compute_dtype(dtype):
@@ -2635,11 +2656,11 @@ class autocast(contextlib.ContextDecorator):
         self.enabled = bool(enabled)
 
     def __enter__(self):
-        _autocast_enabled.append(self.enabled)
+        _state.autocast_enabled.append(self.enabled)
         return self
 
     def __exit__(self, *exc):
-        _autocast_enabled.pop()
+        _state.autocast_enabled.pop()
 
 
 def _zero_flag(flag):

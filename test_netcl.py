@@ -4019,3 +4019,94 @@ def test_two_threads_asking_for_one_queue_get_one_device(opencl):
     first, second = _in_threads(lambda: netcl.Tensor.empty((1,), queue=queue).device,
                                 lambda: netcl.Tensor.empty((1,), queue=queue).device)
     assert first is second
+
+
+def _train_own_parameter(device, seed, rows, cols, steps):
+    """`steps` SGD steps on a parameter of this call's own: (final weight, final gradient)."""
+    rng = np.random.default_rng(seed)
+    x = tensor(rng.standard_normal((rows, cols)).astype(np.float32), device)
+    y = tensor(rng.standard_normal((rows, 3)).astype(np.float32), device)
+    w = param(0.5 * rng.standard_normal((3, cols)).astype(np.float32), device)
+    opt = netcl.SGD([w], lr=0.05, momentum=0.9)
+    for _ in range(steps):
+        with netcl.Tape() as tape:
+            loss = F.mse_loss(F.tanh(F.linear(x, w)), y)
+        opt.zero_grad()
+        tape.backward(loss)
+        opt.step()
+    return host(w), host(w.grad)
+
+
+def test_two_threads_training_own_parameters_match_one_thread(backend):
+    jobs = [(backend, 1, 8, 5, 300), (backend, 2, 16, 7, 300)]
+    expected = [_train_own_parameter(*job) for job in jobs]
+    got = _in_threads(*(lambda job=job: _train_own_parameter(*job) for job in jobs))
+    for (w, grad), (w_expected, grad_expected) in zip(got, expected):
+        np.testing.assert_array_equal(grad, grad_expected)
+        np.testing.assert_array_equal(w, w_expected)
+
+
+def test_a_tape_records_only_the_ops_of_its_own_thread(backend):
+    p = param(np.ones(3), backend)
+    with netcl.Tape() as tape:
+        (elsewhere,) = _in_threads(lambda: (p * 5.0).sum())
+        loss = (p * 2.0).sum()
+    assert not elsewhere.requires_grad  # no Tape is open in the thread that computed it
+    tape.backward(loss)
+    np.testing.assert_array_equal(host(p.grad), np.full(3, 2.0, np.float32))
+    with raises_naming(RuntimeError, "Tape", "thread"):
+        _in_threads(netcl.Tape().__enter__, lambda: None)[0].__exit__(None, None, None)
+
+
+def test_no_grad_is_per_thread(backend):
+    p = param(np.array([1.0, -2.0, 3.0], np.float32), backend)
+    entered, done = threading.Event(), threading.Event()
+
+    def hold_no_grad():
+        with netcl.no_grad():
+            entered.set()
+            done.wait(10)
+    holder = threading.Thread(target=hold_no_grad)
+    holder.start()
+    try:
+        assert entered.wait(10)
+        with netcl.Tape() as tape:
+            loss = (p * p).sum()
+        tape.backward(loss)
+    finally:
+        done.set()
+        holder.join()
+    np.testing.assert_array_equal(host(p.grad), [2.0, -4.0, 6.0])
+
+    def train_in_new_thread():  # a new thread records, whatever the starting thread's mode
+        q = param(np.ones(2), backend)
+        with netcl.Tape() as tape:
+            loss = (q * 4.0).sum()
+        tape.backward(loss)
+        return host(q.grad)
+    with netcl.no_grad():
+        (grad,) = _in_threads(train_in_new_thread)
+    np.testing.assert_array_equal(grad, [4.0, 4.0])
+
+
+def test_autocast_is_per_thread(opencl):
+    x = param(np.ones((4, 8), np.float32), opencl)
+    w = param(np.ones((8, 2), np.float32), opencl)
+    entered, done = threading.Event(), threading.Event()
+
+    def hold_autocast():
+        with netcl.autocast():
+            entered.set()
+            done.wait(10)
+    holder = threading.Thread(target=hold_autocast)
+    holder.start()
+    try:
+        assert entered.wait(10)
+        assert (x @ w).dtype == np.float32
+    finally:
+        done.set()
+        holder.join()
+    with netcl.autocast():
+        assert (x @ w).dtype == np.float16
+        (elsewhere,) = _in_threads(lambda: x @ w)  # a new thread starts with autocast off
+    assert elsewhere.dtype == np.float32
