@@ -85,6 +85,20 @@ def sgemm_torch(n, where):
     return (lambda: a @ b), _torch_sync(where)
 
 
+def hgemm_netcl(device, n):
+    """(fn, sync): an n x n x n product of float16 operands accumulated in float32 (written as
+    float16), as autocast runs it: on tensor cores where the device has them."""
+    rng = np.random.default_rng(0)
+    a, b = (netcl.Tensor.from_host(rng.standard_normal((n, n)).astype(np.float16), device.queue)
+            for _ in range(2))
+    return (lambda: netcl._gemm(a, b, half=True)), device.finish
+
+
+def hgemm_torch(n):
+    a, b = (torch.randn(n, n, device="cuda", dtype=torch.float16) for _ in range(2))
+    return (lambda: a @ b), torch.cuda.synchronize
+
+
 def _torch_sync(where):
     return torch.cuda.synchronize if where == "cuda" else (lambda: None)
 
@@ -199,7 +213,8 @@ def mlp_step_numpy(sizes, batch):
     return fn, (lambda: None)
 
 
-def mlp_step_torch(sizes, batch, where):
+def mlp_step_torch(sizes, batch, where, amp=False):
+    """PyTorch's step; amp=True: autocast float16 and a GradScaler, as its AMP recipe."""
     torch.manual_seed(0)
     layers = []
     for fan_in, fan_out in zip(sizes[:-1], sizes[1:]):
@@ -210,13 +225,33 @@ def mlp_step_torch(sizes, batch, where):
     x = torch.randn(batch, sizes[0], device=where)
     y = torch.randint(0, sizes[-1], (batch,), device=where)
 
+    scaler = torch.amp.GradScaler(where, enabled=amp)
+
     def fn():
-        loss = torch.nn.functional.cross_entropy(model(x), y)
+        with torch.autocast(where, dtype=torch.float16, enabled=amp):
+            loss = torch.nn.functional.cross_entropy(model(x), y)
         opt.zero_grad()
-        loss.backward()
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        scaler.step(opt)
+        scaler.update()
     return fn, _torch_sync(where)
+
+
+def mlp_torch_amp_comparison(sizes, batch):
+    """{amp: (seconds per step, peak CUDA bytes)} for PyTorch's float32 and autocast steps."""
+    results = {}
+    for amp in (False, True):
+        _last_model[0] = None
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        baseline = torch.cuda.memory_allocated()
+        fn, sync = mlp_step_torch(sizes, batch, "cuda", amp)
+        seconds = timeit(fn, sync)
+        results[amp] = (seconds, torch.cuda.max_memory_allocated() - baseline)
+        del fn
+    return results
 
 
 CONV = dict(N=64, C=32, H=28, W=28, K=64, R=3, S=3, pad=1)
@@ -271,6 +306,11 @@ def conv_numpy():
 
 
 def conv_torch(where):
+    """PyTorch's conv2d in true float32: cuDNN may use TF32 for convolutions by default
+    (torch.backends.cudnn.allow_tf32), so that is turned off, and benchmark mode lets cuDNN
+    pick its fastest float32 algorithm, as users run it."""
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cudnn.benchmark = True
     x, w, b, g = (torch.from_numpy(a).to(where) for a in _conv_arrays())
     x.requires_grad_(), w.requires_grad_(), b.requires_grad_()
 
@@ -486,6 +526,13 @@ def measure(full=False):
             if n <= 1024 or full or where == "cuda":
                 cells[f"torch-{where}"] = flops / timeit(*sgemm_torch(n, where)) / 1e9
         rows.append((f"SGEMM n={n}", "GFLOP/s", cells))
+        # float16 operands, float32 accumulation: where tensor cores make autocast's products.
+        cells = {label: flops / timeit(*hgemm_netcl(device, n)) / 1e9
+                 for label, device in DEVICES if device.backend == "opencl" and device.tensor_cores}
+        if cells and "cuda" in torch_places:
+            cells["torch-cuda"] = flops / timeit(*hgemm_torch(n)) / 1e9
+        if cells:
+            rows.append((f"float16 GEMM n={n} (f32 accumulate)", "GFLOP/s", cells))
     for name in ("small", "large") if (full or any_gpu) else ("small",):
         sizes, batch = mlp_sizes(name)
         cells = {}
@@ -507,6 +554,13 @@ def measure(full=False):
                              {label: f"{1e3 * seconds32:.2f} | {1e3 * seconds16:.2f}"}))
                 rows.append((f"{label}: MLP {name} pool peak, f32 | autocast", "MiB",
                              {label: f"{peak32 / 2 ** 20:.0f} | {peak16 / 2 ** 20:.0f}"}))
+        if "cuda" in torch_places:
+            compared = mlp_torch_amp_comparison(sizes, batch)
+            (seconds32, peak32), (seconds16, peak16) = compared[False], compared[True]
+            rows.append((f"torch-cuda: MLP {name} step, float32 | autocast", "ms",
+                         {"torch-cuda": f"{1e3 * seconds32:.2f} | {1e3 * seconds16:.2f}"}))
+            rows.append((f"torch-cuda: MLP {name} peak, f32 | autocast", "MiB",
+                         {"torch-cuda": f"{peak32 / 2 ** 20:.0f} | {peak16 / 2 ** 20:.0f}"}))
     cells = {label: CONV_FLOPS / timeit(*conv_netcl(device)) / 1e9 for label, device in DEVICES}
     cells["numpy"] = CONV_FLOPS / timeit(*conv_numpy()) / 1e9
     for where in torch_places:

@@ -25,6 +25,9 @@
 #ifndef HALF_STORAGE
 #define HALF_STORAGE 0
 #endif
+#ifndef TENSOR_CORES  // 1 only in the half build, on a device whose tensor-core probe passed
+#define TENSOR_CORES 0
+#endif
 #ifdef cl_khr_fp64  // double is used in one place: the loss scale's reciprocal (AMP section)
 #pragma OPENCL EXTENSION cl_khr_fp64 : enable
 #endif
@@ -251,6 +254,197 @@ GEMM(gemm_tn_big, 8, 0, float, A_COLMAJOR, 0, act_t, B_ROWMAJOR, 0, float)
 GEMM(gemm_nn_split, 4, 1, act_t, A_ROWMAJOR, 1, float, B_ROWMAJOR, 0, act_t)
 GEMM(gemm_nt_split, 4, 1, act_t, A_ROWMAJOR, 1, float, B_COLMAJOR, 1, act_t)
 GEMM(gemm_tn_split, 4, 1, float, A_COLMAJOR, 0, act_t, B_ROWMAJOR, 0, float)
+
+// --- GEMM on NVIDIA tensor cores, through inline PTX (built only where TENSOR_CORES is 1: the
+// half build on a device whose probe below succeeded, netcl.py: Device._build_half). The same
+// product as the GEMM family above, with both operands in float16 storage, accumulation in
+// float32 by `mma.sync.aligned.m16n8k16` (16x8 outputs from a 16x16 by 16x8 product per
+// warp), and C written as half (act_t) or float. Each work-group computes a BM x BN block of
+// C with (BM / WM) x (BN / WN) warps, each a WM x WN tile:
+// - Global -> local: `cp.async` copies 16 bytes (8 halves) per instruction without passing
+//   through registers, STAGES k-tiles of depth TC_BK ahead (a pipeline with one barrier
+//   per k-tile). A copy past the matrix's edge reads 0 bytes and zero-fills, so ragged M, N
+//   and K need no separate path; the contiguous dimension of each operand must be a multiple
+//   of 8 (the host checks), so a 16-byte copy never straddles the edge.
+// - Local -> registers: `ldmatrix` loads the mma's operand fragments for a whole warp, and its
+//   `.trans` form transposes 8x8 blocks on the way, so each operand stays in local memory in
+//   its global layout: k-fast rows for A (M, K) and B stored (N, K), m- or n-fast rows for A
+//   stored (K, M) and B stored (K, N). The 16-byte chunks of each row are XOR-swizzled so the
+//   eight rows one ldmatrix reads fall in eight different bank groups.
+// - Local memory is declared as uint4: the driver may start a __local uint array 4 bytes off
+//   a 16-byte boundary, and a 16-byte copy or ldmatrix there faults.
+#if TENSOR_CORES
+#define TC_BK 32  // k-tile depth, in halves: one 64-byte row of a k-fast tile
+
+// The local-memory address of a chunk, counted in 16-byte chunks from the tile's start. A
+// k-fast tile row is TC_BK = 32 halves = 4 chunks; a m- or n-fast row is `per_row` chunks.
+#define KFAST_CHUNK(row, c) ((row) * 4 + ((c) ^ (((row) >> 1) & 3)))
+#define MNFAST_CHUNK(krow, c, per_row) ((krow) * (per_row) + ((c) ^ ((krow) & 7)))
+
+// A __local pointer cast to an integer is the shared-memory address PTX wants.
+#define SHARED_ADDRESS(p) ((uint)(size_t)(p))
+
+inline void tc_copy16(__local uint4* dst, __global const ushort* src, const int valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
+                 :: "r"(SHARED_ADDRESS(dst)), "l"(src), "r"(valid ? 16 : 0) : "memory");
+}
+
+inline void tc_ldmatrix(uint* r, const uint address, const int transposed) {
+    if (transposed)
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(address));
+    else
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(address));
+}
+
+inline void tc_mma(float* c, const uint* a, const uint* b) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// Queue the copies of k-tile `k0` of a BM x BN block into local memory. a_t: op(A) is A^T
+// (A stored (K, M), m-fast); b_n: op(B) is B (stored (K, N), n-fast), not B^T (N, K).
+inline void tc_load_tile(__local uint4* As, __local uint4* Bs, __global const ushort* A,
+                         __global const ushort* B, const int M, const int N, const int K,
+                         const int m0, const int n0, const int k0, const int tid,
+                         const int threads, const int BM, const int BN,
+                         const int a_t, const int b_n) {
+    for (int e = tid; e < BM * TC_BK / 8; e += threads) {
+        if (a_t) {
+            const int krow = e / (BM / 8), c = e % (BM / 8);
+            const int k = k0 + krow, m = m0 + c * 8, ok = k < K && m < M;
+            tc_copy16(As + MNFAST_CHUNK(krow, c, BM / 8), A + (ok ? k * M + m : 0), ok);
+        } else {
+            const int row = e >> 2, c = e & 3;
+            const int m = m0 + row, k = k0 + c * 8, ok = m < M && k < K;
+            tc_copy16(As + KFAST_CHUNK(row, c), A + (ok ? m * K + k : 0), ok);
+        }
+    }
+    for (int e = tid; e < BN * TC_BK / 8; e += threads) {
+        if (b_n) {
+            const int krow = e / (BN / 8), c = e % (BN / 8);
+            const int k = k0 + krow, n = n0 + c * 8, ok = k < K && n < N;
+            tc_copy16(Bs + MNFAST_CHUNK(krow, c, BN / 8), B + (ok ? k * N + n : 0), ok);
+        } else {
+            const int row = e >> 2, c = e & 3;
+            const int n = n0 + row, k = k0 + c * 8, ok = n < N && k < K;
+            tc_copy16(Bs + KFAST_CHUNK(row, c), B + (ok ? n * K + k : 0), ok);
+        }
+    }
+}
+
+// C (M, N) = op(A) @ op(B) [+ bias (N)]: A, B float16 storage; C_T half or float.
+#define GEMM_TC(NAME, BM, BN, WM, WN, STAGES, WAIT_OLDEST, A_T, B_N, C_T, STORE_PAIR)              \
+__kernel __attribute__((reqd_work_group_size((BM / WM) * (BN / WN) * 32, 1, 1)))                   \
+void NAME(const int M, const int N, const int K, const int has_bias,                               \
+          __global const ushort* A, __global const ushort* B, __global const float* bias,          \
+          __global C_T* C) {                                                                       \
+    __local uint4 smem[STAGES * (BM + BN) * TC_BK / 8];                                            \
+    const int threads = (BM / WM) * (BN / WN) * 32;                                                \
+    const int tid = get_local_id(0), lane = tid & 31, warp = tid >> 5;                             \
+    const int wm = warp / (BN / WN), wn = warp % (BN / WN);                                        \
+    const int m0 = get_group_id(1) * BM, n0 = get_group_id(0) * BN;                                \
+    const int a_chunks = BM * TC_BK / 8, stage_chunks = (BM + BN) * TC_BK / 8;                     \
+    float acc[(WM / 16)][(WN / 8)][4];                                                             \
+    for (int i = 0; i < WM / 16; ++i)                                                             \
+        for (int j = 0; j < WN / 8; ++j)                                                          \
+            for (int c = 0; c < 4; ++c) acc[i][j][c] = 0.0f;                                      \
+    const int tiles = (K + TC_BK - 1) / TC_BK;                                                     \
+    for (int s = 0; s < STAGES - 1; ++s) {  /* prologue: the first k-tiles in flight */            \
+        if (s < tiles) tc_load_tile(smem + s * stage_chunks, smem + s * stage_chunks + a_chunks,   \
+                                    A, B, M, N, K, m0, n0, s * TC_BK, tid, threads, BM, BN, A_T, B_N); \
+        asm volatile("cp.async.commit_group;" ::: "memory");                                       \
+    }                                                                                              \
+    for (int t = 0; t < tiles; ++t) {                                                              \
+        /* wait for k-tile t (at most STAGES-2 younger groups may still be in flight) */           \
+        asm volatile(WAIT_OLDEST ::: "memory");                                                    \
+        barrier(CLK_LOCAL_MEM_FENCE);                                                              \
+        /* refill the stage computed on in the last iteration: every warp is past it now */        \
+        const int next = t + STAGES - 1;                                                           \
+        if (next < tiles) {                                                                        \
+            const int s = next % STAGES;                                                           \
+            tc_load_tile(smem + s * stage_chunks, smem + s * stage_chunks + a_chunks,              \
+                         A, B, M, N, K, m0, n0, next * TC_BK, tid, threads, BM, BN, A_T, B_N);     \
+        }                                                                                          \
+        asm volatile("cp.async.commit_group;" ::: "memory");                                       \
+        __local uint4* As = smem + (t % STAGES) * stage_chunks;                                    \
+        __local uint4* Bs = As + a_chunks;                                                         \
+        for (int k16 = 0; k16 < TC_BK; k16 += 16) {                                                \
+            uint a[(WM / 16)][4], b[(WN / 8)][2];                                                  \
+            const int j = lane >> 3, r = lane & 7;                                                 \
+            for (int i = 0; i < (WM / 16); ++i) {                                                  \
+                const int mb = wm * WM + i * 16;                                                   \
+                const int chunk = A_T                                                              \
+                    ? MNFAST_CHUNK(k16 + r + (j >> 1) * 8, (mb >> 3) + (j & 1), BM / 8)            \
+                    : KFAST_CHUNK(mb + r + (j & 1) * 8, (k16 >> 3) + (j >> 1));                    \
+                tc_ldmatrix(a[i], SHARED_ADDRESS(As + chunk), A_T);                                \
+            }                                                                                      \
+            for (int i = 0; i < (WN / 8); i += 2) {  /* two n8 tiles per ldmatrix.x4 */            \
+                const int nb = wn * WN + i * 8;                                                    \
+                const int chunk = B_N                                                              \
+                    ? MNFAST_CHUNK(k16 + r + (j & 1) * 8, (nb >> 3) + (j >> 1), BN / 8)            \
+                    : KFAST_CHUNK(nb + r + (j >> 1) * 8, (k16 >> 3) + (j & 1));                    \
+                uint q[4];                                                                         \
+                tc_ldmatrix(q, SHARED_ADDRESS(Bs + chunk), B_N);                                   \
+                b[i][0] = q[0]; b[i][1] = q[1]; b[i + 1][0] = q[2]; b[i + 1][1] = q[3];            \
+            }                                                                                      \
+            for (int i = 0; i < (WM / 16); ++i)                                                    \
+                for (int n = 0; n < (WN / 8); ++n) tc_mma(acc[i][n], a[i], b[n]);                  \
+        }                                                                                          \
+    }                                                                                              \
+    asm volatile("cp.async.wait_all;" ::: "memory");                                               \
+    /* acc[i][n]: rows g and g + 8, columns 2t and 2t + 1 of the 16x8 tile (PTX's layout) */       \
+    const int g = lane >> 2, t2 = (lane & 3) * 2;                                                  \
+    for (int i = 0; i < (WM / 16); ++i)                                                            \
+        for (int n = 0; n < (WN / 8); ++n) {                                                       \
+            const int col = n0 + wn * WN + n * 8 + t2;                                             \
+            if (col >= N) continue;                                                                \
+            const float b0 = has_bias ? bias[col] : 0.0f;                                          \
+            const float b1 = has_bias && col + 1 < N ? bias[col + 1] : 0.0f;                       \
+            for (int h = 0; h < 2; ++h) {                                                          \
+                const int row = m0 + wm * WM + i * 16 + g + h * 8;                                 \
+                if (row < M) STORE_PAIR(C, row * N + col, col + 1 < N,                             \
+                                        acc[i][n][2 * h] + b0, acc[i][n][2 * h + 1] + b1);         \
+            }                                                                                      \
+        }                                                                                          \
+}
+#define STORE_PAIR_HALF(C, i, both, v0, v1)                                                    \
+    do { vstore_half((v0), (i), (C)); if (both) vstore_half((v1), (i) + 1, (C)); } while (0)
+#define STORE_PAIR_FLOAT(C, i, both, v0, v1)                                                   \
+    do { (C)[i] = (v0); if (both) (C)[(i) + 1] = (v1); } while (0)
+// Two tile configurations, chosen per product by the host (netcl.py: _gemm_tensor_cores):
+// 128x128 blocks of eight 64x32 warp tiles, 3 stages, for products with many blocks; 128x64
+// blocks of four 64x32 warp tiles, 4 stages, which keep all compute units busy on smaller
+// ones (n = 1024: 83 against 65 TFLOP/s on the H200). The local memory of both is 48 KiB,
+// all a work-group may have there. Names: layout (op(A) = A or A^T, op(B) = B or B^T), C's
+// storage (h: half, f: float), and the block (l: large, s: small).
+#define GEMM_TC_FAMILY(BLOCK, BM, BN, WM, WN, STAGES, WAIT)                                    \
+GEMM_TC(gemm_tc_nn_h##BLOCK, BM, BN, WM, WN, STAGES, WAIT, 0, 1, half, STORE_PAIR_HALF)        \
+GEMM_TC(gemm_tc_nt_h##BLOCK, BM, BN, WM, WN, STAGES, WAIT, 0, 0, half, STORE_PAIR_HALF)        \
+GEMM_TC(gemm_tc_tn_h##BLOCK, BM, BN, WM, WN, STAGES, WAIT, 1, 1, half, STORE_PAIR_HALF)        \
+GEMM_TC(gemm_tc_nn_f##BLOCK, BM, BN, WM, WN, STAGES, WAIT, 0, 1, float, STORE_PAIR_FLOAT)      \
+GEMM_TC(gemm_tc_nt_f##BLOCK, BM, BN, WM, WN, STAGES, WAIT, 0, 0, float, STORE_PAIR_FLOAT)      \
+GEMM_TC(gemm_tc_tn_f##BLOCK, BM, BN, WM, WN, STAGES, WAIT, 1, 1, float, STORE_PAIR_FLOAT)
+// cp.async.wait_group takes a literal: how many younger copy groups may stay in flight
+GEMM_TC_FAMILY(_l, 128, 128, 64, 32, 3, "cp.async.wait_group 1;")
+GEMM_TC_FAMILY(_s, 128, 64, 64, 32, 4, "cp.async.wait_group 2;")
+
+// The probe netcl runs once per device before trusting the kernels above: one warp, one
+// 16x8x16 product D = A B, A (16, 16) row-major and B given as B^T (8, 16), in halves.
+__kernel void tensor_core_probe(__global const uint* A, __global const uint* Bt,
+                                __global float* D) {
+    const int lane = get_local_id(0), g = lane >> 2, t = lane & 3;
+    const uint a[4] = {A[g * 8 + t], A[(g + 8) * 8 + t], A[g * 8 + t + 4], A[(g + 8) * 8 + t + 4]};
+    const uint b[2] = {Bt[g * 8 + t], Bt[g * 8 + t + 4]};
+    float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    tc_mma(d, a, b);
+    D[g * 8 + 2 * t] = d[0]; D[g * 8 + 2 * t + 1] = d[1];
+    D[(g + 8) * 8 + 2 * t] = d[2]; D[(g + 8) * 8 + 2 * t + 1] = d[3];
+}
+#endif  // TENSOR_CORES
 
 // --- GEMM for CPU devices (PoCL). Local memory is slow there and wide vector loads are
 // fast, so both operands are first packed (transposing if asked, padding with zeros) into

@@ -44,6 +44,7 @@ import time
 import traceback
 import types
 import weakref
+import zipfile
 import zlib
 from collections import OrderedDict, defaultdict, deque
 from multiprocessing import shared_memory
@@ -53,6 +54,10 @@ import numpy as np
 try:
     import pyopencl as cl
 except ImportError:  # the NumPy backend still works; asking for OpenCL explains what to install
+    cl = None
+# pocl-binary-distribution without PyOpenCL leaves a directory pyopencl/.libs behind, which
+# imports as an empty namespace package: only the real module has the API.
+if cl is not None and not hasattr(cl, "get_platforms"):
     cl = None
 
 DEBUG = int(os.environ.get("NETCL_DEBUG", "0") or 0)
@@ -95,6 +100,8 @@ class Device:
         self._lock = threading.Lock()  # launches, counters, uploads, the float16 build
         self._kernels = {}          # kernels.cl built for float32 activations
         self._half_kernels = None   # built for float16 storage, on the first call that needs it
+        self._tensor_cores = False  # decided by the half build's probe (NVIDIA devices only)
+        self._autocast_notice = False
         if backend == "cpu":
             self.queue = _CpuQueue(self)
             self.context = None
@@ -109,6 +116,12 @@ class Device:
             # where local memory is slow and wide vector loads are fast (PERF-NOTES).
             self.gemm = "packed" if cl_device.type & cl.device_type.CPU else "tiled"
             self.compute_units = cl_device.max_compute_units
+            # Inline PTX reaches NVIDIA's tensor cores; elsewhere it would not even build.
+            # None: not probed yet (the probe is part of the first half build).
+            if "NVIDIA" in cl_device.platform.name.upper() and \
+                    os.environ.get("NETCL_TENSOR_CORES", "1") != "0":
+                self._tensor_cores = None
+            self._has_fp16 = "cl_khr_fp16" in cl_device.extensions
             self._kernels = self._build_program(half=False)
 
     def __repr__(self):
@@ -150,12 +163,63 @@ class Device:
     # kernels.cl is built twice from the same source: HALF_STORAGE=0 for float32 activations,
     # HALF_STORAGE=1 for float16 storage (autocast), where the buffers a kernel marks act_t
     # hold halfs. The same names, the same arguments; launch(..., half=True) picks the second.
-    def _build_program(self, half):
-        """kernels.cl built for float32 (half=False) or float16-storage activations, as
-        {kernel name: pyopencl.Kernel}."""
+    @property
+    def tensor_cores(self):
+        """Whether products under autocast run on tensor cores (NVIDIA, through inline PTX),
+        decided once per device by a probe; NETCL_TENSOR_CORES=0 turns them off."""
+        if self._tensor_cores is None:
+            self._half_program()
+        return self._tensor_cores
+
+    @property
+    def autocast_half(self):
+        """Whether autocast stores activations as float16 here: where tensor cores or half
+        arithmetic (cl_khr_fp16) make it pay. Elsewhere (PoCL, for one) each float16 value
+        costs a conversion on every load and store, which made steps slower than float32."""
+        return self.backend == "opencl" and (self.tensor_cores or self._has_fp16)
+
+    def _half_program(self):
+        """The float16-storage build, made on first use. On a device that may have tensor
+        cores it is first built with them and trusted only if the probe kernel computes one
+        16x8x16 product right; any failure means the portable build, silently."""
+        if self._half_kernels is None:
+            with self._lock:  # built and probed once, even when two threads ask at once
+                if self._half_kernels is None:
+                    kernels = None
+                    if self._tensor_cores is None:
+                        try:
+                            kernels = self._build_program(half=True, tensor_cores=True)
+                            self._tensor_cores = self._probe_tensor_cores(kernels)
+                        except RuntimeError:
+                            self._tensor_cores = False
+                        if not self._tensor_cores:
+                            kernels = None
+                    self._half_kernels = kernels or self._build_program(half=True)
+        return self._half_kernels
+
+    def _probe_tensor_cores(self, kernels):
+        rng = np.random.default_rng(0)
+        a = rng.standard_normal((16, 16)).astype(np.float16)
+        b = rng.standard_normal((16, 8)).astype(np.float16)
+        flags = cl.mem_flags.READ_ONLY | cl.mem_flags.COPY_HOST_PTR
+        a_buf = cl.Buffer(self.context, flags, hostbuf=a.view(np.uint32))
+        bt_buf = cl.Buffer(self.context, flags, hostbuf=np.ascontiguousarray(b.T).view(np.uint32))
+        d = np.zeros((16, 8), np.float32)
+        d_buf = cl.Buffer(self.context, cl.mem_flags.WRITE_ONLY, d.nbytes)
+        try:
+            kernels["tensor_core_probe"](self.queue, (32,), (32,), a_buf, bt_buf, d_buf)
+            cl.enqueue_copy(self.queue, d, d_buf, is_blocking=True)  # a sync, once per device
+        except cl.Error:
+            return False
+        expected = a.astype(np.float32) @ b.astype(np.float32)
+        return bool(np.allclose(d, expected, rtol=1e-3, atol=1e-3))
+
+    def _build_program(self, half, tensor_cores=False):
+        """kernels.cl built for float32 (half=False) or float16-storage activations (with
+        the tensor-core kernels if asked), as {kernel name: pyopencl.Kernel}."""
         source = _kernel_source()
         options = ["-cl-mad-enable", "-cl-kernel-arg-info",  # never fast-relaxed: keep NaN/Inf
-                   f"-DHALF_STORAGE={int(half)}"]
+                   f"-DHALF_STORAGE={int(half)}", f"-DTENSOR_CORES={int(tensor_cores)}"]
         if self.cl_device.single_fp_config & cl.device_fp_config.CORRECTLY_ROUNDED_DIVIDE_SQRT:
             # IEEE division and sqrt where the device offers them, as PyTorch computes them
             # (OpenCL's default allows errors of 2.5 and 3 ulps)
@@ -183,11 +247,7 @@ class Device:
         """Enqueue kernel `name`; global sizes are rounded up to multiples of the local size.
         half=True runs the float16-storage build: the buffers the kernel marks act_t are halfs."""
         global_size = tuple(-(-g // l) * l for g, l in zip(global_size, local_size))
-        if half and self._half_kernels is None:
-            with self._lock:  # built once, even when two threads ask for it at once
-                if self._half_kernels is None:
-                    self._half_kernels = self._build_program(half=True)
-        kernels = self._half_kernels if half else self._kernels
+        kernels = self._half_program() if half else self._kernels
         with self._lock:  # another thread's set_args must not land between ours and the enqueue
             kernels[name](self.queue, global_size, local_size, *args)
             self.launches += 1
@@ -238,6 +298,14 @@ def _opencl_devices():
     return found
 
 
+def _no_opencl_error():
+    """The RuntimeError for a request for OpenCL where there is none: what to install."""
+    if cl is None:
+        return RuntimeError("OpenCL needs PyOpenCL, which is not installed: python -m pip install "
+                            "pyopencl, or 'pyopencl[pocl]' to add PoCL for a CPU OpenCL device")
+    return RuntimeError(f"no OpenCL platform found; {_INSTALL_HINT}")
+
+
 def _opencl_device(platform_index, device_index, cl_device):
     key = ("opencl", platform_index, device_index)
     with _devices_lock:
@@ -274,7 +342,7 @@ def _default_device(device=None):
     if request in ("gpu", "opencl"):
         found = _opencl_devices()
         if not found:
-            raise RuntimeError(f"no OpenCL platform found; {_INSTALL_HINT}")
+            raise _no_opencl_error()
         rank = lambda d: (0 if d[2].type & cl.device_type.GPU else
                           1 if d[2].type & cl.device_type.ACCELERATOR else 2)
         best = min(found, key=rank)
@@ -286,7 +354,7 @@ def _default_device(device=None):
     if len(parts) == 3 and parts[0] == "opencl" and parts[1].isdigit() and parts[2].isdigit():
         found = {(p, d): dev for p, d, dev in _opencl_devices()}
         if not found:
-            raise RuntimeError(f"no OpenCL platform found; {_INSTALL_HINT}")
+            raise _no_opencl_error()
         key = (int(parts[1]), int(parts[2]))
         if key not in found:
             raise ValueError(f"device {request!r}: no OpenCL device {key[1]} on platform "
@@ -712,30 +780,37 @@ class Tape:
         if root is not loss:  # the head runs first, then the tape's nodes; freed with them
             self._nodes.append(loss)
         grads = {id(loss): grad}
-        recorded = None  # ids of this Tape's nodes, gathered when a freed parent is met
+        nodes = self._nodes
+        recorded = None  # ids of the nodes still on this Tape, gathered when a freed parent is met
         try:
             if loss._backward is None:  # the loss is itself a leaf
                 _accumulate_grad(loss, grad)
-            for node in reversed(self._nodes):
+            while nodes:
+                # Taken off the tape as it is reached, and its closure dropped once it has
+                # run: what only this node's backward needed (saved inputs, a float16 weight
+                # copy) goes back to the pool now, not after the whole pass.
+                node = nodes.pop()
                 g = grads.pop(id(node), None)  # pop: the gradient is freed once consumed
-                if g is None:
-                    continue
-                for parent, parent_grad in zip(node._parents, node._backward(g)):
-                    if parent._backward is _FREED:  # a constant, unless this Tape recorded it
-                        recorded = recorded or {id(n) for n in self._nodes}
-                        if id(parent) in recorded:
-                            raise RuntimeError(
-                                "backward: part of this loss's graph was already freed by a "
-                                "backward on another Tape that recorded it too; the gradient "
-                                "through it is lost")
-                    if parent_grad is None or not parent.requires_grad:
-                        continue
-                    if parent._backward is None:
-                        _accumulate_grad(parent, parent_grad)
-                    elif id(parent) in grads:
-                        grads[id(parent)] = _add_tensors(grads[id(parent)], parent_grad)
-                    else:
-                        grads[id(parent)] = parent_grad
+                if g is not None:
+                    for parent, parent_grad in zip(node._parents, node._backward(g)):
+                        if parent._backward is _FREED:  # a constant, unless this Tape recorded it
+                            recorded = recorded or {id(n) for n in nodes}
+                            if id(parent) in recorded:
+                                raise RuntimeError(
+                                    "backward: part of this loss's graph was already freed by a "
+                                    "backward on another Tape that recorded it too; the "
+                                    "gradient through it is lost")
+                        if parent_grad is None or not parent.requires_grad:
+                            continue
+                        if parent._backward is None:
+                            _accumulate_grad(parent, parent_grad)
+                        elif id(parent) in grads:
+                            grads[id(parent)] = _add_tensors(grads[id(parent)], parent_grad)
+                        else:
+                            grads[id(parent)] = parent_grad
+                node._parents, node._backward = None, _FREED
+                node.requires_grad = False  # an intermediate value, now a constant
+                del node, g
         finally:
             self._free()
 
@@ -907,9 +982,16 @@ def _grid(n):
 #   float32 (_compute_dtype).
 
 def _half_activations(device):
-    """Whether matmul, linear and conv2d write float16 storage: inside autocast, on OpenCL
-    (on the NumPy backend autocast does nothing)."""
-    return _state.autocast_enabled[-1] and device.backend == "opencl"
+    """Whether matmul, linear and conv2d write float16 storage: inside autocast, on an
+    OpenCL device where it pays (Device.autocast_half; elsewhere a notice, once, says the
+    device trains in float32). On the NumPy backend autocast does nothing."""
+    if not _state.autocast_enabled[-1] or device.backend != "opencl":
+        return False
+    if not device.autocast_half and not device._autocast_notice:
+        device._autocast_notice = True
+        print(f"netcl: autocast keeps float32 on {device.name}: without tensor cores or half "
+              f"arithmetic, float16 storage would make steps slower", file=sys.stderr)
+    return device.autocast_half
 
 
 def _compute_dtype(dtype):
@@ -931,6 +1013,11 @@ def _cast(x, dtype):
 def _float32(x):
     """x itself, or a float32 copy if it is float16 storage."""
     return _cast(x, np.float32) if x.dtype == np.float16 else x
+
+
+def _half_operand(x):
+    """x in float16 storage (a copy, rounded, unless it already is): a tensor-core operand."""
+    return x if x.dtype == np.float16 else _cast(x, np.float16)
 
 
 def _to_float32(x):
@@ -1173,6 +1260,31 @@ def div(a, b):
 
 # --- matrix products -------------------------------------------------------------------------
 
+# kernels.cl's tensor-core blocks: (rows, columns, work-items) of the large and small one.
+_TC_LARGE, _TC_SMALL = (128, 128, 256), (128, 64, 128)
+
+
+def _tensor_core_gemm(a, b, trans_a, trans_b, bias, out):
+    """Run _gemm's product on tensor cores if it can: both operands in float16 storage, a
+    device whose probe passed, and the contiguous dimension of each operand a multiple of 8
+    (kernels.cl copies 8 halves at a time). Returns whether it did."""
+    M, K = (a.shape[1], a.shape[0]) if trans_a else a.shape
+    N = b.shape[0] if trans_b else b.shape[1]
+    if not (a.dtype == b.dtype == np.float16 and a.device.tensor_cores and not
+            (trans_a and trans_b) and (M if trans_a else K) % 8 == 0 and
+            (K if trans_b else N) % 8 == 0):
+        return False
+    # The large block when its blocks alone fill every compute unit twice over.
+    large = -(-M // 128) * -(-N // 128) >= 2 * a.device.compute_units
+    rows, cols, threads = _TC_LARGE if large else _TC_SMALL
+    layout = "tn" if trans_a else "nt" if trans_b else "nn"
+    kernel = f"gemm_tc_{layout}_{'h' if out.dtype == np.float16 else 'f'}_{'l' if large else 's'}"
+    a.device.launch(kernel, (-(-N // cols) * threads, -(-M // rows)), (threads, 1), M, N, K,
+                    int(bias is not None), a.data, b.data, None if bias is None else bias.data,
+                    out.data, half=True)
+    return True
+
+
 def _gemm(a, b, trans_a=False, trans_b=False, bias=None, half=False, out=None):
     """C (M, N) = op(a) @ op(b) [+ bias (N)]; op transposes when asked, without a copy.
 
@@ -1180,7 +1292,8 @@ def _gemm(a, b, trans_a=False, trans_b=False, bias=None, half=False, out=None):
     (a float32 a, the network's input say, is rounded to it first), accumulating in float32.
     Otherwise C is float32. An operand in float16 storage (a value the forward kept) is read
     as such where the kernel takes it, and widened to float32 first where it does not.
-    `out`, if given, is the (M, N) tensor to write.
+    `out`, if given, is the (M, N) tensor to write. With both operands in float16 storage on
+    a device with tensor cores, the product runs there (_tensor_core_gemm).
     """
     M, K = (a.shape[1], a.shape[0]) if trans_a else a.shape
     N = b.shape[0] if trans_b else b.shape[1]
@@ -1210,7 +1323,7 @@ def _gemm(a, b, trans_a=False, trans_b=False, bias=None, half=False, out=None):
         a.device.launch("gemm_packed", (Np // 16, Mp // 4), (8, 1), M, N, K, Np,
                         int(bias is not None), A.data, B.data,
                         bias.data if bias is not None else None, out.data, half=half)
-    elif M and N:
+    elif M and N and not _tensor_core_gemm(a, b, trans_a, trans_b, bias, out):
         # The half build's tiled kernels read float16 where autocast leaves it (kernels.cl):
         # gemm_nn and gemm_nt take a (and write C) in float16, for the forward products, and
         # gemm_tn takes b, for linear's weight gradient g^T x. Other float16 operands widen.
@@ -1258,9 +1371,16 @@ def matmul(a, b):
         raise ValueError(f"matmul: shapes {a.shape} and {b.shape} do not align "
                          f"({a2.shape[1]} != {b2.shape[0]})")
     A, B = a2.value, b2.value
-    out = _record(_gemm(A, B, half=_half_activations(A.device)), (a2, b2),
-                  lambda g: (_gemm(g, B, trans_b=True) if a2.requires_grad else None,
-                             _gemm(A, g, trans_a=True) if b2.requires_grad else None))
+    half = _half_activations(A.device)
+    if half and A.device.tensor_cores:  # float16 operands: every product on the tensor cores
+        A, B = _half_operand(A), _half_operand(B)
+
+    def backward(g):
+        if A.dtype == B.dtype == np.float16:
+            g = _half_operand(g)
+        return (_gemm(g, B, trans_b=True) if a2.requires_grad else None,
+                _gemm(A, g, trans_a=True) if b2.requires_grad else None)
+    out = _record(_gemm(A, B, half=half), (a2, b2), backward)
     out_shape = a.shape[:-1] + b.shape[1:]
     return out if out.shape == out_shape else reshape(out, out_shape)
 
@@ -1277,8 +1397,16 @@ def linear(x, w, b=None):
         raise ValueError(f"linear: bias shape {b.shape} != ({w.shape[0]},) for weight {w.shape}")
     x2 = x if len(x.shape) == 2 else reshape(x, (-1, x.shape[-1]))
     X, W = x2.value, w.value
+    half = _half_activations(X.device)
+    # On tensor cores every product takes float16 operands: x rounded as autocast's other
+    # devices do, and a float16 copy of the weight, kept for backward.
+    tensor_cores = half and X.device.tensor_cores
+    if tensor_cores:
+        X, W = _half_operand(X), _half_operand(W)
 
     def backward(g):  # only the gradients somebody needs (the input's usually is not)
+        if tensor_cores:
+            g = _half_operand(g)
         grads = [_gemm(g, W) if x2.requires_grad else None]                    # dx = g W
         slot = _grad_slot(w)                                                   # dW = g^T x
         if slot is not None:
@@ -1293,8 +1421,7 @@ def linear(x, w, b=None):
                          _sum_axis_tensor(g, 1, g.shape[0], g.shape[1]).reshape(b.shape)
                          if b.requires_grad else None)
         return grads
-    out = _record(_gemm(X, W, trans_b=True, bias=None if b is None else b.value,
-                        half=_half_activations(X.device)),
+    out = _record(_gemm(X, W, trans_b=True, bias=None if b is None else b.value, half=half),
                   (x2, w) + ((b,) if b is not None else ()), backward)
     return out if len(x.shape) == 2 else reshape(out, x.shape[:-1] + (w.shape[0],))
 
@@ -1358,6 +1485,17 @@ def _axes(op, shape, axis):
     return tuple(sorted(normalised)) if shape else ()
 
 
+def _sum_chunks(columns, R, compute_units):
+    """Into how many chunks sum_axis splits R: one work-item per column leaves most compute
+    units idle when the columns are few and long, so R is cut into equal chunks (a power of
+    two dividing R, at least 64 long) until there are 8 work-groups' worth per unit."""
+    chunks = 1
+    while columns * chunks < 8 * 256 * compute_units and R % (2 * chunks) == 0 \
+            and R // (2 * chunks) >= 64:
+        chunks *= 2
+    return chunks
+
+
 def _sum_axis_tensor(x, outer, R, inner, scale=1.0, out=None):
     """x seen as (outer, R, inner) -> (outer, inner), scale * sum over R (float32 for float16;
     into `out` if given)."""
@@ -1372,12 +1510,19 @@ def _sum_axis_tensor(x, outer, R, inner, scale=1.0, out=None):
             cl.enqueue_fill_buffer(x.device.queue, out.data,
                                    np.float32(0.0 if scale == scale else scale), 0, out.nbytes)
             return out
+        chunks = _sum_chunks(outer * inner, R, x.device.compute_units)
         if outer * inner == 1 and R > 4096:  # one long sum: in parallel, then the partials
             groups = min(-(-R // 4096), 256)
             partial = _like(out, (groups,))
             x.device.launch("sum_all", (groups * 256,), (256,), R, 1.0, x.data, partial.data,
                             half=half)
             x.device.launch("sum_all", (256,), (256,), groups, scale, partial.data, out.data)
+        elif chunks > 1:  # few long columns (a bias gradient): sum chunks of R, then those
+            partial = _like(out, (outer * chunks, inner))
+            x.device.launch("sum_axis", *_grid(partial.size), outer * chunks, R // chunks,
+                            inner, 1.0, x.data, partial.data, half=half)
+            x.device.launch("sum_axis", *_grid(out.size), outer, chunks, inner, scale,
+                            partial.data, out.data)
         else:
             x.device.launch("sum_axis", *_grid(outer * inner), outer, R, inner, scale,
                             x.data, out.data, half=half)
@@ -1900,20 +2045,28 @@ class Module:
 
     def load_state_dict(self, state):
         """Copy arrays into the existing parameters (an optimizer built before keeps working).
-        A missing or an unexpected key, or a shape mismatch, raises StateDictError naming it."""
+        A missing or an unexpected key, a shape mismatch, or a bool or complex array raises
+        StateDictError naming it, before any parameter is written."""
         params = OrderedDict(self.named_parameters())
         missing = [k for k in params if k not in state]
         unexpected = [k for k in state if k not in params]
         if missing or unexpected:
             raise StateDictError(f"load_state_dict: missing keys {missing}, unexpected keys "
                                  f"{unexpected}")
+        arrays = {}
         for name, param in params.items():
             array = state[name]
             array = array.to_host() if isinstance(array, Tensor) else np.asarray(array)
             if array.shape != param.shape:
                 raise StateDictError(f"load_state_dict: {name!r} has shape {array.shape}, the "
                                      f"parameter has {param.shape}")
-            _write(param.value, array)
+            # Integers convert as PyTorch's copy_ does; bool or complex values are no weights.
+            if array.dtype.kind not in "fiu":
+                raise StateDictError(f"load_state_dict: {name!r} has dtype {array.dtype}, the "
+                                     f"parameter holds {np.dtype(param.value.dtype)}")
+            arrays[name] = array
+        for name, param in params.items():  # only once every key fits: a rejected state
+            _write(param.value, arrays[name])  # leaves every parameter as it was
 
 
 class StateDictError(KeyError, ValueError, RuntimeError):
@@ -2073,7 +2226,13 @@ class Sequential(Module):
 
 
 def save(state, path):
-    """Write a dict of arrays (or Tensors/Nodes) to exactly `path` as .npz (no pickles)."""
+    """Write a dict of arrays (or Tensors/Nodes) to exactly `path` as .npz (no pickles).
+
+    The archive is written to a temporary file beside `path`, flushed to disk, then renamed
+    onto it: a full disk, a write error or a Ctrl-C leaves the previous file intact and no
+    temporary behind. A new file gets the permissions open() would give it; an existing one
+    keeps its own. A failure raises OSError naming `path`.
+    """
     arrays = {}
     for key, value in state.items():
         if isinstance(value, Node):
@@ -2081,16 +2240,61 @@ def save(state, path):
         array = value.to_host() if isinstance(value, Tensor) else np.asarray(value)
         if array.dtype.hasobject:
             raise ValueError(f"save: {key!r} is not a numeric array (dtype {array.dtype})")
+        if str(key) in arrays:  # the archive's names are strings: one would replace the other
+            first = next(k for k in state if str(k) == str(key))
+            raise ValueError(f"save: keys {first!r} and {key!r} are both {str(key)!r} as "
+                             f"strings; an archive can hold only one of them")
         arrays[str(key)] = array
-    with open(path, "wb") as f:  # a file object, so NumPy does not append ".npz"
-        np.savez(f, **arrays)
+    path = os.fspath(path)
+    target = os.path.realpath(path)  # through a symlink, as open() would write
+    directory = os.path.dirname(target)
+    # Same directory: the rename stays on one filesystem, where it is atomic.
+    temporary = os.path.join(directory, f".{os.path.basename(target)}.{os.urandom(4).hex()}.tmp")
+    try:
+        try:
+            mode = os.stat(target).st_mode & 0o7777
+        except FileNotFoundError:
+            mode = None
+        f = open(temporary, "xb")  # "x": a new file, never one that someone else made
+        try:
+            with f:  # a file object, so NumPy does not append ".npz"
+                np.savez(f, **arrays)
+                f.flush()
+                os.fsync(f.fileno())  # the data is on disk before the name points at it
+            if mode is not None:
+                os.chmod(temporary, mode)
+            os.replace(temporary, target)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.remove(temporary)
+            raise
+    except OSError as error:  # name the file being saved, not the temporary
+        raise OSError(error.errno, f"save: {error.strerror or error}", path) from error
+    if os.name == "posix":  # make the rename durable too; Windows cannot open a directory
+        with contextlib.suppress(OSError):  # some filesystems refuse to fsync a directory
+            directory_fd = os.open(directory, os.O_RDONLY)
+            try:
+                os.fsync(directory_fd)
+            finally:
+                os.close(directory_fd)
 
 
 def load(path):
     """Read a .npz written by save(): a dict of NumPy arrays. Never unpickles, so a file from
-    a stranger cannot run code; one holding pickled objects raises ValueError."""
-    with np.load(path, allow_pickle=False) as archive:
-        return {key: archive[key] for key in archive.files}
+    a stranger cannot run code. A file that is no such archive (a .npy, a truncated or damaged
+    .npz, one holding pickled objects) raises ValueError naming it; a missing one, OSError."""
+    path = os.fspath(path)
+    with open(path, "rb") as file:
+        magic = file.peek(4)[:4]
+        if magic not in (b"PK\x03\x04", b"PK\x05\x06"):  # a zip file, empty or not
+            raise ValueError(f"load: {path} is not a netcl .npz archive (it starts with "
+                             f"{magic!r}, not a zip file's b'PK')")
+        try:
+            with np.load(file, allow_pickle=False) as archive:
+                return {key: archive[key] for key in archive.files}
+        except (ValueError, EOFError, zipfile.BadZipFile, zlib.error) as error:
+            raise ValueError(f"load: {path} is not a readable netcl .npz archive "
+                             f"({error})") from error
 
 
 # ============================================================================ optimizers
@@ -3323,38 +3527,65 @@ def load_idx(path):
     MNIST images come back as uint8 `(N, 28, 28)`, labels as uint8 `(N,)`, in native byte
     order. Gzip is recognised by its magic bytes, whatever the file is called. A bad magic
     number, an unknown type code, or a size that does not match the header raises ValueError
-    naming the file; a missing file raises OSError.
+    naming the file; a missing file raises OSError. The file is read as a stream, header
+    first, and never past the size the header declares (plus one byte, to see that it ends):
+    a small file cannot make it allocate more than the file holds, nor read /dev/zero forever.
     """
     path = os.fspath(path)
     with open(path, "rb") as file:
-        raw = file.read()
-    if raw[:2] == b"\x1f\x8b":
+        if file.peek(2)[:2] != b"\x1f\x8b":
+            return _read_idx(file, path)
         try:
-            raw = gzip.decompress(raw)
+            with gzip.GzipFile(fileobj=file) as stream:
+                return _read_idx(stream, path)
         except (OSError, EOFError, zlib.error) as error:
             raise ValueError(f"load_idx: {path}: truncated or corrupt gzip data "
                              f"({error})") from error
-    if len(raw) < 4:
-        raise ValueError(f"load_idx: {path}: truncated header ({len(raw)} bytes)")
-    if raw[:2] != b"\x00\x00":
-        raise ValueError(f"load_idx: {path}: bad magic number 0x{raw[:4].hex()} "
+
+
+def _read_idx(stream, path):
+    """The array in IDX `stream` (the file, or its decompressed gzip stream) from `path`."""
+    header = stream.read(4)
+    if len(header) < 4:
+        raise ValueError(f"load_idx: {path}: truncated header ({len(header)} bytes)")
+    if header[:2] != b"\x00\x00":
+        raise ValueError(f"load_idx: {path}: bad magic number 0x{header.hex()} "
                          f"(an IDX file starts with 0x0000)")
-    type_code, ndim = raw[2], raw[3]
+    type_code, ndim = header[2], header[3]
     if type_code not in _IDX_DTYPES:
         raise ValueError(f"load_idx: {path}: unknown IDX type code 0x{type_code:02x}")
+    dims = stream.read(4 * ndim)
     data_start = 4 + 4 * ndim
-    if len(raw) < data_start:
+    if len(dims) < 4 * ndim:
         raise ValueError(f"load_idx: {path}: truncated header "
-                         f"({len(raw)} bytes, {ndim} dimensions)")
-    shape = struct.unpack(f">{ndim}I", raw[4:data_start])
+                         f"({4 + len(dims)} bytes, {ndim} dimensions)")
+    shape = struct.unpack(f">{ndim}I", dims)
     dtype = np.dtype(_IDX_DTYPES[type_code])
-    expected = data_start + math.prod(shape) * dtype.itemsize
-    if len(raw) != expected:
-        problem = "truncated data" if len(raw) < expected else "trailing bytes after the data"
-        raise ValueError(f"load_idx: {path}: {problem}: {len(raw)} bytes, "
-                         f"shape {shape} needs {expected}")
-    data = np.frombuffer(raw, dtype, math.prod(shape), data_start).reshape(shape)
-    return data.astype(dtype.newbyteorder("="))
+    count = math.prod(shape)
+    expected = data_start + count * dtype.itemsize
+    data = _read_at_most(stream, count * dtype.itemsize + 1)
+    if data_start + len(data) != expected:
+        problem, size = (("truncated data", f"{data_start + len(data)} bytes")
+                         if data_start + len(data) < expected else
+                         ("trailing bytes after the data", f"more than {expected} bytes"))
+        raise ValueError(f"load_idx: {path}: {problem}: {size}, shape {shape} needs {expected}")
+    try:
+        array = np.frombuffer(data, dtype, count).reshape(shape)
+    except ValueError as error:  # more dimensions than NumPy supports
+        raise ValueError(f"load_idx: {path}: {ndim} dimensions: {error}") from error
+    return array.astype(dtype.newbyteorder("="))
+
+
+def _read_at_most(stream, limit):
+    """Up to `limit` bytes of `stream`, a piece at a time: memory grows with what the file
+    really holds, never to the size its header claims."""
+    data = bytearray()
+    while len(data) < limit:
+        piece = stream.read(min(limit - len(data), 1 << 20))
+        if not piece:
+            break
+        data += piece
+    return data
 
 
 # ============================================================================ Trainer

@@ -3260,6 +3260,18 @@ AMP_SETTINGS = settings(max_examples=20, deadline=None,
 HALF_RTOL, HALF_ATOL = 2.0 ** -11 + 1e-6, 2.0 ** -25
 
 
+@pytest.fixture
+def portable_half(opencl, monkeypatch):
+    """autocast's float16 storage through the portable kernels, on any OpenCL device. A device
+    with neither tensor cores nor half arithmetic (PoCL) keeps float32 under autocast, and the
+    tensor cores round the weights to float16 as well, so the tests of float16 storage itself
+    pretend to half arithmetic and switch the tensor cores off."""
+    opencl._half_program()  # probe first, so the patch below outlives no decision
+    monkeypatch.setattr(opencl, "_tensor_cores", False)
+    monkeypatch.setattr(opencl, "_has_fp16", True)
+    return opencl
+
+
 def _assert_rounded_from(out, exact, what=""):
     """out (float16) is `exact` (float64) rounded to float16, up to float32 arithmetic."""
     assert out.dtype == np.float16, f"{what}: {out.dtype}"
@@ -3374,6 +3386,7 @@ def test_mixed_float16_and_float32_operands_compute_in_float32(opencl):
 
 @pytest.mark.parametrize("gemm", ["packed", "tiled"])
 @pytest.mark.parametrize("m, k, n", [(5, 7, 9), (64, 32, 48), (33, 70, 17), (150, 40, 140)])
+@pytest.mark.usefixtures("portable_half")
 def test_autocast_products_are_the_float32_result_rounded(opencl, monkeypatch, gemm, m, k, n):
     """With float16 inputs, the autocast linear/matmul/conv2d output is exactly the float32
     result on the same values rounded to float16: the same float32 accumulation, one rounding.
@@ -3417,6 +3430,7 @@ def _digits_mlp(dev, hidden=64):
 
 
 @pytest.mark.parametrize("gemm", ["packed", "tiled"])
+@pytest.mark.usefixtures("portable_half")
 def test_autocast_mlp_forward_matches_float32(opencl, monkeypatch, gemm):
     """Under autocast every activation is float16 storage and the logits match the float32
     forward within float16 precision; the loss, the gradients and the weights are float32."""
@@ -3460,6 +3474,7 @@ def test_autocast_is_a_noop_on_the_numpy_backend(cpu):
     np.testing.assert_array_equal(host(inside), plain)
 
 
+@pytest.mark.usefixtures("portable_half")
 def test_autocast_nests_and_decorates(opencl):
     x = tensor(np.ones((4, 3), np.float32), opencl)
     w = tensor(np.ones((2, 3), np.float32), opencl)
@@ -3478,10 +3493,13 @@ def test_autocast_nests_and_decorates(opencl):
 
 
 def test_one_kernel_source_builds_both_storage_types(opencl):
-    with netcl.autocast():
-        F.linear(tensor(np.ones((2, 3)), opencl), tensor(np.ones((4, 3)), opencl))
-    assert opencl._half_kernels is not None
-    assert set(opencl._half_kernels) == set(opencl._kernels)
+    """The same kernels in both builds; the half build adds the tensor-core ones only where
+    the device's probe passed."""
+    half = set(opencl._half_program())
+    extra = half - set(opencl._kernels)
+    assert set(opencl._kernels) <= half
+    assert all(name.startswith(("gemm_tc_", "tensor_core_probe")) for name in extra)
+    assert bool(extra) == opencl.tensor_cores
 
 
 def _digits_accuracy(dev, amp):
@@ -3511,10 +3529,141 @@ def _digits_accuracy(dev, amp):
     return (logits.argmax(axis=1) == y_test).mean()
 
 
-def test_autocast_training_reaches_the_float32_accuracy(opencl):
+@pytest.mark.parametrize("path", ["device", "portable"])
+def test_autocast_training_reaches_the_float32_accuracy(opencl, request, path):
+    """"device": what autocast does on this device (tensor cores on NVIDIA, float32 on PoCL);
+    "portable": float16 storage through the portable kernels."""
+    if path == "portable":
+        request.getfixturevalue("portable_half")
     single, mixed = _digits_accuracy(opencl, amp=False), _digits_accuracy(opencl, amp=True)
     assert single >= 0.94, f"float32 accuracy {single:.3f}"
     assert mixed >= 0.94 and abs(mixed - single) <= 0.02, f"{mixed:.3f} vs float32 {single:.3f}"
+
+
+def test_autocast_keeps_float32_where_float16_storage_does_not_pay(opencl, monkeypatch, capsys):
+    """Without tensor cores or half arithmetic (PoCL), float16 storage only adds conversions:
+    autocast then computes in float32 and says so once."""
+    opencl._half_program()
+    monkeypatch.setattr(opencl, "_tensor_cores", False)
+    monkeypatch.setattr(opencl, "_has_fp16", False)
+    monkeypatch.setattr(opencl, "_autocast_notice", False)
+    x, w = tensor(np.ones((4, 8)), opencl), tensor(np.ones((2, 8)), opencl)
+    with netcl.autocast():
+        first, second = F.linear(x, w), F.matmul(x, F.transpose(w))
+    assert first.dtype == second.dtype == np.float32
+    np.testing.assert_array_equal(host(first), np.full((4, 2), 8.0))
+    assert capsys.readouterr().err.count("autocast keeps float32") == 1
+
+
+def test_autocast_overflow_makes_the_scaler_skip_and_back_off(opencl):
+    """A scale so large that the scaled backward overflows: the step is skipped on the device
+    (parameters bit-identical) and the scale backs off, whatever path autocast took."""
+    netcl.manual_seed(3)
+    model = nn.Linear(64, 10, queue=opencl.queue)
+    opt = netcl.AdamW(model.parameters(), lr=1e-2)
+    before = [host(p) for p in model.parameters()]
+    # dW = sum over the batch of (scale * dloss/dlogits) x: about 32 * 2**120 / 32 * 1e4, past
+    # float32's 3.4e38 (and float16's 65504 far earlier)
+    scaler = netcl.AMPGradScaler(init_scale=2.0 ** 120)
+    x = tensor(1e4 * np.random.default_rng(4).standard_normal((32, 64)), opencl)
+    with netcl.Tape() as tape, netcl.autocast():
+        loss = F.cross_entropy(model(x), np.arange(32) % 10)
+    tape.backward(scaler.scale(loss))
+    scaler.step(opt, max_norm=1.0)
+    scaler.update()
+    for p, old in zip(model.parameters(), before):
+        np.testing.assert_array_equal(host(p), old)
+    assert scaler.get_scale() == 2.0 ** 119
+
+
+# --- tensor cores: NVIDIA only (the probe decides); the fallback is tested on every device
+
+def _tensor_core_device(opencl):
+    if not opencl.tensor_cores:
+        pytest.skip(f"{opencl.name} has no tensor cores reachable from OpenCL")
+    return opencl
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(m=st.integers(1, 300), n=st.integers(1, 300), k=st.integers(1, 600),
+       layout=st.sampled_from(["nn", "nt", "tn"]), half_out=st.booleans(),
+       with_bias=st.booleans(), seed=st.integers(0, 2 ** 31))
+def test_tensor_core_gemm_is_a_float32_product_of_float16_operands(
+        opencl, m, n, k, layout, half_out, with_bias, seed):
+    """Every layout, ragged edges included: within float32 accumulation error of the exact
+    product of the float16 operands (plus one rounding to float16 for a float16 output)."""
+    dev = _tensor_core_device(opencl)
+    round8 = lambda v: -(-v // 8) * 8  # the contiguous dimension of each operand
+    k = round8(k) if layout in ("nn", "nt") else k
+    m = round8(m) if layout == "tn" else m
+    n = round8(n) if layout in ("nn", "tn") else n
+    if layout == "tn":
+        k = max(k, 1)
+    rng = np.random.default_rng(seed)
+    a = rng.standard_normal((m, k)).astype(np.float16)
+    b = rng.standard_normal((k, n)).astype(np.float16)
+    bias = rng.standard_normal(n).astype(np.float32) if with_bias else None
+    A = tensor(a.T.copy() if layout == "tn" else a, dev)
+    B = tensor(b.T.copy() if layout == "nt" else b, dev)
+    out = netcl.Tensor.empty((m, n), np.float16 if half_out else np.float32, dev.queue)
+    assert netcl._tensor_core_gemm(A, B, layout == "tn", layout == "nt",
+                                   None if bias is None else tensor(bias, dev), out)
+    exact = a.astype(np.float64) @ b.astype(np.float64) + (0.0 if bias is None else bias)
+    bound = k * 2.0 ** -23 * (np.abs(a).astype(np.float64) @ np.abs(b)) + 1e-30
+    if half_out:
+        bound = bound + 2.0 ** -11 * np.abs(exact) + 2.0 ** -24
+    assert (np.abs(host(out).astype(np.float64) - exact) <= bound).all()
+
+
+def test_tensor_core_training_step_matches_float32(opencl):
+    """linear forward and backward on tensor cores: the gradients of an MLP are those of the
+    float32 step within float16 rounding of the operands."""
+    dev = _tensor_core_device(opencl)
+    rng = np.random.default_rng(5)
+    x = tensor(rng.standard_normal((256, 64)).astype(np.float32), dev)
+    y = rng.integers(0, 16, 256)
+    netcl.manual_seed(1)
+    model = nn.Sequential(nn.Linear(64, 128, queue=dev.queue), nn.ReLU(),
+                          nn.Linear(128, 16, queue=dev.queue))
+    grads = {}
+    for enabled in (False, True):
+        for p in model.parameters():
+            p.grad = None
+        with netcl.Tape() as tape, netcl.autocast(enabled=enabled):
+            # summed, as a loss scale would make it: float16 gradients of a mean over 256
+            # samples would sit among float16's subnormals
+            loss = F.cross_entropy(model(x), y, reduction="sum")
+        tape.backward(loss)
+        grads[enabled] = [host(p.grad) for p in model.parameters()]
+    for g16, g32 in zip(grads[True], grads[False]):
+        assert g16.dtype == np.float32 and _relative_error(g16, g32) < 1e-2
+
+
+def test_a_failed_tensor_core_probe_falls_back_to_the_portable_build(opencl, monkeypatch):
+    """A tensor-core build that fails, or a probe that computes a wrong product, leaves the
+    device with the portable float16 build and no tensor cores, silently."""
+    real_build = opencl._build_program
+
+    def build(half, tensor_cores=False):
+        if tensor_cores:
+            raise RuntimeError("building kernels.cl failed: ptxas error")
+        return real_build(half)
+    for patch in ({"_build_program": build},
+                  {"_build_program": lambda half, tensor_cores=False: real_build(half),
+                   "_probe_tensor_cores": lambda kernels: False}):
+        monkeypatch.setattr(opencl, "_half_kernels", None)
+        monkeypatch.setattr(opencl, "_tensor_cores", None)  # as on a device not yet probed
+        for name, value in patch.items():
+            monkeypatch.setattr(opencl, name, value)
+        assert opencl.tensor_cores is False
+        kernels = opencl._half_program()
+        assert "gemm_nt" in kernels and not any(name.startswith("gemm_tc") for name in kernels)
+        x, w = tensor(np.ones((3, 8)), opencl), tensor(np.ones((2, 8)), opencl)
+        a16 = netcl.Tensor.from_host(np.ones((3, 8), np.float16), opencl.queue)
+        w16 = netcl.Tensor.from_host(np.ones((8, 2), np.float16), opencl.queue)
+        assert not netcl._tensor_core_gemm(a16, w16, False, False, None,
+                                           netcl.Tensor.empty((3, 2), np.float32, opencl.queue))
+        np.testing.assert_array_equal(host(F.linear(x, w)), np.full((3, 2), 8.0))
 
 
 # --- AMPGradScaler against PyTorch ------------------------------------------------------------
@@ -3671,6 +3820,7 @@ def test_scaler_growth_stops_short_of_inf(backend):
             scaler.state_dict()["_growth_tracker"] == 0
 
 
+@pytest.mark.usefixtures("portable_half")
 def test_scaler_scales_a_float16_loss_and_takes_a_new_scale(opencl):
     p = param([1.0, 2.0], opencl)
     scaler = netcl.AMPGradScaler(init_scale=4.0)
@@ -3871,6 +4021,250 @@ def test_bad_numeric_arguments_raise_value_error(backend):
         F.leaky_relu(x, "0.1")
     with raises_naming(ValueError, "init_scale"):
         netcl.AMPGradScaler(init_scale="big")
+
+
+# ---------------------------------------------------------------------------------------------
+# reliability: files: devices without PyOpenCL, atomic save, load and load_idx errors
+# ---------------------------------------------------------------------------------------------
+
+def _run_python(script, *flags, env=None, timeout=120):
+    """Run `script` in a fresh interpreter (with `flags`) that imports this checkout's netcl;
+    return its stdout."""
+    here = os.path.dirname(os.path.abspath(netcl.__file__))
+    script = f"import sys\nsys.path.insert(0, {here!r})\n" + script
+    result = subprocess.run([sys.executable, *flags, "-c", script], env=env,
+                            capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def test_default_device_without_pyopencl_is_numpy_and_opencl_says_what_to_install(tmp_path):
+    # pocl-binary-distribution installed without PyOpenCL leaves pyopencl/.libs and no
+    # __init__.py. A regular package anywhere on sys.path wins over such a directory, so the
+    # child runs without site-packages (-S) and sees only it and NumPy.
+    site = tmp_path / "site"
+    (site / "pyopencl" / ".libs").mkdir(parents=True)
+    numpy_dir = pathlib.Path(np.__file__).parent
+    for name in ("numpy", "numpy.libs"):  # numpy.libs: the BLAS a NumPy wheel links to
+        if (numpy_dir.parent / name).exists():
+            (site / name).symlink_to(numpy_dir.parent / name)
+    env = {k: v for k, v in os.environ.items() if k != "NETCL_DEVICE"}
+    env["PYTHONPATH"] = str(site)
+    out = _run_python("""
+import pyopencl
+assert getattr(pyopencl, "__file__", None) is None, pyopencl  # the empty namespace package
+import netcl
+assert netcl.manager.default().backend == "cpu"
+assert netcl.manager.default("auto") is netcl.manager.default("cpu")
+for request in ("opencl", "gpu", "opencl:0:0"):
+    try:
+        netcl.manager.default(request)
+    except RuntimeError as error:
+        print(request, "->", error)
+    else:
+        raise AssertionError(f"default({request!r}) without PyOpenCL returned a device")
+""", "-S", env=env)
+    lines = out.splitlines()
+    assert [line.split(" ->")[0] for line in lines] == ["opencl", "gpu", "opencl:0:0"], out
+    for line in lines:
+        assert "pip install pyopencl" in line and "pocl" in line.lower(), line
+
+
+def _same_arrays(loaded, expected):
+    assert sorted(loaded) == sorted(expected)
+    for key, value in expected.items():
+        assert loaded[key].dtype == np.asarray(value).dtype
+        np.testing.assert_array_equal(loaded[key], value)
+
+
+def test_save_on_a_full_disk_keeps_the_previous_file(tmp_path):
+    path = tmp_path / "ckpt.npz"
+    good = {"w": np.arange(12, dtype=np.float32).reshape(3, 4), "steps": np.array(7, np.int32)}
+    netcl.save(good, path)
+    # In a child, so that the file-size limit (what a full disk does to a write) stays there.
+    out = _run_python(f"""
+import resource, signal
+import numpy as np, netcl
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # past the limit, write() fails with EFBIG
+resource.setrlimit(resource.RLIMIT_FSIZE, (2048, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+try:
+    netcl.save({{"w": np.ones((64, 64), np.float32), "steps": np.array(8)}}, {str(path)!r})
+except OSError as error:
+    print("OSError:", error)
+""")
+    _same_arrays(netcl.load(path), good)
+    assert os.listdir(tmp_path) == ["ckpt.npz"]  # no temporary left behind
+    assert out.startswith("OSError:") and str(path) in out, out
+
+
+@pytest.mark.parametrize("failure", ["KeyboardInterrupt", "OSError"])
+def test_interrupted_save_keeps_the_previous_file_and_its_mode(tmp_path, monkeypatch, failure):
+    import errno
+    path = tmp_path / "ckpt.npz"
+    good = {"w": np.arange(6, dtype=np.float32), "b": np.ones(2, np.float32)}
+    netcl.save(good, path)
+    os.chmod(path, 0o604)
+    real_savez = np.savez
+
+    def savez_then_fail(file, **arrays):
+        file.write(b"PK\x03\x04" + bytes(100))  # a partial archive, then the interruption
+        raise (KeyboardInterrupt() if failure == "KeyboardInterrupt"
+               else OSError(errno.ENOSPC, "No space left on device"))
+
+    monkeypatch.setattr(np, "savez", savez_then_fail)
+    with pytest.raises(KeyboardInterrupt if failure == "KeyboardInterrupt" else OSError) as caught:
+        netcl.save({"w": np.zeros(6, np.float32)}, path)
+    monkeypatch.setattr(np, "savez", real_savez)
+    assert os.listdir(tmp_path) == ["ckpt.npz"]
+    _same_arrays(netcl.load(path), good)
+    if failure == "OSError":
+        assert str(path) in str(caught.value) and caught.value.errno == errno.ENOSPC
+    # A save that succeeds replaces the file and keeps its mode; a new file gets open()'s.
+    newer = {"w": np.full(6, 2.0, np.float32)}
+    netcl.save(newer, path)
+    _same_arrays(netcl.load(path), newer)
+    assert os.stat(path).st_mode & 0o7777 == 0o604
+    umask = os.umask(0o027)
+    try:
+        netcl.save(newer, tmp_path / "new.ckpt")
+    finally:
+        os.umask(umask)
+    assert sorted(os.listdir(tmp_path)) == ["ckpt.npz", "new.ckpt"]  # exactly the path given
+    assert os.stat(tmp_path / "new.ckpt").st_mode & 0o7777 == 0o666 & ~0o027
+
+
+def test_fit_checkpoint_that_fails_to_save_names_it_and_keeps_the_best(backend, tmp_path,
+                                                                      monkeypatch):
+    import errno
+    x, y = _blobs(n=30)
+    model = _trainer_model(backend)
+    trainer = netcl.Trainer(model, netcl.SGD(model.parameters(), lr=0.1), device_queue=backend.queue)
+    scripted = iter([0.5, 0.6])
+    monkeypatch.setattr(trainer, "evaluate", lambda *a: {"loss": 1.0, "accuracy": next(scripted)})
+    real_savez, saved = np.savez, []
+
+    def savez_fails_the_second_time(file, **arrays):
+        saved.append({key: value.copy() for key, value in arrays.items()})
+        if len(saved) == 2:
+            file.write(b"PK\x03\x04")
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_savez(file, **arrays)
+
+    monkeypatch.setattr(np, "savez", savez_fails_the_second_time)
+    path = tmp_path / "best.npz"
+    with pytest.raises(OSError) as caught:
+        trainer.fit(_batches(x, y, 10), _batches(x, y, 10), epochs=2, checkpoint=path)
+    assert len(saved) == 2 and os.listdir(tmp_path) == ["best.npz"]
+    best = netcl.load(path)
+    _same_arrays(best, saved[0])
+    _trainer_model(backend, seed=1).load_state_dict(best)
+    assert str(path) in str(caught.value) and "No space left" in str(caught.value)
+
+
+def test_load_idx_stops_reading_a_gzip_file_after_the_declared_size(tmp_path):
+    import tracemalloc
+    path = tmp_path / "bomb-idx1-ubyte.gz"
+    zeros, megabytes = bytes(1 << 20), 64
+    with gzip.open(path, "wb") as f:  # one element declared, then 64 MB that compress to little
+        f.write(bytes([0, 0, 0x08, 1]) + (1).to_bytes(4, "big") + b"\x07")
+        for _ in range(megabytes):
+            f.write(zeros)
+    tracemalloc.start()
+    try:
+        started = time.perf_counter()
+        with pytest.raises(ValueError, match="trailing") as caught:
+            nc.load_idx(path)
+        seconds = time.perf_counter() - started
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert str(path) in str(caught.value)
+    assert peak < (megabytes << 20) // 16, f"load_idx allocated {peak} bytes"
+    assert seconds < 5
+
+
+def test_load_idx_of_dev_zero_stops_after_the_header():
+    if not os.path.exists("/dev/zero"):
+        pytest.skip("no /dev/zero")
+    # In a child whose address space is capped: a reader that does not stop would otherwise
+    # take the machine's memory before failing.
+    out = _run_python("""
+import resource
+import netcl
+with open("/proc/self/statm") as f:
+    mapped = int(f.read().split()[0]) * resource.getpagesize()
+hard = resource.getrlimit(resource.RLIMIT_AS)[1]
+soft = mapped + (512 << 20)
+resource.setrlimit(resource.RLIMIT_AS, (soft if hard == resource.RLIM_INFINITY else min(soft, hard), hard))
+try:
+    netcl.load_idx("/dev/zero")
+except ValueError as error:
+    print("ValueError:", error)
+""", timeout=60)
+    assert out.startswith("ValueError:") and "/dev/zero" in out and "type code 0x00" in out, out
+
+
+def test_load_idx_names_the_file_for_impossible_dimensions(tmp_path):
+    import tracemalloc
+    path = tmp_path / "odd-idx-ubyte"
+    dims = lambda sizes: b"".join(int(size).to_bytes(4, "big") for size in sizes)
+    # 100 dimensions whose sizes match the data: more than an ndarray can have
+    for sizes, data in (([1] * 100, b"\x07"), ([0] * 100, b"")):
+        path.write_bytes(bytes([0, 0, 0x08, len(sizes)]) + dims(sizes) + data)
+        with raises_naming(ValueError, str(path), "100 dimensions"):
+            nc.load_idx(path)
+    # An absurd declared size (2**128 bytes) is checked against the bytes there, not allocated.
+    path.write_bytes(bytes([0, 0, 0x08, 4]) + dims([2 ** 32 - 1] * 4) + bytes(10))
+    tracemalloc.start()
+    try:
+        with raises_naming(ValueError, str(path), "truncated"):
+            nc.load_idx(path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 << 20  # a read buffer, not the declared size
+
+
+def test_load_of_a_file_that_is_no_archive_names_it(tmp_path):
+    weights = np.arange(100, dtype=np.float64)
+    netcl.save({"w": weights, "b": np.zeros(5, np.float32)}, tmp_path / "good.npz")
+    raw = (tmp_path / "good.npz").read_bytes()
+    flipped = bytearray(raw)
+    flipped[raw.index(weights.tobytes()) + 8] ^= 0xFF  # one byte of "w": its CRC no longer fits
+    np.save(tmp_path / "array.npy", weights)
+    files = {"half.npz": raw[:len(raw) // 2], "cut.npz": raw[:-10], "flipped.npz": bytes(flipped),
+             "noise.bin": np.random.default_rng(0).bytes(300), "empty.npz": b""}
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+    for name in ["array.npy", *files]:
+        with raises_naming(ValueError, str(tmp_path / name), "npz"):
+            netcl.load(tmp_path / name)
+    with pytest.raises(FileNotFoundError):
+        netcl.load(tmp_path / "missing.npz")
+    netcl.save({}, tmp_path / "nothing.npz")  # an empty archive is still one
+    assert netcl.load(tmp_path / "nothing.npz") == {}
+
+
+def test_save_rejects_keys_that_are_equal_as_strings(tmp_path):
+    path = tmp_path / "ckpt.npz"
+    with raises_naming(ValueError, "save", "'1'"):
+        netcl.save({1: np.zeros(2), "1": np.ones(2)}, path)
+    assert not path.exists()
+
+
+@pytest.mark.parametrize("bad", [np.complex64, np.bool_])
+def test_load_state_dict_rejects_bool_and_complex_arrays_changing_nothing(backend, bad):
+    model = _mlp(backend, seed=3)
+    before = model.state_dict()
+    state = {key: np.full(value.shape, 0.5, value.dtype) for key, value in before.items()}
+    last = list(state)[-1]
+    state[last] = np.ones(state[last].shape, bad)
+    with raises_naming(ValueError, repr(last), str(np.dtype(bad))):
+        model.load_state_dict(state)
+    _same_arrays(model.state_dict(), before)  # the keys before it were not written either
+    state[last] = np.ones(state[last].shape, np.int64)  # integers convert, as in PyTorch
+    model.load_state_dict(state)
+    assert np.all(model.state_dict()[last] == 1.0) and model.state_dict()[last].dtype == np.float32
 
 
 # ---------------------------------------------------------------------------------------------
@@ -4089,7 +4483,8 @@ def test_no_grad_is_per_thread(backend):
     np.testing.assert_array_equal(grad, [4.0, 4.0])
 
 
-def test_autocast_is_per_thread(opencl):
+def test_autocast_is_per_thread(portable_half):
+    opencl = portable_half  # a device where autocast stores float16
     x = param(np.ones((4, 8), np.float32), opencl)
     w = param(np.ones((8, 2), np.float32), opencl)
     entered, done = threading.Event(), threading.Event()
