@@ -39,6 +39,7 @@ import os
 import signal
 import struct
 import sys
+import threading
 import time
 import traceback
 import types
@@ -70,6 +71,8 @@ _INSTALL_HINT = ("install an OpenCL driver for your GPU, or PoCL for a CPU OpenC
 # context, one in-order queue, one compiled program (two: see launch) and one BufferPool. The
 # in-order queue is what makes buffer reuse safe: a buffer released by the host may still be
 # read by a queued kernel, but any kernel that later writes it is queued behind that read.
+# Several threads may use one Device: its lock makes each launch (setting a shared Kernel
+# object's arguments, then enqueueing it) one step, and guards its counters and uploads.
 
 class _CpuQueue:
     """The NumPy backend's stand-in for a command queue: work runs at once, so finish() is free."""
@@ -94,6 +97,7 @@ class Device:
         self.name = name
         self.launches = 0
         self.syncs = 0
+        self._lock = threading.Lock()  # launches, counters, uploads, the float16 build
         self._kernels = {}          # kernels.cl built for float32 activations
         self._half_kernels = None   # built for float16 storage, on the first call that needs it
         self._tensor_cores = False  # decided by the half build's probe (NVIDIA devices only)
@@ -125,10 +129,16 @@ class Device:
 
     def finish(self):
         """Block until every queued kernel and copy has completed."""
-        self.syncs += 1
+        self._count_sync()
         self.queue.finish()
         if self.backend == "opencl":
-            self._uploads.clear()
+            with self._lock:  # not clear(): another thread may have queued a copy meanwhile
+                self._drop_completed_uploads()
+
+    def _count_sync(self):
+        """One more host-device synchronisation, counted under the lock (threads count too)."""
+        with self._lock:
+            self.syncs += 1
 
     def upload(self, buffer, host):
         """Queue a copy of the host array `host` into `buffer` without waiting for it.
@@ -136,11 +146,15 @@ class Device:
         PyOpenCL's event for such a copy holds `host` alive and, when dropped, waits for the
         copy: so events are kept here and dropped only once the device reports them complete.
         """
-        self._uploads.append(cl.enqueue_copy(self.queue, buffer, host, is_blocking=False))
-        while self._uploads[0].command_execution_status == cl.command_execution_status.COMPLETE:
+        with self._lock:
+            self._uploads.append(cl.enqueue_copy(self.queue, buffer, host, is_blocking=False))
+            self._drop_completed_uploads()
+
+    def _drop_completed_uploads(self):
+        """Drop the events of completed copies, oldest first (the queue is in order)."""
+        while (self._uploads and self._uploads[0].command_execution_status
+               == cl.command_execution_status.COMPLETE):
             self._uploads.popleft()
-            if not self._uploads:
-                break
 
     # --- kernels: one program per build (float32, float16 storage) and context, one
     # pyopencl.Kernel object per kernel name.
@@ -169,16 +183,18 @@ class Device:
         cores it is first built with them and trusted only if the probe kernel computes one
         16x8x16 product right; any failure means the portable build, silently."""
         if self._half_kernels is None:
-            kernels = None
-            if self._tensor_cores is None:
-                try:
-                    kernels = self._build_program(half=True, tensor_cores=True)
-                    self._tensor_cores = self._probe_tensor_cores(kernels)
-                except RuntimeError:
-                    self._tensor_cores = False
-                if not self._tensor_cores:
+            with self._lock:  # built and probed once, even when two threads ask at once
+                if self._half_kernels is None:
                     kernels = None
-            self._half_kernels = kernels or self._build_program(half=True)
+                    if self._tensor_cores is None:
+                        try:
+                            kernels = self._build_program(half=True, tensor_cores=True)
+                            self._tensor_cores = self._probe_tensor_cores(kernels)
+                        except RuntimeError:
+                            self._tensor_cores = False
+                        if not self._tensor_cores:
+                            kernels = None
+                    self._half_kernels = kernels or self._build_program(half=True)
         return self._half_kernels
 
     def _probe_tensor_cores(self, kernels):
@@ -232,8 +248,9 @@ class Device:
         half=True runs the float16-storage build: the buffers the kernel marks act_t are halfs."""
         global_size = tuple(-(-g // l) * l for g, l in zip(global_size, local_size))
         kernels = self._half_program() if half else self._kernels
-        kernels[name](self.queue, global_size, local_size, *args)
-        self.launches += 1
+        with self._lock:  # another thread's set_args must not land between ours and the enqueue
+            kernels[name](self.queue, global_size, local_size, *args)
+            self.launches += 1
         if DEBUG >= 2:  # a deliberate sync per launch, to time each kernel
             started = time.perf_counter()
             self.queue.finish()
@@ -260,6 +277,7 @@ def _kernel_source():
 
 _devices = {}           # cache key -> Device: the same request returns the same Device
 _devices_by_queue = {}  # id of an OpenCL queue -> its Device
+_devices_lock = threading.Lock()  # two threads asking at once still get one Device
 
 
 def _opencl_devices():
@@ -290,12 +308,13 @@ def _no_opencl_error():
 
 def _opencl_device(platform_index, device_index, cl_device):
     key = ("opencl", platform_index, device_index)
-    if key not in _devices:
-        context = cl.Context([cl_device])
-        queue = cl.CommandQueue(context)  # in-order: what makes pooled buffer reuse safe
-        device = Device("opencl", cl_device.name.strip(), queue, cl_device)
-        _devices[key] = device
-        _devices_by_queue[id(queue)] = device
+    with _devices_lock:
+        if key not in _devices:
+            context = cl.Context([cl_device])
+            queue = cl.CommandQueue(context)  # in-order: what makes pooled buffer reuse safe
+            device = Device("opencl", cl_device.name.strip(), queue, cl_device)
+            _devices[key] = device
+            _devices_by_queue[id(queue)] = device
     return _devices[key]
 
 
@@ -313,8 +332,9 @@ def _default_device(device=None):
                          f"'opencl:P:D', got {request!r}")
     request = request.strip().lower()
     if request == "cpu":
-        if "cpu" not in _devices:
-            _devices["cpu"] = Device("cpu", "NumPy")
+        with _devices_lock:
+            if "cpu" not in _devices:
+                _devices["cpu"] = Device("cpu", "NumPy")
         return _devices["cpu"]
     if request == "auto":
         gpus = [d for d in _opencl_devices() if d[2].type & cl.device_type.GPU]
@@ -360,8 +380,11 @@ def _device_of(queue=None):
                              f"got {queue!r}")
         if queue.properties & cl.command_queue_properties.OUT_OF_ORDER_EXEC_MODE_ENABLE:
             raise ValueError("queue must be in-order: pooled buffers are reused in queue order")
-        device = Device("opencl", queue.device.name.strip(), queue, queue.device)
-        _devices_by_queue[id(queue)] = device
+        with _devices_lock:
+            device = _devices_by_queue.get(id(queue))
+            if device is None:
+                device = Device("opencl", queue.device.name.strip(), queue, queue.device)
+                _devices_by_queue[id(queue)] = device
     return device
 
 
@@ -369,6 +392,7 @@ def _device_of(queue=None):
 # Allocating device memory costs a driver call (and on some drivers a sync); a training loop
 # asks for the same sizes every step. The pool keeps released buffers in size buckets and
 # hands them out again. Buckets are powers of two split in four, so at most 25% is wasted.
+# Threads share a Device's pool, so its books are kept under a lock.
 
 def _bucket(nbytes):
     if nbytes <= 256:
@@ -387,6 +411,9 @@ class BufferPool:
         self._in_use = {}  # id(buffer) -> buffer, for each buffer handed out and not given back
         self.in_use_bytes = self.cached_bytes = self.peak_bytes = 0
         self.hits = self.misses = 0
+        # Reentrant: a Tensor freed while this thread holds the lock (a garbage collection
+        # inside alloc) releases its buffer into the same pool.
+        self._lock = threading.RLock()
 
     def alloc(self, nbytes):
         """A buffer of at least `nbytes` bytes, from the cache when one of its bucket is free."""
@@ -395,17 +422,18 @@ class BufferPool:
         if nbytes < 0:
             raise ValueError(f"BufferPool.alloc: nbytes must be >= 0, got {nbytes}")
         size = _bucket(int(nbytes))
-        free = self._cached[size]
-        if free:
-            buffer = free.pop()
-            self.cached_bytes -= size
-            self.hits += 1
-        else:
-            buffer = self._fresh(size)
-            self.misses += 1
-        self.in_use_bytes += size
-        self.peak_bytes = max(self.peak_bytes, self.in_use_bytes)
-        self._in_use[id(buffer)] = buffer
+        with self._lock:
+            free = self._cached[size]
+            if free:
+                buffer = free.pop()
+                self.cached_bytes -= size
+                self.hits += 1
+            else:
+                buffer = self._fresh(size)
+                self.misses += 1
+            self.in_use_bytes += size
+            self.peak_bytes = max(self.peak_bytes, self.in_use_bytes)
+            self._in_use[id(buffer)] = buffer
         return buffer
 
     def _fresh(self, size):
@@ -426,23 +454,27 @@ class BufferPool:
         """Give a buffer back; the next alloc of its bucket reuses it. Only a buffer this pool
         handed out and not yet taken back is accepted: cached twice, one buffer would be handed
         to two tensors at once."""
-        if self._in_use.pop(id(buffer), None) is None:
-            raise ValueError(f"BufferPool.release: {type(buffer).__name__} {id(buffer):#x} is not "
-                             f"in use from this pool (released already, or allocated elsewhere)")
         size = _buffer_bytes(buffer)
-        self._cached[size].append(buffer)
-        self.in_use_bytes -= size
-        self.cached_bytes += size
+        with self._lock:
+            if self._in_use.pop(id(buffer), None) is None:
+                raise ValueError(f"BufferPool.release: {type(buffer).__name__} {id(buffer):#x} is "
+                                 f"not in use from this pool (released already, or allocated "
+                                 f"elsewhere)")
+            self._cached[size].append(buffer)
+            self.in_use_bytes -= size
+            self.cached_bytes += size
 
     def stats(self):
         """Bytes in use and cached, the peak in use, and cache hits and misses."""
-        return {"in_use_bytes": self.in_use_bytes, "cached_bytes": self.cached_bytes,
-                "peak_bytes": self.peak_bytes, "hits": self.hits, "misses": self.misses}
+        with self._lock:
+            return {"in_use_bytes": self.in_use_bytes, "cached_bytes": self.cached_bytes,
+                    "peak_bytes": self.peak_bytes, "hits": self.hits, "misses": self.misses}
 
     def empty_cache(self):
         """Free every cached buffer (buffers in use are untouched)."""
-        self._cached.clear()
-        self.cached_bytes = 0
+        with self._lock:
+            self._cached.clear()
+            self.cached_bytes = 0
 
 
 def _buffer_bytes(buffer):
@@ -517,7 +549,7 @@ class Tensor:
             return self.data.copy()
         host = np.empty(self.shape, self.dtype)
         if host.size:
-            self.device.syncs += 1
+            self.device._count_sync()
             cl.enqueue_copy(self.device.queue, host, self.data, is_blocking=True)
         return host
 
@@ -626,9 +658,28 @@ def _resolve_shape(op, old_shape, shape):
 # maps the output's gradient to its parents' gradients. The Tape's list is in creation order,
 # which is a topological order, so backward walks it in reverse. Afterwards the Tape drops
 # every parent link and closure, so saved tensors go back to the pool at once.
+# Nested Tapes: an op is recorded on every Tape open in its thread, so each Tape can
+# differentiate what was computed inside it (to a Tape, a value computed before it opened is a
+# constant). A node two Tapes share is freed by whichever backward runs first; a later backward
+# through it on the other Tape raises rather than return a partial gradient.
+# Threads: the open Tapes, no_grad and autocast are per thread, as PyTorch's grad mode and
+# autocast state: a new thread starts with no Tape, recording on and autocast off. So several
+# threads may train on one Device at once (it serialises its launches); a Tape records only
+# the ops of the thread that opened it, and is closed by that thread.
 
-_tapes = []          # the active Tapes, innermost last
-_grad_enabled = [True]
+
+class _ThreadState(threading.local):
+    """What gets recorded, per thread: the open Tapes (innermost last) and the no_grad and
+    autocast stacks (the mixed-precision section's autocast pushes onto the latter)."""
+
+    def __init__(self):  # runs again in each new thread: nothing is inherited
+        self.tapes = []
+        self.grad_enabled = [True]
+        self.autocast_enabled = [False]
+
+
+_state = _ThreadState()
+_FREED = object()  # Node._backward once a Tape's backward has freed the node's graph
 
 
 class Node:
@@ -695,18 +746,38 @@ class Parameter(Node):
         self._grad_home = None
 
 
+class _Head(Node):
+    """A node recorded on no Tape on purpose: AMPGradScaler.scale's loss * scale, usually made
+    after the `with Tape()` block has closed. Tape.backward runs it first, then the graph of
+    its loss, which that Tape must have recorded."""
+
+    __slots__ = ()
+
+
 class Tape:
-    """Records the operations run inside `with Tape() as tape:`; `tape.backward(loss)`."""
+    """Records the operations run inside `with Tape() as tape:`; `tape.backward(loss)`.
+
+    Tapes nest: an op is recorded on every Tape open in its thread, so an outer Tape's
+    backward runs through what an inner one recorded too, while to the inner Tape a value
+    computed before it opened is a constant. Whichever backward runs first frees the nodes
+    they share; a later backward through them on the other Tape raises RuntimeError.
+    Each thread has its own open Tapes, no_grad and autocast, and several threads may train
+    on one Device at once; a Tape records the ops of the thread that opened it, and that
+    thread must close it.
+    """
 
     def __init__(self):
         self._nodes = []
 
     def __enter__(self):
-        _tapes.append(self)
+        _state.tapes.append(self)
         return self
 
     def __exit__(self, *exc):
-        _tapes.remove(self)
+        if self not in _state.tapes:
+            raise RuntimeError("Tape: closed in a thread that did not open it (a Tape records "
+                               "the ops of the thread that opened it)")
+        _state.tapes.remove(self)
 
     def backward(self, loss, grad=None):
         """Accumulate d(loss)/d(leaf) into every leaf's `.grad`, then free the graph.
@@ -717,9 +788,17 @@ class Tape:
         """
         if not isinstance(loss, Node):
             raise TypeError(f"backward: loss must be a Node, got {type(loss).__name__}")
+        # The node this Tape must have recorded: the loss, or the loss under a scaler's head.
+        root = loss._parents[0] if isinstance(loss, _Head) and loss.requires_grad else loss
+        if root._backward is _FREED:
+            raise RuntimeError("backward: the graph of this loss was already freed by a backward "
+                               "(on this Tape, or on another Tape that recorded it too)")
         if not loss.requires_grad:
             raise RuntimeError("backward: loss does not require grad (it was computed outside "
-                               "a Tape, from constants only, or its graph was already freed)")
+                               "a Tape, or from constants only)")
+        if root._backward is not None and not any(node is root for node in self._nodes):
+            raise RuntimeError("backward: this loss was recorded on another Tape, not on this "
+                               "one; call backward on a Tape that was open when it was computed")
         if grad is None:
             if loss.value.size != 1:
                 raise RuntimeError(f"backward: grad can be implied only for a loss of one "
@@ -732,12 +811,11 @@ class Tape:
                                  f"holds floats")
             if grad.shape != loss.shape:
                 raise ValueError(f"backward: grad shape {grad.shape} != loss shape {loss.shape}")
-        if loss._backward is not None and not any(node is loss for node in self._nodes):
-            # A head recorded on no tape: AMPGradScaler.scale(loss) called after the `with`
-            # block closed. Its backward runs first, then the tape's, and it is freed with them.
+        if root is not loss:  # the head runs first, then the tape's nodes; freed with them
             self._nodes.append(loss)
         grads = {id(loss): grad}
         nodes = self._nodes
+        recorded = None  # ids of the nodes still on this Tape, gathered when a freed parent is met
         try:
             if loss._backward is None:  # the loss is itself a leaf
                 _accumulate_grad(loss, grad)
@@ -749,6 +827,13 @@ class Tape:
                 g = grads.pop(id(node), None)  # pop: the gradient is freed once consumed
                 if g is not None:
                     for parent, parent_grad in zip(node._parents, node._backward(g)):
+                        if parent._backward is _FREED:  # a constant, unless this Tape recorded it
+                            recorded = recorded or {id(n) for n in nodes}
+                            if id(parent) in recorded:
+                                raise RuntimeError(
+                                    "backward: part of this loss's graph was already freed by a "
+                                    "backward on another Tape that recorded it too; the "
+                                    "gradient through it is lost")
                         if parent_grad is None or not parent.requires_grad:
                             continue
                         if parent._backward is None:
@@ -757,7 +842,7 @@ class Tape:
                             grads[id(parent)] = _add_tensors(grads[id(parent)], parent_grad)
                         else:
                             grads[id(parent)] = parent_grad
-                node._parents = node._backward = None
+                node._parents, node._backward = None, _FREED
                 node.requires_grad = False  # an intermediate value, now a constant
                 del node, g
         finally:
@@ -765,7 +850,7 @@ class Tape:
 
     def _free(self):
         for node in self._nodes:
-            node._parents = node._backward = None
+            node._parents, node._backward = None, _FREED
             node.requires_grad = False  # an intermediate value, now a constant
         self._nodes.clear()
 
@@ -774,20 +859,23 @@ class no_grad(contextlib.ContextDecorator):
     """Inside `with no_grad():` (or a function decorated with it) no operation is recorded."""
 
     def __enter__(self):
-        _grad_enabled.append(False)
+        _state.grad_enabled.append(False)
 
     def __exit__(self, *exc):
-        _grad_enabled.pop()
+        _state.grad_enabled.pop()
 
 
 def _record(value, parents, backward):
-    """Wrap an op's output; record it on the innermost Tape when a parent needs a gradient."""
+    """Wrap an op's output; record it on every Tape open in this thread when a parent needs a
+    gradient."""
     node = Node(value)
-    if _tapes and _grad_enabled[-1] and any(p.requires_grad for p in parents):
+    tapes = _state.tapes
+    if tapes and _state.grad_enabled[-1] and any(p.requires_grad for p in parents):
         node.requires_grad = True
         node._parents = parents
         node._backward = backward
-        _tapes[-1]._nodes.append(node)
+        for tape in tapes:
+            tape._nodes.append(node)
     return node
 
 
@@ -826,7 +914,6 @@ def _add_into(dst, src, alpha=1.0):
 # Ops accept Nodes, Tensors, arrays and Python scalars; arrays join the other operand's device.
 
 _generator = [np.random.default_rng()]
-_autocast_enabled = [False]  # a stack: the mixed-precision section's autocast pushes onto it
 
 
 def manual_seed(seed):
@@ -933,7 +1020,7 @@ def _half_activations(device):
     """Whether matmul, linear and conv2d write float16 storage: inside autocast, on an
     OpenCL device where it pays (Device.autocast_half; elsewhere a notice, once, says the
     device trains in float32). On the NumPy backend autocast does nothing."""
-    if not _autocast_enabled[-1] or device.backend != "opencl":
+    if not _state.autocast_enabled[-1] or device.backend != "opencl":
         return False
     if not device.autocast_half and not device._autocast_notice:
         device._autocast_notice = True
@@ -2853,11 +2940,11 @@ class autocast(contextlib.ContextDecorator):
         self.enabled = bool(enabled)
 
     def __enter__(self):
-        _autocast_enabled.append(self.enabled)
+        _state.autocast_enabled.append(self.enabled)
         return self
 
     def __exit__(self, *exc):
-        _autocast_enabled.pop()
+        _state.autocast_enabled.pop()
 
 
 def _zero_flag(flag):
@@ -2954,7 +3041,7 @@ class AMPGradScaler:
 
         # Recorded on no tape, since the scaler usually runs after the `with Tape()` block
         # has closed: Tape.backward runs such a head node first.
-        scaled = Node(times_scale(loss.value), requires_grad=loss.requires_grad)
+        scaled = _Head(times_scale(loss.value), requires_grad=loss.requires_grad)
         if loss.requires_grad:
             scaled._parents, scaled._backward = (loss,), lambda g: (times_scale(g),)
         return scaled

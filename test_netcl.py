@@ -4587,3 +4587,243 @@ def test_tanh_saturates_to_one_with_zero_gradient(backend):
     half = F.tanh(tensor(values, backend, np.float16))  # float16 storage: the half build
     np.testing.assert_array_equal(host(half), np.sign(values))
     assert np.isnan(host(F.tanh(tensor([np.nan], backend)))[0])
+
+
+# ---------------------------------------------------------------------------------------------
+# reliability: autograd: nested Tapes and threads
+# ---------------------------------------------------------------------------------------------
+
+def test_nested_tapes_outer_backward_runs_through_the_inner_tape(backend):
+    p = param(np.ones(3), backend)
+    with netcl.Tape() as outer:
+        a = p * 2.0
+        with netcl.Tape() as inner:
+            loss = (a * 3.0).sum()
+    outer.backward(loss)
+    np.testing.assert_array_equal(host(p.grad), np.full(3, 6.0, np.float32))
+    with raises_naming(RuntimeError, "backward", "already freed by a backward"):
+        inner.backward(loss)  # outer's backward freed the nodes the two tapes share
+    np.testing.assert_array_equal(host(p.grad), np.full(3, 6.0, np.float32))
+
+
+def test_nested_tapes_inner_backward_sees_only_its_own_ops(backend):
+    p = param(np.ones(3), backend)
+    q_host = np.array([1.0, 2.0, 3.0], np.float32)
+    q = param(q_host, backend)
+    with netcl.Tape() as outer:
+        a = p * 2.0
+        with netcl.Tape() as inner:
+            loss = (a * 3.0 + q * q).sum()
+    inner.backward(loss)
+    assert p.grad is None  # `a` was computed before the inner Tape opened: a constant there
+    np.testing.assert_array_equal(host(q.grad), 2 * q_host)
+    with raises_naming(RuntimeError, "backward", "already freed by a backward"):
+        outer.backward(loss)
+    assert p.grad is None
+
+
+def test_nested_tapes_refuse_a_partial_gradient_through_freed_nodes(backend):
+    p = param(np.ones(3), backend)
+    with netcl.Tape() as outer:
+        a = p * 2.0
+        with netcl.Tape() as inner:
+            b = a * 3.0
+            inner_loss = b.sum()
+        inner.backward(inner_loss)  # frees b, which the outer Tape recorded too
+        loss = (b * p).sum()        # d/dp = 12 through b and a; b's graph is gone
+    with raises_naming(RuntimeError, "backward", "freed"):
+        outer.backward(loss)
+
+
+def test_backward_of_a_loss_recorded_on_another_tape_raises(backend):
+    p = param(np.ones(3), backend)
+    other = netcl.Tape()
+    with netcl.Tape() as tape:
+        loss = (p * 2.0).sum()
+    with raises_naming(RuntimeError, "backward", "another Tape"):
+        other.backward(loss)
+    with raises_naming(RuntimeError, "backward", "another Tape"):
+        other.backward(netcl.AMPGradScaler(init_scale=4.0).scale(loss))
+    assert p.grad is None
+    tape.backward(loss)  # the refused calls left the graph whole
+    np.testing.assert_array_equal(host(p.grad), np.full(3, 2.0, np.float32))
+
+
+def _in_threads(*targets):
+    """Run each target in its own thread, all started together and switching often (the races
+    need a switch at the wrong moment); their results, or the first error raised in one."""
+    results, errors = [None] * len(targets), []
+    barrier = threading.Barrier(len(targets))
+
+    def run(i, target):
+        try:
+            barrier.wait()
+            results[i] = target()
+        except BaseException as error:  # re-raised in the test's thread
+            errors.append(error)
+    threads = [threading.Thread(target=run, args=(i, t)) for i, t in enumerate(targets)]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(interval)
+    if errors:
+        raise errors[0]
+    return results
+
+
+def test_one_kernel_launched_from_two_threads_gets_each_launch_its_own_arguments(opencl):
+    """Device.launch from two threads at once: every result belongs to its own launch,
+    uploads and counters included."""
+    steps = 3000
+
+    def launch_many(seed, n):
+        rng = np.random.default_rng(seed)
+        a_host = rng.standard_normal(n).astype(np.float32)
+        a = netcl.Tensor.empty((n,), queue=opencl.queue)
+        opencl.upload(a.data, a_host)
+        outs = [netcl.Tensor.empty((n,), queue=opencl.queue) for _ in range(steps)]
+        for i, out in enumerate(outs):  # out = a * i
+            opencl.launch("mul_scalar", *netcl._grid(n), n, float(i), a.data, out.data)
+            if i % 100 == 0:
+                opencl.finish()
+        return a_host, outs
+    launches = opencl.launches
+    results = _in_threads(lambda: launch_many(3, 37), lambda: launch_many(4, 53))
+    assert opencl.launches - launches == 2 * steps
+    for a_host, outs in results:
+        for i, out in enumerate(outs):
+            np.testing.assert_array_equal(out.to_host(), a_host * np.float32(i))
+
+
+def test_buffer_pool_shared_by_two_threads_keeps_its_books():
+    """One thread allocating and releasing, the other also emptying the cache: no buffer is
+    handed out twice, and the stats add up to what the pool really holds."""
+    pool = netcl.BufferPool(lambda nbytes: np.empty(nbytes, np.uint8))
+    holders = {}
+
+    def churn(me, empty_cache):
+        for _ in range(2000):
+            held = [pool.alloc(256) for _ in range(3)]
+            for buffer in held:
+                assert holders.setdefault(id(buffer), me) == me, "one buffer handed out twice"
+            for buffer in held:
+                del holders[id(buffer)]
+                pool.release(buffer)
+            if empty_cache:
+                pool.empty_cache()
+            assert pool.stats()["cached_bytes"] >= 0
+    _in_threads(lambda: churn(0, False), lambda: churn(1, True))
+    stats = pool.stats()
+    assert stats["in_use_bytes"] == 0
+    assert stats["hits"] + stats["misses"] == 2 * 2000 * 3
+    cached = stats["cached_bytes"] // 256
+    for _ in range(cached + 1):  # every cached buffer is a hit, then the next one a miss
+        pool.alloc(256)
+    after = pool.stats()
+    assert (after["hits"] - stats["hits"], after["misses"] - stats["misses"]) == (cached, 1)
+    assert after["cached_bytes"] == 0
+
+
+def test_two_threads_asking_for_one_queue_get_one_device(opencl):
+    import pyopencl as cl
+    queue = cl.CommandQueue(opencl.context)
+    first, second = _in_threads(lambda: netcl.Tensor.empty((1,), queue=queue).device,
+                                lambda: netcl.Tensor.empty((1,), queue=queue).device)
+    assert first is second
+
+
+def _train_own_parameter(device, seed, rows, cols, steps):
+    """`steps` SGD steps on a parameter of this call's own: (final weight, final gradient)."""
+    rng = np.random.default_rng(seed)
+    x = tensor(rng.standard_normal((rows, cols)).astype(np.float32), device)
+    y = tensor(rng.standard_normal((rows, 3)).astype(np.float32), device)
+    w = param(0.5 * rng.standard_normal((3, cols)).astype(np.float32), device)
+    opt = netcl.SGD([w], lr=0.05, momentum=0.9)
+    for _ in range(steps):
+        with netcl.Tape() as tape:
+            loss = F.mse_loss(F.tanh(F.linear(x, w)), y)
+        opt.zero_grad()
+        tape.backward(loss)
+        opt.step()
+    return host(w), host(w.grad)
+
+
+def test_two_threads_training_own_parameters_match_one_thread(backend):
+    jobs = [(backend, 1, 8, 5, 300), (backend, 2, 16, 7, 300)]
+    expected = [_train_own_parameter(*job) for job in jobs]
+    got = _in_threads(*(lambda job=job: _train_own_parameter(*job) for job in jobs))
+    for (w, grad), (w_expected, grad_expected) in zip(got, expected):
+        np.testing.assert_array_equal(grad, grad_expected)
+        np.testing.assert_array_equal(w, w_expected)
+
+
+def test_a_tape_records_only_the_ops_of_its_own_thread(backend):
+    p = param(np.ones(3), backend)
+    with netcl.Tape() as tape:
+        (elsewhere,) = _in_threads(lambda: (p * 5.0).sum())
+        loss = (p * 2.0).sum()
+    assert not elsewhere.requires_grad  # no Tape is open in the thread that computed it
+    tape.backward(loss)
+    np.testing.assert_array_equal(host(p.grad), np.full(3, 2.0, np.float32))
+    with raises_naming(RuntimeError, "Tape", "thread"):
+        _in_threads(netcl.Tape().__enter__, lambda: None)[0].__exit__(None, None, None)
+
+
+def test_no_grad_is_per_thread(backend):
+    p = param(np.array([1.0, -2.0, 3.0], np.float32), backend)
+    entered, done = threading.Event(), threading.Event()
+
+    def hold_no_grad():
+        with netcl.no_grad():
+            entered.set()
+            done.wait(10)
+    holder = threading.Thread(target=hold_no_grad)
+    holder.start()
+    try:
+        assert entered.wait(10)
+        with netcl.Tape() as tape:
+            loss = (p * p).sum()
+        tape.backward(loss)
+    finally:
+        done.set()
+        holder.join()
+    np.testing.assert_array_equal(host(p.grad), [2.0, -4.0, 6.0])
+
+    def train_in_new_thread():  # a new thread records, whatever the starting thread's mode
+        q = param(np.ones(2), backend)
+        with netcl.Tape() as tape:
+            loss = (q * 4.0).sum()
+        tape.backward(loss)
+        return host(q.grad)
+    with netcl.no_grad():
+        (grad,) = _in_threads(train_in_new_thread)
+    np.testing.assert_array_equal(grad, [4.0, 4.0])
+
+
+def test_autocast_is_per_thread(portable_half):
+    opencl = portable_half  # a device where autocast stores float16
+    x = param(np.ones((4, 8), np.float32), opencl)
+    w = param(np.ones((8, 2), np.float32), opencl)
+    entered, done = threading.Event(), threading.Event()
+
+    def hold_autocast():
+        with netcl.autocast():
+            entered.set()
+            done.wait(10)
+    holder = threading.Thread(target=hold_autocast)
+    holder.start()
+    try:
+        assert entered.wait(10)
+        assert (x @ w).dtype == np.float32
+    finally:
+        done.set()
+        holder.join()
+    with netcl.autocast():
+        assert (x @ w).dtype == np.float16
+        (elsewhere,) = _in_threads(lambda: x @ w)  # a new thread starts with autocast off
+    assert elsewhere.dtype == np.float32
