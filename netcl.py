@@ -1532,10 +1532,11 @@ def _axes(op, shape, axis):
 def _sum_chunks(columns, R, compute_units):
     """Into how many chunks sum_axis splits R: one work-item per column leaves most compute
     units idle when the columns are few and long, so R is cut into equal chunks (a power of
-    two dividing R, at least 64 long) until there are 8 work-groups' worth per unit."""
+    two dividing R, at least 256 long: a short sum is not worth a second launch) until there
+    are 8 work-groups' worth per unit."""
     chunks = 1
     while columns * chunks < 8 * 256 * compute_units and R % (2 * chunks) == 0 \
-            and R // (2 * chunks) >= 64:
+            and R // (2 * chunks) >= 256:
         chunks *= 2
     return chunks
 
