@@ -848,6 +848,24 @@ def test_every_gemm_form_matches_numpy(opencl, monkeypatch, form, m, k, n):
                                        atol=1e-4 * max(1.0, np.abs(expected).max()))
 
 
+@pytest.mark.parametrize("shape, axis", [((4096, 3), 0), ((2, 1536, 5), 1), ((512, 1), 0)])
+def test_long_sums_over_few_columns_match_numpy(cpu, opencl, shape, axis):
+    """A sum over few long columns (a bias gradient over a large batch) is split into chunks
+    on OpenCL, then the chunks are summed; forward and backward match the NumPy backend."""
+    x = np.random.default_rng(9).standard_normal(shape).astype(np.float32)
+    for reduce in (F.sum, F.mean):
+        results = []
+        for dev in (cpu, opencl):
+            p = param(x, dev)
+            with netcl.Tape() as tape:
+                out = reduce(p, axis=axis)
+            tape.backward(out, grad=np.ones(out.shape, np.float32))
+            results.append((host(out), host(p.grad)))
+        (out32, grad32), (out_cl, grad_cl) = results
+        np.testing.assert_allclose(out_cl, out32, rtol=1e-5, atol=1e-5)
+        np.testing.assert_array_equal(grad_cl, grad32)
+
+
 def test_flat_names_match_functional():
     for name in ["matmul", "linear", "add", "sub", "mul", "div", "relu", "leaky_relu",
                  "sigmoid", "tanh", "gelu", "exp", "log", "sum", "mean", "reshape", "flatten",
