@@ -267,8 +267,9 @@ def _conv_arrays():
             rng.standard_normal((c["N"], c["K"], c["H"], c["W"]), np.float32))
 
 
-def conv_netcl(device):
-    """(fn, sync): conv2d forward, then backward for input, weight and bias."""
+def conv_netcl(device, amp=False):
+    """(fn, sync): conv2d forward (under autocast if amp), then backward for input, weight
+    and bias."""
     x, w, b, g = _conv_arrays()
     params = [netcl.Parameter(netcl.Tensor.from_host(a, device.queue)) for a in (x, w, b)]
     grad = netcl.Tensor.from_host(g, device.queue)
@@ -276,7 +277,7 @@ def conv_netcl(device):
     def fn():
         for p in params:
             p.grad = None
-        with netcl.Tape() as tape:
+        with netcl.Tape() as tape, netcl.autocast(enabled=amp):
             out = netcl.functional.conv2d(*params, padding=CONV["pad"])
         tape.backward(out, grad=grad)
     return fn, device.finish
@@ -305,17 +306,18 @@ def conv_numpy():
     return fn, (lambda: None)
 
 
-def conv_torch(where):
+def conv_torch(where, amp=False):
     """PyTorch's conv2d in true float32: cuDNN may use TF32 for convolutions by default
     (torch.backends.cudnn.allow_tf32), so that is turned off, and benchmark mode lets cuDNN
-    pick its fastest float32 algorithm, as users run it."""
+    pick its fastest float32 algorithm, as users run it. amp: under autocast float16."""
     torch.backends.cudnn.allow_tf32 = False
     torch.backends.cudnn.benchmark = True
     x, w, b, g = (torch.from_numpy(a).to(where) for a in _conv_arrays())
     x.requires_grad_(), w.requires_grad_(), b.requires_grad_()
 
     def fn():
-        out = torch.nn.functional.conv2d(x, w, b, padding=CONV["pad"])
+        with torch.autocast(where, dtype=torch.float16, enabled=amp):
+            out = torch.nn.functional.conv2d(x, w, b, padding=CONV["pad"])
         out.backward(g)
     return fn, _torch_sync(where)
 
@@ -566,6 +568,15 @@ def measure(full=False):
     for where in torch_places:
         cells[f"torch-{where}"] = CONV_FLOPS / timeit(*conv_torch(where)) / 1e9
     rows.append(("conv2d fwd+bwd (64,32,28,28) 64x3x3 pad 1", "GFLOP/s", cells))
+    for label, device in DEVICES:  # the same under autocast, where it changes anything
+        if device.backend == "opencl" and device.autocast_half:
+            seconds32, seconds16 = (timeit(*conv_netcl(device, amp)) for amp in (False, True))
+            rows.append((f"{label}: conv2d fwd+bwd, float32 | autocast", "ms",
+                         {label: f"{1e3 * seconds32:.3f} | {1e3 * seconds16:.3f}"}))
+    if "cuda" in torch_places:
+        seconds32, seconds16 = (timeit(*conv_torch("cuda", amp)) for amp in (False, True))
+        rows.append(("torch-cuda: conv2d fwd+bwd, float32 | autocast", "ms",
+                     {"torch-cuda": f"{1e3 * seconds32:.3f} | {1e3 * seconds16:.3f}"}))
     cells = {label: 1.0 / timeit(*adamw_step_netcl(device)) for label, device in DEVICES}
     for where in torch_places:
         cells[f"torch-{where}"] = 1.0 / timeit(*adamw_step_torch(where))

@@ -331,27 +331,30 @@ inline void tc_chunk(__local uint4* dst, __global const ushort* X, const int row
 
 // Queue the copies of k-tile `k0` of a BM x BN block into local memory. a_t: op(A) is A^T
 // (A stored (K, M), m-fast); b_n: op(B) is B (stored (K, N), n-fast), not B^T (N, K).
+// k_end: where this work-group's share of K ends (split-K), K itself otherwise.
 inline void tc_load_tile(__local uint4* As, __local uint4* Bs, __global const ushort* A,
                          __global const ushort* B, const int M, const int N, const int K,
-                         const int m0, const int n0, const int k0, const int tid,
-                         const int threads, const int BM, const int BN,
+                         const int k_end, const int m0, const int n0, const int k0,
+                         const int tid, const int threads, const int BM, const int BN,
                          const int a_t, const int b_n, const int aligned) {
     for (int e = tid; e < BM * TC_BK / 8; e += threads) {
         if (a_t) {
-            const int krow = e / (BM / 8), c = e % (BM / 8);
-            tc_chunk(As + MNFAST_CHUNK(krow, c, BM / 8), A, k0 + krow, K, m0 + c * 8, M, aligned);
+            const int krow = e / (BM / 8), c = e % (BM / 8), k = k0 + krow;
+            tc_chunk(As + MNFAST_CHUNK(krow, c, BM / 8), A, k < k_end ? k : K, K, m0 + c * 8, M,
+                     aligned);
         } else {
-            const int row = e >> 2, c = e & 3;
-            tc_chunk(As + KFAST_CHUNK(row, c), A, m0 + row, M, k0 + c * 8, K, aligned);
+            const int row = e >> 2, c = e & 3, k = k0 + c * 8;
+            tc_chunk(As + KFAST_CHUNK(row, c), A, m0 + row, M, k < k_end ? k : K, K, aligned);
         }
     }
     for (int e = tid; e < BN * TC_BK / 8; e += threads) {
         if (b_n) {
-            const int krow = e / (BN / 8), c = e % (BN / 8);
-            tc_chunk(Bs + MNFAST_CHUNK(krow, c, BN / 8), B, k0 + krow, K, n0 + c * 8, N, aligned);
+            const int krow = e / (BN / 8), c = e % (BN / 8), k = k0 + krow;
+            tc_chunk(Bs + MNFAST_CHUNK(krow, c, BN / 8), B, k < k_end ? k : K, K, n0 + c * 8, N,
+                     aligned);
         } else {
-            const int row = e >> 2, c = e & 3;
-            tc_chunk(Bs + KFAST_CHUNK(row, c), B, n0 + row, N, k0 + c * 8, K, aligned);
+            const int row = e >> 2, c = e & 3, k = k0 + c * 8;
+            tc_chunk(Bs + KFAST_CHUNK(row, c), B, n0 + row, N, k < k_end ? k : K, K, aligned);
         }
     }
 }
@@ -359,9 +362,12 @@ inline void tc_load_tile(__local uint4* As, __local uint4* Bs, __global const us
 // C (M, N) = op(A) @ op(B) [+ bias (N)]: A, B float16 storage; C_T half or float.
 #define GEMM_TC(NAME, BM, BN, WM, WN, STAGES, WAIT_OLDEST, A_T, B_N, C_T, STORE_PAIR, ALIGNED)   \
 __kernel __attribute__((reqd_work_group_size((BM / WM) * (BN / WN) * 32, 1, 1)))                   \
-void NAME(const int M, const int N, const int K, const int has_bias,                               \
+void NAME(const int M, const int N, const int K, const int k_chunk, const int has_bias,          \
           __global const ushort* A, __global const ushort* B, __global const float* bias,          \
           __global C_T* C) {                                                                       \
+    /* split-K: work-group z multiplies k in [k_begin, k_end) into its own slice of C */           \
+    const int k_begin = get_group_id(2) * k_chunk, k_end = min(K, k_begin + k_chunk);              \
+    C += get_group_id(2) * M * N;                                                                  \
     __local uint4 smem[STAGES * (BM + BN) * TC_BK / 8];                                            \
     const int threads = (BM / WM) * (BN / WN) * 32;                                                \
     const int tid = get_local_id(0), lane = tid & 31, warp = tid >> 5;                             \
@@ -372,11 +378,11 @@ void NAME(const int M, const int N, const int K, const int has_bias,            
     for (int i = 0; i < WM / 16; ++i)                                                             \
         for (int j = 0; j < WN / 8; ++j)                                                          \
             for (int c = 0; c < 4; ++c) acc[i][j][c] = 0.0f;                                      \
-    const int tiles = (K + TC_BK - 1) / TC_BK;                                                     \
+    const int tiles = (k_end - k_begin + TC_BK - 1) / TC_BK;                                       \
     for (int s = 0; s < STAGES - 1; ++s) {  /* prologue: the first k-tiles in flight */            \
         if (s < tiles) tc_load_tile(smem + s * stage_chunks, smem + s * stage_chunks + a_chunks,   \
-                                    A, B, M, N, K, m0, n0, s * TC_BK, tid, threads, BM, BN,     \
-                                    A_T, B_N, ALIGNED);                                           \
+                                    A, B, M, N, K, k_end, m0, n0, k_begin + s * TC_BK, tid,        \
+                                    threads, BM, BN, A_T, B_N, ALIGNED);                           \
         asm volatile("cp.async.commit_group;" ::: "memory");                                       \
     }                                                                                              \
     for (int t = 0; t < tiles; ++t) {                                                              \
@@ -388,8 +394,8 @@ void NAME(const int M, const int N, const int K, const int has_bias,            
         if (next < tiles) {                                                                        \
             const int s = next % STAGES;                                                           \
             tc_load_tile(smem + s * stage_chunks, smem + s * stage_chunks + a_chunks,              \
-                         A, B, M, N, K, m0, n0, next * TC_BK, tid, threads, BM, BN,            \
-                         A_T, B_N, ALIGNED);                                                      \
+                         A, B, M, N, K, k_end, m0, n0, k_begin + next * TC_BK, tid,                \
+                         threads, BM, BN, A_T, B_N, ALIGNED);                                      \
         }                                                                                          \
         asm volatile("cp.async.commit_group;" ::: "memory");                                       \
         __local uint4* As = smem + (t % STAGES) * stage_chunks;                                    \
@@ -671,23 +677,28 @@ __kernel void cross_entropy_bwd(const int N, const int C, const int g_stride, co
 // the window of that output pixel, row (c, r, s) one of its taps; zero over padding. A 2-D
 // launch over (output pixel, channel): each work-item copies its R*S taps, so the index
 // arithmetic (integer division is slow on CPUs) is shared by R*S values, and neighbouring
-// work-items still write neighbouring addresses. x is act_t, cols float (a scratch buffer).
-__kernel void im2col(const int n0, const int nb, const int C, WINDOW_ARGS,
-                     __global const act_t* x, __global float* cols) {
-    const int p = get_global_id(0), c = get_global_id(1), P = nb * OH * OW;
-    if (p >= P) return;
-    const int q = p / OW, ow = p - q * OW, n = q / OH, oh = q - n * OH;
-    __global const act_t* plane = x + ((n0 + n) * C + c) * H * W;
-    __global float* column = cols + c * R * S * P + p;
-    for (int r = 0; r < R; ++r) {
-        const int h = oh * SH - PH + r;
-        for (int s = 0; s < S; ++s) {
-            const int w = ow * SW - PW + s;
-            const int inside = h >= 0 && h < H && w >= 0 && w < W;
-            column[(r * S + s) * P] = inside ? LOAD(plane, h * W + w) : 0.0f;
-        }
-    }
+// work-items still write neighbouring addresses. x is act_t; cols is float (im2col, a
+// scratch buffer for the float GEMMs) or act_t (im2col_act: float16 operands for the tensor
+// cores, in the half build).
+#define IM2COL(NAME, COL_T)                                                                    \
+__kernel void NAME(const int n0, const int nb, const int C, WINDOW_ARGS,                       \
+                   __global const act_t* x, __global COL_T* cols) {                            \
+    const int p = get_global_id(0), c = get_global_id(1), P = nb * OH * OW;                    \
+    if (p >= P) return;                                                                        \
+    const int q = p / OW, ow = p - q * OW, n = q / OH, oh = q - n * OH;                        \
+    __global const act_t* plane = x + ((n0 + n) * C + c) * H * W;                              \
+    __global COL_T* column = cols + c * R * S * P + p;                                         \
+    for (int r = 0; r < R; ++r) {                                                              \
+        const int h = oh * SH - PH + r;                                                        \
+        for (int s = 0; s < S; ++s) {                                                          \
+            const int w = ow * SW - PW + s;                                                    \
+            const int inside = h >= 0 && h < H && w >= 0 && w < W;                             \
+            STORE_##COL_T(column, (r * S + s) * P, inside ? LOAD(plane, h * W + w) : 0.0f);    \
+        }                                                                                      \
+    }                                                                                          \
 }
+IM2COL(im2col, float)
+IM2COL(im2col_act, act_t)
 
 // dcols (C*R*S, nb*OH*OW) -> dx (N, C, H, W) for samples n0 .. n0+nb-1: the adjoint of im2col,
 // each input pixel summing the column entries that were copies of it. A 2-D launch over

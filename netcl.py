@@ -1295,8 +1295,14 @@ def div(a, b):
 
 # --- matrix products -------------------------------------------------------------------------
 
-# kernels.cl's tensor-core blocks: (rows, columns, work-items) of the large and small one.
+# kernels.cl's tensor-core blocks: (rows, columns, work-items) of the large and small one,
+# and their k-tile depth (split-K chunks are multiples of it).
 _TC_LARGE, _TC_SMALL = (128, 128, 256), (128, 64, 128)
+_TC_TILE_K = 32
+
+
+def _ceil_div(a, b):
+    return -(-a // b)
 
 
 def _tensor_core_gemm(a, b, trans_a, trans_b, bias, out):
@@ -1304,25 +1310,35 @@ def _tensor_core_gemm(a, b, trans_a, trans_b, bias, out):
     device whose probe passed. Returns whether it did."""
     M, K = (a.shape[1], a.shape[0]) if trans_a else a.shape
     N = b.shape[0] if trans_b else b.shape[1]
-    if not (a.dtype == b.dtype == np.float16 and a.device.tensor_cores and not
+    device = a.device
+    if not (a.dtype == b.dtype == np.float16 and device.tensor_cores and not
             (trans_a and trans_b)):
         return False
     # kernels.cl copies 8 halves at a time; where an operand's contiguous dimension is not a
-    # multiple of 8, its rows are not 16-byte aligned and the small block gathers instead,
-    # which pays only with blocks for every compute unit (a 10-class layer's weight gradient
-    # has 1 x N/64 of them, each over the whole batch: the split-K kernels do it faster).
+    # multiple of 8, its rows are not 16-byte aligned and the small block gathers instead.
     aligned = (M if trans_a else K) % 8 == 0 and (K if trans_b else N) % 8 == 0
-    if not aligned and -(-M // 128) * -(-N // 64) < a.device.compute_units:
-        return False
-    # The large block when its blocks alone fill every compute unit twice over.
-    large = aligned and -(-M // 128) * -(-N // 128) >= 2 * a.device.compute_units
+    # The large block when its blocks alone fill every compute unit.
+    large = aligned and -(-M // 128) * -(-N // 128) >= device.compute_units
     rows, cols, threads = _TC_LARGE if large else _TC_SMALL
+    blocks = -(-M // rows) * -(-N // cols)
+    # Split K when the blocks leave most compute units idle and K is long enough to share
+    # (a weight gradient summed over a large batch): float32 partial products, then their sum.
+    splits = (max(1, min(device.compute_units // blocks, K // 1024))
+              if bias is None and out.dtype == np.float32 and 2 * blocks <= device.compute_units
+              else 1)
+    if not aligned and blocks * splits < device.compute_units:
+        return False  # too few gathering blocks: the split-K float32 kernels do it faster
+    k_chunk = _ceil_div(_ceil_div(K, splits), _TC_TILE_K) * _TC_TILE_K if splits > 1 else K
+    splits = _ceil_div(K, k_chunk) if splits > 1 else 1
     layout = "tn" if trans_a else "nt" if trans_b else "nn"
     block = "l" if large else "s" if aligned else "u"
     kernel = f"gemm_tc_{layout}_{'h' if out.dtype == np.float16 else 'f'}_{block}"
-    a.device.launch(kernel, (-(-N // cols) * threads, -(-M // rows)), (threads, 1), M, N, K,
-                    int(bias is not None), a.data, b.data, None if bias is None else bias.data,
-                    out.data, half=True)
+    target = _like(out, (splits, M, N)) if splits > 1 else out
+    device.launch(kernel, (_ceil_div(N, cols) * threads, _ceil_div(M, rows), splits),
+                  (threads, 1, 1), M, N, K, k_chunk, int(bias is not None), a.data, b.data,
+                  None if bias is None else bias.data, target.data, half=True)
+    if splits > 1:
+        _sum_axis_tensor(target, 1, splits, M * N, out=out.reshape((1, M * N)))
     return True
 
 
@@ -1821,14 +1837,15 @@ def _col2im_numpy(windows, window):
 _IM2COL_BYTES = 1 << 28  # conv2d's im2col buffer at most (256 MiB): larger batches go in chunks
 
 
-def _im2col(X, n0, nb, window):
-    """Samples n0 .. n0+nb-1 of x (N, C, H, W) -> cols (C*R*S, nb*OH*OW) float32: column p
-    holds the window of output pixel p, zeros where it covers padding."""
+def _im2col(X, n0, nb, window, tensor_cores=False):
+    """Samples n0 .. n0+nb-1 of x (N, C, H, W) -> cols (C*R*S, nb*OH*OW): column p holds the
+    window of output pixel p, zeros where it covers padding. float32, or with tensor_cores
+    (x in float16 storage) float16: their operands."""
     H, W, R, S, SH, SW, PH, PW, OH, OW = window
     C = X.shape[1]
-    cols = _like(X, (C * R * S, nb * OH * OW), np.float32)
-    X.device.launch("im2col", (nb * OH * OW, C), (256, 1), n0, nb, C, *window, X.data, cols.data,
-                    half=X.dtype == np.float16)
+    cols = _like(X, (C * R * S, nb * OH * OW), np.float16 if tensor_cores else np.float32)
+    X.device.launch("im2col_act" if tensor_cores else "im2col", (nb * OH * OW, C), (256, 1), n0,
+                    nb, C, *window, X.data, cols.data, half=X.dtype == np.float16)
     return cols
 
 
@@ -1837,7 +1854,8 @@ def conv2d(x, w, b=None, stride=1, padding=0):
     conv2d (a cross-correlation, zero padding):
         out[n, k, i, j] = b[k] + sum over c, r, s of w[k, c, r, s] * x[n, c, i*SH + r, j*SW + s]
     stride and padding are an int or a pair (height, width). Inside autocast (OpenCL) the
-    output is float16 storage; x is read in its own storage; the product is float32."""
+    output is float16 storage; x is read in its own storage; the product is float32. On
+    tensor cores x and w are rounded to float16 and every product runs there."""
     stride = _pair("conv2d", "stride", stride, 1)
     padding = _pair("conv2d", "padding", padding, 0)
     x, w, *rest = _nodes("conv2d", x, w, *(() if b is None else (b,)))
@@ -1859,6 +1877,9 @@ def conv2d(x, w, b=None, stride=1, padding=0):
     chunks = [(n0, min(per_chunk, N - n0)) for n0 in range(0, N, per_chunk)]
 
     half = _half_activations(X.device)
+    tensor_cores = half and X.device.tensor_cores  # float16 operands, as in linear
+    if tensor_cores:
+        X, weight_rows = _half_operand(X), _half_operand(weight_rows)
     out = _like(X, (N, K, OH, OW), np.float16 if half else None)
     if X.device.backend == "cpu":
         windows = _windows_numpy(X.data, window, 0.0)
@@ -1867,7 +1888,7 @@ def conv2d(x, w, b=None, stride=1, padding=0):
             out.data += bias.data.reshape(K, 1, 1)
     elif out.size:
         for n0, nb in chunks:
-            y = _gemm(weight_rows, _im2col(X, n0, nb, window))  # (K, nb*OH*OW)
+            y = _gemm(weight_rows, _im2col(X, n0, nb, window, tensor_cores))  # (K, nb*OH*OW)
             X.device.launch("swap_axes01", *_grid(y.size), K, nb, L, 0, n0 * K * L,
                             int(bias is not None), y.data, None if bias is None else bias.data,
                             out.data, half=half)  # (K, nb, OH*OW) + bias -> out[n0:n0+nb]
@@ -1886,11 +1907,13 @@ def conv2d(x, w, b=None, stride=1, padding=0):
                 grad_x.data[...] = _col2im_numpy(grad_windows, window)
         else:
             for n0, nb in chunks:
-                g_rows = _like(g, (K, nb * L))  # g[n0:n0+nb] (nb, K, OH*OW) -> (K, nb*OH*OW)
+                # g[n0:n0+nb] (nb, K, OH*OW) -> (K, nb*OH*OW)
+                g_rows = _like(g, (K, nb * L), np.float16 if tensor_cores else None)
                 g.device.launch("swap_axes01", *_grid(g_rows.size), nb, K, L, n0 * K * L, 0, 0,
-                                g.data, None, g_rows.data)
+                                g.data, None, g_rows.data, half=tensor_cores)
                 if w.requires_grad:  # dw = g_rows @ cols^T, summed over the chunks
-                    part = _gemm(g_rows, _im2col(X, n0, nb, window), trans_b=True)
+                    cols = _im2col(X, n0, nb, window, tensor_cores)
+                    part = _gemm(g_rows, cols, trans_b=True)
                     if grad_w is None:
                         grad_w = part.reshape(weight.shape)
                     else:

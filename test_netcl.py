@@ -3635,6 +3635,26 @@ def test_tensor_core_gemm_is_a_float32_product_of_float16_operands(
     assert (np.abs(host(out).astype(np.float64) - exact) <= bound).all()
 
 
+@pytest.mark.parametrize("layout, m, n, k", [
+    ("nt", 64, 288, 8192),    # a convolution's weight gradient: few blocks, long K, split
+    ("nn", 4096, 2048, 10),   # the gradient through a 10-class layer: unaligned rows
+    ("tn", 4096, 2050, 64),   # a weight gradient of unaligned width
+])
+def test_tensor_core_gemm_split_and_unaligned_shapes(opencl, layout, m, n, k):
+    """The products of training that take split-K or the gathering kernels."""
+    dev = _tensor_core_device(opencl)
+    rng = np.random.default_rng(m + n + k)
+    a = rng.standard_normal((m, k)).astype(np.float16)
+    b = rng.standard_normal((k, n)).astype(np.float16)
+    A = tensor(a.T.copy() if layout == "tn" else a, dev)
+    B = tensor(b.T.copy() if layout == "nt" else b, dev)
+    out = netcl.Tensor.empty((m, n), np.float32, dev.queue)
+    assert netcl._tensor_core_gemm(A, B, layout == "tn", layout == "nt", None, out)
+    exact = a.astype(np.float64) @ b.astype(np.float64)
+    bound = k * 2.0 ** -23 * (np.abs(a).astype(np.float64) @ np.abs(b))
+    assert (np.abs(host(out) - exact) <= bound).all()
+
+
 def test_tensor_core_training_step_matches_float32(opencl):
     """linear forward and backward on tensor cores: the gradients of an MLP are those of the
     float32 step within float16 rounding of the gradients. Input and weights hold values that
@@ -3662,6 +3682,27 @@ def test_tensor_core_training_step_matches_float32(opencl):
         grads[enabled] = [host(p.grad) for p in model.parameters()]
     for g16, g32 in zip(grads[True], grads[False]):
         assert g16.dtype == np.float32 and _relative_error(g16, g32) < 1e-2
+
+
+def test_tensor_core_conv2d_matches_float32(opencl):
+    """conv2d under autocast on tensor cores (im2col columns and filters in float16): output
+    and gradients are the float32 ones within float16 rounding, on float16-representable
+    input and filters."""
+    dev = _tensor_core_device(opencl)
+    rng = np.random.default_rng(6)
+    arrays = [rng.standard_normal((4, 8, 9, 7)), rng.standard_normal((16, 8, 3, 3)) / 8,
+              rng.standard_normal(16)]
+    arrays = [a.astype(np.float16).astype(np.float32) for a in arrays]
+    seed = rng.standard_normal((4, 16, 9, 4)).astype(np.float16).astype(np.float32)
+    results = {}
+    for enabled in (False, True):
+        leaves = [param(a, dev) for a in arrays]
+        with netcl.Tape() as tape, netcl.autocast(enabled=enabled):
+            out = F.conv2d(*leaves, stride=(1, 2), padding=1)
+        tape.backward(out, grad=seed)
+        results[enabled] = [host(out).astype(np.float32)] + [host(p.grad) for p in leaves]
+    for got, expected in zip(results[True], results[False]):
+        assert _relative_error(got, expected) < 1e-2
 
 
 def test_a_failed_tensor_core_probe_falls_back_to_the_portable_build(opencl, monkeypatch):
