@@ -955,11 +955,14 @@ void adam_prepare(const int num_partials, const float max_norm, const float log_
 // torch/optim/adam.py's update on p, g, m (exp_avg), v (exp_avg_sq), all (n): the whole flat
 // buffers, or one parameter's segments. Adam passes its L2 weight_decay and decay = 1; AdamW
 // weight_decay = 0 and decay = 1 - lr * weight_decay (decoupled: p shrinks, g is unchanged).
+// p_half, where it is not null, is the float16 copy of p that tensor cores read under
+// autocast: written here with the new value, so no pass of its own re-rounds the weights.
 __kernel void adam_step(const int n, const float lr, const float one_minus_beta1,
                         const float beta2, const float one_minus_beta2, const float eps,
                         const float weight_decay, const float decay,
                         __global const float* scalars, __global float* p,
-                        __global const float* g, __global float* m, __global float* v) {
+                        __global const float* g, __global float* m, __global float* v,
+                        __global half* p_half) {
     const int i = get_global_id(0);
     if (i >= n || scalars[1] != 0.0f) return;
     float grad = g[i] * scalars[0];
@@ -970,7 +973,9 @@ __kernel void adam_step(const int n, const float lr, const float one_minus_beta1
     v[i] = exp_avg_sq;
     const float step_size = lr / scalars[2];
     const float denom = sqrt(exp_avg_sq) / scalars[3] + eps;
-    p[i] = p[i] * decay - step_size * (exp_avg / denom);
+    const float updated = p[i] * decay - step_size * (exp_avg / denom);
+    p[i] = updated;
+    if (p_half) vstore_half(updated, i, p_half);
 }
 
 // ---------------------------------------------------------------------------- mixed precision

@@ -739,11 +739,13 @@ class Parameter(Node):
     optimizer that keeps every gradient in one flat buffer points it at its segment there.
     """
 
-    __slots__ = ("_grad_home",)
+    __slots__ = ("_grad_home", "_flat", "_half_stale")
 
     def __init__(self, value):
         super().__init__(value, requires_grad=True)
         self._grad_home = None
+        self._flat = None          # (the optimizer's _FlatBuffers holding it, its index), if any
+        self._half_stale = False   # set when the value changes outside the optimizer's update
 
 
 class _Head(Node):
@@ -1034,9 +1036,10 @@ def _compute_dtype(dtype):
     return np.dtype(np.float32) if dtype == np.float16 else np.dtype(dtype)
 
 
-def _cast(x, dtype):
-    """A copy of x in float16 storage or float32 (rounding to nearest even, as NumPy)."""
-    out = _like(x, dtype=dtype)
+def _cast(x, dtype, out=None):
+    """A copy of x in float16 storage or float32 (rounding to nearest even, as NumPy), into
+    `out` if given."""
+    out = _like(x, dtype=dtype) if out is None else out
     if x.device.backend == "cpu":
         out.data[...] = x.data
     elif x.size:  # the half build's casts; act_t is half there
@@ -1053,6 +1056,20 @@ def _float32(x):
 def _half_operand(x):
     """x in float16 storage (a copy, rounded, unless it already is): a tensor-core operand."""
     return x if x.dtype == np.float16 else _cast(x, np.float16)
+
+
+def _half_weight(w):
+    """The weight Node w's value in float16 storage, for tensor cores: the copy its optimizer
+    keeps (Adam and AdamW write it in their update, _FlatBuffers.half_copies) while the value
+    is still that optimizer's, else a fresh rounding."""
+    flat, index = getattr(w, "_flat", None) or (None, None)
+    if flat is None or w.value is not flat.param_views[index]:
+        return _half_operand(w.value)
+    copy = flat.half_copies()[index]
+    if w._half_stale:  # changed outside the update (load_state_dict): round it again
+        _cast(w.value, np.float16, out=copy)
+        w._half_stale = False
+    return copy
 
 
 def _to_float32(x):
@@ -1430,7 +1447,7 @@ def matmul(a, b):
     A, B = a2.value, b2.value
     half = _half_activations(A.device)
     if half and A.device.tensor_cores:  # float16 operands: every product on the tensor cores
-        A, B = _half_operand(A), _half_operand(B)
+        A, B = _half_weight(a2), _half_weight(b2)
 
     def backward(g):
         if A.dtype == B.dtype == np.float16:
@@ -1459,7 +1476,7 @@ def linear(x, w, b=None):
     # devices do, and a float16 copy of the weight, kept for backward.
     tensor_cores = half and X.device.tensor_cores
     if tensor_cores:
-        X, W = _half_operand(X), _half_operand(W)
+        X, W = _half_operand(X), _half_weight(w)
 
     def backward(g):  # only the gradients somebody needs (the input's usually is not)
         if tensor_cores:
@@ -1879,7 +1896,7 @@ def conv2d(x, w, b=None, stride=1, padding=0):
     half = _half_activations(X.device)
     tensor_cores = half and X.device.tensor_cores  # float16 operands, as in linear
     if tensor_cores:
-        X, weight_rows = _half_operand(X), _half_operand(weight_rows)
+        X, weight_rows = _half_operand(X), _half_weight(w).reshape((K, C * R * S))
     out = _like(X, (N, K, OH, OW), np.float16 if half else None)
     if X.device.backend == "cpu":
         windows = _windows_numpy(X.data, window, 0.0)
@@ -2140,6 +2157,8 @@ class Module:
             arrays[name] = array
         for name, param in params.items():  # only once every key fits: a rejected state
             _write(param.value, arrays[name])  # leaves every parameter as it was
+            if isinstance(param, Parameter):
+                param._half_stale = True  # its optimizer's float16 copy is out of date
 
 
 class StateDictError(KeyError, ValueError, RuntimeError):
@@ -2645,23 +2664,37 @@ class _FlatBuffers:
     def __init__(self, params):
         like = params[0].value
         device = like.device
-        # Segment starts, in float32 elements: mem_base_addr_align is in bits; NumPy needs none.
-        align = 1 if device.backend == "cpu" else max(device.cl_device.mem_base_addr_align // 32, 1)
+        # Segment starts, in elements: mem_base_addr_align is in bits, and a start must be
+        # aligned in the float16 copy (half_copies) too; NumPy needs none.
+        align = 1 if device.backend == "cpu" else max(device.cl_device.mem_base_addr_align // 16, 1)
         offsets, self.size = [], 0
         for p in params:
             offsets.append(self.size)
             self.size += -(-max(p.value.size, 1) // align) * align
         self.params, self.grads, self.exp_avg, self.exp_avg_sq = (
             _fill((self.size,), 0.0, like) for _ in range(4))
-        views = lambda flat: [_segment(flat, offset, p.shape) for offset, p in zip(offsets, params)]
-        self.param_views, self.grad_views = views(self.params), views(self.grads)
-        self.exp_avg_views, self.exp_avg_sq_views = views(self.exp_avg), views(self.exp_avg_sq)
-        for p, value, home in zip(params, self.param_views, self.grad_views):
+        self._views = lambda flat: [_segment(flat, offset, p.shape)
+                                    for offset, p in zip(offsets, params)]
+        self.param_views, self.grad_views = self._views(self.params), self._views(self.grads)
+        self.exp_avg_views = self._views(self.exp_avg)
+        self.exp_avg_sq_views = self._views(self.exp_avg_sq)
+        self.params_half = self.half_views = None  # see half_copies
+        for index, (p, value, home) in enumerate(zip(params, self.param_views, self.grad_views)):
             p.value = _copy(p.value, out=value)
             if isinstance(p, Parameter):  # a plain Node leaf has no home: its grads stay apart
                 p._grad_home = home
+                p._flat = (self, index)
                 if p.grad is not None:
                     p.grad = _copy(p.grad, out=home)
+
+    def half_copies(self):
+        """The parameters rounded to float16, flat and one view each, for tensor cores under
+        autocast: made on first use, then kept equal to the parameters by the update kernel
+        (adam_step writes both), so a step needs no pass that rounds the weights again."""
+        if self.params_half is None:
+            self.params_half = _cast(self.params, np.float16)
+            self.half_views = self._views(self.params_half)
+        return self.half_views
 
 
 # --- Adam and AdamW ----------------------------------------------------------------------------
@@ -2718,10 +2751,10 @@ class Adam(Optimizer):
         runs = self._runs()
         if not runs:
             return
-        partials = None if max_norm is None else _norm_partials([g for _, g, _, _ in runs], 2.0)
+        partials = None if max_norm is None else _norm_partials([g for _, g, *_ in runs], 2.0)
         self._prepare(partials, max_norm)
-        for p, g, m, v in runs:
-            self._update(p, g, m, v)
+        for p, g, m, v, p_half in runs:
+            self._update(p, g, m, v, p_half)
 
     def _runs(self):
         """(param, grad, exp_avg, exp_avg_sq) tensors to update: the four whole flat buffers
@@ -2730,7 +2763,7 @@ class Adam(Optimizer):
         flat = self._flat
         if all(p.value is value and p.grad is home
                for p, value, home in zip(self.params, flat.param_views, flat.grad_views)):
-            return [(flat.params, flat.grads, flat.exp_avg, flat.exp_avg_sq)]
+            return [(flat.params, flat.grads, flat.exp_avg, flat.exp_avg_sq, flat.params_half)]
         runs = []
         for i, (p, m, v) in enumerate(zip(self.params, flat.exp_avg_views, flat.exp_avg_sq_views)):
             if p.grad is None:
@@ -2738,12 +2771,13 @@ class Adam(Optimizer):
             if p.grad.shape != p.shape or p.grad.dtype != p.dtype or p.grad.device is not p.device:
                 raise ValueError(f"{type(self).__name__}.step: parameter {i} {p.shape} has a "
                                  f"gradient of shape {p.grad.shape}, dtype {p.grad.dtype}")
-            runs.append((p.value, p.grad, m, v))
+            own = p.value is flat.param_views[i] and flat.half_views is not None
+            runs.append((p.value, p.grad, m, v, flat.half_views[i] if own else None))
         return runs
 
     def _grads(self):
         """The gradients the step reads: the flat gradient buffer, or each parameter's."""
-        return [g for _, g, _, _ in self._runs()]
+        return [g for _, g, *_ in self._runs()]
 
     # A step's scalars are written in device memory by one small kernel before the update:
     #   scalars (4) = grad_scale, skip, 1 - beta1^t, sqrt(1 - beta2^t)
@@ -2774,8 +2808,9 @@ class Adam(Optimizer):
                 int(found_inf is not None), None if partials is None else partials.data,
                 None if found_inf is None else found_inf.data, step_count.data, scalars.data)
 
-    def _update(self, p, g, m, v):
-        """The rule of the class docstring on param p, grad g, exp_avg m, exp_avg_sq v."""
+    def _update(self, p, g, m, v, p_half=None):
+        """The rule of the class docstring on param p, grad g, exp_avg m, exp_avg_sq v; p_half,
+        if given, is p's float16 copy (_FlatBuffers.half_copies), written with p."""
         beta1, beta2 = self.betas
         if p.device.backend == "cpu":
             grad_scale, skip, bias_correction1, bias_correction2_sqrt = self._scalars.data
@@ -2807,7 +2842,8 @@ class Adam(Optimizer):
             p.device.launch("adam_step", *_grid(p.size), p.size, self.lr, 1.0 - beta1, beta2,
                             1.0 - beta2, self.eps, 0.0 if decoupled else self.weight_decay,
                             1.0 - self.lr * self.weight_decay if decoupled else 1.0,
-                            self._scalars.data, p.data, g.data, m.data, v.data)
+                            self._scalars.data, p.data, g.data, m.data, v.data,
+                            None if p_half is None else p_half.data)
 
     def state_dict(self):
         """PyTorch's layout, with NumPy arrays: {"state": {i: {"step", "exp_avg",

@@ -3705,6 +3705,38 @@ def test_tensor_core_conv2d_matches_float32(opencl):
         assert _relative_error(got, expected) < 1e-2
 
 
+def test_adam_keeps_the_float16_copy_of_its_parameters(opencl):
+    """Once made (the first autocast forward on tensor cores asks for it), the float16 copy
+    of Adam's flat parameters is written by the update kernel itself: after steps, a skipped
+    step and a load_state_dict it is always the parameters rounded to nearest even."""
+    netcl.manual_seed(4)
+    model = _digits_mlp(opencl, hidden=32)
+    opt = netcl.AdamW(model.parameters(), lr=1e-2)
+    copies = opt._flat.half_copies()
+    x = tensor(np.random.default_rng(7).standard_normal((16, 64)), opencl)
+
+    def check(weights_only=False):
+        for p, copy in zip(model.parameters(), copies):
+            if p.value.ndim == 2 or not weights_only:
+                np.testing.assert_array_equal(host(copy), host(p).astype(np.float16))
+    for scale in (1.0, 1.0, math.inf):  # the last step is skipped: an inf gradient
+        with netcl.Tape() as tape, netcl.autocast():
+            loss = F.cross_entropy(model(x), np.arange(16) % 10)
+        opt.zero_grad()
+        tape.backward(loss, grad=np.float32(scale))
+        opt.step(max_norm=1.0)
+        check()
+    state = {name: value + 0.5 for name, value in model.state_dict().items()}
+    model.load_state_dict(state)
+    with netcl.autocast():
+        model(x)  # on tensor cores the forward rounds the changed weights (not biases) again
+    if opencl.tensor_cores:
+        check(weights_only=True)
+    for p in model.parameters():
+        netcl._half_weight(p)
+    check()
+
+
 def test_a_failed_tensor_core_probe_falls_back_to_the_portable_build(opencl, monkeypatch):
     """A tensor-core build that fails, or a probe that computes a wrong product, leaves the
     device with the portable float16 build and no tensor cores, silently."""
