@@ -329,34 +329,35 @@ inline void tc_chunk(__local uint4* dst, __global const ushort* X, const int row
         *dst = ok ? tc_gather8(X + row * width + col, width - col) : (uint4)(0);
 }
 
+// One operand's share of a k-tile into local memory: ROWS rows (of A: m, of B: n) from r0,
+// k from k0. Stored (rows, K), it is a k-fast tile; stored (K, rows) (mn_fast), a tile of
+// TC_BK rows along k. k_end: where this work-group's share of K ends (split-K), else K.
+inline void tc_load_operand(__local uint4* tile, __global const ushort* X, const int rows,
+                            const int K, const int k_end, const int r0, const int k0,
+                            const int tid, const int threads, const int ROWS,
+                            const int mn_fast, const int aligned) {
+    for (int e = tid; e < ROWS * TC_BK / 8; e += threads) {
+        if (mn_fast) {
+            const int krow = e / (ROWS / 8), c = e % (ROWS / 8), k = k0 + krow;
+            tc_chunk(tile + MNFAST_CHUNK(krow, c, ROWS / 8), X, k < k_end ? k : K, K,
+                     r0 + c * 8, rows, aligned);
+        } else {
+            const int row = e >> 2, c = e & 3, k = k0 + c * 8;
+            tc_chunk(tile + KFAST_CHUNK(row, c), X, r0 + row, rows, k < k_end ? k : K, K,
+                     aligned);
+        }
+    }
+}
+
 // Queue the copies of k-tile `k0` of a BM x BN block into local memory. a_t: op(A) is A^T
 // (A stored (K, M), m-fast); b_n: op(B) is B (stored (K, N), n-fast), not B^T (N, K).
-// k_end: where this work-group's share of K ends (split-K), K itself otherwise.
 inline void tc_load_tile(__local uint4* As, __local uint4* Bs, __global const ushort* A,
                          __global const ushort* B, const int M, const int N, const int K,
                          const int k_end, const int m0, const int n0, const int k0,
                          const int tid, const int threads, const int BM, const int BN,
                          const int a_t, const int b_n, const int aligned) {
-    for (int e = tid; e < BM * TC_BK / 8; e += threads) {
-        if (a_t) {
-            const int krow = e / (BM / 8), c = e % (BM / 8), k = k0 + krow;
-            tc_chunk(As + MNFAST_CHUNK(krow, c, BM / 8), A, k < k_end ? k : K, K, m0 + c * 8, M,
-                     aligned);
-        } else {
-            const int row = e >> 2, c = e & 3, k = k0 + c * 8;
-            tc_chunk(As + KFAST_CHUNK(row, c), A, m0 + row, M, k < k_end ? k : K, K, aligned);
-        }
-    }
-    for (int e = tid; e < BN * TC_BK / 8; e += threads) {
-        if (b_n) {
-            const int krow = e / (BN / 8), c = e % (BN / 8), k = k0 + krow;
-            tc_chunk(Bs + MNFAST_CHUNK(krow, c, BN / 8), B, k < k_end ? k : K, K, n0 + c * 8, N,
-                     aligned);
-        } else {
-            const int row = e >> 2, c = e & 3, k = k0 + c * 8;
-            tc_chunk(Bs + KFAST_CHUNK(row, c), B, n0 + row, N, k < k_end ? k : K, K, aligned);
-        }
-    }
+    tc_load_operand(As, A, M, K, k_end, m0, k0, tid, threads, BM, a_t, aligned);
+    tc_load_operand(Bs, B, N, K, k_end, n0, k0, tid, threads, BN, b_n, aligned);
 }
 
 // C (M, N) = op(A) @ op(B) [+ bias (N)]: A, B float16 storage; C_T half or float.

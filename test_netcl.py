@@ -4745,6 +4745,25 @@ def test_backward_of_a_loss_recorded_on_another_tape_raises(backend):
     np.testing.assert_array_equal(host(p.grad), np.full(3, 2.0, np.float32))
 
 
+@contextlib.contextmanager
+def _held_in_another_thread(context):
+    """Enter `context()` in a second thread and keep it entered while the block runs here."""
+    entered, done = threading.Event(), threading.Event()
+
+    def hold():
+        with context():
+            entered.set()
+            done.wait(10)
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert entered.wait(10)
+        yield
+    finally:
+        done.set()
+        holder.join()
+
+
 def _in_threads(*targets):
     """Run each target in its own thread, all started together and switching often (the races
     need a switch at the wrong moment); their results, or the first error raised in one."""
@@ -4872,22 +4891,10 @@ def test_a_tape_records_only_the_ops_of_its_own_thread(backend):
 
 def test_no_grad_is_per_thread(backend):
     p = param(np.array([1.0, -2.0, 3.0], np.float32), backend)
-    entered, done = threading.Event(), threading.Event()
-
-    def hold_no_grad():
-        with netcl.no_grad():
-            entered.set()
-            done.wait(10)
-    holder = threading.Thread(target=hold_no_grad)
-    holder.start()
-    try:
-        assert entered.wait(10)
+    with _held_in_another_thread(netcl.no_grad):
         with netcl.Tape() as tape:
             loss = (p * p).sum()
         tape.backward(loss)
-    finally:
-        done.set()
-        holder.join()
     np.testing.assert_array_equal(host(p.grad), [2.0, -4.0, 6.0])
 
     def train_in_new_thread():  # a new thread records, whatever the starting thread's mode
@@ -4905,20 +4912,8 @@ def test_autocast_is_per_thread(portable_half):
     opencl = portable_half  # a device where autocast stores float16
     x = param(np.ones((4, 8), np.float32), opencl)
     w = param(np.ones((8, 2), np.float32), opencl)
-    entered, done = threading.Event(), threading.Event()
-
-    def hold_autocast():
-        with netcl.autocast():
-            entered.set()
-            done.wait(10)
-    holder = threading.Thread(target=hold_autocast)
-    holder.start()
-    try:
-        assert entered.wait(10)
+    with _held_in_another_thread(netcl.autocast):
         assert (x @ w).dtype == np.float32
-    finally:
-        done.set()
-        holder.join()
     with netcl.autocast():
         assert (x @ w).dtype == np.float16
         (elsewhere,) = _in_threads(lambda: x @ w)  # a new thread starts with autocast off
