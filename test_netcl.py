@@ -3115,7 +3115,10 @@ def test_trainer_validates_its_arguments(cpu, kwargs, needle):
         netcl.Trainer(model, netcl.SGD(model.parameters(), lr=0.1), **kwargs)
 
 
-def test_trainer_reaches_95_percent_on_digits(backend):
+@pytest.mark.parametrize("mixed_precision", [False, True])
+def test_trainer_reaches_95_percent_on_digits(backend, mixed_precision):
+    """The tutorial's Trainer run; with mixed_precision=True too (tensor cores on NVIDIA,
+    float32 with a notice on PoCL and the NumPy backend)."""
     datasets = pytest.importorskip("sklearn.datasets")
     digits = datasets.load_digits()
     x = (digits.data / 16.0).astype(np.float32)
@@ -3125,7 +3128,7 @@ def test_trainer_reaches_95_percent_on_digits(backend):
     model = nn.Sequential(nn.Linear(64, 128, queue=backend.queue), nn.ReLU(),
                           nn.Linear(128, 10, queue=backend.queue))
     trainer = netcl.Trainer(model, netcl.AdamW(model.parameters(), lr=3e-3), grad_clip=1.0,
-                            device_queue=backend.queue)
+                            device_queue=backend.queue, mixed_precision=mixed_precision)
     train_loader = netcl.DataLoader(netcl.ArrayDataset(x[train], digits.target[train]),
                                     batch_size=32, seed=0)
     test_loader = netcl.DataLoader(netcl.ArrayDataset(x[test], digits.target[test]),
