@@ -169,7 +169,9 @@ __kernel void cast_from_act(const int n, __global const act_t* x, __global float
 // WPT = 4 (64x64 tiles) keeps small products spread over many work-groups; WPT = 8 (128x128)
 // does twice the arithmetic per local-memory read, for large products. A product with few
 // tiles but a long K (a convolution's weight gradient) splits K over the grid's third
-// dimension (k_chunk, in the _split kernels); the host then sums the partial products.
+// dimension (k_chunk, in the _split kernels); the host then sums the partial products. In
+// the other kernels the third dimension is a batch: product z reads A and B batch_a and
+// batch_b elements on (0 for a matrix every product shares) and writes the z-th C.
 #define TILE_K 16
 #define LOAD_float(p, i) ((p)[i])
 #define LOAD_act_t(p, i) LOAD(p, i)
@@ -177,14 +179,16 @@ __kernel void cast_from_act(const int n, __global const act_t* x, __global float
 #define STORE_act_t(p, i, v) STORE(p, i, v)
 #define GEMM(NAME, WPT, SPLIT, A_T, A_AT, A_K_FAST, B_T, B_AT, B_K_FAST, C_T)                  \
 __kernel __attribute__((reqd_work_group_size(16, 16, 1)))                                      \
-void NAME(const int M, const int N, const int K, const int k_chunk, const int has_bias,        \
-          __global const A_T* A, __global const B_T* B, __global const float* bias,            \
-          __global C_T* C) {                                                                   \
+void NAME(const int M, const int N, const int K, const int k_chunk, const int batch_a,       \
+          const int batch_b, const int has_bias, __global const A_T* A, __global const B_T* B, \
+          __global const float* bias, __global C_T* C) {                                       \
     const int TILE = 16 * WPT;                                                                 \
-    /* split-K: work-group z multiplies k in [k_begin, k_end) into its own slice of C */       \
+    /* split-K: work-group z multiplies k in [k_begin, k_end) into its own slice of C; else */ \
+    /* z is the product's index in a batch, A and B batch_a and batch_b elements apart */      \
     const int k_begin = SPLIT ? get_group_id(2) * k_chunk : 0;                                 \
     const int k_end = SPLIT ? min(K, k_begin + k_chunk) : K;                                   \
-    if (SPLIT) C += get_group_id(2) * M * N;                                                   \
+    C += get_group_id(2) * M * N;                                                              \
+    if (!SPLIT) { A += get_group_id(2) * batch_a; B += get_group_id(2) * batch_b; }            \
     __local float As[TILE_K][16 * WPT + 4];                                                    \
     __local float Bs[TILE_K][16 * WPT + 4];                                                    \
     const int tx = get_local_id(0), ty = get_local_id(1), lid = ty * 16 + tx;                  \
@@ -363,11 +367,16 @@ inline void tc_load_tile(__local uint4* As, __local uint4* Bs, __global const us
 // C (M, N) = op(A) @ op(B) [+ bias (N)]: A, B float16 storage; C_T half or float.
 #define GEMM_TC(NAME, BM, BN, WM, WN, STAGES, WAIT_OLDEST, A_T, B_N, C_T, STORE_PAIR, ALIGNED)   \
 __kernel __attribute__((reqd_work_group_size((BM / WM) * (BN / WN) * 32, 1, 1)))                   \
-void NAME(const int M, const int N, const int K, const int k_chunk, const int has_bias,          \
-          __global const ushort* A, __global const ushort* B, __global const float* bias,          \
-          __global C_T* C) {                                                                       \
-    /* split-K: work-group z multiplies k in [k_begin, k_end) into its own slice of C */           \
-    const int k_begin = get_group_id(2) * k_chunk, k_end = min(K, k_begin + k_chunk);              \
+void NAME(const int M, const int N, const int K, const int k_chunk, const int batch_a,         \
+          const int batch_b, const int has_bias, __global const ushort* A,                         \
+          __global const ushort* B, __global const float* bias, __global C_T* C) {                 \
+    /* z = product * splits + split: product z / splits of a batch (A and B batch_a and */         \
+    /* batch_b elements on), k in [k_begin, k_end), into its own slice of C (split-K) */           \
+    const int splits = (K + k_chunk - 1) / k_chunk, product = get_group_id(2) / splits;            \
+    const int k_begin = (get_group_id(2) - product * splits) * k_chunk;                            \
+    const int k_end = min(K, k_begin + k_chunk);                                                   \
+    A += product * batch_a;                                                                        \
+    B += product * batch_b;                                                                        \
     C += get_group_id(2) * M * N;                                                                  \
     __local uint4 smem[STAGES * (BM + BN) * TC_BK / 8];                                            \
     const int threads = (BM / WM) * (BN / WN) * 32;                                                \
@@ -486,32 +495,38 @@ __kernel void tensor_core_probe(__global const uint* A, __global const uint* Bt,
 // operand as act_t and writes float, so the inner loop never sees half; C is act_t.
 
 // A (act_t) stored (M, K), or (K, M) when transposed -> Ap (Mp, K) float, rows past M zero.
+// The second dimension of the launch is a batch: matrix j is `batch` elements on in A.
 __kernel void pack_a(const int M, const int K, const int Mp, const int transposed,
-                     __global const act_t* A, __global float* Ap) {
-    const int i = get_global_id(0);
+                     const int batch, __global const act_t* A, __global float* Ap) {
+    const int i = get_global_id(0), j = get_global_id(1);
     if (i >= Mp * K) return;
     const int m = i / K, k = i % K;
-    Ap[i] = m < M ? (transposed ? LOAD(A, k * M + m) : LOAD(A, m * K + k)) : 0.0f;
+    A += j * batch;
+    Ap[j * Mp * K + i] = m < M ? (transposed ? LOAD(A, k * M + m) : LOAD(A, m * K + k)) : 0.0f;
 }
 
 // B (act_t) stored (K, N), or (N, K) when transposed -> Bp (K, Np) float, columns past N zero.
 __kernel void pack_b(const int K, const int N, const int Np, const int transposed,
-                     __global const act_t* B, __global float* Bp) {
-    const int i = get_global_id(0);
+                     const int batch, __global const act_t* B, __global float* Bp) {
+    const int i = get_global_id(0), j = get_global_id(1);
     if (i >= K * Np) return;
     const int k = i / Np, n = i % Np;
-    Bp[i] = n < N ? (transposed ? LOAD(B, n * K + k) : LOAD(B, k * N + n)) : 0.0f;
+    B += j * batch;
+    Bp[j * K * Np + i] = n < N ? (transposed ? LOAD(B, n * K + k) : LOAD(B, k * N + n)) : 0.0f;
 }
 
 // Ap (Mp, K) @ Bp (K, Np) -> C (M, N) [+ bias (N)]; work-item (j, i) owns rows 4i..4i+3,
 // columns 16j..16j+15. Products are written a*b+c: PoCL turns fma()/mad() into calls.
-__kernel void gemm_packed(const int M, const int N, const int K, const int Np, const int has_bias,
-                          __global const float* Ap, __global const float* Bp,
-                          __global const float* bias, __global act_t* C) {
-    const int col = get_global_id(0) * 16, row = get_global_id(1) * 4;
+// The third dimension is a batch: product z reads Ap and Bp batch_a and batch_b elements on.
+__kernel void gemm_packed(const int M, const int N, const int K, const int Np, const int batch_a,
+                          const int batch_b, const int has_bias, __global const float* Ap,
+                          __global const float* Bp, __global const float* bias,
+                          __global act_t* C) {
+    const int col = get_global_id(0) * 16, row = get_global_id(1) * 4, z = get_global_id(2);
     if (col >= Np || row >= M) return;
-    __global const float* a = Ap + row * K;
-    __global const float8* b = (__global const float8*)(Bp + col);
+    C += z * M * N;
+    __global const float* a = Ap + z * batch_a + row * K;
+    __global const float8* b = (__global const float8*)(Bp + z * batch_b + col);
     const int b_stride = Np / 8;
     float8 c00 = 0.0f, c01 = 0.0f, c10 = 0.0f, c11 = 0.0f;
     float8 c20 = 0.0f, c21 = 0.0f, c30 = 0.0f, c31 = 0.0f;

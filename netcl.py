@@ -1322,22 +1322,35 @@ def _ceil_div(a, b):
     return -(-a // b)
 
 
+def _gemm_dims(a, b, trans_a, trans_b):
+    """(batch, M, K, N) of op(a) @ op(b): a (M, K) or (batch, M, K), (K, M) ... when
+    transposed; b likewise; batch is 1 when both are matrices."""
+    M, K = (a.shape[-1], a.shape[-2]) if trans_a else a.shape[-2:]
+    N = b.shape[-2] if trans_b else b.shape[-1]
+    batch = a.shape[0] if a.ndim == 3 else b.shape[0] if b.ndim == 3 else 1
+    return batch, M, K, N
+
+
+def _batch_strides(a, b, M, K, N):
+    """Elements between the matrices of a batched a and b; 0 for one every product shares."""
+    return (M * K if a.ndim == 3 else 0), (K * N if b.ndim == 3 else 0)
+
+
 def _tensor_core_gemm(a, b, trans_a, trans_b, bias, out):
     """Run _gemm's product on tensor cores if it can: both operands in float16 storage and a
     device whose probe passed. Returns whether it did."""
-    M, K = (a.shape[1], a.shape[0]) if trans_a else a.shape
-    N = b.shape[0] if trans_b else b.shape[1]
+    batch, M, K, N = _gemm_dims(a, b, trans_a, trans_b)
     device = a.device
-    if not (a.dtype == b.dtype == np.float16 and device.tensor_cores and not
+    if not (a.dtype == b.dtype == np.float16 and device.tensor_cores and K and not
             (trans_a and trans_b)):
         return False
     # kernels.cl copies 8 halves at a time; where an operand's contiguous dimension is not a
     # multiple of 8, its rows are not 16-byte aligned and the small block gathers instead.
     aligned = (M if trans_a else K) % 8 == 0 and (K if trans_b else N) % 8 == 0
     # The large block when its blocks alone fill every compute unit.
-    large = aligned and -(-M // 128) * -(-N // 128) >= device.compute_units
+    large = aligned and batch * _ceil_div(M, 128) * _ceil_div(N, 128) >= device.compute_units
     rows, cols, threads = _TC_LARGE if large else _TC_SMALL
-    blocks = -(-M // rows) * -(-N // cols)
+    blocks = batch * _ceil_div(M, rows) * _ceil_div(N, cols)
     # Split K when the blocks leave most compute units idle and K is long enough to share
     # (a weight gradient summed over a large batch): float32 partial products, then their sum.
     splits = (max(1, min(device.compute_units // blocks, K // 1024))
@@ -1346,58 +1359,67 @@ def _tensor_core_gemm(a, b, trans_a, trans_b, bias, out):
     if not aligned and blocks * splits < device.compute_units:
         return False  # too few gathering blocks: the split-K float32 kernels do it faster
     k_chunk = _ceil_div(_ceil_div(K, splits), _TC_TILE_K) * _TC_TILE_K if splits > 1 else K
-    splits = _ceil_div(K, k_chunk) if splits > 1 else 1
+    splits = _ceil_div(K, k_chunk)
     layout = "tn" if trans_a else "nt" if trans_b else "nn"
     block = "l" if large else "s" if aligned else "u"
     kernel = f"gemm_tc_{layout}_{'h' if out.dtype == np.float16 else 'f'}_{block}"
-    target = _like(out, (splits, M, N)) if splits > 1 else out
-    device.launch(kernel, (_ceil_div(N, cols) * threads, _ceil_div(M, rows), splits),
-                  (threads, 1, 1), M, N, K, k_chunk, int(bias is not None), a.data, b.data,
-                  None if bias is None else bias.data, target.data, half=True)
+    target = _like(out, (batch, splits, M, N)) if splits > 1 else out
+    device.launch(kernel, (_ceil_div(N, cols) * threads, _ceil_div(M, rows), batch * splits),
+                  (threads, 1, 1), M, N, K, k_chunk, *_batch_strides(a, b, M, K, N),
+                  int(bias is not None), a.data, b.data, None if bias is None else bias.data,
+                  target.data, half=True)
     if splits > 1:
-        _sum_axis_tensor(target, 1, splits, M * N, out=out.reshape((1, M * N)))
+        _sum_axis_tensor(target, batch, splits, M * N, out=out.reshape((batch, M * N)))
     return True
 
 
 def _gemm(a, b, trans_a=False, trans_b=False, bias=None, half=False, out=None):
     """C (M, N) = op(a) @ op(b) [+ bias (N)]; op transposes when asked, without a copy.
+    Either operand may be a batch (batch, rows, cols) of matrices, the other a matrix all
+    products share; C is then (batch, M, N), every product in one launch.
 
     half=True (autocast, OpenCL only): C is written in float16 storage from a read as float16
     (a float32 a, the network's input say, is rounded to it first), accumulating in float32.
     Otherwise C is float32. An operand in float16 storage (a value the forward kept) is read
     as such where the kernel takes it, and widened to float32 first where it does not.
-    `out`, if given, is the (M, N) tensor to write. With both operands in float16 storage on
-    a device with tensor cores, the product runs there (_tensor_core_gemm).
+    `out`, if given, is the tensor to write. With both operands in float16 storage on a
+    device with tensor cores, the product runs there (_tensor_core_gemm).
     """
-    M, K = (a.shape[1], a.shape[0]) if trans_a else a.shape
-    N = b.shape[0] if trans_b else b.shape[1]
+    batch, M, K, N = _gemm_dims(a, b, trans_a, trans_b)
+    batched = a.ndim == 3 or b.ndim == 3
     if half and a.dtype != np.float16:
         a = _cast(a, np.float16)
     if out is None:
-        out = _like(a, (M, N), np.float16 if half else
+        out = _like(a, (batch, M, N) if batched else (M, N), np.float16 if half else
                     _compute_dtype(np.result_type(a.dtype, b.dtype)))
     if a.device.backend == "cpu":
-        np.matmul(a.data.T if trans_a else a.data, b.data.T if trans_b else b.data, out=out.data)
+        np.matmul(np.swapaxes(a.data, -1, -2) if trans_a else a.data,
+                  np.swapaxes(b.data, -1, -2) if trans_b else b.data, out=out.data)
         if bias is not None:
             out.data += bias.data
-    elif M and N and a.device.gemm == "packed":
+    elif M and N and batch and a.device.gemm == "packed":
         # CPU devices: pack op(a) to (Mp, K) and op(b) to (K, Np) unless already in shape.
         # Packing reads float16 storage and writes float32, so it takes any operand's storage
         # and the inner loop reads float only.
         Mp, Np = -(-M // 4) * 4, -(-N // 16) * 16
         A, B = a, b
+        stride_a, stride_b = _batch_strides(a, b, M, K, N)
         if trans_a or Mp != M or a.dtype == np.float16:
-            A = _like(a, (Mp, K), np.float32)
-            a.device.launch("pack_a", *_grid(Mp * K), M, K, Mp, int(trans_a), a.data, A.data,
-                            half=a.dtype == np.float16)
+            count = a.shape[0] if a.ndim == 3 else 1
+            A = _like(a, (count, Mp, K), np.float32)
+            a.device.launch("pack_a", (Mp * K, count), (256, 1), M, K, Mp, int(trans_a),
+                            stride_a, a.data, A.data, half=a.dtype == np.float16)
+            stride_a = Mp * K if a.ndim == 3 else 0
         if trans_b or Np != N or b.dtype == np.float16:
-            B = _like(b, (K, Np), np.float32)
-            b.device.launch("pack_b", *_grid(K * Np), K, N, Np, int(trans_b), b.data, B.data,
-                            half=b.dtype == np.float16)
-        a.device.launch("gemm_packed", (Np // 16, Mp // 4), (8, 1), M, N, K, Np,
-                        int(bias is not None), A.data, B.data,
+            count = b.shape[0] if b.ndim == 3 else 1
+            B = _like(b, (count, K, Np), np.float32)
+            b.device.launch("pack_b", (K * Np, count), (256, 1), K, N, Np, int(trans_b),
+                            stride_b, b.data, B.data, half=b.dtype == np.float16)
+            stride_b = K * Np if b.ndim == 3 else 0
+        a.device.launch("gemm_packed", (Np // 16, Mp // 4, batch), (8, 1, 1), M, N, K, Np,
+                        stride_a, stride_b, int(bias is not None), A.data, B.data,
                         bias.data if bias is not None else None, out.data, half=half)
-    elif M and N and not _tensor_core_gemm(a, b, trans_a, trans_b, bias, out):
+    elif M and N and batch and not _tensor_core_gemm(a, b, trans_a, trans_b, bias, out):
         # The half build's tiled kernels read float16 where autocast leaves it (kernels.cl):
         # gemm_nn and gemm_nt take a (and write C) in float16, for the forward products, and
         # gemm_tn takes b, for linear's weight gradient g^T x. Other float16 operands widen.
@@ -1406,7 +1428,7 @@ def _gemm(a, b, trans_a=False, trans_b=False, bias=None, half=False, out=None):
         b = b if reads_half_b else _float32(b)
         # 128x128 tiles when there are enough of them to fill every compute unit, else 64x64.
         units = a.device.compute_units
-        big = -(-M // 128) * -(-N // 128) >= units
+        big = batch * -(-M // 128) * -(-N // 128) >= units
         tile = 128 if big else 64
         kernel = ("gemm_tn" if trans_a else "gemm_nt" if trans_b else "gemm_nn") + ("_big" if big else "")
         grid = (-(-N // tile) * 16, -(-M // tile) * 16)
@@ -1414,17 +1436,18 @@ def _gemm(a, b, trans_a=False, trans_b=False, bias=None, half=False, out=None):
         # Split K when the tiles leave most compute units idle and K is long enough to share
         # (float32 results only: partial sums in float16 would lose what float32 keeps).
         splits = (min(units // tiles, K // 1024)
-                  if bias is None and not half and 2 * tiles <= units else 1)
+                  if bias is None and not half and not batched and 2 * tiles <= units else 1)
         if splits > 1:  # the 64x64 kernels compiled for it (big is False here)
             k_chunk = -(-K // splits // _TILE_K) * _TILE_K
             splits = -(-K // k_chunk)
             partial = _like(out, (splits, M, N))
-            a.device.launch(kernel + "_split", grid + (splits,), (16, 16, 1), M, N, K, k_chunk, 0,
-                            a.data, b.data, None, partial.data, half=reads_half_b)
+            a.device.launch(kernel + "_split", grid + (splits,), (16, 16, 1), M, N, K, k_chunk,
+                            0, 0, 0, a.data, b.data, None, partial.data, half=reads_half_b)
             _sum_axis_tensor(partial, 1, splits, M * N, out=out.reshape((1, M * N)))
         else:
-            a.device.launch(kernel, grid, (16, 16), M, N, K, K, int(bias is not None),
-                            a.data, b.data, bias.data if bias is not None else None, out.data,
+            a.device.launch(kernel, grid + (batch,), (16, 16, 1), M, N, K, K,
+                            *_batch_strides(a, b, M, K, N), int(bias is not None), a.data,
+                            b.data, bias.data if bias is not None else None, out.data,
                             half=half or reads_half_b)
     return out
 
@@ -1432,31 +1455,79 @@ def _gemm(a, b, trans_a=False, trans_b=False, bias=None, half=False, out=None):
 _TILE_K = 16  # kernels.cl's GEMM tile depth: split-K chunks are multiples of it
 
 
+def _batch_shape(op, a_batch, b_batch):
+    """The broadcast of two batch shapes (NumPy's rule), or ValueError naming op."""
+    try:
+        return tuple(np.broadcast_shapes(a_batch, b_batch))
+    except ValueError:
+        raise ValueError(f"{op}: batch dimensions {a_batch} and {b_batch} do not broadcast") from None
+
+
 def matmul(a, b):
-    """a (M, K) @ b (K, N) -> (M, N); a 1-D operand is a row (left) or column (right) vector.
-    Inside autocast (OpenCL) the product is float16 storage, computed from a rounded to
-    float16 and b (float32 on GPUs, widened if float16)."""
+    """a @ b with PyTorch's rules: (M, K) @ (K, N) -> (M, N); batches (..., M, K) @ (..., K, N)
+    with broadcast batch dimensions; a 1-D operand is a row (left) or column (right) vector
+    whose dimension is dropped from the result, and 1-D @ 1-D is a dot product. Every product
+    of a batch runs in one launch; (..., M, K) @ (K, N) is one product of (... * M) rows.
+    Inside autocast (OpenCL) the result is float16 storage, computed from a rounded to
+    float16 and b (on tensor cores b is rounded too)."""
     a, b = _nodes("matmul", a, b)
-    if not (1 <= len(a.shape) <= 2 and 1 <= len(b.shape) <= 2):
-        raise ValueError(f"matmul: expected 1-D or 2-D operands, got shapes {a.shape} and {b.shape}")
-    a2 = a if len(a.shape) == 2 else reshape(a, (1, a.shape[0]))
-    b2 = b if len(b.shape) == 2 else reshape(b, (b.shape[0], 1))
-    if a2.shape[1] != b2.shape[0]:
+    if not a.shape or not b.shape:
+        raise ValueError(f"matmul: both operands need at least 1 dimension, got shapes "
+                         f"{a.shape} and {b.shape}")
+    a2 = a if len(a.shape) >= 2 else reshape(a, (1, a.shape[0]))
+    b2 = b if len(b.shape) >= 2 else reshape(b, (b.shape[0], 1))
+    (M, K), N = a2.shape[-2:], b2.shape[-1]
+    if K != b2.shape[-2]:
         raise ValueError(f"matmul: shapes {a.shape} and {b.shape} do not align "
-                         f"({a2.shape[1]} != {b2.shape[0]})")
-    A, B = a2.value, b2.value
+                         f"({K} != {b2.shape[-2]})")
+    batch = _batch_shape("matmul", a2.shape[:-2], b2.shape[:-2])
+    if len(b2.shape) == 2 and batch:  # one right matrix: the batch is just more rows of a
+        out = _matmul_batch(reshape(a2, (-1, K)), b2)
+    else:
+        count = math.prod(batch)
+
+        def operand(x, rows, cols):
+            """x as one shared matrix (rows, cols), or as the whole batch (count, rows, cols)."""
+            if math.prod(x.shape[:-2]) == 1:
+                return reshape(x, (rows, cols))
+            if x.shape[:-2] != batch:  # broadcast along some batch dimensions: expand it
+                x = add(x, _fill(batch + (rows, cols), 0.0, x.value))
+            return reshape(x, (count, rows, cols))
+        out = _matmul_batch(operand(a2, M, K), operand(b2, K, N))
+    out_shape = batch + (M, N)
+    if len(a.shape) == 1:
+        out_shape = out_shape[:-2] + out_shape[-1:]
+    if len(b.shape) == 1:
+        out_shape = out_shape[:-1]
+    return reshape(out, out_shape)
+
+
+def _matmul_batch(a, b):
+    """a @ b for a, b each a matrix (rows, cols) or a batch (count, rows, cols), on _gemm."""
+    A, B = a.value, b.value
     half = _half_activations(A.device)
     if half and A.device.tensor_cores:  # float16 operands: every product on the tensor cores
-        A, B = _half_weight(a2), _half_weight(b2)
+        A, B = _half_weight(a), _half_weight(b)
 
     def backward(g):
         if A.dtype == B.dtype == np.float16:
             g = _half_operand(g)
-        return (_gemm(g, B, trans_b=True) if a2.requires_grad else None,
-                _gemm(A, g, trans_a=True) if b2.requires_grad else None)
-    out = _record(_gemm(A, B, half=half), (a2, b2), backward)
-    out_shape = a.shape[:-1] + b.shape[1:]
-    return out if out.shape == out_shape else reshape(out, out_shape)
+        return (_matmul_grad(g, B, A.shape, trans_b=True) if a.requires_grad else None,
+                _matmul_grad(A, g, B.shape, trans_a=True) if b.requires_grad else None)
+    return _record(_gemm(A, B, half=half), (a, b), backward)
+
+
+def _matmul_grad(x, y, shape, trans_a=False, trans_b=False):
+    """The gradient op(x) @ op(y) of an operand of `shape`: where that operand is one matrix
+    that a batch shared, the sum over the batch, as one product of the stacked rows when the
+    batch is on the side that is summed over (dB = A^T g), else summed after the products."""
+    if len(shape) == 3 or (x.ndim == 2 and y.ndim == 2):
+        return _gemm(x, y, trans_a=trans_a, trans_b=trans_b)
+    if trans_a:  # dB = sum over the batch of A_i^T g_i: the batch's rows stacked
+        return _gemm(x.reshape((-1, x.shape[-1])), y.reshape((-1, y.shape[-1])), trans_a=True)
+    products = _gemm(x, y, trans_b=trans_b)  # dA = sum over the batch of g_i B_i^T
+    count, rows, cols = products.shape
+    return _sum_axis_tensor(products, 1, count, rows * cols).reshape((rows, cols))
 
 
 def linear(x, w, b=None):

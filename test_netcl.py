@@ -426,6 +426,40 @@ def _(draw, rng, fd):
                 [rng.standard_normal((m, k)), rng.standard_normal((k, n))], tol="acc")
 
 
+def _batch_dims(draw, fd):
+    """A batch shape of 1 or 2 dimensions for batched matmul (sizes from 0 up)."""
+    return tuple(draw(st.integers(0 if fd else 1, 3)) for _ in range(draw(st.integers(1, 2))))
+
+
+@case("matmul_batched")
+def _(draw, rng, fd):  # (..., M, K) @ (..., K, N), equal batch dimensions
+    batch = _batch_dims(draw, fd)
+    m, k, n = (_dim(draw, fd, GEMM_DIM) for _ in range(3))
+    return Case(F.matmul, np.matmul, [rng.standard_normal(batch + (m, k)),
+                                      rng.standard_normal(batch + (k, n))], tol="acc")
+
+
+@case("matmul_shared_operand")
+def _(draw, rng, fd):  # a batch against one matrix, on either side (its gradient is a sum)
+    batch = _batch_dims(draw, fd)
+    m, k, n = (_dim(draw, fd, GEMM_DIM) for _ in range(3))
+    left = draw(st.booleans())
+    a = rng.standard_normal((m, k) if left else batch + (m, k))
+    b = rng.standard_normal(batch + (k, n) if left else (k, n))
+    return Case(F.matmul, np.matmul, [a, b], tol="acc")
+
+
+@case("matmul_vector")
+def _(draw, rng, fd):  # 1-D operands: a row on the left, a column on the right, a dot product
+    k = _dim(draw, fd, GEMM_DIM)
+    kind = draw(st.sampled_from(["vector_batch", "batch_vector", "dot"]))
+    batch = _batch_dims(draw, fd)
+    m = _dim(draw, fd, GEMM_DIM)
+    a = rng.standard_normal((k,) if kind != "batch_vector" else batch + (m, k))
+    b = rng.standard_normal((k,) if kind != "vector_batch" else batch + (k, m))
+    return Case(F.matmul, np.matmul, [a, b], tol="acc")
+
+
 @case("matmul_operator")
 def _(draw, rng, fd):
     m, k, n = (_dim(draw, fd, GEMM_DIM) for _ in range(3))
@@ -3655,6 +3689,24 @@ def test_tensor_core_gemm_split_and_unaligned_shapes(opencl, layout, m, n, k):
     assert netcl._tensor_core_gemm(A, B, layout == "tn", layout == "nt", None, out)
     exact = a.astype(np.float64) @ b.astype(np.float64)
     bound = k * 2.0 ** -23 * (np.abs(a).astype(np.float64) @ np.abs(b))
+    assert (np.abs(host(out) - exact) <= bound).all()
+
+
+@pytest.mark.parametrize("a_batch, b_batch", [(3, 3), (None, 3), (3, None)])
+@pytest.mark.parametrize("layout", ["nn", "nt", "tn"])
+def test_tensor_core_gemm_batched(opencl, layout, a_batch, b_batch):
+    """A batch of products in one launch; a matrix shared by the batch has no batch axis."""
+    dev = _tensor_core_device(opencl)
+    rng = np.random.default_rng(11)
+    m, k, n = 72, 40, 56
+    a = rng.standard_normal(((a_batch,) if a_batch else ()) + (m, k)).astype(np.float16)
+    b = rng.standard_normal(((b_batch,) if b_batch else ()) + (k, n)).astype(np.float16)
+    A = tensor(np.swapaxes(a, -1, -2).copy() if layout == "tn" else a, dev)
+    B = tensor(np.swapaxes(b, -1, -2).copy() if layout == "nt" else b, dev)
+    out = netcl.Tensor.empty((3, m, n), np.float32, dev.queue)
+    assert netcl._tensor_core_gemm(A, B, layout == "tn", layout == "nt", None, out)
+    exact = np.matmul(a.astype(np.float64), b.astype(np.float64))
+    bound = k * 2.0 ** -23 * np.matmul(np.abs(a).astype(np.float64), np.abs(b))
     assert (np.abs(host(out) - exact) <= bound).all()
 
 
