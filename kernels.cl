@@ -76,6 +76,26 @@ UNARY(mul_scalar, x * alpha)
 UNARY(div_scalar, x / alpha)
 UNARY(rsub_scalar, alpha - x)
 UNARY(rdiv_scalar, alpha / x)
+UNARY(sqrt_fwd, sqrt(x))
+UNARY(rsqrt_fwd, 1.0f / sqrt(x))  // not rsqrt(), which OpenCL allows 2 ulps: PyTorch divides
+UNARY(abs_fwd, fabs(x))
+UNARY(pow_fwd, pow(x, alpha))     // alpha = the exponent
+UNARY(silu_fwd, x / (1.0f + exp(-x)))
+
+// PyTorch's tanh GELU, 0.5 x (1 + tanh(u)) with u = sqrt(2/pi) (x + 0.044715 x^3), is x s for
+// s = (1 + tanh(u)) / 2 = sigmoid(2u): through exp, 1 + tanh(u) keeps its precision where
+// tanh(u) is close to -1, which the sum itself would cancel.
+float gelu_tanh_s(const float x) {
+    return 1.0f / (1.0f + exp(-1.5957691216f * (x + 0.044715f * x * x * x)));
+}
+
+// d(x s)/dx: PyTorch's 0.5 (1 + t) + 0.5 x (1 - t^2) du/dx, with 1 - t^2 = 4 s (1 - s)
+float gelu_tanh_slope(const float x) {
+    const float s = gelu_tanh_s(x);
+    return s + 2.0f * x * s * (1.0f - s) * 0.7978845608f * (1.0f + 0.134145f * x * x);
+}
+
+UNARY(gelu_tanh_fwd, x * gelu_tanh_s(x))
 
 // --- their gradients: out (n) = dL/dx from g = dL/dout and s, the saved input x or output y
 // (an activation, act_t); g and out are gradients (float).
@@ -95,6 +115,35 @@ UNARY_GRAD(gelu_bwd, g * (0.5f * (1.0f + erf(s * M_SQRT1_2_F)) // s = x: Phi(x) 
 UNARY_GRAD(exp_bwd, g * s)                                     // s = y
 UNARY_GRAD(log_bwd, g / s)                                     // s = x
 UNARY_GRAD(rdiv_bwd, -alpha * g / (s * s))                     // s = x, d(alpha/x)/dx
+UNARY_GRAD(sqrt_bwd, g / (2.0f * s))                           // s = y
+UNARY_GRAD(rsqrt_bwd, -0.5f * g * s * s * s)                   // s = y
+UNARY_GRAD(abs_bwd, g * sign(s))                               // s = x: sign(0) = sign(NaN) = 0
+UNARY_GRAD(pow_bwd, alpha == 0.0f ? 0.0f                       // s = x; 0 for exponent 0, as
+                                  : g * alpha * pow(s, alpha - 1.0f))  // PyTorch's pow_backward
+UNARY_GRAD(silu_bwd, g / (1.0f + exp(-s))                     // s = x: g sigmoid(x) (1 + x
+                         * (1.0f + s * (1.0f - 1.0f / (1.0f + exp(-s)))))  // (1 - sigmoid(x)))
+UNARY_GRAD(gelu_tanh_bwd, g * gelu_tanh_slope(s))              // s = x
+
+// clamp: out (n) = x limited to [low, high] (-inf / inf for an absent bound); NaN stays NaN.
+// fmin(fmax(x, low), high) gives high everywhere when low > high, as torch.clamp.
+__kernel void clamp_fwd(const int n, const float low, const float high,
+                        __global const act_t* x, __global act_t* out) {
+    const int i = get_global_id(0);
+    if (i < n) {
+        const float v = LOAD(x, i);
+        STORE(out, i, isnan(v) ? v : fmin(fmax(v, low), high));
+    }
+}
+
+// dL/dx (n) = g where low <= x <= high (the bounds pass the gradient, as PyTorch's), else 0
+__kernel void clamp_bwd(const int n, const float low, const float high, __global const float* g,
+                        __global const act_t* x, __global float* out) {
+    const int i = get_global_id(0);
+    if (i < n) {
+        const float v = LOAD(x, i);
+        out[i] = (v >= low && v <= high) ? g[i] : 0.0f;
+    }
+}
 
 // --- elementwise, two inputs: out (n) = f(a, b). An operand of fewer elements repeats along
 // the leading dimensions (a bias (cols) against x (rows, cols), or a scalar of size 1).

@@ -731,6 +731,20 @@ class Node:
         """The transpose of a 2-D node."""
         return transpose(self)
 
+    __pow__ = lambda self, exponent: power(self, exponent)
+
+    def pow(self, exponent):
+        """self ** exponent (a number)."""
+        return power(self, exponent)
+
+    def sqrt(self):
+        """Square root."""
+        return sqrt(self)
+
+    def abs(self):
+        """|self|."""
+        return absolute(self)
+
 
 class Parameter(Node):
     """A trainable leaf: a Node with requires_grad=True.
@@ -1095,6 +1109,28 @@ def _erf(x):
     return np.sign(x) * (1.0 - poly * np.exp(-x * x))
 
 
+def _silu_slope(x):
+    """d silu / dx = sigmoid(x) (1 + x (1 - sigmoid(x))), PyTorch's silu_backward."""
+    sigmoid_x = 1 / (1 + np.exp(-x))
+    return sigmoid_x * (1 + x * (1 - sigmoid_x))
+
+
+_GELU_TANH_K = math.sqrt(2 / math.pi)
+
+
+def _gelu_tanh_s(x):
+    """PyTorch's gelu(x, approximate="tanh"), 0.5 x (1 + tanh(u)) with u = sqrt(2/pi) (x +
+    0.044715 x^3), is x s for s = (1 + tanh(u)) / 2 = sigmoid(2u). Through exp, 1 + tanh(u)
+    keeps its precision where tanh(u) is close to -1, which the sum itself would cancel."""
+    return 1 / (1 + np.exp(-2 * _GELU_TANH_K * (x + 0.044715 * x * x * x)))
+
+
+def _gelu_tanh_slope(x):
+    """d(x s)/dx: PyTorch's 0.5 (1 + t) + 0.5 x (1 - t^2) du/dx, with 1 - t^2 = 4 s (1 - s)."""
+    s = _gelu_tanh_s(x)
+    return s + 2 * x * s * (1 - s) * _GELU_TANH_K * (1 + 3 * 0.044715 * x * x)
+
+
 _UNARY = {  # name: (forward on x, gradient from (g, s, alpha), s is "x" or "y")
     "neg": (lambda x, a: -x, None, None),  # its backward is neg itself (_unary)
     "relu": (lambda x, a: np.maximum(x, 0),  # np.maximum keeps NaN, as PyTorch
@@ -1109,6 +1145,15 @@ _UNARY = {  # name: (forward on x, gradient from (g, s, alpha), s is "x" or "y")
     "exp": (lambda x, a: np.exp(x), lambda g, s, a: g * s, "y"),
     "log": (lambda x, a: np.log(x), lambda g, s, a: g / s, "x"),
     "rdiv": (None, lambda g, s, a: -a * g / (s * s), "x"),  # d(a / x)/dx, for scalar / x
+    "sqrt": (lambda x, a: np.sqrt(x), lambda g, s, a: g / (2 * s), "y"),
+    "rsqrt": (lambda x, a: 1 / np.sqrt(x), lambda g, s, a: -0.5 * g * s * s * s, "y"),
+    "abs": (lambda x, a: np.abs(x),  # PyTorch's sgn: 0 at 0 and at NaN (NumPy's sign keeps NaN)
+            lambda g, s, a: g * np.where(np.isnan(s), 0, np.sign(s)), "x"),
+    "pow": (lambda x, a: np.power(x, a),  # a = the exponent; PyTorch's gradient is 0 for a = 0
+            lambda g, s, a: g * a * np.power(s, a - 1) if a != 0 else np.zeros_like(g), "x"),
+    "silu": (lambda x, a: x / (1 + np.exp(-x)), lambda g, s, a: g * _silu_slope(s), "x"),
+    "gelu_tanh": (lambda x, a: x * _gelu_tanh_s(x),
+                  lambda g, s, a: g * _gelu_tanh_slope(s), "x"),
 }
 
 
@@ -1176,9 +1221,12 @@ def tanh(x):
     return _unary("tanh", x)
 
 
-def gelu(x):
-    """x * Phi(x), the exact (erf) form, as PyTorch's default."""
-    return _unary("gelu", x)
+def gelu(x, approximate="none"):
+    """x * Phi(x): the exact (erf) form, PyTorch's default, or with approximate="tanh"
+    PyTorch's 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))."""
+    if approximate not in ("none", "tanh"):
+        raise ValueError(f"gelu: approximate must be 'none' or 'tanh', got {approximate!r}")
+    return _unary("gelu" if approximate == "none" else "gelu_tanh", x)
 
 
 def exp(x):
@@ -1189,6 +1237,68 @@ def exp(x):
 def log(x):
     """Natural logarithm."""
     return _unary("log", x)
+
+
+def sqrt(x):
+    """Square root (NaN below 0; the gradient at 0 is inf, as PyTorch's)."""
+    return _unary("sqrt", x)
+
+
+def rsqrt(x):
+    """1 / sqrt(x)."""
+    return _unary("rsqrt", x)
+
+
+def absolute(x):
+    """|x| (functional.abs; not netcl.abs, which would hide Python's abs in this file). The
+    gradient is sign(x): 0 at 0, as PyTorch's."""
+    return _unary("abs", x)
+
+
+def power(x, exponent):
+    """x ** exponent for a number `exponent`, as torch.pow (functional.pow, `x ** 2`): NaN for
+    a negative x and a non-integer exponent. The gradient is exponent * x ** (exponent - 1),
+    as PyTorch's: at x = 0 infinite below exponent 1, 1 at 1, 0 above; 0 for exponent 0."""
+    if not _is_scalar(exponent):
+        raise TypeError(f"pow: exponent must be a number (netcl has no tensor exponents), got "
+                        f"{exponent!r:.60} ({type(exponent).__name__})")
+    return _unary("pow", x, float(exponent))
+
+
+def clamp(x, min=None, max=None):
+    """x limited to [min, max], as torch.clamp: either bound may be None; NaN stays NaN; with
+    min > max every element is max. The gradient passes where min <= x <= max, the bounds
+    included, as PyTorch's, and is 0 elsewhere."""
+    if min is None and max is None:
+        raise ValueError("clamp: at least one of min and max must be given")
+    for name, bound in (("min", min), ("max", max)):
+        if bound is not None and not _is_scalar(bound):
+            raise TypeError(f"clamp: {name} must be a number or None, got {bound!r:.60}")
+    (x,) = _nodes("clamp", x)
+    low = -math.inf if min is None else float(min)  # an absent bound clamps nothing
+    high = math.inf if max is None else float(max)
+    X = x.value
+    y = _like(X)
+    if X.device.backend == "cpu":
+        y.data[...] = np.minimum(np.maximum(X.data, low), high)  # both keep NaN
+    elif X.size:
+        X.device.launch("clamp_fwd", *_grid(X.size), X.size, low, high, X.data, y.data,
+                        half=X.dtype == np.float16)
+
+    def backward(g):
+        out = _like(g)
+        if g.device.backend == "cpu":
+            out.data[...] = np.where((X.data >= low) & (X.data <= high), g.data, 0)
+        elif g.size:
+            g.device.launch("clamp_bwd", *_grid(g.size), g.size, low, high, g.data, X.data,
+                            out.data, half=X.dtype == np.float16)
+        return (out,)
+    return _record(y, (x,), backward)
+
+
+def silu(x):
+    """x * sigmoid(x)."""
+    return _unary("silu", x)
 
 
 # --- elementwise, two inputs ---------------------------------------------------------------
@@ -2258,11 +2368,17 @@ class Sigmoid(Module):
 
 
 class GELU(Module):
-    """x * Phi(x) (exact erf form)."""
+    """x * Phi(x): the exact erf form, or PyTorch's tanh approximation (approximate="tanh")."""
+
+    def __init__(self, approximate="none"):
+        super().__init__()
+        if approximate not in ("none", "tanh"):
+            raise ValueError(f"GELU: approximate must be 'none' or 'tanh', got {approximate!r}")
+        self.approximate = approximate
 
     def forward(self, x):
         """Apply gelu."""
-        return gelu(x)
+        return gelu(x, self.approximate)
 
 
 class Dropout(Module):
@@ -4087,7 +4203,8 @@ functional = _alias(
     relu=relu, leaky_relu=leaky_relu, sigmoid=sigmoid, tanh=tanh, gelu=gelu, exp=exp, log=log,
     sum=reduce_sum, mean=reduce_mean, reshape=reshape, flatten=flatten, transpose=transpose,
     softmax=softmax, log_softmax=log_softmax, cross_entropy=cross_entropy, mse_loss=mse_loss,
-    dropout=dropout, conv2d=conv2d, max_pool2d=max_pool2d, avg_pool2d=avg_pool2d)
+    dropout=dropout, conv2d=conv2d, max_pool2d=max_pool2d, avg_pool2d=avg_pool2d,
+    sqrt=sqrt, rsqrt=rsqrt, abs=absolute, pow=power, clamp=clamp, silu=silu)
 autograd = _alias("autograd", Node=Node, Parameter=Parameter, Tape=Tape, no_grad=no_grad)
 nn = _alias("nn", Module=Module, Linear=Linear, ReLU=ReLU, Tanh=Tanh, Sigmoid=Sigmoid,
             GELU=GELU, Dropout=Dropout, Flatten=Flatten, Sequential=Sequential,

@@ -700,6 +700,46 @@ def _(draw, rng, fd):
                 seed=draw(st.integers(0, 2 ** 31 - 1)))
 
 
+# --- elementwise ops, one input (sqrt ... tanh GELU). Inputs keep away from the points where
+# PyTorch's gradient is a convention (abs at 0, clamp's bounds, ties, pow at 0); the tests at
+# the end of the file check those conventions.
+
+def _away_from(points, x, gap=0.05):
+    """x with every element closer than `gap` to one of `points` moved up by 2 * gap."""
+    for point in points:
+        x = np.where(np.abs(x - point) < gap, x + 2 * gap, x)
+    return x
+
+
+def _gelu_tanh_ref(x):  # torch.nn.functional.gelu(x, approximate="tanh")
+    return 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3)))
+
+
+for _name, (_fn, _ref, _values) in {
+    "sqrt": (F.sqrt, np.sqrt, "positive"),
+    "sqrt_method": (lambda x: x.sqrt(), np.sqrt, "positive"),
+    "rsqrt": (F.rsqrt, lambda x: 1 / np.sqrt(x), "positive"),
+    "abs": (F.abs, np.abs, "away"),
+    "abs_method": (lambda x: x.abs(), np.abs, "away"),
+    "pow_square_operator": (lambda x: x ** 2, np.square, "normal"),
+    "pow_cube": (lambda x: F.pow(x, 3), lambda x: x ** 3, "normal"),
+    "pow_negative_method": (lambda x: x.pow(-2), lambda x: x ** -2.0, "away"),
+    "pow_fraction": (lambda x: F.pow(x, 1.5), lambda x: x ** 1.5, "positive"),
+    "pow_zero": (lambda x: F.pow(x, 0), np.ones_like, "normal"),
+    "silu": (F.silu, lambda x: x / (1 + np.exp(-x)), "normal"),
+    "gelu_tanh": (lambda x: F.gelu(x, approximate="tanh"), _gelu_tanh_ref, "normal"),
+}.items():
+    _unary_case(_name, _fn, _ref, _values)
+
+
+@case("clamp")
+def _(draw, rng, fd):
+    shape = _shape(draw, fd)
+    low, high = draw(st.sampled_from([(-0.5, 0.7), (None, 0.3), (-0.2, None)]))
+    x = _away_from([b for b in (low, high) if b is not None], rng.standard_normal(shape))
+    return Case(lambda x: F.clamp(x, low, high), lambda x: np.clip(x, low, high), [x])
+
+
 # Random outputs cannot be compared across backends (the mask stream is per backend).
 CROSS_BACKEND_CASES = sorted(name for name in CASES if name != "dropout")
 
@@ -4921,3 +4961,140 @@ def test_autocast_is_per_thread(portable_half):
         assert (x @ w).dtype == np.float16
         (elsewhere,) = _in_threads(lambda: x @ w)  # a new thread starts with autocast off
     assert elsewhere.dtype == np.float32
+
+
+# ---------------------------------------------------------------------------------------------
+# elementwise and reductions
+# ---------------------------------------------------------------------------------------------
+# The conventions of PyTorch's gradients at the points the op cases keep away from, the
+# edges (NaN, infinities, empty axes, zero-size tensors) and the errors. Expected values are
+# PyTorch's, worked out from its formulas (derivatives.yaml, FunctionsManual.cpp).
+
+def _value_and_grad(dev, op, *arrays, grad=None):
+    """op(*leaves) on dev and the gradient of each leaf for an upstream gradient of ones."""
+    leaves = [param(a, dev) for a in arrays]
+    with netcl.Tape() as tape:
+        out = op(*leaves)
+    tape.backward(out, grad=np.ones(out.shape, np.float32) if grad is None else grad)
+    return (host(out), *[host(p.grad) for p in leaves])
+
+
+def test_abs_gradient_at_zero_is_zero(backend):
+    x = np.array([0.0, -0.0, 2.0, -3.0, np.nan])
+    y, grad = _value_and_grad(backend, F.abs, x)
+    np.testing.assert_array_equal(y, [0.0, 0.0, 2.0, 3.0, np.nan])
+    np.testing.assert_array_equal(grad, [0.0, 0.0, 1.0, -1.0, 0.0])  # sgn(0) = sgn(nan) = 0
+
+
+@pytest.mark.parametrize("exponent, value, grad", [
+    # x = 0, -2, 2; torch.pow's backward: exponent * x ** (exponent - 1), 0 for exponent 0
+    (0, [1.0, 1.0, 1.0], [0.0, 0.0, 0.0]),
+    (0.5, [0.0, np.nan, math.sqrt(2)], [np.inf, np.nan, 0.5 / math.sqrt(2)]),
+    (1, [0.0, -2.0, 2.0], [1.0, 1.0, 1.0]),
+    (2, [0.0, 4.0, 4.0], [0.0, -4.0, 4.0]),
+    (3, [0.0, -8.0, 8.0], [0.0, 12.0, 12.0]),
+    (-1, [np.inf, -0.5, 0.5], [-np.inf, -0.25, -0.25]),
+    (2.5, [0.0, np.nan, 2 ** 2.5], [0.0, np.nan, 2.5 * 2 ** 1.5]),
+])
+def test_pow_at_zero_and_negative_bases(backend, exponent, value, grad):
+    y, g = _value_and_grad(backend, lambda x: x ** exponent, np.array([0.0, -2.0, 2.0]))
+    np.testing.assert_allclose(y, value, rtol=1e-6)
+    np.testing.assert_allclose(g, grad, rtol=1e-6)
+
+
+def test_pow_gradient_is_zero_for_exponent_zero_even_at_nan(backend):
+    y, g = _value_and_grad(backend, lambda x: F.pow(x, 0.0), np.array([np.nan, np.inf, 0.0]))
+    np.testing.assert_array_equal(y, [1.0, 1.0, 1.0])
+    np.testing.assert_array_equal(g, [0.0, 0.0, 0.0])
+
+
+def test_pow_takes_a_number_exponent(backend):
+    x = tensor(np.ones(3), backend)
+    with raises_naming(TypeError, "pow", "exponent", "Tensor"):
+        F.pow(x, x)
+    with raises_naming(TypeError, "pow", "exponent", "str"):
+        netcl.Node(x) ** "2"
+
+
+@pytest.mark.parametrize("low, high, value, grad", [
+    (2.0, 2.5, [2.0, 2.0, 2.5, 2.5, np.nan], [0.0, 1.0, 1.0, 0.0, 0.0]),  # bounds pass g
+    (3.0, 2.0, [2.0, 2.0, 2.0, 2.0, np.nan], [0.0, 0.0, 0.0, 0.0, 0.0]),  # min > max: max
+    (2.0, None, [2.0, 2.0, 2.5, 3.0, np.nan], [0.0, 1.0, 1.0, 1.0, 0.0]),
+    (None, 2.5, [1.0, 2.0, 2.5, 2.5, np.nan], [1.0, 1.0, 1.0, 0.0, 0.0]),
+])
+def test_clamp_at_the_bounds(backend, low, high, value, grad):
+    x = np.array([1.0, 2.0, 2.5, 3.0, np.nan])
+    y, g = _value_and_grad(backend, lambda x: F.clamp(x, low, high), x)
+    np.testing.assert_array_equal(y, value)
+    np.testing.assert_array_equal(g, grad)
+
+
+def test_clamp_errors(backend):
+    x = tensor(np.ones(3), backend)
+    with raises_naming(ValueError, "clamp", "min", "max"):
+        F.clamp(x)
+    with raises_naming(TypeError, "clamp", "max"):
+        F.clamp(x, 0.0, x)
+    with raises_naming(TypeError, "clamp", "min"):
+        F.clamp(x, min="0")
+
+
+def test_silu_and_tanh_gelu_far_out(backend):
+    """Large |x|: silu and the tanh GELU go to 0 and to x without inf or nan, in both
+    directions (silu checked against a float64 transcription of PyTorch's formulas)."""
+    x = np.array([-100.0, -30.0, -8.0, 8.0, 30.0, 100.0])
+    y, g = _value_and_grad(backend, F.silu, x)
+    np.testing.assert_allclose(y, x / (1 + np.exp(-x)), rtol=1e-6, atol=1e-30)
+    sig = 1 / (1 + np.exp(-x))
+    np.testing.assert_allclose(g, sig * (1 + x * (1 - sig)), rtol=1e-5, atol=1e-30)
+    x = np.array([-100.0, -30.0, 30.0, 100.0])
+    y, g = _value_and_grad(backend, lambda x: F.gelu(x, approximate="tanh"), x)
+    np.testing.assert_array_equal(y, [0.0, 0.0, 30.0, 100.0])
+    np.testing.assert_array_equal(g, [0.0, 0.0, 1.0, 1.0])
+
+
+def test_gelu_approximate_argument(backend):
+    x = tensor(np.random.default_rng(3).standard_normal((4, 5)), backend)
+    np.testing.assert_array_equal(host(F.gelu(x, "none")), host(F.gelu(x)))
+    np.testing.assert_allclose(host(F.gelu(x, approximate="tanh")),
+                               _gelu_tanh_ref(host(x).astype(np.float64)), rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(host(nn.GELU(approximate="tanh")(x)),
+                                  host(F.gelu(x, approximate="tanh")))
+    np.testing.assert_array_equal(host(nn.GELU()(x)), host(F.gelu(x)))
+    with raises_naming(ValueError, "gelu", "approximate", "'sigmoid'"):
+        F.gelu(x, approximate="sigmoid")
+    with raises_naming(ValueError, "GELU", "approximate", "'fast'"):
+        nn.GELU(approximate="fast")
+
+
+@pytest.mark.parametrize("op", [
+    F.sqrt, F.rsqrt, F.abs, lambda x: x ** 2, lambda x: F.clamp(x, -1.0, 1.0), F.silu,
+    lambda x: F.gelu(x, approximate="tanh"),
+], ids=["sqrt", "rsqrt", "abs", "pow", "clamp", "silu", "gelu_tanh"])
+def test_elementwise_on_zero_size_tensors(backend, op):
+    y, g = _value_and_grad(backend, op, np.zeros((0, 3)))
+    assert y.shape == (0, 3) and g.shape == (0, 3)
+
+
+def test_flat_names_of_the_new_ops():
+    for name in ["sqrt", "rsqrt", "clamp", "silu"]:
+        assert getattr(netcl, name) is getattr(F, name), name
+    # these would hide Python's own functions inside netcl.py: functional only
+    assert (F.abs, F.pow) == (netcl.absolute, netcl.power)
+
+
+HALF_NEW_OP_CASES = [
+    ("sqrt", _one(low=0.1), F.sqrt, np.sqrt, True),
+    ("rsqrt", _one(low=0.1), F.rsqrt, lambda x: 1 / np.sqrt(x), True),
+    ("abs", _one(), F.abs, np.abs, True),
+    ("pow", _one(), lambda x: x ** 3, lambda x: x ** 3, True),
+    ("clamp", _one(), lambda x: F.clamp(x, -0.5, 0.7), lambda x: np.clip(x, -0.5, 0.7), True),
+    ("silu", _one(), F.silu, lambda x: x / (1 + np.exp(-x)), True),
+    ("gelu_tanh", _one(), lambda x: F.gelu(x, approximate="tanh"), _gelu_tanh_ref, True),
+]
+
+
+@pytest.mark.parametrize("case", HALF_NEW_OP_CASES, ids=[c[0] for c in HALF_NEW_OP_CASES])
+def test_float16_storage_new_ops(opencl, case):
+    """test_float16_storage_ops for these ops: float16 in, float16 out, float32 gradients."""
+    test_float16_storage_ops(opencl, case)
