@@ -174,6 +174,22 @@ __kernel void div_bwd_b(const int n, const int a_size, const int b_size, __globa
     }
 }
 
+// --- maximum, minimum and selection: BINARY kernels, launched like add_fwd.
+BINARY(maximum_fwd, (a > b || isnan(a)) ? a : b)  // NaN on either side gives NaN, as PyTorch
+BINARY(minimum_fwd, (a < b || isnan(a)) ? a : b)
+// a's share of the gradient of maximum(a, b): 1 where it won, 0 where it lost, half on a tie
+BINARY(max_share_fwd, a < b ? 0.0f : (a == b ? 0.5f : 1.0f))
+// a is a mask of 1s and 0s: b where it is 1 (pick) or 0 (drop), else -0.0, so that a pick
+// plus a drop is exactly a selection (x + -0.0 == x for every x, -0.0 included)
+BINARY(where_pick_fwd, a != 0.0f ? b : -0.0f)
+BINARY(where_drop_fwd, a != 0.0f ? -0.0f : b)
+
+// cond (n) int32 -> mask (n) act_t: 1 where cond is nonzero, else 0
+__kernel void nonzero_mask(const int n, __global const int* cond, __global act_t* mask) {
+    const int i = get_global_id(0);
+    if (i < n) STORE(mask, i, cond[i] != 0 ? 1.0f : 0.0f);
+}
+
 // x (rows, cols) -> out (cols, rows), both act_t
 __kernel void transpose2d(const int rows, const int cols, __global const act_t* x,
                           __global act_t* out) {

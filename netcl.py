@@ -745,6 +745,10 @@ class Node:
         """|self|."""
         return absolute(self)
 
+    def masked_fill(self, mask, value):
+        """A copy with the number `value` where mask is true."""
+        return masked_fill(self, mask, value)
+
 
 class Parameter(Node):
     """A trainable leaf: a Node with requires_grad=True.
@@ -1418,6 +1422,119 @@ def div(a, b):
                             B.data, grad_b.data, half=A.dtype == np.float16)
         return _unbroadcast(grad_a, a.shape), _unbroadcast(grad_b, b.shape)
     return _record(_binary_tensor("div", a.value, b.value, shape), (a, b), backward)
+
+
+# --- maximum, minimum and selection ----------------------------------------------------------
+# Binary ops built on the broadcasting above: each step is one _binary_tensor of a BINARY
+# kernel, and each gradient is summed back to its operand's shape with _unbroadcast. Gradients
+# are computed only for the operands that need one (a mask, a fill value rarely do).
+
+def _max_share(x, y, out):
+    """x's share of the gradient of maximum(x, y): 1 where x > y, 0 where x < y, and half each
+    on a tie, as PyTorch's (a NaN on either side gives both the whole gradient)."""
+    out[...] = np.where(x < y, 0.0, np.where(x == y, 0.5, 1.0))
+    return out
+
+
+_BINARY.update(  # NumPy references of the kernels of this sub-section, called like ufuncs
+    maximum=np.maximum, minimum=np.minimum, max_share=_max_share,  # both keep NaN, as PyTorch
+    where_pick=lambda mask, x, out: np.copyto(out, np.where(mask != 0, x, -0.0)),
+    where_drop=lambda mask, x, out: np.copyto(out, np.where(mask != 0, -0.0, x)))
+
+
+def _extremum(op, a, b):
+    a, b = _nodes(op, a, b)
+    shape = _broadcast_shape(op, a.shape, b.shape)
+    A, B = a.value, b.value
+
+    def backward(g):
+        # a's share in maximum(a, b) is _max_share(a, b), b's is _max_share(b, a); in
+        # minimum(a, b) a wins where maximum(b, a) would pick a, so the two swap.
+        first, second = (A, B) if op == "maximum" else (B, A)
+
+        def grad(node, x, y):
+            if not node.requires_grad:
+                return None
+            share = _binary_tensor("max_share", x, y, shape)
+            return _unbroadcast(_binary_tensor("mul", g, share, shape), node.shape)
+        return grad(a, first, second), grad(b, second, first)
+    return _record(_binary_tensor(op, A, B, shape), (a, b), backward)
+
+
+def maximum(a, b):
+    """The elementwise larger of a and b, NaN if either is NaN, as torch.maximum. On a tie each
+    gets half the gradient."""
+    return _extremum("maximum", a, b)
+
+
+def minimum(a, b):
+    """The elementwise smaller of a and b, NaN if either is NaN, as torch.minimum. On a tie each
+    gets half the gradient."""
+    return _extremum("minimum", a, b)
+
+
+def _mask(op, cond, like, name):
+    """cond (the argument `name`) as a tensor of 1s (true) and 0s in like's dtype and on like's device, the operand
+    the selection kernels read. cond: a bool or integer array, or an int32 Tensor or Node
+    (netcl's bool tensors), nonzero meaning true; PyTorch takes bool only, netcl has no bool
+    dtype. A constant: no gradient flows to it."""
+    if isinstance(cond, Node):
+        cond = cond.value
+    if isinstance(cond, Tensor):
+        if cond.dtype != np.int32:
+            raise TypeError(f"{op}: {name} must hold bools or integers (an int32 Tensor), "
+                            f"got a {cond.dtype.name} Tensor of shape {cond.shape}")
+        if cond.device is not like.device:
+            raise ValueError(f"{op}: operands are on different devices: {cond.device.backend} "
+                             f"({cond.device.name}) and {like.device.backend} ({like.device.name})")
+        mask = _like(cond, dtype=like.dtype)
+        if cond.device.backend == "cpu":
+            mask.data[...] = cond.data != 0
+        elif cond.size:
+            cond.device.launch("nonzero_mask", *_grid(cond.size), cond.size, cond.data,
+                               mask.data, half=like.dtype == np.float16)
+        return mask
+    array = _real_array(op, cond, name)
+    if array.dtype.kind not in "biu":
+        raise TypeError(f"{op}: {name} must hold bools or integers, got dtype {array.dtype} "
+                        f"(shape {array.shape})")
+    return Tensor.from_host(array != 0, like.device.queue, like.dtype)
+
+
+def _where(op, cond, a, b, cond_name):
+    if not any(isinstance(v, (Node, Tensor)) for v in (a, b)):  # where(mask, 1.0, 0.0): the
+        a = _as_node(op, a, _devices_of(op, cond))              # result joins mask's device
+    a, b = _nodes(op, a, b)
+    mask = _mask(op, cond, a.value, cond_name)
+    picked_shape = _broadcast_shape(op, mask.shape, a.shape)
+    dropped_shape = _broadcast_shape(op, mask.shape, b.shape)
+    shape = _broadcast_shape(op, picked_shape, dropped_shape)
+    # a where the mask is true, b elsewhere, each -0.0 in the other's places, then summed:
+    # x + -0.0 is x for every x, NaN, infinities and signed zeros included, so the sum is
+    # exactly the selection, and every step broadcasts as the binary ops do.
+    picked = _binary_tensor("where_pick", mask, a.value, picked_shape)
+    dropped = _binary_tensor("where_drop", mask, b.value, dropped_shape)
+
+    def backward(g):  # the gradient goes to the side each element came from
+        return (_unbroadcast(_binary_tensor("where_pick", mask, g, shape), a.shape)
+                if a.requires_grad else None,
+                _unbroadcast(_binary_tensor("where_drop", mask, g, shape), b.shape)
+                if b.requires_grad else None)
+    return _record(_binary_tensor("add", picked, dropped, shape), (a, b), backward)
+
+
+def where(cond, a, b):
+    """a where cond is true, else b, as torch.where; cond, a and b broadcast together. cond is
+    a constant: a bool or integer array or an int32 Tensor, nonzero meaning true."""
+    return _where("where", cond, a, b, "condition")
+
+
+def masked_fill(x, mask, value):
+    """x with the number `value` where mask is true (where(mask, value, x)), as
+    torch.masked_fill: `att.masked_fill(causal == 0, -math.inf)`."""
+    if not _is_scalar(value):
+        raise TypeError(f"masked_fill: value must be a number, got {value!r:.60}")
+    return _where("masked_fill", mask, value, x, "mask")
 
 
 # --- matrix products -------------------------------------------------------------------------
@@ -4204,7 +4321,8 @@ functional = _alias(
     sum=reduce_sum, mean=reduce_mean, reshape=reshape, flatten=flatten, transpose=transpose,
     softmax=softmax, log_softmax=log_softmax, cross_entropy=cross_entropy, mse_loss=mse_loss,
     dropout=dropout, conv2d=conv2d, max_pool2d=max_pool2d, avg_pool2d=avg_pool2d,
-    sqrt=sqrt, rsqrt=rsqrt, abs=absolute, pow=power, clamp=clamp, silu=silu)
+    sqrt=sqrt, rsqrt=rsqrt, abs=absolute, pow=power, clamp=clamp, silu=silu, maximum=maximum,
+    minimum=minimum, where=where, masked_fill=masked_fill)
 autograd = _alias("autograd", Node=Node, Parameter=Parameter, Tape=Tape, no_grad=no_grad)
 nn = _alias("nn", Module=Module, Linear=Linear, ReLU=ReLU, Tanh=Tanh, Sigmoid=Sigmoid,
             GELU=GELU, Dropout=Dropout, Flatten=Flatten, Sequential=Sequential,

@@ -700,7 +700,7 @@ def _(draw, rng, fd):
                 seed=draw(st.integers(0, 2 ** 31 - 1)))
 
 
-# --- elementwise ops, one input (sqrt ... tanh GELU). Inputs keep away from the points where
+# --- elementwise ops (sqrt ... masked_fill). Inputs keep away from the points where
 # PyTorch's gradient is a convention (abs at 0, clamp's bounds, ties, pow at 0); the tests at
 # the end of the file check those conventions.
 
@@ -738,6 +738,66 @@ def _(draw, rng, fd):
     low, high = draw(st.sampled_from([(-0.5, 0.7), (None, 0.3), (-0.2, None)]))
     x = _away_from([b for b in (low, high) if b is not None], rng.standard_normal(shape))
     return Case(lambda x: F.clamp(x, low, high), lambda x: np.clip(x, low, high), [x])
+
+
+def _extremum_cases(name, functional, ref):
+    @case(name)
+    def _(draw, rng, fd):
+        shape = _shape(draw, fd)
+        return Case(functional, ref, [rng.standard_normal(shape), rng.standard_normal(shape)])
+
+    @case(name + "_row_broadcast")
+    def _(draw, rng, fd):
+        rows, cols = _dim(draw, fd), _dim(draw, fd)
+        return Case(functional, ref,
+                    [rng.standard_normal((rows, cols)), rng.standard_normal(cols)], tol="acc")
+
+    @case(name + "_scalar")
+    def _(draw, rng, fd):
+        x = _away_from([0.25], rng.standard_normal(_shape(draw, fd)))
+        return Case(lambda x: functional(x, 0.25), lambda x: ref(x, 0.25), [x])
+
+
+_extremum_cases("maximum", F.maximum, np.maximum)
+_extremum_cases("minimum", F.minimum, np.minimum)
+
+
+@case("where")
+def _(draw, rng, fd):
+    shape = _shape(draw, fd)
+    return Case(lambda a, b, cond: F.where(cond, a, b), lambda a, b, cond: np.where(cond, a, b),
+                [rng.standard_normal(shape), rng.standard_normal(shape)],
+                [rng.random(shape) < 0.5])
+
+
+@case("where_broadcast")
+def _(draw, rng, fd):
+    rows, cols = _dim(draw, fd), _dim(draw, fd)
+    return Case(lambda a, b, cond: F.where(cond, a, b), lambda a, b, cond: np.where(cond, a, b),
+                [rng.standard_normal((rows, cols)), rng.standard_normal(cols)],
+                [rng.random(cols) < 0.5], tol="acc")  # b's gradient is a sum over rows
+
+
+@case("where_scalar")
+def _(draw, rng, fd):
+    shape = _shape(draw, fd)
+    return Case(lambda a, cond: F.where(cond, -1.25, a), lambda a, cond: np.where(cond, -1.25, a),
+                [rng.standard_normal(shape)], [rng.integers(-2, 3, size=shape)])
+
+
+@case("masked_fill")
+def _(draw, rng, fd):
+    shape = _shape(draw, fd)
+    return Case(lambda x, mask: F.masked_fill(x, mask, -1.5),
+                lambda x, mask: np.where(mask, -1.5, x),
+                [rng.standard_normal(shape)], [rng.integers(0, 2, size=shape)])
+
+
+@case("masked_fill_method")
+def _(draw, rng, fd):
+    rows, cols = _dim(draw, fd), _dim(draw, fd)
+    return Case(lambda x, mask: x.masked_fill(mask, 2.0), lambda x, mask: np.where(mask, 2.0, x),
+                [rng.standard_normal((rows, cols))], [rng.random(cols) < 0.5])
 
 
 # Random outputs cannot be compared across backends (the mask stream is per backend).
@@ -5067,17 +5127,120 @@ def test_gelu_approximate_argument(backend):
         nn.GELU(approximate="fast")
 
 
+@pytest.mark.parametrize("op, value, grad_a, grad_b", [
+    # a = [1, 2, nan, 3], b = [1, 3, 1, nan]: ties split the gradient; NaN gives both all of it
+    (F.maximum, [1.0, 3.0, np.nan, np.nan], [0.5, 0.0, 1.0, 1.0], [0.5, 1.0, 1.0, 1.0]),
+    (F.minimum, [1.0, 2.0, np.nan, np.nan], [0.5, 1.0, 1.0, 1.0], [0.5, 0.0, 1.0, 1.0]),
+])
+def test_maximum_minimum_ties_and_nan(backend, op, value, grad_a, grad_b):
+    y, ga, gb = _value_and_grad(backend, op, np.array([1.0, 2.0, np.nan, 3.0]),
+                                np.array([1.0, 3.0, 1.0, np.nan]))
+    np.testing.assert_array_equal(y, value)
+    np.testing.assert_array_equal(ga, grad_a)
+    np.testing.assert_array_equal(gb, grad_b)
+
+
+def test_maximum_with_a_constant_and_shape_errors(backend):
+    y, g = _value_and_grad(backend, lambda x: F.maximum(x, 0.0), np.array([-1.0, 0.0, 2.0]))
+    np.testing.assert_array_equal(y, [0.0, 0.0, 2.0])
+    np.testing.assert_array_equal(g, [0.0, 0.5, 1.0])  # relu's twin, but a tie shares
+    for op in (F.maximum, F.minimum):
+        with raises_naming(ValueError, op.__name__, "(2, 3)", "(4,)"):
+            op(tensor(np.ones((2, 3)), backend), tensor(np.ones(4), backend))
+
+
+def test_where_selects_exactly(backend):
+    """The unchosen side never leaks, not even a NaN or an inf; signed zeros survive; the
+    gradient goes to the chosen side only."""
+    cond = np.array([True, False, True, False, True])
+    a = np.array([-0.0, np.nan, np.inf, 1.0, 2.0])
+    b = np.array([np.nan, -0.0, 5.0, -np.inf, 3.0])
+    y, ga, gb = _value_and_grad(backend, lambda a, b: F.where(cond, a, b), a, b,
+                                grad=np.full(5, 2.0, np.float32))
+    np.testing.assert_array_equal(y, [-0.0, -0.0, np.inf, -np.inf, 2.0])
+    assert list(np.signbit(y[:2])) == [True, True]
+    np.testing.assert_array_equal(ga, [2.0, 0.0, 2.0, 0.0, 2.0])
+    np.testing.assert_array_equal(gb, [0.0, 2.0, 0.0, 2.0, 0.0])
+
+
+@pytest.mark.parametrize("kind", ["bool", "int", "tensor", "node"])
+def test_where_condition_kinds(backend, kind):
+    cond = np.array([[1, 0, 3], [0, -2, 0]])
+    condition = {"bool": cond != 0, "int": cond, "tensor": tensor(cond, backend),
+                 "node": netcl.Node(tensor(cond, backend))}[kind]
+    a = np.arange(6.0).reshape(2, 3)
+    out = F.where(condition, tensor(a, backend), -1.0)
+    np.testing.assert_array_equal(host(out), np.where(cond != 0, a, -1.0))
+
+
+def test_where_broadcasts_condition_and_sides(backend):
+    cond = np.array([True, False, True])  # (3,) against (2, 3) and a scalar
+    a, b = np.arange(6.0).reshape(2, 3), np.array([10.0, 20.0, 30.0])
+    y, ga, gb = _value_and_grad(backend, lambda a, b: F.where(cond, a, b), a, b)
+    np.testing.assert_array_equal(y, np.where(cond, a, b))
+    np.testing.assert_array_equal(ga, np.broadcast_to(cond, (2, 3)).astype(np.float32))
+    np.testing.assert_array_equal(gb, [0.0, 2.0, 0.0])
+    out = F.where(tensor(cond, backend), 1.0, 0.0)  # two numbers: on the condition's device
+    assert out.device is backend and out.dtype == np.float32
+    np.testing.assert_array_equal(host(out), [1.0, 0.0, 1.0])
+
+
+def test_where_and_masked_fill_errors(backend):
+    x = tensor(np.ones((2, 3)), backend)
+    with raises_naming(TypeError, "where", "condition", "float"):
+        F.where(np.ones((2, 3)), x, x)
+    with raises_naming(TypeError, "where", "condition", "float32"):
+        F.where(x, x, x)
+    with raises_naming(TypeError, "masked_fill", "mask", "float"):
+        F.masked_fill(x, np.zeros(3), 1.0)
+    with raises_naming(TypeError, "masked_fill", "value"):
+        F.masked_fill(x, np.zeros(3, bool), x)
+    with raises_naming(ValueError, "where", "(2, 3)", "(4,)"):
+        F.where(np.ones(4, bool), x, x)
+    with raises_naming(ValueError, "masked_fill", "(2, 3)", "(2,)"):
+        x_node = netcl.Node(x)
+        x_node.masked_fill(np.ones(2, bool), 0.0)
+
+
+def test_where_condition_on_another_device_raises(cpu, opencl):
+    with raises_naming(ValueError, "where", "devices"):
+        F.where(tensor(np.ones(3, np.int32), cpu), tensor(np.ones(3), opencl), 0.0)
+
+
+def test_masked_fill_causal_attention(backend):
+    """The GPT use: scores masked above the diagonal with -inf, then softmax. Masked places
+    get probability 0 and no gradient."""
+    rng = np.random.default_rng(21)
+    scores = rng.standard_normal((2, 4, 4))
+    causal = np.tril(np.ones((4, 4)))
+    weights = rng.standard_normal((2, 4, 4)).astype(np.float32)
+    y, g = _value_and_grad(backend, lambda s: F.softmax(s.masked_fill(causal == 0, -math.inf)),
+                           scores, grad=weights)
+    masked = np.where(causal == 0, -np.inf, scores)
+    expected = np.exp(masked - masked.max(-1, keepdims=True))
+    expected /= expected.sum(-1, keepdims=True)
+    np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-7)
+    assert np.all(y[:, causal == 0] == 0)
+    # softmax's backward, then nothing where the fill was
+    expected_grad = expected * (weights - (weights * expected).sum(-1, keepdims=True))
+    np.testing.assert_allclose(g, expected_grad, rtol=1e-5, atol=1e-6)
+    assert np.all(g[:, causal == 0] == 0)
+
+
 @pytest.mark.parametrize("op", [
     F.sqrt, F.rsqrt, F.abs, lambda x: x ** 2, lambda x: F.clamp(x, -1.0, 1.0), F.silu,
-    lambda x: F.gelu(x, approximate="tanh"),
-], ids=["sqrt", "rsqrt", "abs", "pow", "clamp", "silu", "gelu_tanh"])
+    lambda x: F.gelu(x, approximate="tanh"), lambda x: F.maximum(x, x),
+    lambda x: F.minimum(x, 0.0), lambda x: F.where(np.ones((0, 3), bool), x, 1.0),
+    lambda x: x.masked_fill(np.zeros(3, bool), 2.0),
+], ids=["sqrt", "rsqrt", "abs", "pow", "clamp", "silu", "gelu_tanh", "maximum", "minimum",
+        "where", "masked_fill"])
 def test_elementwise_on_zero_size_tensors(backend, op):
     y, g = _value_and_grad(backend, op, np.zeros((0, 3)))
     assert y.shape == (0, 3) and g.shape == (0, 3)
 
 
 def test_flat_names_of_the_new_ops():
-    for name in ["sqrt", "rsqrt", "clamp", "silu"]:
+    for name in ["sqrt", "rsqrt", "clamp", "silu", "maximum", "minimum", "where", "masked_fill"]:
         assert getattr(netcl, name) is getattr(F, name), name
     # these would hide Python's own functions inside netcl.py: functional only
     assert (F.abs, F.pow) == (netcl.absolute, netcl.power)
@@ -5091,6 +5254,12 @@ HALF_NEW_OP_CASES = [
     ("clamp", _one(), lambda x: F.clamp(x, -0.5, 0.7), lambda x: np.clip(x, -0.5, 0.7), True),
     ("silu", _one(), F.silu, lambda x: x / (1 + np.exp(-x)), True),
     ("gelu_tanh", _one(), lambda x: F.gelu(x, approximate="tanh"), _gelu_tanh_ref, True),
+    ("maximum", _two(), F.maximum, np.maximum, True),
+    ("minimum_row", _two((5,)), F.minimum, np.minimum, True),
+    ("where", _two((5,)), lambda a, b: F.where(np.arange(5) % 2 == 0, a, b),
+     lambda a, b: np.where(np.arange(5) % 2 == 0, a, b), True),
+    ("masked_fill", _one(), lambda x: x.masked_fill(np.arange(5) > 2, -3.0),
+     lambda x: np.where(np.arange(5) > 2, -3.0, x), True),
 ]
 
 
