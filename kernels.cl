@@ -639,6 +639,101 @@ void sum_all(const int n, const float scale, __global const act_t* x, __global f
     if (lid == 0) out[get_group_id(0)] = scale * partial[0];
 }
 
+// x (outer, R, inner) -> values (outer, inner), indices (outer, inner): the first largest
+// (largest = 1) or smallest element along R, R >= 1; NaN counts as the extreme, as PyTorch.
+// max and min keep the values, argmax the indices.
+__kernel void extremum_axis(const int outer, const int R, const int inner, const int largest,
+                            __global const act_t* x, __global float* values,
+                            __global int* indices) {
+    const int i = get_global_id(0);
+    if (i >= outer * inner) return;
+    __global const act_t* row = x + (i / inner) * R * inner + i % inner;
+    float best = LOAD(row, 0);
+    int at = 0;
+    for (int r = 1; r < R && !isnan(best); ++r) {
+        const float v = LOAD(row, r * inner);
+        if ((largest ? v > best : v < best) || isnan(v)) { best = v; at = r; }
+    }
+    values[i] = best;
+    indices[i] = at;
+}
+
+// g (outer, inner) -> out (outer, R, inner): g / ties * (x == value), shared equally among the
+// elements equal to the extreme, as PyTorch's amax/amin backward (a NaN extreme gives NaN).
+__kernel void extremum_axis_bwd(const int outer, const int R, const int inner,
+                                __global const float* g, __global const act_t* x,
+                                __global const float* values, __global float* out) {
+    const int i = get_global_id(0);
+    if (i >= outer * inner) return;
+    const int base = (i / inner) * R * inner + i % inner;
+    const float value = values[i];
+    int ties = 0;
+    for (int r = 0; r < R; ++r) ties += LOAD(x, base + r * inner) == value;
+    const float share = g[i] / (float)ties;
+    for (int r = 0; r < R; ++r)
+        out[base + r * inner] = share * (LOAD(x, base + r * inner) == value ? 1.0f : 0.0f);
+}
+
+// x (outer, R, inner) -> out (outer, inner) = sum over R of (x - mean)^2 / dof, or its square
+// root (root = 1: std). Two passes, the mean first: one pass of sum(x^2) - N mean^2 would
+// cancel catastrophically when the mean is large against the spread. dof = 0 gives inf/nan.
+__kernel void var_axis(const int outer, const int R, const int inner, const float dof,
+                       const int root, __global const act_t* x, __global float* out) {
+    const int i = get_global_id(0);
+    if (i >= outer * inner) return;
+    __global const act_t* row = x + (i / inner) * R * inner + i % inner;
+    float total = 0.0f;
+    for (int r = 0; r < R; ++r) total += LOAD(row, r * inner);
+    const float mean = total / (float)R;  // R = 0: nan, as PyTorch's var of nothing
+    float squares = 0.0f;
+    for (int r = 0; r < R; ++r) {
+        const float d = LOAD(row, r * inner) - mean;
+        squares += d * d;
+    }
+    out[i] = root ? sqrt(squares / dof) : squares / dof;
+}
+
+// g (outer, inner) -> out (outer, R, inner) = scale g' (x - mean), scale = 2 / (R - correction),
+// g' = g for var; for std (root = 1) g / (2 y), 0 where y = std = 0, as PyTorch's std_backward.
+__kernel void var_axis_bwd(const int outer, const int R, const int inner, const float scale,
+                           const int root, __global const float* g, __global const float* y,
+                           __global const act_t* x, __global float* out) {
+    const int i = get_global_id(0);
+    if (i >= outer * inner) return;
+    const int base = (i / inner) * R * inner + i % inner;
+    const float grad = root ? (y[i] == 0.0f ? 0.0f : g[i] / (2.0f * y[i])) : g[i];
+    float total = 0.0f;
+    for (int r = 0; r < R; ++r) total += LOAD(x, base + r * inner);
+    const float mean = total / (float)R;
+    for (int r = 0; r < R; ++r)
+        out[base + r * inner] = scale * grad * (LOAD(x, base + r * inner) - mean);
+}
+
+// x (outer, R, inner) -> out (outer, inner) = log(sum over R of exp(x)), shifted by the maximum
+// (by 0 where it is infinite, as PyTorch: all -inf gives -inf, and an inf gives inf, not nan)
+__kernel void logsumexp_axis(const int outer, const int R, const int inner,
+                             __global const act_t* x, __global float* out) {
+    const int i = get_global_id(0);
+    if (i >= outer * inner) return;
+    __global const act_t* row = x + (i / inner) * R * inner + i % inner;
+    float m = -INFINITY;
+    for (int r = 0; r < R; ++r) m = fmax(m, LOAD(row, r * inner));  // a NaN reaches the sum
+    const float shift = isinf(m) ? 0.0f : m;
+    float total = 0.0f;
+    for (int r = 0; r < R; ++r) total += exp(LOAD(row, r * inner) - shift);
+    out[i] = shift + log(total);
+}
+
+// g, lse (outer, inner) -> out (outer, R, inner) = g * exp(x - lse), softmax(x) times g
+__kernel void logsumexp_axis_bwd(const int outer, const int R, const int inner,
+                                 __global const float* g, __global const act_t* x,
+                                 __global const float* lse, __global float* out) {
+    const int i = get_global_id(0);
+    if (i >= outer * R * inner) return;
+    const int column = (i / (R * inner)) * inner + i % inner;
+    out[i] = g[column] * exp(LOAD(x, i) - lse[column]);
+}
+
 // --- softmax along an axis: x (outer, R, inner) -> y, softmax or (log_mode) log-softmax.
 __kernel void softmax_axis(const int outer, const int R, const int inner, const int log_mode,
                            __global const act_t* x, __global float* y) {

@@ -745,6 +745,18 @@ class Node:
         """|self|."""
         return absolute(self)
 
+    def max(self, axis=None, keepdims=False):
+        """The largest value along `axis` (all axes if None): values only, as torch.amax."""
+        return reduce_max(self, axis, keepdims)
+
+    def var(self, axis=None, correction=1, keepdims=False):
+        """Variance along `axis` (all axes if None), unbiased by default."""
+        return var(self, axis, correction, keepdims)
+
+    def std(self, axis=None, correction=1, keepdims=False):
+        """Standard deviation along `axis` (all axes if None), unbiased by default."""
+        return std(self, axis, correction, keepdims)
+
     def masked_fill(self, mask, value):
         """A copy with the number `value` where mask is true."""
         return masked_fill(self, mask, value)
@@ -1877,6 +1889,165 @@ def reduce_sum(x, axis=None, keepdims=False):
 def reduce_mean(x, axis=None, keepdims=False):
     """Mean over `axis` (an int, a tuple, or None for all); the reduced axes are dropped."""
     return _reduce("mean", x, axis, keepdims, mean=True)
+
+
+# max, min, argmax, var, std and logsumexp reduce one axis (an int), or all of x (None, seen
+# as one row), with a kernel per output element that loops over the reduced axis R.
+
+def _one_axis(op, shape, axis, keepdims):
+    """x of `shape` seen as (outer, R, inner) along `axis`, and the output shape."""
+    if axis is None:
+        return 1, math.prod(shape), 1, ((1,) * len(shape) if keepdims else ())
+    if not isinstance(axis, (int, np.integer)) or isinstance(axis, bool):
+        raise TypeError(f"{op}: axis must be an int or None, got {axis!r}")
+    (a,) = _axes(op, shape, axis) or (None,)  # a 0-d x takes axis 0 or -1, as PyTorch
+    if a is None:
+        return 1, 1, 1, ()
+    out_shape = shape[:a] + (1,) * keepdims + shape[a + 1:]
+    return math.prod(shape[:a]), shape[a], math.prod(shape[a + 1:]), out_shape
+
+
+def _extremum_axis_tensor(op, x, outer, R, inner, largest):
+    """x seen as (outer, R, inner) -> values (outer, inner) and int32 indices (outer, inner) of
+    the first largest (smallest) element along R; NaN counts as the extreme, as PyTorch."""
+    if R == 0:  # PyTorch raises IndexError (RuntimeError for all of x): a bad value, to netcl
+        raise ValueError(f"{op}: cannot reduce an empty axis (x of shape {x.shape})")
+    values = _like(x, (outer, inner), _compute_dtype(x.dtype))
+    indices = _like(x, (outer, inner), np.int32)
+    if x.device.backend == "cpu":
+        v = x.data.reshape(outer, R, inner)
+        first = (np.argmax if largest else np.argmin)(v, axis=1)  # the first NaN, if any
+        indices.data[...] = first
+        values.data[...] = np.take_along_axis(v, first[:, None, :], axis=1)[:, 0, :]
+    elif values.size:
+        x.device.launch("extremum_axis", *_grid(outer * inner), outer, R, inner, int(largest),
+                        x.data, values.data, indices.data, half=x.dtype == np.float16)
+    return values, indices
+
+
+def _extremum_reduce(op, x, axis, keepdims, largest):
+    (x,) = _nodes(op, x)
+    outer, R, inner, out_shape = _one_axis(op, x.shape, axis, keepdims)
+    X = x.value
+    values, _ = _extremum_axis_tensor(op, X, outer, R, inner, largest)
+
+    def backward(g):  # g shared equally among the elements equal to the extreme, as amax's
+        out = _like(g, x.shape)
+        if g.device.backend == "cpu":
+            ties = X.data.reshape(outer, R, inner) == values.data.reshape(outer, 1, inner)
+            with np.errstate(all="ignore"):  # a NaN extreme ties with nothing: NaN, as PyTorch
+                out.data.reshape(outer, R, inner)[...] = (
+                    g.data.reshape(outer, 1, inner) / ties.sum(1, keepdims=True, dtype=g.dtype)
+                    * ties)
+        elif g.size:
+            g.device.launch("extremum_axis_bwd", *_grid(outer * inner), outer, R, inner, g.data,
+                            X.data, values.data, out.data, half=X.dtype == np.float16)
+        return (out,)
+    return _record(values.reshape(out_shape), (x,), backward)
+
+
+def reduce_max(x, axis=None, keepdims=False):
+    """The largest value along `axis` (an int; None: of all of x), as torch.amax: the values
+    only, not torch.max(x, dim)'s (values, indices) pair; argmax gives the indices. Ties share
+    the gradient equally. NaN is the largest. An empty axis raises ValueError.
+    functional.max (not netcl.max, which would hide Python's max in this file)."""
+    return _extremum_reduce("max", x, axis, keepdims, largest=True)
+
+
+def reduce_min(x, axis=None, keepdims=False):
+    """The smallest value along `axis`, as torch.amin; see reduce_max. functional.min."""
+    return _extremum_reduce("min", x, axis, keepdims, largest=False)
+
+
+def argmax(x, axis=None, keepdims=False):
+    """The index of the first largest element along `axis` (None: into the flattened x), as
+    torch.argmax: an int32 Tensor, outside autograd. NaN counts as the largest."""
+    (x,) = _nodes("argmax", x)
+    outer, R, inner, out_shape = _one_axis("argmax", x.shape, axis, keepdims)
+    _, indices = _extremum_axis_tensor("argmax", x.value, outer, R, inner, largest=True)
+    return indices.reshape(out_shape)
+
+
+def _variance(op, x, axis, correction, keepdims, root):
+    if not _is_scalar(correction):
+        raise TypeError(f"{op}: correction must be a number, got {correction!r:.60}")
+    (x,) = _nodes(op, x)
+    outer, R, inner, out_shape = _one_axis(op, x.shape, axis, keepdims)
+    X = x.value
+    # PyTorch divides by max(N - correction, 0): inf or nan when N <= correction.
+    dof = float(max(R - correction, 0))
+    y = _like(X, (outer, inner), _compute_dtype(X.dtype))
+    if X.device.backend == "cpu":
+        v = X.data.reshape(outer, R, inner).astype(y.dtype, copy=False)
+        with np.errstate(all="ignore"):  # an empty axis: nan, as PyTorch
+            squares = np.sum((v - v.sum(axis=1, keepdims=True) / R) ** 2, axis=1)
+            y.data[...] = np.sqrt(squares / dof) if root else squares / dof
+    elif y.size:
+        X.device.launch("var_axis", *_grid(y.size), outer, R, inner, dof, int(root), X.data,
+                        y.data, half=X.dtype == np.float16)
+
+    def backward(g):
+        # PyTorch's var_backward: 2 / (N - correction) * g * (x - mean), with g / (2 std) for
+        # std (0 where std is 0, as PyTorch's std_backward). PyTorch's full reduction with
+        # N <= correction has its own rule (inf or nan everywhere); this is the per-axis one.
+        scale = 2.0 / (R - correction) if R != correction else math.inf
+        out = _like(g, x.shape)
+        if g.device.backend == "cpu":
+            v = X.data.reshape(outer, R, inner).astype(g.dtype, copy=False)
+            gv, yv = g.data.reshape(outer, 1, inner), y.data.reshape(outer, 1, inner)
+            with np.errstate(all="ignore"):
+                if root:
+                    gv = np.where(yv == 0, 0, gv / (2 * yv))
+                out.data.reshape(outer, R, inner)[...] = \
+                    scale * gv * (v - v.sum(axis=1, keepdims=True) / R)
+        elif g.size:
+            g.device.launch("var_axis_bwd", *_grid(outer * inner), outer, R, inner, scale,
+                            int(root), g.data, y.data, X.data, out.data,
+                            half=X.dtype == np.float16)
+        return (out,)
+    return _record(y.reshape(out_shape), (x,), backward)
+
+
+def var(x, axis=None, correction=1, keepdims=False):
+    """Variance along `axis` (an int; None: of all of x), sum((x - mean)^2) / (N - correction),
+    as torch.var: correction=1 (Bessel's, the unbiased estimate) is PyTorch's default."""
+    return _variance("var", x, axis, correction, keepdims, root=False)
+
+
+def std(x, axis=None, correction=1, keepdims=False):
+    """Standard deviation, sqrt(var(x, axis, correction)), as torch.std."""
+    return _variance("std", x, axis, correction, keepdims, root=True)
+
+
+def logsumexp(x, axis, keepdims=False):
+    """log(sum(exp(x))) along `axis`, computed stably, as torch.logsumexp: shifted by the
+    maximum (by 0 where it is infinite, so a row of -inf gives -inf and one holding inf gives
+    inf, not nan); an empty axis gives -inf. The gradient is softmax(x) times g."""
+    (x,) = _nodes("logsumexp", x)
+    outer, R, inner, out_shape = _one_axis("logsumexp", x.shape, axis, keepdims)
+    X = x.value
+    y = _like(X, (outer, inner), _compute_dtype(X.dtype))
+    if X.device.backend == "cpu":
+        v = X.data.reshape(outer, R, inner).astype(y.dtype, copy=False)
+        peak = np.max(v, axis=1, initial=-np.inf)
+        shift = np.where(np.isinf(peak), 0, peak)
+        with np.errstate(all="ignore"):
+            y.data[...] = shift + np.log(np.sum(np.exp(v - shift[:, None, :]), axis=1))
+    elif y.size:
+        X.device.launch("logsumexp_axis", *_grid(y.size), outer, R, inner, X.data, y.data,
+                        half=X.dtype == np.float16)
+
+    def backward(g):
+        out = _like(g, x.shape)
+        if g.device.backend == "cpu":
+            with np.errstate(all="ignore"):
+                out.data.reshape(outer, R, inner)[...] = g.data.reshape(outer, 1, inner) * \
+                    np.exp(X.data.reshape(outer, R, inner) - y.data.reshape(outer, 1, inner))
+        elif out.size:
+            g.device.launch("logsumexp_axis_bwd", *_grid(out.size), outer, R, inner, g.data,
+                            X.data, y.data, out.data, half=X.dtype == np.float16)
+        return (out,)
+    return _record(y.reshape(out_shape), (x,), backward)
 
 
 # --- softmax and losses -----------------------------------------------------------------------
@@ -4322,7 +4493,8 @@ functional = _alias(
     softmax=softmax, log_softmax=log_softmax, cross_entropy=cross_entropy, mse_loss=mse_loss,
     dropout=dropout, conv2d=conv2d, max_pool2d=max_pool2d, avg_pool2d=avg_pool2d,
     sqrt=sqrt, rsqrt=rsqrt, abs=absolute, pow=power, clamp=clamp, silu=silu, maximum=maximum,
-    minimum=minimum, where=where, masked_fill=masked_fill)
+    minimum=minimum, where=where, masked_fill=masked_fill, max=reduce_max, min=reduce_min,
+    argmax=argmax, var=var, std=std, logsumexp=logsumexp)
 autograd = _alias("autograd", Node=Node, Parameter=Parameter, Tape=Tape, no_grad=no_grad)
 nn = _alias("nn", Module=Module, Linear=Linear, ReLU=ReLU, Tanh=Tanh, Sigmoid=Sigmoid,
             GELU=GELU, Dropout=Dropout, Flatten=Flatten, Sequential=Sequential,

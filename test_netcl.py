@@ -700,7 +700,7 @@ def _(draw, rng, fd):
                 seed=draw(st.integers(0, 2 ** 31 - 1)))
 
 
-# --- elementwise ops (sqrt ... masked_fill). Inputs keep away from the points where
+# --- elementwise and reductions (sqrt ... logsumexp). Inputs keep away from the points where
 # PyTorch's gradient is a convention (abs at 0, clamp's bounds, ties, pow at 0); the tests at
 # the end of the file check those conventions.
 
@@ -798,6 +798,61 @@ def _(draw, rng, fd):
     rows, cols = _dim(draw, fd), _dim(draw, fd)
     return Case(lambda x, mask: x.masked_fill(mask, 2.0), lambda x, mask: np.where(mask, 2.0, x),
                 [rng.standard_normal((rows, cols))], [rng.random(cols) < 0.5])
+
+
+_reduction_case("max", F.max, "max", np.max)  # also "max_method": x.max(axis)
+
+
+@case("min")
+def _(draw, rng, fd):
+    shape = _shape(draw, fd)
+    axis = draw(st.sampled_from([None] + list(range(-1, len(shape)))))
+    keepdims = draw(st.booleans())
+    return Case(lambda x: F.min(x, axis, keepdims),
+                lambda x: np.asarray(np.min(x, axis=axis, keepdims=keepdims)),
+                [rng.standard_normal(shape)], tol="acc")
+
+
+def _variance_cases(name, functional, ref):  # ref: np.var or np.std, whose ddof is correction
+    @case(name)
+    def _(draw, rng, fd):
+        shape = tuple(s + 1 for s in _shape(draw, fd))  # every axis >= 2 > correction
+        axis = draw(st.sampled_from([None] + list(range(-1, len(shape)))))
+        correction = draw(st.sampled_from([0, 1, 0.5]))
+        keepdims = draw(st.booleans())
+        return Case(lambda x: functional(x, axis, correction=correction, keepdims=keepdims),
+                    lambda x: np.asarray(ref(x, axis=axis, ddof=correction, keepdims=keepdims)),
+                    [rng.standard_normal(shape)], tol="acc")
+
+    @case(name + "_method")
+    def _(draw, rng, fd):
+        shape = tuple(s + 1 for s in _shape(draw, fd))
+        if draw(st.booleans()):
+            return Case(lambda x: getattr(x, name)(), lambda x: np.asarray(ref(x, ddof=1)),
+                        [rng.standard_normal(shape)], tol="acc")
+        axis = draw(st.integers(0, len(shape) - 1))
+        return Case(lambda x: getattr(x, name)(axis), lambda x: ref(x, axis=axis, ddof=1),
+                    [rng.standard_normal(shape)], tol="acc")
+
+
+_variance_cases("var", F.var, np.var)
+_variance_cases("std", F.std, np.std)
+
+
+def _logsumexp_ref(x, axis, keepdims):  # torch.logsumexp
+    peak = x.max(axis=axis, keepdims=True)
+    out = peak + np.log(np.exp(x - peak).sum(axis=axis, keepdims=True))
+    return out if keepdims else out.squeeze(axis)
+
+
+@case("logsumexp")
+def _(draw, rng, fd):
+    shape = _shape(draw, fd)
+    axis = draw(st.integers(-len(shape), len(shape) - 1))
+    keepdims = draw(st.booleans())
+    return Case(lambda x: F.logsumexp(x, axis, keepdims=keepdims),
+                lambda x: _logsumexp_ref(x, axis, keepdims),
+                [rng.standard_normal(shape) * 3], tol="acc")
 
 
 # Random outputs cannot be compared across backends (the mask stream is per backend).
@@ -5227,6 +5282,133 @@ def test_masked_fill_causal_attention(backend):
     assert np.all(g[:, causal == 0] == 0)
 
 
+def test_max_ties_share_the_gradient(backend):
+    x = np.array([[1.0, 3.0, 3.0], [2.0, 2.0, 2.0]])
+    y, g = _value_and_grad(backend, lambda x: F.max(x, 1), x)  # torch.amax(x, 1)
+    np.testing.assert_array_equal(y, [3.0, 2.0])
+    np.testing.assert_allclose(g, [[0, 0.5, 0.5], [1 / 3, 1 / 3, 1 / 3]], rtol=1e-7)
+    y, g = _value_and_grad(backend, lambda x: x.max(), x)  # all of x
+    assert y.shape == () and y == 3.0
+    np.testing.assert_array_equal(g, [[0, 0.5, 0.5], [0, 0, 0]])
+    y, g = _value_and_grad(backend, lambda x: F.min(x, 0, keepdims=True),
+                           np.array([[1.0, 2.0, 5.0], [1.0, 3.0, 5.0]]))
+    np.testing.assert_array_equal(y, [[1.0, 2.0, 5.0]])
+    np.testing.assert_array_equal(g, [[0.5, 1, 0.5], [0.5, 0, 0.5]])
+
+
+def test_max_with_nan(backend):
+    """NaN is the largest and the smallest; a NaN extreme ties with nothing, so its column's
+    gradient is NaN (g / 0 * 0), as PyTorch's amax backward."""
+    x = np.array([[1.0, np.nan, 3.0], [2.0, 5.0, 4.0]])
+    for op in (lambda x: F.max(x, 1), lambda x: F.min(x, 1)):
+        y, g = _value_and_grad(backend, op, x)
+        assert np.isnan(y[0]) and not np.isnan(y[1])
+        assert np.isnan(g[0]).all() and not np.isnan(g[1]).any()
+
+
+def test_argmax(backend):
+    x = np.array([[1.0, 3.0, 3.0, 0.0], [np.nan, 2.0, np.nan, 9.0], [4.0, 4.0, 4.0, 4.0]])
+    t = tensor(x, backend)
+    out = F.argmax(t, 1)
+    assert isinstance(out, netcl.Tensor) and out.dtype == np.int32
+    np.testing.assert_array_equal(host(out), [1, 0, 0])  # the first of ties; NaN is largest
+    np.testing.assert_array_equal(host(F.argmax(t, 0)), [1, 2, 1, 1])
+    np.testing.assert_array_equal(host(F.argmax(t, -1, keepdims=True)), [[1], [0], [0]])
+    assert host(F.argmax(tensor(np.array([[0.0, 1.0], [7.0, 2.0]]), backend))) == 2  # flat
+    assert F.argmax(tensor(np.array([[0.0, 1.0]]), backend), keepdims=True).shape == (1, 1)
+    assert F.argmax(netcl.Node(t), 1).shape == (3,)  # Nodes too; no gradient
+    assert F.argmax(tensor(np.zeros((0, 3)), backend), 1).shape == (0,)
+
+
+def test_reductions_over_empty_axes(backend):
+    empty = tensor(np.zeros((2, 0)), backend)
+    for op in (F.max, F.min, F.argmax):
+        name = {F.max: "max", F.min: "min", F.argmax: "argmax"}[op]
+        with raises_naming(ValueError, name, "empty", "(2, 0)"):
+            op(empty, 1)
+        with raises_naming(ValueError, name, "empty", "(2, 0)"):
+            op(empty)  # all of an empty x
+    np.testing.assert_array_equal(host(F.var(empty, 1)), [np.nan, np.nan])  # as PyTorch
+    np.testing.assert_array_equal(host(F.std(empty, 1)), [np.nan, np.nan])
+    np.testing.assert_array_equal(host(F.logsumexp(empty, 1)), [-np.inf, -np.inf])
+    assert F.var(empty).shape == () and np.isnan(host(F.var(empty)))
+    # an empty x reduced along a non-empty axis: an empty result, forward and backward
+    for op in (lambda x: F.max(x, 1), lambda x: F.min(x, 1), lambda x: F.var(x, 1),
+               lambda x: F.std(x, 1, keepdims=True), lambda x: F.logsumexp(x, -1)):
+        y, g = _value_and_grad(backend, op, np.zeros((0, 3)))
+        assert y.shape in ((0,), (0, 1)) and g.shape == (0, 3)
+
+
+@pytest.mark.parametrize("correction, value, grad", [
+    # x = [[1, 2], [3, 3]] along axis 1; torch.var's backward 2 / (N - correction) g (x - mean)
+    (0, [0.25, 0.0], [[-0.5, 0.5], [0.0, 0.0]]),
+    (1, [0.5, 0.0], [[-1.0, 1.0], [0.0, 0.0]]),
+    (0.5, [1 / 3, 0.0], [[-2 / 3, 2 / 3], [0.0, 0.0]]),
+    (2, [np.inf, np.nan], [[-np.inf, np.inf], [np.nan, np.nan]]),  # N = correction
+    (3, [np.inf, np.nan], [[1.0, -1.0], [0.0, 0.0]]),  # divides by max(N - correction, 0)
+])
+def test_var_corrections(backend, correction, value, grad):
+    x = np.array([[1.0, 2.0], [3.0, 3.0]])
+    y, g = _value_and_grad(backend, lambda x: F.var(x, 1, correction=correction), x)
+    np.testing.assert_allclose(y, value, rtol=1e-6)
+    np.testing.assert_allclose(g, grad, rtol=1e-6)
+
+
+def test_std_of_a_constant_has_zero_gradient(backend):
+    """PyTorch's std_backward masks the 1 / std of a zero std: 0, not nan."""
+    x = np.array([[1.0, 2.0], [3.0, 3.0]])
+    y, g = _value_and_grad(backend, lambda x: x.std(1), x)
+    np.testing.assert_allclose(y, [math.sqrt(0.5), 0.0], rtol=1e-6)
+    np.testing.assert_allclose(g, [[-math.sqrt(0.5), math.sqrt(0.5)], [0.0, 0.0]], rtol=1e-6)
+    y, g = _value_and_grad(backend, lambda x: F.std(x), np.full(4, 7.0))
+    assert y == 0.0
+    np.testing.assert_array_equal(g, np.zeros(4))
+
+
+def test_var_is_stable_far_from_zero(backend):
+    """Two passes: a large mean does not swamp a small spread."""
+    x = 1e4 + np.array([0.0, 1.0, 2.0, 3.0])
+    np.testing.assert_allclose(host(F.var(tensor(x, backend))), np.var(x, ddof=1), rtol=1e-6)
+
+
+def test_logsumexp_is_stable(backend):
+    x = np.array([[1000.0, 1000.0], [-1000.0, -1001.0], [np.inf, 1.0], [-np.inf, -np.inf]])
+    y, g = _value_and_grad(backend, lambda x: F.logsumexp(x, 1), x)
+    np.testing.assert_allclose(y[:2], [1000 + math.log(2), -1000 + math.log1p(math.exp(-1))],
+                               rtol=1e-6)
+    np.testing.assert_array_equal(y[2:], [np.inf, -np.inf])  # not nan: shifted by 0
+    # PyTorch's gradient, exp(x - lse), from the float32 lse: softmax up to lse's rounding
+    # (float32's spacing at 1000 is 2**-14), and exactly what PyTorch gives (0.49998546 here)
+    np.testing.assert_allclose(g[:2], np.exp(x[:2] - y[:2, None].astype(np.float64)), rtol=1e-6)
+    np.testing.assert_allclose(g[:2], [[0.5, 0.5], [1 / (1 + math.exp(-1)),
+                                                    1 / (1 + math.exp(1))]], atol=2 ** -14)
+    np.testing.assert_array_equal(g[2:], [[np.nan, 0.0], [np.nan, np.nan]])  # as PyTorch
+
+
+def test_reductions_reject_bad_axes_and_arguments(backend):
+    x = tensor(np.ones((2, 3)), backend)
+    for name, op in [("max", F.max), ("min", F.min), ("argmax", F.argmax), ("var", F.var),
+                     ("std", F.std), ("logsumexp", F.logsumexp)]:
+        with raises_naming(TypeError, name, "axis", "(0, 1)"):
+            op(x, (0, 1))
+        with raises_naming(ValueError, name, "axis", "2", "(2, 3)"):
+            op(x, 2)
+    with raises_naming(TypeError, "var", "correction"):
+        F.var(x, correction="1")
+    with raises_naming(TypeError, "logsumexp", "axis"):
+        F.logsumexp(x)  # axis is required, as torch.logsumexp's dim
+
+
+def test_reductions_of_a_zero_dimensional_tensor(backend):
+    x = np.array(5.0)
+    for op in (lambda x: F.max(x, 0), lambda x: F.min(x, -1), lambda x: F.logsumexp(x, 0)):
+        y, g = _value_and_grad(backend, op, x)
+        assert y.shape == () and y == 5.0 and g == 1.0
+    assert host(F.argmax(tensor(x, backend), 0)) == 0
+    y, g = _value_and_grad(backend, lambda x: F.var(x, correction=0), x)
+    assert y == 0.0 and g == 0.0
+
+
 @pytest.mark.parametrize("op", [
     F.sqrt, F.rsqrt, F.abs, lambda x: x ** 2, lambda x: F.clamp(x, -1.0, 1.0), F.silu,
     lambda x: F.gelu(x, approximate="tanh"), lambda x: F.maximum(x, x),
@@ -5240,10 +5422,12 @@ def test_elementwise_on_zero_size_tensors(backend, op):
 
 
 def test_flat_names_of_the_new_ops():
-    for name in ["sqrt", "rsqrt", "clamp", "silu", "maximum", "minimum", "where", "masked_fill"]:
+    for name in ["sqrt", "rsqrt", "clamp", "silu", "maximum", "minimum", "where", "masked_fill",
+                 "argmax", "var", "std", "logsumexp"]:
         assert getattr(netcl, name) is getattr(F, name), name
     # these would hide Python's own functions inside netcl.py: functional only
-    assert (F.abs, F.pow) == (netcl.absolute, netcl.power)
+    assert (F.abs, F.pow, F.max, F.min) == (netcl.absolute, netcl.power, netcl.reduce_max,
+                                            netcl.reduce_min)
 
 
 HALF_NEW_OP_CASES = [
@@ -5260,10 +5444,17 @@ HALF_NEW_OP_CASES = [
      lambda a, b: np.where(np.arange(5) % 2 == 0, a, b), True),
     ("masked_fill", _one(), lambda x: x.masked_fill(np.arange(5) > 2, -3.0),
      lambda x: np.where(np.arange(5) > 2, -3.0, x), True),
+    ("max_axis1", _one(), lambda x: F.max(x, 1), lambda x: x.max(1), False),
+    ("min", _one(), F.min, np.min, False),
+    ("var_axis0", _one(), lambda x: F.var(x, 0), lambda x: x.var(0, ddof=1), False),
+    ("std", _one(), F.std, lambda x: x.std(ddof=1), False),
+    ("logsumexp", _one(), lambda x: F.logsumexp(x, -1), lambda x: _logsumexp_ref(x, -1, False),
+     False),
 ]
 
 
 @pytest.mark.parametrize("case", HALF_NEW_OP_CASES, ids=[c[0] for c in HALF_NEW_OP_CASES])
 def test_float16_storage_new_ops(opencl, case):
-    """test_float16_storage_ops for these ops: float16 in, float16 out, float32 gradients."""
+    """test_float16_storage_ops for these ops: float16 in, float16 out for the elementwise
+    ones, float32 for the reductions, float32 gradients either way."""
     test_float16_storage_ops(opencl, case)
