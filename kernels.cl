@@ -76,6 +76,26 @@ UNARY(mul_scalar, x * alpha)
 UNARY(div_scalar, x / alpha)
 UNARY(rsub_scalar, alpha - x)
 UNARY(rdiv_scalar, alpha / x)
+UNARY(sqrt_fwd, sqrt(x))
+UNARY(rsqrt_fwd, 1.0f / sqrt(x))  // not rsqrt(), which OpenCL allows 2 ulps: PyTorch divides
+UNARY(abs_fwd, fabs(x))
+UNARY(pow_fwd, pow(x, alpha))     // alpha = the exponent
+UNARY(silu_fwd, x / (1.0f + exp(-x)))
+
+// PyTorch's tanh GELU, 0.5 x (1 + tanh(u)) with u = sqrt(2/pi) (x + 0.044715 x^3), is x s for
+// s = (1 + tanh(u)) / 2 = sigmoid(2u): through exp, 1 + tanh(u) keeps its precision where
+// tanh(u) is close to -1, which the sum itself would cancel.
+float gelu_tanh_s(const float x) {
+    return 1.0f / (1.0f + exp(-1.5957691216f * (x + 0.044715f * x * x * x)));
+}
+
+// d(x s)/dx: PyTorch's 0.5 (1 + t) + 0.5 x (1 - t^2) du/dx, with 1 - t^2 = 4 s (1 - s)
+float gelu_tanh_slope(const float x) {
+    const float s = gelu_tanh_s(x);
+    return s + 2.0f * x * s * (1.0f - s) * 0.7978845608f * (1.0f + 0.134145f * x * x);
+}
+
+UNARY(gelu_tanh_fwd, x * gelu_tanh_s(x))
 
 // --- their gradients: out (n) = dL/dx from g = dL/dout and s, the saved input x or output y
 // (an activation, act_t); g and out are gradients (float).
@@ -95,6 +115,35 @@ UNARY_GRAD(gelu_bwd, g * (0.5f * (1.0f + erf(s * M_SQRT1_2_F)) // s = x: Phi(x) 
 UNARY_GRAD(exp_bwd, g * s)                                     // s = y
 UNARY_GRAD(log_bwd, g / s)                                     // s = x
 UNARY_GRAD(rdiv_bwd, -alpha * g / (s * s))                     // s = x, d(alpha/x)/dx
+UNARY_GRAD(sqrt_bwd, g / (2.0f * s))                           // s = y
+UNARY_GRAD(rsqrt_bwd, -0.5f * g * s * s * s)                   // s = y
+UNARY_GRAD(abs_bwd, g * sign(s))                               // s = x: sign(0) = sign(NaN) = 0
+UNARY_GRAD(pow_bwd, alpha == 0.0f ? 0.0f                       // s = x; 0 for exponent 0, as
+                                  : g * alpha * pow(s, alpha - 1.0f))  // PyTorch's pow_backward
+UNARY_GRAD(silu_bwd, g / (1.0f + exp(-s))                     // s = x: g sigmoid(x) (1 + x
+                         * (1.0f + s * (1.0f - 1.0f / (1.0f + exp(-s)))))  // (1 - sigmoid(x)))
+UNARY_GRAD(gelu_tanh_bwd, g * gelu_tanh_slope(s))              // s = x
+
+// clamp: out (n) = x limited to [low, high] (-inf / inf for an absent bound); NaN stays NaN.
+// fmin(fmax(x, low), high) gives high everywhere when low > high, as torch.clamp.
+__kernel void clamp_fwd(const int n, const float low, const float high,
+                        __global const act_t* x, __global act_t* out) {
+    const int i = get_global_id(0);
+    if (i < n) {
+        const float v = LOAD(x, i);
+        STORE(out, i, isnan(v) ? v : fmin(fmax(v, low), high));
+    }
+}
+
+// dL/dx (n) = g where low <= x <= high (the bounds pass the gradient, as PyTorch's), else 0
+__kernel void clamp_bwd(const int n, const float low, const float high, __global const float* g,
+                        __global const act_t* x, __global float* out) {
+    const int i = get_global_id(0);
+    if (i < n) {
+        const float v = LOAD(x, i);
+        out[i] = (v >= low && v <= high) ? g[i] : 0.0f;
+    }
+}
 
 // --- elementwise, two inputs: out (n) = f(a, b). An operand of fewer elements repeats along
 // the leading dimensions (a bias (cols) against x (rows, cols), or a scalar of size 1).
@@ -123,6 +172,22 @@ __kernel void div_bwd_b(const int n, const int a_size, const int b_size, __globa
         const float bv = LOAD(b, i % b_size);
         out[i] = -g[i] * LOAD(a, i % a_size) / (bv * bv);
     }
+}
+
+// --- maximum, minimum and selection: BINARY kernels, launched like add_fwd.
+BINARY(maximum_fwd, (a > b || isnan(a)) ? a : b)  // NaN on either side gives NaN, as PyTorch
+BINARY(minimum_fwd, (a < b || isnan(a)) ? a : b)
+// a's share of the gradient of maximum(a, b): 1 where it won, 0 where it lost, half on a tie
+BINARY(max_share_fwd, a < b ? 0.0f : (a == b ? 0.5f : 1.0f))
+// a is a mask of 1s and 0s: b where it is 1 (pick) or 0 (drop), else -0.0, so that a pick
+// plus a drop is exactly a selection (x + -0.0 == x for every x, -0.0 included)
+BINARY(where_pick_fwd, a != 0.0f ? b : -0.0f)
+BINARY(where_drop_fwd, a != 0.0f ? -0.0f : b)
+
+// cond (n) int32 -> mask (n) act_t: 1 where cond is nonzero, else 0
+__kernel void nonzero_mask(const int n, __global const int* cond, __global act_t* mask) {
+    const int i = get_global_id(0);
+    if (i < n) STORE(mask, i, cond[i] != 0 ? 1.0f : 0.0f);
 }
 
 // x (rows, cols) -> out (cols, rows), both act_t
@@ -587,6 +652,101 @@ void sum_all(const int n, const float scale, __global const act_t* x, __global f
         barrier(CLK_LOCAL_MEM_FENCE);
     }
     if (lid == 0) out[get_group_id(0)] = scale * partial[0];
+}
+
+// x (outer, R, inner) -> values (outer, inner), indices (outer, inner): the first largest
+// (largest = 1) or smallest element along R, R >= 1; NaN counts as the extreme, as PyTorch.
+// max and min keep the values, argmax the indices.
+__kernel void extremum_axis(const int outer, const int R, const int inner, const int largest,
+                            __global const act_t* x, __global float* values,
+                            __global int* indices) {
+    const int i = get_global_id(0);
+    if (i >= outer * inner) return;
+    __global const act_t* row = x + (i / inner) * R * inner + i % inner;
+    float best = LOAD(row, 0);
+    int at = 0;
+    for (int r = 1; r < R && !isnan(best); ++r) {
+        const float v = LOAD(row, r * inner);
+        if ((largest ? v > best : v < best) || isnan(v)) { best = v; at = r; }
+    }
+    values[i] = best;
+    indices[i] = at;
+}
+
+// g (outer, inner) -> out (outer, R, inner): g / ties * (x == value), shared equally among the
+// elements equal to the extreme, as PyTorch's amax/amin backward (a NaN extreme gives NaN).
+__kernel void extremum_axis_bwd(const int outer, const int R, const int inner,
+                                __global const float* g, __global const act_t* x,
+                                __global const float* values, __global float* out) {
+    const int i = get_global_id(0);
+    if (i >= outer * inner) return;
+    const int base = (i / inner) * R * inner + i % inner;
+    const float value = values[i];
+    int ties = 0;
+    for (int r = 0; r < R; ++r) ties += LOAD(x, base + r * inner) == value;
+    const float share = g[i] / (float)ties;
+    for (int r = 0; r < R; ++r)
+        out[base + r * inner] = share * (LOAD(x, base + r * inner) == value ? 1.0f : 0.0f);
+}
+
+// x (outer, R, inner) -> out (outer, inner) = sum over R of (x - mean)^2 / dof, or its square
+// root (root = 1: std). Two passes, the mean first: one pass of sum(x^2) - N mean^2 would
+// cancel catastrophically when the mean is large against the spread. dof = 0 gives inf/nan.
+__kernel void var_axis(const int outer, const int R, const int inner, const float dof,
+                       const int root, __global const act_t* x, __global float* out) {
+    const int i = get_global_id(0);
+    if (i >= outer * inner) return;
+    __global const act_t* row = x + (i / inner) * R * inner + i % inner;
+    float total = 0.0f;
+    for (int r = 0; r < R; ++r) total += LOAD(row, r * inner);
+    const float mean = total / (float)R;  // R = 0: nan, as PyTorch's var of nothing
+    float squares = 0.0f;
+    for (int r = 0; r < R; ++r) {
+        const float d = LOAD(row, r * inner) - mean;
+        squares += d * d;
+    }
+    out[i] = root ? sqrt(squares / dof) : squares / dof;
+}
+
+// g (outer, inner) -> out (outer, R, inner) = scale g' (x - mean), scale = 2 / (R - correction),
+// g' = g for var; for std (root = 1) g / (2 y), 0 where y = std = 0, as PyTorch's std_backward.
+__kernel void var_axis_bwd(const int outer, const int R, const int inner, const float scale,
+                           const int root, __global const float* g, __global const float* y,
+                           __global const act_t* x, __global float* out) {
+    const int i = get_global_id(0);
+    if (i >= outer * inner) return;
+    const int base = (i / inner) * R * inner + i % inner;
+    const float grad = root ? (y[i] == 0.0f ? 0.0f : g[i] / (2.0f * y[i])) : g[i];
+    float total = 0.0f;
+    for (int r = 0; r < R; ++r) total += LOAD(x, base + r * inner);
+    const float mean = total / (float)R;
+    for (int r = 0; r < R; ++r)
+        out[base + r * inner] = scale * grad * (LOAD(x, base + r * inner) - mean);
+}
+
+// x (outer, R, inner) -> out (outer, inner) = log(sum over R of exp(x)), shifted by the maximum
+// (by 0 where it is infinite, as PyTorch: all -inf gives -inf, and an inf gives inf, not nan)
+__kernel void logsumexp_axis(const int outer, const int R, const int inner,
+                             __global const act_t* x, __global float* out) {
+    const int i = get_global_id(0);
+    if (i >= outer * inner) return;
+    __global const act_t* row = x + (i / inner) * R * inner + i % inner;
+    float m = -INFINITY;
+    for (int r = 0; r < R; ++r) m = fmax(m, LOAD(row, r * inner));  // a NaN reaches the sum
+    const float shift = isinf(m) ? 0.0f : m;
+    float total = 0.0f;
+    for (int r = 0; r < R; ++r) total += exp(LOAD(row, r * inner) - shift);
+    out[i] = shift + log(total);
+}
+
+// g, lse (outer, inner) -> out (outer, R, inner) = g * exp(x - lse), softmax(x) times g
+__kernel void logsumexp_axis_bwd(const int outer, const int R, const int inner,
+                                 __global const float* g, __global const act_t* x,
+                                 __global const float* lse, __global float* out) {
+    const int i = get_global_id(0);
+    if (i >= outer * R * inner) return;
+    const int column = (i / (R * inner)) * inner + i % inner;
+    out[i] = g[column] * exp(LOAD(x, i) - lse[column]);
 }
 
 // --- softmax along an axis: x (outer, R, inner) -> y, softmax or (log_mode) log-softmax.

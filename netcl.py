@@ -731,6 +731,36 @@ class Node:
         """The transpose of a 2-D node."""
         return transpose(self)
 
+    __pow__ = lambda self, exponent: power(self, exponent)
+
+    def pow(self, exponent):
+        """self ** exponent (a number)."""
+        return power(self, exponent)
+
+    def sqrt(self):
+        """Square root."""
+        return sqrt(self)
+
+    def abs(self):
+        """|self|."""
+        return absolute(self)
+
+    def max(self, axis=None, keepdims=False):
+        """The largest value along `axis` (all axes if None): values only, as torch.amax."""
+        return reduce_max(self, axis, keepdims)
+
+    def var(self, axis=None, correction=1, keepdims=False):
+        """Variance along `axis` (all axes if None), unbiased by default."""
+        return var(self, axis, correction, keepdims)
+
+    def std(self, axis=None, correction=1, keepdims=False):
+        """Standard deviation along `axis` (all axes if None), unbiased by default."""
+        return std(self, axis, correction, keepdims)
+
+    def masked_fill(self, mask, value):
+        """A copy with the number `value` where mask is true."""
+        return masked_fill(self, mask, value)
+
 
 class Parameter(Node):
     """A trainable leaf: a Node with requires_grad=True.
@@ -1095,6 +1125,28 @@ def _erf(x):
     return np.sign(x) * (1.0 - poly * np.exp(-x * x))
 
 
+def _silu_slope(x):
+    """d silu / dx = sigmoid(x) (1 + x (1 - sigmoid(x))), PyTorch's silu_backward."""
+    sigmoid_x = 1 / (1 + np.exp(-x))
+    return sigmoid_x * (1 + x * (1 - sigmoid_x))
+
+
+_GELU_TANH_K = math.sqrt(2 / math.pi)
+
+
+def _gelu_tanh_s(x):
+    """PyTorch's gelu(x, approximate="tanh"), 0.5 x (1 + tanh(u)) with u = sqrt(2/pi) (x +
+    0.044715 x^3), is x s for s = (1 + tanh(u)) / 2 = sigmoid(2u). Through exp, 1 + tanh(u)
+    keeps its precision where tanh(u) is close to -1, which the sum itself would cancel."""
+    return 1 / (1 + np.exp(-2 * _GELU_TANH_K * (x + 0.044715 * x * x * x)))
+
+
+def _gelu_tanh_slope(x):
+    """d(x s)/dx: PyTorch's 0.5 (1 + t) + 0.5 x (1 - t^2) du/dx, with 1 - t^2 = 4 s (1 - s)."""
+    s = _gelu_tanh_s(x)
+    return s + 2 * x * s * (1 - s) * _GELU_TANH_K * (1 + 3 * 0.044715 * x * x)
+
+
 _UNARY = {  # name: (forward on x, gradient from (g, s, alpha), s is "x" or "y")
     "neg": (lambda x, a: -x, None, None),  # its backward is neg itself (_unary)
     "relu": (lambda x, a: np.maximum(x, 0),  # np.maximum keeps NaN, as PyTorch
@@ -1109,6 +1161,15 @@ _UNARY = {  # name: (forward on x, gradient from (g, s, alpha), s is "x" or "y")
     "exp": (lambda x, a: np.exp(x), lambda g, s, a: g * s, "y"),
     "log": (lambda x, a: np.log(x), lambda g, s, a: g / s, "x"),
     "rdiv": (None, lambda g, s, a: -a * g / (s * s), "x"),  # d(a / x)/dx, for scalar / x
+    "sqrt": (lambda x, a: np.sqrt(x), lambda g, s, a: g / (2 * s), "y"),
+    "rsqrt": (lambda x, a: 1 / np.sqrt(x), lambda g, s, a: -0.5 * g * s * s * s, "y"),
+    "abs": (lambda x, a: np.abs(x),  # PyTorch's sgn: 0 at 0 and at NaN (NumPy's sign keeps NaN)
+            lambda g, s, a: g * np.where(np.isnan(s), 0, np.sign(s)), "x"),
+    "pow": (lambda x, a: np.power(x, a),  # a = the exponent; PyTorch's gradient is 0 for a = 0
+            lambda g, s, a: g * a * np.power(s, a - 1) if a != 0 else np.zeros_like(g), "x"),
+    "silu": (lambda x, a: x / (1 + np.exp(-x)), lambda g, s, a: g * _silu_slope(s), "x"),
+    "gelu_tanh": (lambda x, a: x * _gelu_tanh_s(x),
+                  lambda g, s, a: g * _gelu_tanh_slope(s), "x"),
 }
 
 
@@ -1176,9 +1237,12 @@ def tanh(x):
     return _unary("tanh", x)
 
 
-def gelu(x):
-    """x * Phi(x), the exact (erf) form, as PyTorch's default."""
-    return _unary("gelu", x)
+def gelu(x, approximate="none"):
+    """x * Phi(x): the exact (erf) form, PyTorch's default, or with approximate="tanh"
+    PyTorch's 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))."""
+    if approximate not in ("none", "tanh"):
+        raise ValueError(f"gelu: approximate must be 'none' or 'tanh', got {approximate!r}")
+    return _unary("gelu" if approximate == "none" else "gelu_tanh", x)
 
 
 def exp(x):
@@ -1189,6 +1253,68 @@ def exp(x):
 def log(x):
     """Natural logarithm."""
     return _unary("log", x)
+
+
+def sqrt(x):
+    """Square root (NaN below 0; the gradient at 0 is inf, as PyTorch's)."""
+    return _unary("sqrt", x)
+
+
+def rsqrt(x):
+    """1 / sqrt(x)."""
+    return _unary("rsqrt", x)
+
+
+def absolute(x):
+    """|x| (functional.abs; not netcl.abs, which would hide Python's abs in this file). The
+    gradient is sign(x): 0 at 0, as PyTorch's."""
+    return _unary("abs", x)
+
+
+def power(x, exponent):
+    """x ** exponent for a number `exponent`, as torch.pow (functional.pow, `x ** 2`): NaN for
+    a negative x and a non-integer exponent. The gradient is exponent * x ** (exponent - 1),
+    as PyTorch's: at x = 0 infinite below exponent 1, 1 at 1, 0 above; 0 for exponent 0."""
+    if not _is_scalar(exponent):
+        raise TypeError(f"pow: exponent must be a number (netcl has no tensor exponents), got "
+                        f"{exponent!r:.60} ({type(exponent).__name__})")
+    return _unary("pow", x, float(exponent))
+
+
+def clamp(x, min=None, max=None):
+    """x limited to [min, max], as torch.clamp: either bound may be None; NaN stays NaN; with
+    min > max every element is max. The gradient passes where min <= x <= max, the bounds
+    included, as PyTorch's, and is 0 elsewhere."""
+    if min is None and max is None:
+        raise ValueError("clamp: at least one of min and max must be given")
+    for name, bound in (("min", min), ("max", max)):
+        if bound is not None and not _is_scalar(bound):
+            raise TypeError(f"clamp: {name} must be a number or None, got {bound!r:.60}")
+    (x,) = _nodes("clamp", x)
+    low = -math.inf if min is None else float(min)  # an absent bound clamps nothing
+    high = math.inf if max is None else float(max)
+    X = x.value
+    y = _like(X)
+    if X.device.backend == "cpu":
+        y.data[...] = np.minimum(np.maximum(X.data, low), high)  # both keep NaN
+    elif X.size:
+        X.device.launch("clamp_fwd", *_grid(X.size), X.size, low, high, X.data, y.data,
+                        half=X.dtype == np.float16)
+
+    def backward(g):
+        out = _like(g)
+        if g.device.backend == "cpu":
+            out.data[...] = np.where((X.data >= low) & (X.data <= high), g.data, 0)
+        elif g.size:
+            g.device.launch("clamp_bwd", *_grid(g.size), g.size, low, high, g.data, X.data,
+                            out.data, half=X.dtype == np.float16)
+        return (out,)
+    return _record(y, (x,), backward)
+
+
+def silu(x):
+    """x * sigmoid(x)."""
+    return _unary("silu", x)
 
 
 # --- elementwise, two inputs ---------------------------------------------------------------
@@ -1308,6 +1434,119 @@ def div(a, b):
                             B.data, grad_b.data, half=A.dtype == np.float16)
         return _unbroadcast(grad_a, a.shape), _unbroadcast(grad_b, b.shape)
     return _record(_binary_tensor("div", a.value, b.value, shape), (a, b), backward)
+
+
+# --- maximum, minimum and selection ----------------------------------------------------------
+# Binary ops built on the broadcasting above: each step is one _binary_tensor of a BINARY
+# kernel, and each gradient is summed back to its operand's shape with _unbroadcast. Gradients
+# are computed only for the operands that need one (a mask, a fill value rarely do).
+
+def _max_share(x, y, out):
+    """x's share of the gradient of maximum(x, y): 1 where x > y, 0 where x < y, and half each
+    on a tie, as PyTorch's (a NaN on either side gives both the whole gradient)."""
+    out[...] = np.where(x < y, 0.0, np.where(x == y, 0.5, 1.0))
+    return out
+
+
+_BINARY.update(  # NumPy references of the kernels of this sub-section, called like ufuncs
+    maximum=np.maximum, minimum=np.minimum, max_share=_max_share,  # both keep NaN, as PyTorch
+    where_pick=lambda mask, x, out: np.copyto(out, np.where(mask != 0, x, -0.0)),
+    where_drop=lambda mask, x, out: np.copyto(out, np.where(mask != 0, -0.0, x)))
+
+
+def _extremum(op, a, b):
+    a, b = _nodes(op, a, b)
+    shape = _broadcast_shape(op, a.shape, b.shape)
+    A, B = a.value, b.value
+
+    def backward(g):
+        # a's share in maximum(a, b) is _max_share(a, b), b's is _max_share(b, a); in
+        # minimum(a, b) a wins where maximum(b, a) would pick a, so the two swap.
+        first, second = (A, B) if op == "maximum" else (B, A)
+
+        def grad(node, x, y):
+            if not node.requires_grad:
+                return None
+            share = _binary_tensor("max_share", x, y, shape)
+            return _unbroadcast(_binary_tensor("mul", g, share, shape), node.shape)
+        return grad(a, first, second), grad(b, second, first)
+    return _record(_binary_tensor(op, A, B, shape), (a, b), backward)
+
+
+def maximum(a, b):
+    """The elementwise larger of a and b, NaN if either is NaN, as torch.maximum. On a tie each
+    gets half the gradient."""
+    return _extremum("maximum", a, b)
+
+
+def minimum(a, b):
+    """The elementwise smaller of a and b, NaN if either is NaN, as torch.minimum. On a tie each
+    gets half the gradient."""
+    return _extremum("minimum", a, b)
+
+
+def _mask(op, cond, like, name):
+    """cond (the argument `name`) as a tensor of 1s (true) and 0s in like's dtype and on like's device, the operand
+    the selection kernels read. cond: a bool or integer array, or an int32 Tensor or Node
+    (netcl's bool tensors), nonzero meaning true; PyTorch takes bool only, netcl has no bool
+    dtype. A constant: no gradient flows to it."""
+    if isinstance(cond, Node):
+        cond = cond.value
+    if isinstance(cond, Tensor):
+        if cond.dtype != np.int32:
+            raise TypeError(f"{op}: {name} must hold bools or integers (an int32 Tensor), "
+                            f"got a {cond.dtype.name} Tensor of shape {cond.shape}")
+        if cond.device is not like.device:
+            raise ValueError(f"{op}: operands are on different devices: {cond.device.backend} "
+                             f"({cond.device.name}) and {like.device.backend} ({like.device.name})")
+        mask = _like(cond, dtype=like.dtype)
+        if cond.device.backend == "cpu":
+            mask.data[...] = cond.data != 0
+        elif cond.size:
+            cond.device.launch("nonzero_mask", *_grid(cond.size), cond.size, cond.data,
+                               mask.data, half=like.dtype == np.float16)
+        return mask
+    array = _real_array(op, cond, name)
+    if array.dtype.kind not in "biu":
+        raise TypeError(f"{op}: {name} must hold bools or integers, got dtype {array.dtype} "
+                        f"(shape {array.shape})")
+    return Tensor.from_host(array != 0, like.device.queue, like.dtype)
+
+
+def _where(op, cond, a, b, cond_name):
+    if not any(isinstance(v, (Node, Tensor)) for v in (a, b)):  # where(mask, 1.0, 0.0): the
+        a = _as_node(op, a, _devices_of(op, cond))              # result joins mask's device
+    a, b = _nodes(op, a, b)
+    mask = _mask(op, cond, a.value, cond_name)
+    picked_shape = _broadcast_shape(op, mask.shape, a.shape)
+    dropped_shape = _broadcast_shape(op, mask.shape, b.shape)
+    shape = _broadcast_shape(op, picked_shape, dropped_shape)
+    # a where the mask is true, b elsewhere, each -0.0 in the other's places, then summed:
+    # x + -0.0 is x for every x, NaN, infinities and signed zeros included, so the sum is
+    # exactly the selection, and every step broadcasts as the binary ops do.
+    picked = _binary_tensor("where_pick", mask, a.value, picked_shape)
+    dropped = _binary_tensor("where_drop", mask, b.value, dropped_shape)
+
+    def backward(g):  # the gradient goes to the side each element came from
+        return (_unbroadcast(_binary_tensor("where_pick", mask, g, shape), a.shape)
+                if a.requires_grad else None,
+                _unbroadcast(_binary_tensor("where_drop", mask, g, shape), b.shape)
+                if b.requires_grad else None)
+    return _record(_binary_tensor("add", picked, dropped, shape), (a, b), backward)
+
+
+def where(cond, a, b):
+    """a where cond is true, else b, as torch.where; cond, a and b broadcast together. cond is
+    a constant: a bool or integer array or an int32 Tensor, nonzero meaning true."""
+    return _where("where", cond, a, b, "condition")
+
+
+def masked_fill(x, mask, value):
+    """x with the number `value` where mask is true (where(mask, value, x)), as
+    torch.masked_fill: `att.masked_fill(causal == 0, -math.inf)`."""
+    if not _is_scalar(value):
+        raise TypeError(f"masked_fill: value must be a number, got {value!r:.60}")
+    return _where("masked_fill", mask, value, x, "mask")
 
 
 # --- matrix products -------------------------------------------------------------------------
@@ -1721,6 +1960,165 @@ def reduce_sum(x, axis=None, keepdims=False):
 def reduce_mean(x, axis=None, keepdims=False):
     """Mean over `axis` (an int, a tuple, or None for all); the reduced axes are dropped."""
     return _reduce("mean", x, axis, keepdims, mean=True)
+
+
+# max, min, argmax, var, std and logsumexp reduce one axis (an int), or all of x (None, seen
+# as one row), with a kernel per output element that loops over the reduced axis R.
+
+def _one_axis(op, shape, axis, keepdims):
+    """x of `shape` seen as (outer, R, inner) along `axis`, and the output shape."""
+    if axis is None:
+        return 1, math.prod(shape), 1, ((1,) * len(shape) if keepdims else ())
+    if not isinstance(axis, (int, np.integer)) or isinstance(axis, bool):
+        raise TypeError(f"{op}: axis must be an int or None, got {axis!r}")
+    (a,) = _axes(op, shape, axis) or (None,)  # a 0-d x takes axis 0 or -1, as PyTorch
+    if a is None:
+        return 1, 1, 1, ()
+    out_shape = shape[:a] + (1,) * keepdims + shape[a + 1:]
+    return math.prod(shape[:a]), shape[a], math.prod(shape[a + 1:]), out_shape
+
+
+def _extremum_axis_tensor(op, x, outer, R, inner, largest):
+    """x seen as (outer, R, inner) -> values (outer, inner) and int32 indices (outer, inner) of
+    the first largest (smallest) element along R; NaN counts as the extreme, as PyTorch."""
+    if R == 0:  # PyTorch raises IndexError (RuntimeError for all of x): a bad value, to netcl
+        raise ValueError(f"{op}: cannot reduce an empty axis (x of shape {x.shape})")
+    values = _like(x, (outer, inner), _compute_dtype(x.dtype))
+    indices = _like(x, (outer, inner), np.int32)
+    if x.device.backend == "cpu":
+        v = x.data.reshape(outer, R, inner)
+        first = (np.argmax if largest else np.argmin)(v, axis=1)  # the first NaN, if any
+        indices.data[...] = first
+        values.data[...] = np.take_along_axis(v, first[:, None, :], axis=1)[:, 0, :]
+    elif values.size:
+        x.device.launch("extremum_axis", *_grid(outer * inner), outer, R, inner, int(largest),
+                        x.data, values.data, indices.data, half=x.dtype == np.float16)
+    return values, indices
+
+
+def _extremum_reduce(op, x, axis, keepdims, largest):
+    (x,) = _nodes(op, x)
+    outer, R, inner, out_shape = _one_axis(op, x.shape, axis, keepdims)
+    X = x.value
+    values, _ = _extremum_axis_tensor(op, X, outer, R, inner, largest)
+
+    def backward(g):  # g shared equally among the elements equal to the extreme, as amax's
+        out = _like(g, x.shape)
+        if g.device.backend == "cpu":
+            ties = X.data.reshape(outer, R, inner) == values.data.reshape(outer, 1, inner)
+            with np.errstate(all="ignore"):  # a NaN extreme ties with nothing: NaN, as PyTorch
+                out.data.reshape(outer, R, inner)[...] = (
+                    g.data.reshape(outer, 1, inner) / ties.sum(1, keepdims=True, dtype=g.dtype)
+                    * ties)
+        elif g.size:
+            g.device.launch("extremum_axis_bwd", *_grid(outer * inner), outer, R, inner, g.data,
+                            X.data, values.data, out.data, half=X.dtype == np.float16)
+        return (out,)
+    return _record(values.reshape(out_shape), (x,), backward)
+
+
+def reduce_max(x, axis=None, keepdims=False):
+    """The largest value along `axis` (an int; None: of all of x), as torch.amax: the values
+    only, not torch.max(x, dim)'s (values, indices) pair; argmax gives the indices. Ties share
+    the gradient equally. NaN is the largest. An empty axis raises ValueError.
+    functional.max (not netcl.max, which would hide Python's max in this file)."""
+    return _extremum_reduce("max", x, axis, keepdims, largest=True)
+
+
+def reduce_min(x, axis=None, keepdims=False):
+    """The smallest value along `axis`, as torch.amin; see reduce_max. functional.min."""
+    return _extremum_reduce("min", x, axis, keepdims, largest=False)
+
+
+def argmax(x, axis=None, keepdims=False):
+    """The index of the first largest element along `axis` (None: into the flattened x), as
+    torch.argmax: an int32 Tensor, outside autograd. NaN counts as the largest."""
+    (x,) = _nodes("argmax", x)
+    outer, R, inner, out_shape = _one_axis("argmax", x.shape, axis, keepdims)
+    _, indices = _extremum_axis_tensor("argmax", x.value, outer, R, inner, largest=True)
+    return indices.reshape(out_shape)
+
+
+def _variance(op, x, axis, correction, keepdims, root):
+    if not _is_scalar(correction):
+        raise TypeError(f"{op}: correction must be a number, got {correction!r:.60}")
+    (x,) = _nodes(op, x)
+    outer, R, inner, out_shape = _one_axis(op, x.shape, axis, keepdims)
+    X = x.value
+    # PyTorch divides by max(N - correction, 0): inf or nan when N <= correction.
+    dof = float(max(R - correction, 0))
+    y = _like(X, (outer, inner), _compute_dtype(X.dtype))
+    if X.device.backend == "cpu":
+        v = X.data.reshape(outer, R, inner).astype(y.dtype, copy=False)
+        with np.errstate(all="ignore"):  # an empty axis: nan, as PyTorch
+            squares = np.sum((v - v.sum(axis=1, keepdims=True) / R) ** 2, axis=1)
+            y.data[...] = np.sqrt(squares / dof) if root else squares / dof
+    elif y.size:
+        X.device.launch("var_axis", *_grid(y.size), outer, R, inner, dof, int(root), X.data,
+                        y.data, half=X.dtype == np.float16)
+
+    def backward(g):
+        # PyTorch's var_backward: 2 / (N - correction) * g * (x - mean), with g / (2 std) for
+        # std (0 where std is 0, as PyTorch's std_backward). PyTorch's full reduction with
+        # N <= correction has its own rule (inf or nan everywhere); this is the per-axis one.
+        scale = 2.0 / (R - correction) if R != correction else math.inf
+        out = _like(g, x.shape)
+        if g.device.backend == "cpu":
+            v = X.data.reshape(outer, R, inner).astype(g.dtype, copy=False)
+            gv, yv = g.data.reshape(outer, 1, inner), y.data.reshape(outer, 1, inner)
+            with np.errstate(all="ignore"):
+                if root:
+                    gv = np.where(yv == 0, 0, gv / (2 * yv))
+                out.data.reshape(outer, R, inner)[...] = \
+                    scale * gv * (v - v.sum(axis=1, keepdims=True) / R)
+        elif g.size:
+            g.device.launch("var_axis_bwd", *_grid(outer * inner), outer, R, inner, scale,
+                            int(root), g.data, y.data, X.data, out.data,
+                            half=X.dtype == np.float16)
+        return (out,)
+    return _record(y.reshape(out_shape), (x,), backward)
+
+
+def var(x, axis=None, correction=1, keepdims=False):
+    """Variance along `axis` (an int; None: of all of x), sum((x - mean)^2) / (N - correction),
+    as torch.var: correction=1 (Bessel's, the unbiased estimate) is PyTorch's default."""
+    return _variance("var", x, axis, correction, keepdims, root=False)
+
+
+def std(x, axis=None, correction=1, keepdims=False):
+    """Standard deviation, sqrt(var(x, axis, correction)), as torch.std."""
+    return _variance("std", x, axis, correction, keepdims, root=True)
+
+
+def logsumexp(x, axis, keepdims=False):
+    """log(sum(exp(x))) along `axis`, computed stably, as torch.logsumexp: shifted by the
+    maximum (by 0 where it is infinite, so a row of -inf gives -inf and one holding inf gives
+    inf, not nan); an empty axis gives -inf. The gradient is softmax(x) times g."""
+    (x,) = _nodes("logsumexp", x)
+    outer, R, inner, out_shape = _one_axis("logsumexp", x.shape, axis, keepdims)
+    X = x.value
+    y = _like(X, (outer, inner), _compute_dtype(X.dtype))
+    if X.device.backend == "cpu":
+        v = X.data.reshape(outer, R, inner).astype(y.dtype, copy=False)
+        peak = np.max(v, axis=1, initial=-np.inf)
+        shift = np.where(np.isinf(peak), 0, peak)
+        with np.errstate(all="ignore"):
+            y.data[...] = shift + np.log(np.sum(np.exp(v - shift[:, None, :]), axis=1))
+    elif y.size:
+        X.device.launch("logsumexp_axis", *_grid(y.size), outer, R, inner, X.data, y.data,
+                        half=X.dtype == np.float16)
+
+    def backward(g):
+        out = _like(g, x.shape)
+        if g.device.backend == "cpu":
+            with np.errstate(all="ignore"):
+                out.data.reshape(outer, R, inner)[...] = g.data.reshape(outer, 1, inner) * \
+                    np.exp(X.data.reshape(outer, R, inner) - y.data.reshape(outer, 1, inner))
+        elif out.size:
+            g.device.launch("logsumexp_axis_bwd", *_grid(out.size), outer, R, inner, g.data,
+                            X.data, y.data, out.data, half=X.dtype == np.float16)
+        return (out,)
+    return _record(y.reshape(out_shape), (x,), backward)
 
 
 # --- softmax and losses -----------------------------------------------------------------------
@@ -2329,11 +2727,17 @@ class Sigmoid(Module):
 
 
 class GELU(Module):
-    """x * Phi(x) (exact erf form)."""
+    """x * Phi(x): the exact erf form, or PyTorch's tanh approximation (approximate="tanh")."""
+
+    def __init__(self, approximate="none"):
+        super().__init__()
+        if approximate not in ("none", "tanh"):
+            raise ValueError(f"GELU: approximate must be 'none' or 'tanh', got {approximate!r}")
+        self.approximate = approximate
 
     def forward(self, x):
         """Apply gelu."""
-        return gelu(x)
+        return gelu(x, self.approximate)
 
 
 class Dropout(Module):
@@ -4158,7 +4562,10 @@ functional = _alias(
     relu=relu, leaky_relu=leaky_relu, sigmoid=sigmoid, tanh=tanh, gelu=gelu, exp=exp, log=log,
     sum=reduce_sum, mean=reduce_mean, reshape=reshape, flatten=flatten, transpose=transpose,
     softmax=softmax, log_softmax=log_softmax, cross_entropy=cross_entropy, mse_loss=mse_loss,
-    dropout=dropout, conv2d=conv2d, max_pool2d=max_pool2d, avg_pool2d=avg_pool2d)
+    dropout=dropout, conv2d=conv2d, max_pool2d=max_pool2d, avg_pool2d=avg_pool2d,
+    sqrt=sqrt, rsqrt=rsqrt, abs=absolute, pow=power, clamp=clamp, silu=silu, maximum=maximum,
+    minimum=minimum, where=where, masked_fill=masked_fill, max=reduce_max, min=reduce_min,
+    argmax=argmax, var=var, std=std, logsumexp=logsumexp)
 autograd = _alias("autograd", Node=Node, Parameter=Parameter, Tape=Tape, no_grad=no_grad)
 nn = _alias("nn", Module=Module, Linear=Linear, ReLU=ReLU, Tanh=Tanh, Sigmoid=Sigmoid,
             GELU=GELU, Dropout=Dropout, Flatten=Flatten, Sequential=Sequential,

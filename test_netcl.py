@@ -734,6 +734,161 @@ def _(draw, rng, fd):
                 seed=draw(st.integers(0, 2 ** 31 - 1)))
 
 
+# --- elementwise and reductions (sqrt ... logsumexp). Inputs keep away from the points where
+# PyTorch's gradient is a convention (abs at 0, clamp's bounds, ties, pow at 0); the tests at
+# the end of the file check those conventions.
+
+def _away_from(points, x, gap=0.05):
+    """x with every element closer than `gap` to one of `points` moved up by 2 * gap."""
+    for point in points:
+        x = np.where(np.abs(x - point) < gap, x + 2 * gap, x)
+    return x
+
+
+def _gelu_tanh_ref(x):  # torch.nn.functional.gelu(x, approximate="tanh")
+    return 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3)))
+
+
+for _name, (_fn, _ref, _values) in {
+    "sqrt": (F.sqrt, np.sqrt, "positive"),
+    "sqrt_method": (lambda x: x.sqrt(), np.sqrt, "positive"),
+    "rsqrt": (F.rsqrt, lambda x: 1 / np.sqrt(x), "positive"),
+    "abs": (F.abs, np.abs, "away"),
+    "abs_method": (lambda x: x.abs(), np.abs, "away"),
+    "pow_square_operator": (lambda x: x ** 2, np.square, "normal"),
+    "pow_cube": (lambda x: F.pow(x, 3), lambda x: x ** 3, "normal"),
+    "pow_negative_method": (lambda x: x.pow(-2), lambda x: x ** -2.0, "away"),
+    "pow_fraction": (lambda x: F.pow(x, 1.5), lambda x: x ** 1.5, "positive"),
+    "pow_zero": (lambda x: F.pow(x, 0), np.ones_like, "normal"),
+    "silu": (F.silu, lambda x: x / (1 + np.exp(-x)), "normal"),
+    "gelu_tanh": (lambda x: F.gelu(x, approximate="tanh"), _gelu_tanh_ref, "normal"),
+}.items():
+    _unary_case(_name, _fn, _ref, _values)
+
+
+@case("clamp")
+def _(draw, rng, fd):
+    shape = _shape(draw, fd)
+    low, high = draw(st.sampled_from([(-0.5, 0.7), (None, 0.3), (-0.2, None)]))
+    x = _away_from([b for b in (low, high) if b is not None], rng.standard_normal(shape))
+    return Case(lambda x: F.clamp(x, low, high), lambda x: np.clip(x, low, high), [x])
+
+
+def _extremum_cases(name, functional, ref):
+    @case(name)
+    def _(draw, rng, fd):
+        shape = _shape(draw, fd)
+        return Case(functional, ref, [rng.standard_normal(shape), rng.standard_normal(shape)])
+
+    @case(name + "_row_broadcast")
+    def _(draw, rng, fd):
+        rows, cols = _dim(draw, fd), _dim(draw, fd)
+        return Case(functional, ref,
+                    [rng.standard_normal((rows, cols)), rng.standard_normal(cols)], tol="acc")
+
+    @case(name + "_scalar")
+    def _(draw, rng, fd):
+        x = _away_from([0.25], rng.standard_normal(_shape(draw, fd)))
+        return Case(lambda x: functional(x, 0.25), lambda x: ref(x, 0.25), [x])
+
+
+_extremum_cases("maximum", F.maximum, np.maximum)
+_extremum_cases("minimum", F.minimum, np.minimum)
+
+
+@case("where")
+def _(draw, rng, fd):
+    shape = _shape(draw, fd)
+    return Case(lambda a, b, cond: F.where(cond, a, b), lambda a, b, cond: np.where(cond, a, b),
+                [rng.standard_normal(shape), rng.standard_normal(shape)],
+                [rng.random(shape) < 0.5])
+
+
+@case("where_broadcast")
+def _(draw, rng, fd):
+    rows, cols = _dim(draw, fd), _dim(draw, fd)
+    return Case(lambda a, b, cond: F.where(cond, a, b), lambda a, b, cond: np.where(cond, a, b),
+                [rng.standard_normal((rows, cols)), rng.standard_normal(cols)],
+                [rng.random(cols) < 0.5], tol="acc")  # b's gradient is a sum over rows
+
+
+@case("where_scalar")
+def _(draw, rng, fd):
+    shape = _shape(draw, fd)
+    return Case(lambda a, cond: F.where(cond, -1.25, a), lambda a, cond: np.where(cond, -1.25, a),
+                [rng.standard_normal(shape)], [rng.integers(-2, 3, size=shape)])
+
+
+@case("masked_fill")
+def _(draw, rng, fd):
+    shape = _shape(draw, fd)
+    return Case(lambda x, mask: F.masked_fill(x, mask, -1.5),
+                lambda x, mask: np.where(mask, -1.5, x),
+                [rng.standard_normal(shape)], [rng.integers(0, 2, size=shape)])
+
+
+@case("masked_fill_method")
+def _(draw, rng, fd):
+    rows, cols = _dim(draw, fd), _dim(draw, fd)
+    return Case(lambda x, mask: x.masked_fill(mask, 2.0), lambda x, mask: np.where(mask, 2.0, x),
+                [rng.standard_normal((rows, cols))], [rng.random(cols) < 0.5])
+
+
+_reduction_case("max", F.max, "max", np.max)  # also "max_method": x.max(axis)
+
+
+@case("min")
+def _(draw, rng, fd):
+    shape = _shape(draw, fd)
+    axis = draw(st.sampled_from([None] + list(range(-1, len(shape)))))
+    keepdims = draw(st.booleans())
+    return Case(lambda x: F.min(x, axis, keepdims),
+                lambda x: np.asarray(np.min(x, axis=axis, keepdims=keepdims)),
+                [rng.standard_normal(shape)], tol="acc")
+
+
+def _variance_cases(name, functional, ref):  # ref: np.var or np.std, whose ddof is correction
+    @case(name)
+    def _(draw, rng, fd):
+        shape = tuple(s + 1 for s in _shape(draw, fd))  # every axis >= 2 > correction
+        axis = draw(st.sampled_from([None] + list(range(-1, len(shape)))))
+        correction = draw(st.sampled_from([0, 1, 0.5]))
+        keepdims = draw(st.booleans())
+        return Case(lambda x: functional(x, axis, correction=correction, keepdims=keepdims),
+                    lambda x: np.asarray(ref(x, axis=axis, ddof=correction, keepdims=keepdims)),
+                    [rng.standard_normal(shape)], tol="acc")
+
+    @case(name + "_method")
+    def _(draw, rng, fd):
+        shape = tuple(s + 1 for s in _shape(draw, fd))
+        if draw(st.booleans()):
+            return Case(lambda x: getattr(x, name)(), lambda x: np.asarray(ref(x, ddof=1)),
+                        [rng.standard_normal(shape)], tol="acc")
+        axis = draw(st.integers(0, len(shape) - 1))
+        return Case(lambda x: getattr(x, name)(axis), lambda x: ref(x, axis=axis, ddof=1),
+                    [rng.standard_normal(shape)], tol="acc")
+
+
+_variance_cases("var", F.var, np.var)
+_variance_cases("std", F.std, np.std)
+
+
+def _logsumexp_ref(x, axis, keepdims):  # torch.logsumexp
+    peak = x.max(axis=axis, keepdims=True)
+    out = peak + np.log(np.exp(x - peak).sum(axis=axis, keepdims=True))
+    return out if keepdims else out.squeeze(axis)
+
+
+@case("logsumexp")
+def _(draw, rng, fd):
+    shape = _shape(draw, fd)
+    axis = draw(st.integers(-len(shape), len(shape) - 1))
+    keepdims = draw(st.booleans())
+    return Case(lambda x: F.logsumexp(x, axis, keepdims=keepdims),
+                lambda x: _logsumexp_ref(x, axis, keepdims),
+                [rng.standard_normal(shape) * 3], tol="acc")
+
+
 # Random outputs cannot be compared across backends (the mask stream is per backend).
 CROSS_BACKEND_CASES = sorted(name for name in CASES if name != "dropout")
 
@@ -4973,3 +5128,385 @@ def test_autocast_is_per_thread(portable_half):
         assert (x @ w).dtype == np.float16
         (elsewhere,) = _in_threads(lambda: x @ w)  # a new thread starts with autocast off
     assert elsewhere.dtype == np.float32
+
+
+# ---------------------------------------------------------------------------------------------
+# elementwise and reductions
+# ---------------------------------------------------------------------------------------------
+# The conventions of PyTorch's gradients at the points the op cases keep away from, the
+# edges (NaN, infinities, empty axes, zero-size tensors) and the errors. Expected values are
+# PyTorch's, worked out from its formulas (derivatives.yaml, FunctionsManual.cpp).
+
+def _value_and_grad(dev, op, *arrays, grad=None):
+    """op(*leaves) on dev and the gradient of each leaf for an upstream gradient of ones."""
+    leaves = [param(a, dev) for a in arrays]
+    with netcl.Tape() as tape:
+        out = op(*leaves)
+    tape.backward(out, grad=np.ones(out.shape, np.float32) if grad is None else grad)
+    return (host(out), *[host(p.grad) for p in leaves])
+
+
+def test_abs_gradient_at_zero_is_zero(backend):
+    x = np.array([0.0, -0.0, 2.0, -3.0, np.nan])
+    y, grad = _value_and_grad(backend, F.abs, x)
+    np.testing.assert_array_equal(y, [0.0, 0.0, 2.0, 3.0, np.nan])
+    np.testing.assert_array_equal(grad, [0.0, 0.0, 1.0, -1.0, 0.0])  # sgn(0) = sgn(nan) = 0
+
+
+@pytest.mark.parametrize("exponent, value, grad", [
+    # x = 0, -2, 2; torch.pow's backward: exponent * x ** (exponent - 1), 0 for exponent 0
+    (0, [1.0, 1.0, 1.0], [0.0, 0.0, 0.0]),
+    (0.5, [0.0, np.nan, math.sqrt(2)], [np.inf, np.nan, 0.5 / math.sqrt(2)]),
+    (1, [0.0, -2.0, 2.0], [1.0, 1.0, 1.0]),
+    (2, [0.0, 4.0, 4.0], [0.0, -4.0, 4.0]),
+    (3, [0.0, -8.0, 8.0], [0.0, 12.0, 12.0]),
+    (-1, [np.inf, -0.5, 0.5], [-np.inf, -0.25, -0.25]),
+    (2.5, [0.0, np.nan, 2 ** 2.5], [0.0, np.nan, 2.5 * 2 ** 1.5]),
+])
+def test_pow_at_zero_and_negative_bases(backend, exponent, value, grad):
+    y, g = _value_and_grad(backend, lambda x: x ** exponent, np.array([0.0, -2.0, 2.0]))
+    np.testing.assert_allclose(y, value, rtol=1e-6)
+    np.testing.assert_allclose(g, grad, rtol=1e-6)
+
+
+def test_pow_gradient_is_zero_for_exponent_zero_even_at_nan(backend):
+    y, g = _value_and_grad(backend, lambda x: F.pow(x, 0.0), np.array([np.nan, np.inf, 0.0]))
+    np.testing.assert_array_equal(y, [1.0, 1.0, 1.0])
+    np.testing.assert_array_equal(g, [0.0, 0.0, 0.0])
+
+
+def test_pow_takes_a_number_exponent(backend):
+    x = tensor(np.ones(3), backend)
+    with raises_naming(TypeError, "pow", "exponent", "Tensor"):
+        F.pow(x, x)
+    with raises_naming(TypeError, "pow", "exponent", "str"):
+        netcl.Node(x) ** "2"
+
+
+@pytest.mark.parametrize("low, high, value, grad", [
+    (2.0, 2.5, [2.0, 2.0, 2.5, 2.5, np.nan], [0.0, 1.0, 1.0, 0.0, 0.0]),  # bounds pass g
+    (3.0, 2.0, [2.0, 2.0, 2.0, 2.0, np.nan], [0.0, 0.0, 0.0, 0.0, 0.0]),  # min > max: max
+    (2.0, None, [2.0, 2.0, 2.5, 3.0, np.nan], [0.0, 1.0, 1.0, 1.0, 0.0]),
+    (None, 2.5, [1.0, 2.0, 2.5, 2.5, np.nan], [1.0, 1.0, 1.0, 0.0, 0.0]),
+])
+def test_clamp_at_the_bounds(backend, low, high, value, grad):
+    x = np.array([1.0, 2.0, 2.5, 3.0, np.nan])
+    y, g = _value_and_grad(backend, lambda x: F.clamp(x, low, high), x)
+    np.testing.assert_array_equal(y, value)
+    np.testing.assert_array_equal(g, grad)
+
+
+def test_clamp_errors(backend):
+    x = tensor(np.ones(3), backend)
+    with raises_naming(ValueError, "clamp", "min", "max"):
+        F.clamp(x)
+    with raises_naming(TypeError, "clamp", "max"):
+        F.clamp(x, 0.0, x)
+    with raises_naming(TypeError, "clamp", "min"):
+        F.clamp(x, min="0")
+
+
+def test_silu_and_tanh_gelu_far_out(backend):
+    """Large |x|: silu and the tanh GELU go to 0 and to x without inf or nan, in both
+    directions (silu checked against a float64 transcription of PyTorch's formulas)."""
+    x = np.array([-100.0, -30.0, -8.0, 8.0, 30.0, 100.0])
+    y, g = _value_and_grad(backend, F.silu, x)
+    np.testing.assert_allclose(y, x / (1 + np.exp(-x)), rtol=1e-6, atol=1e-30)
+    sig = 1 / (1 + np.exp(-x))
+    np.testing.assert_allclose(g, sig * (1 + x * (1 - sig)), rtol=1e-5, atol=1e-30)
+    x = np.array([-100.0, -30.0, 30.0, 100.0])
+    y, g = _value_and_grad(backend, lambda x: F.gelu(x, approximate="tanh"), x)
+    np.testing.assert_array_equal(y, [0.0, 0.0, 30.0, 100.0])
+    np.testing.assert_array_equal(g, [0.0, 0.0, 1.0, 1.0])
+
+
+def test_gelu_approximate_argument(backend):
+    x = tensor(np.random.default_rng(3).standard_normal((4, 5)), backend)
+    np.testing.assert_array_equal(host(F.gelu(x, "none")), host(F.gelu(x)))
+    np.testing.assert_allclose(host(F.gelu(x, approximate="tanh")),
+                               _gelu_tanh_ref(host(x).astype(np.float64)), rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(host(nn.GELU(approximate="tanh")(x)),
+                                  host(F.gelu(x, approximate="tanh")))
+    np.testing.assert_array_equal(host(nn.GELU()(x)), host(F.gelu(x)))
+    with raises_naming(ValueError, "gelu", "approximate", "'sigmoid'"):
+        F.gelu(x, approximate="sigmoid")
+    with raises_naming(ValueError, "GELU", "approximate", "'fast'"):
+        nn.GELU(approximate="fast")
+
+
+@pytest.mark.parametrize("op, value, grad_a, grad_b", [
+    # a = [1, 2, nan, 3], b = [1, 3, 1, nan]: ties split the gradient; NaN gives both all of it
+    (F.maximum, [1.0, 3.0, np.nan, np.nan], [0.5, 0.0, 1.0, 1.0], [0.5, 1.0, 1.0, 1.0]),
+    (F.minimum, [1.0, 2.0, np.nan, np.nan], [0.5, 1.0, 1.0, 1.0], [0.5, 0.0, 1.0, 1.0]),
+])
+def test_maximum_minimum_ties_and_nan(backend, op, value, grad_a, grad_b):
+    y, ga, gb = _value_and_grad(backend, op, np.array([1.0, 2.0, np.nan, 3.0]),
+                                np.array([1.0, 3.0, 1.0, np.nan]))
+    np.testing.assert_array_equal(y, value)
+    np.testing.assert_array_equal(ga, grad_a)
+    np.testing.assert_array_equal(gb, grad_b)
+
+
+def test_maximum_with_a_constant_and_shape_errors(backend):
+    y, g = _value_and_grad(backend, lambda x: F.maximum(x, 0.0), np.array([-1.0, 0.0, 2.0]))
+    np.testing.assert_array_equal(y, [0.0, 0.0, 2.0])
+    np.testing.assert_array_equal(g, [0.0, 0.5, 1.0])  # relu's twin, but a tie shares
+    for op in (F.maximum, F.minimum):
+        with raises_naming(ValueError, op.__name__, "(2, 3)", "(4,)"):
+            op(tensor(np.ones((2, 3)), backend), tensor(np.ones(4), backend))
+
+
+def test_where_selects_exactly(backend):
+    """The unchosen side never leaks, not even a NaN or an inf; signed zeros survive; the
+    gradient goes to the chosen side only."""
+    cond = np.array([True, False, True, False, True])
+    a = np.array([-0.0, np.nan, np.inf, 1.0, 2.0])
+    b = np.array([np.nan, -0.0, 5.0, -np.inf, 3.0])
+    y, ga, gb = _value_and_grad(backend, lambda a, b: F.where(cond, a, b), a, b,
+                                grad=np.full(5, 2.0, np.float32))
+    np.testing.assert_array_equal(y, [-0.0, -0.0, np.inf, -np.inf, 2.0])
+    assert list(np.signbit(y[:2])) == [True, True]
+    np.testing.assert_array_equal(ga, [2.0, 0.0, 2.0, 0.0, 2.0])
+    np.testing.assert_array_equal(gb, [0.0, 2.0, 0.0, 2.0, 0.0])
+
+
+@pytest.mark.parametrize("kind", ["bool", "int", "tensor", "node"])
+def test_where_condition_kinds(backend, kind):
+    cond = np.array([[1, 0, 3], [0, -2, 0]])
+    condition = {"bool": cond != 0, "int": cond, "tensor": tensor(cond, backend),
+                 "node": netcl.Node(tensor(cond, backend))}[kind]
+    a = np.arange(6.0).reshape(2, 3)
+    out = F.where(condition, tensor(a, backend), -1.0)
+    np.testing.assert_array_equal(host(out), np.where(cond != 0, a, -1.0))
+
+
+def test_where_broadcasts_condition_and_sides(backend):
+    cond = np.array([True, False, True])  # (3,) against (2, 3) and a scalar
+    a, b = np.arange(6.0).reshape(2, 3), np.array([10.0, 20.0, 30.0])
+    y, ga, gb = _value_and_grad(backend, lambda a, b: F.where(cond, a, b), a, b)
+    np.testing.assert_array_equal(y, np.where(cond, a, b))
+    np.testing.assert_array_equal(ga, np.broadcast_to(cond, (2, 3)).astype(np.float32))
+    np.testing.assert_array_equal(gb, [0.0, 2.0, 0.0])
+    out = F.where(tensor(cond, backend), 1.0, 0.0)  # two numbers: on the condition's device
+    assert out.device is backend and out.dtype == np.float32
+    np.testing.assert_array_equal(host(out), [1.0, 0.0, 1.0])
+
+
+def test_where_and_masked_fill_errors(backend):
+    x = tensor(np.ones((2, 3)), backend)
+    with raises_naming(TypeError, "where", "condition", "float"):
+        F.where(np.ones((2, 3)), x, x)
+    with raises_naming(TypeError, "where", "condition", "float32"):
+        F.where(x, x, x)
+    with raises_naming(TypeError, "masked_fill", "mask", "float"):
+        F.masked_fill(x, np.zeros(3), 1.0)
+    with raises_naming(TypeError, "masked_fill", "value"):
+        F.masked_fill(x, np.zeros(3, bool), x)
+    with raises_naming(ValueError, "where", "(2, 3)", "(4,)"):
+        F.where(np.ones(4, bool), x, x)
+    with raises_naming(ValueError, "masked_fill", "(2, 3)", "(2,)"):
+        x_node = netcl.Node(x)
+        x_node.masked_fill(np.ones(2, bool), 0.0)
+
+
+def test_where_condition_on_another_device_raises(cpu, opencl):
+    with raises_naming(ValueError, "where", "devices"):
+        F.where(tensor(np.ones(3, np.int32), cpu), tensor(np.ones(3), opencl), 0.0)
+
+
+def test_masked_fill_causal_attention(backend):
+    """The GPT use: scores masked above the diagonal with -inf, then softmax. Masked places
+    get probability 0 and no gradient."""
+    rng = np.random.default_rng(21)
+    scores = rng.standard_normal((2, 4, 4))
+    causal = np.tril(np.ones((4, 4)))
+    weights = rng.standard_normal((2, 4, 4)).astype(np.float32)
+    y, g = _value_and_grad(backend, lambda s: F.softmax(s.masked_fill(causal == 0, -math.inf)),
+                           scores, grad=weights)
+    masked = np.where(causal == 0, -np.inf, scores)
+    expected = np.exp(masked - masked.max(-1, keepdims=True))
+    expected /= expected.sum(-1, keepdims=True)
+    np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-7)
+    assert np.all(y[:, causal == 0] == 0)
+    # softmax's backward, then nothing where the fill was
+    expected_grad = expected * (weights - (weights * expected).sum(-1, keepdims=True))
+    np.testing.assert_allclose(g, expected_grad, rtol=1e-5, atol=1e-6)
+    assert np.all(g[:, causal == 0] == 0)
+
+
+def test_max_ties_share_the_gradient(backend):
+    x = np.array([[1.0, 3.0, 3.0], [2.0, 2.0, 2.0]])
+    y, g = _value_and_grad(backend, lambda x: F.max(x, 1), x)  # torch.amax(x, 1)
+    np.testing.assert_array_equal(y, [3.0, 2.0])
+    np.testing.assert_allclose(g, [[0, 0.5, 0.5], [1 / 3, 1 / 3, 1 / 3]], rtol=1e-7)
+    y, g = _value_and_grad(backend, lambda x: x.max(), x)  # all of x
+    assert y.shape == () and y == 3.0
+    np.testing.assert_array_equal(g, [[0, 0.5, 0.5], [0, 0, 0]])
+    y, g = _value_and_grad(backend, lambda x: F.min(x, 0, keepdims=True),
+                           np.array([[1.0, 2.0, 5.0], [1.0, 3.0, 5.0]]))
+    np.testing.assert_array_equal(y, [[1.0, 2.0, 5.0]])
+    np.testing.assert_array_equal(g, [[0.5, 1, 0.5], [0.5, 0, 0.5]])
+
+
+def test_max_with_nan(backend):
+    """NaN is the largest and the smallest; a NaN extreme ties with nothing, so its column's
+    gradient is NaN (g / 0 * 0), as PyTorch's amax backward."""
+    x = np.array([[1.0, np.nan, 3.0], [2.0, 5.0, 4.0]])
+    for op in (lambda x: F.max(x, 1), lambda x: F.min(x, 1)):
+        y, g = _value_and_grad(backend, op, x)
+        assert np.isnan(y[0]) and not np.isnan(y[1])
+        assert np.isnan(g[0]).all() and not np.isnan(g[1]).any()
+
+
+def test_argmax(backend):
+    x = np.array([[1.0, 3.0, 3.0, 0.0], [np.nan, 2.0, np.nan, 9.0], [4.0, 4.0, 4.0, 4.0]])
+    t = tensor(x, backend)
+    out = F.argmax(t, 1)
+    assert isinstance(out, netcl.Tensor) and out.dtype == np.int32
+    np.testing.assert_array_equal(host(out), [1, 0, 0])  # the first of ties; NaN is largest
+    np.testing.assert_array_equal(host(F.argmax(t, 0)), [1, 2, 1, 1])
+    np.testing.assert_array_equal(host(F.argmax(t, -1, keepdims=True)), [[1], [0], [0]])
+    assert host(F.argmax(tensor(np.array([[0.0, 1.0], [7.0, 2.0]]), backend))) == 2  # flat
+    assert F.argmax(tensor(np.array([[0.0, 1.0]]), backend), keepdims=True).shape == (1, 1)
+    assert F.argmax(netcl.Node(t), 1).shape == (3,)  # Nodes too; no gradient
+    assert F.argmax(tensor(np.zeros((0, 3)), backend), 1).shape == (0,)
+
+
+def test_reductions_over_empty_axes(backend):
+    empty = tensor(np.zeros((2, 0)), backend)
+    for op in (F.max, F.min, F.argmax):
+        name = {F.max: "max", F.min: "min", F.argmax: "argmax"}[op]
+        with raises_naming(ValueError, name, "empty", "(2, 0)"):
+            op(empty, 1)
+        with raises_naming(ValueError, name, "empty", "(2, 0)"):
+            op(empty)  # all of an empty x
+    np.testing.assert_array_equal(host(F.var(empty, 1)), [np.nan, np.nan])  # as PyTorch
+    np.testing.assert_array_equal(host(F.std(empty, 1)), [np.nan, np.nan])
+    np.testing.assert_array_equal(host(F.logsumexp(empty, 1)), [-np.inf, -np.inf])
+    assert F.var(empty).shape == () and np.isnan(host(F.var(empty)))
+    # an empty x reduced along a non-empty axis: an empty result, forward and backward
+    for op in (lambda x: F.max(x, 1), lambda x: F.min(x, 1), lambda x: F.var(x, 1),
+               lambda x: F.std(x, 1, keepdims=True), lambda x: F.logsumexp(x, -1)):
+        y, g = _value_and_grad(backend, op, np.zeros((0, 3)))
+        assert y.shape in ((0,), (0, 1)) and g.shape == (0, 3)
+
+
+@pytest.mark.parametrize("correction, value, grad", [
+    # x = [[1, 2], [3, 3]] along axis 1; torch.var's backward 2 / (N - correction) g (x - mean)
+    (0, [0.25, 0.0], [[-0.5, 0.5], [0.0, 0.0]]),
+    (1, [0.5, 0.0], [[-1.0, 1.0], [0.0, 0.0]]),
+    (0.5, [1 / 3, 0.0], [[-2 / 3, 2 / 3], [0.0, 0.0]]),
+    (2, [np.inf, np.nan], [[-np.inf, np.inf], [np.nan, np.nan]]),  # N = correction
+    (3, [np.inf, np.nan], [[1.0, -1.0], [0.0, 0.0]]),  # divides by max(N - correction, 0)
+])
+def test_var_corrections(backend, correction, value, grad):
+    x = np.array([[1.0, 2.0], [3.0, 3.0]])
+    y, g = _value_and_grad(backend, lambda x: F.var(x, 1, correction=correction), x)
+    np.testing.assert_allclose(y, value, rtol=1e-6)
+    np.testing.assert_allclose(g, grad, rtol=1e-6)
+
+
+def test_std_of_a_constant_has_zero_gradient(backend):
+    """PyTorch's std_backward masks the 1 / std of a zero std: 0, not nan."""
+    x = np.array([[1.0, 2.0], [3.0, 3.0]])
+    y, g = _value_and_grad(backend, lambda x: x.std(1), x)
+    np.testing.assert_allclose(y, [math.sqrt(0.5), 0.0], rtol=1e-6)
+    np.testing.assert_allclose(g, [[-math.sqrt(0.5), math.sqrt(0.5)], [0.0, 0.0]], rtol=1e-6)
+    y, g = _value_and_grad(backend, lambda x: F.std(x), np.full(4, 7.0))
+    assert y == 0.0
+    np.testing.assert_array_equal(g, np.zeros(4))
+
+
+def test_var_is_stable_far_from_zero(backend):
+    """Two passes: a large mean does not swamp a small spread."""
+    x = 1e4 + np.array([0.0, 1.0, 2.0, 3.0])
+    np.testing.assert_allclose(host(F.var(tensor(x, backend))), np.var(x, ddof=1), rtol=1e-6)
+
+
+def test_logsumexp_is_stable(backend):
+    x = np.array([[1000.0, 1000.0], [-1000.0, -1001.0], [np.inf, 1.0], [-np.inf, -np.inf]])
+    y, g = _value_and_grad(backend, lambda x: F.logsumexp(x, 1), x)
+    np.testing.assert_allclose(y[:2], [1000 + math.log(2), -1000 + math.log1p(math.exp(-1))],
+                               rtol=1e-6)
+    np.testing.assert_array_equal(y[2:], [np.inf, -np.inf])  # not nan: shifted by 0
+    # PyTorch's gradient, exp(x - lse), from the float32 lse: softmax up to lse's rounding
+    # (float32's spacing at 1000 is 2**-14), and exactly what PyTorch gives (0.49998546 here)
+    np.testing.assert_allclose(g[:2], np.exp(x[:2] - y[:2, None].astype(np.float64)), rtol=1e-6)
+    np.testing.assert_allclose(g[:2], [[0.5, 0.5], [1 / (1 + math.exp(-1)),
+                                                    1 / (1 + math.exp(1))]], atol=2 ** -14)
+    np.testing.assert_array_equal(g[2:], [[np.nan, 0.0], [np.nan, np.nan]])  # as PyTorch
+
+
+def test_reductions_reject_bad_axes_and_arguments(backend):
+    x = tensor(np.ones((2, 3)), backend)
+    for name, op in [("max", F.max), ("min", F.min), ("argmax", F.argmax), ("var", F.var),
+                     ("std", F.std), ("logsumexp", F.logsumexp)]:
+        with raises_naming(TypeError, name, "axis", "(0, 1)"):
+            op(x, (0, 1))
+        with raises_naming(ValueError, name, "axis", "2", "(2, 3)"):
+            op(x, 2)
+    with raises_naming(TypeError, "var", "correction"):
+        F.var(x, correction="1")
+    with raises_naming(TypeError, "logsumexp", "axis"):
+        F.logsumexp(x)  # axis is required, as torch.logsumexp's dim
+
+
+def test_reductions_of_a_zero_dimensional_tensor(backend):
+    x = np.array(5.0)
+    for op in (lambda x: F.max(x, 0), lambda x: F.min(x, -1), lambda x: F.logsumexp(x, 0)):
+        y, g = _value_and_grad(backend, op, x)
+        assert y.shape == () and y == 5.0 and g == 1.0
+    assert host(F.argmax(tensor(x, backend), 0)) == 0
+    y, g = _value_and_grad(backend, lambda x: F.var(x, correction=0), x)
+    assert y == 0.0 and g == 0.0
+
+
+@pytest.mark.parametrize("op", [
+    F.sqrt, F.rsqrt, F.abs, lambda x: x ** 2, lambda x: F.clamp(x, -1.0, 1.0), F.silu,
+    lambda x: F.gelu(x, approximate="tanh"), lambda x: F.maximum(x, x),
+    lambda x: F.minimum(x, 0.0), lambda x: F.where(np.ones((0, 3), bool), x, 1.0),
+    lambda x: x.masked_fill(np.zeros(3, bool), 2.0),
+], ids=["sqrt", "rsqrt", "abs", "pow", "clamp", "silu", "gelu_tanh", "maximum", "minimum",
+        "where", "masked_fill"])
+def test_elementwise_on_zero_size_tensors(backend, op):
+    y, g = _value_and_grad(backend, op, np.zeros((0, 3)))
+    assert y.shape == (0, 3) and g.shape == (0, 3)
+
+
+def test_flat_names_of_the_new_ops():
+    for name in ["sqrt", "rsqrt", "clamp", "silu", "maximum", "minimum", "where", "masked_fill",
+                 "argmax", "var", "std", "logsumexp"]:
+        assert getattr(netcl, name) is getattr(F, name), name
+    # these would hide Python's own functions inside netcl.py: functional only
+    assert (F.abs, F.pow, F.max, F.min) == (netcl.absolute, netcl.power, netcl.reduce_max,
+                                            netcl.reduce_min)
+
+
+HALF_NEW_OP_CASES = [
+    ("sqrt", _one(low=0.1), F.sqrt, np.sqrt, True),
+    ("rsqrt", _one(low=0.1), F.rsqrt, lambda x: 1 / np.sqrt(x), True),
+    ("abs", _one(), F.abs, np.abs, True),
+    ("pow", _one(), lambda x: x ** 3, lambda x: x ** 3, True),
+    ("clamp", _one(), lambda x: F.clamp(x, -0.5, 0.7), lambda x: np.clip(x, -0.5, 0.7), True),
+    ("silu", _one(), F.silu, lambda x: x / (1 + np.exp(-x)), True),
+    ("gelu_tanh", _one(), lambda x: F.gelu(x, approximate="tanh"), _gelu_tanh_ref, True),
+    ("maximum", _two(), F.maximum, np.maximum, True),
+    ("minimum_row", _two((5,)), F.minimum, np.minimum, True),
+    ("where", _two((5,)), lambda a, b: F.where(np.arange(5) % 2 == 0, a, b),
+     lambda a, b: np.where(np.arange(5) % 2 == 0, a, b), True),
+    ("masked_fill", _one(), lambda x: x.masked_fill(np.arange(5) > 2, -3.0),
+     lambda x: np.where(np.arange(5) > 2, -3.0, x), True),
+    ("max_axis1", _one(), lambda x: F.max(x, 1), lambda x: x.max(1), False),
+    ("min", _one(), F.min, np.min, False),
+    ("var_axis0", _one(), lambda x: F.var(x, 0), lambda x: x.var(0, ddof=1), False),
+    ("std", _one(), F.std, lambda x: x.std(ddof=1), False),
+    ("logsumexp", _one(), lambda x: F.logsumexp(x, -1), lambda x: _logsumexp_ref(x, -1, False),
+     False),
+]
+
+
+@pytest.mark.parametrize("case", HALF_NEW_OP_CASES, ids=[c[0] for c in HALF_NEW_OP_CASES])
+def test_float16_storage_new_ops(opencl, case):
+    """test_float16_storage_ops for these ops: float16 in, float16 out for the elementwise
+    ones, float32 for the reductions, float32 gradients either way."""
+    test_float16_storage_ops(opencl, case)
