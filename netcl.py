@@ -2074,6 +2074,7 @@ def dropout(x, p=0.5, training=True):
 
 # ============================================================================ nn modules
 # Modules hold Parameters and sub-modules, registered by attribute assignment as in PyTorch,
+# and buffers (saved, never trained: running statistics), registered with register_buffer;
 # so named_parameters() yields PyTorch's names in PyTorch's order and state_dict() loads
 # into the same torch.nn model and back.
 
@@ -2082,6 +2083,7 @@ class Module:
 
     def __init__(self):
         object.__setattr__(self, "_parameters", OrderedDict())
+        object.__setattr__(self, "_buffers", OrderedDict())
         object.__setattr__(self, "_modules", OrderedDict())
         object.__setattr__(self, "training", True)
 
@@ -2091,14 +2093,32 @@ class Module:
                                f"before assigning attributes")
         if isinstance(value, Parameter):  # a reassigned name keeps its place, as PyTorch
             self._modules.pop(name, None)
+            self._buffers.pop(name, None)
             self._parameters[name] = value
         elif isinstance(value, Module):
             self._parameters.pop(name, None)
+            self._buffers.pop(name, None)
             self._modules[name] = value
+        elif name in self._buffers:  # a new value for a registered buffer, as PyTorch
+            self._buffers[name] = _check_buffer(name, value)
         else:
             self._parameters.pop(name, None)
             self._modules.pop(name, None)
         object.__setattr__(self, name, value)
+
+    def register_buffer(self, name, tensor):
+        """Register state that is saved but not trained, as PyTorch: a BatchNorm's running
+        statistics. `tensor` is a Tensor, a NumPy array kept on the host (a counter the
+        host needs anyway, such as num_batches_tracked), or None (then it is left out of
+        state_dict). It becomes the attribute `name`, and state_dict() holds it after the
+        module's parameters; parameters() never does."""
+        if not isinstance(name, str) or not name or "." in name:
+            raise KeyError(f"register_buffer: name must be a non-empty string without '.', "
+                           f"got {name!r}")
+        if name not in self._buffers and (name in self.__dict__ or hasattr(type(self), name)):
+            raise KeyError(f"register_buffer: attribute {name!r} already exists")
+        self._buffers[name] = _check_buffer(name, tensor)
+        object.__setattr__(self, name, tensor)
 
     def __call__(self, *args, **kwargs):
         return self.forward(*args, **kwargs)
@@ -2118,6 +2138,23 @@ class Module:
         """The Parameters, in named_parameters() order."""
         return [param for _, param in self.named_parameters()]
 
+    def named_buffers(self, prefix=""):
+        """(name, buffer) pairs: own buffers first, then each sub-module's (None ones left out)."""
+        for name, buffer in self._buffers.items():
+            if buffer is not None:
+                yield prefix + name, buffer
+        for name, module in self._modules.items():
+            yield from module.named_buffers(prefix + name + ".")
+
+    def _state_items(self, prefix=""):
+        """(name, Parameter or buffer) in PyTorch's state_dict order: each module's own
+        parameters, then its own buffers, then its sub-modules' in turn."""
+        yield from ((prefix + name, param) for name, param in self._parameters.items())
+        yield from ((prefix + name, buffer) for name, buffer in self._buffers.items()
+                    if buffer is not None)
+        for name, module in self._modules.items():
+            yield from module._state_items(prefix + name + ".")
+
     def train(self, mode=True):
         """Set training mode (dropout active) on this module and its sub-modules."""
         object.__setattr__(self, "training", bool(mode))
@@ -2130,35 +2167,51 @@ class Module:
         return self.train(False)
 
     def state_dict(self):
-        """An ordered dict of NumPy copies of every parameter, under PyTorch's names."""
-        return OrderedDict((name, param.value.to_host()) for name, param in self.named_parameters())
+        """An ordered dict of NumPy copies of every parameter and buffer, under PyTorch's
+        names and in its order."""
+        return OrderedDict((name, entry.copy() if isinstance(entry, np.ndarray) else
+                            (entry.value if isinstance(entry, Node) else entry).to_host())
+                           for name, entry in self._state_items())
 
     def load_state_dict(self, state):
-        """Copy arrays into the existing parameters (an optimizer built before keeps working).
-        A missing or an unexpected key, a shape mismatch, or a bool or complex array raises
-        StateDictError naming it, before any parameter is written."""
-        params = OrderedDict(self.named_parameters())
-        missing = [k for k in params if k not in state]
-        unexpected = [k for k in state if k not in params]
+        """Copy arrays into the existing parameters and buffers (an optimizer built before
+        keeps working). A missing or an unexpected key, a shape mismatch, or a bool or
+        complex array raises StateDictError naming it, before anything is written."""
+        entries = OrderedDict(self._state_items())
+        missing = [k for k in entries if k not in state]
+        unexpected = [k for k in state if k not in entries]
         if missing or unexpected:
             raise StateDictError(f"load_state_dict: missing keys {missing}, unexpected keys "
                                  f"{unexpected}")
         arrays = {}
-        for name, param in params.items():
+        for name, entry in entries.items():
+            kind = "parameter" if isinstance(entry, Node) else "buffer"
             array = state[name]
             array = array.to_host() if isinstance(array, Tensor) else np.asarray(array)
-            if array.shape != param.shape:
+            if array.shape != entry.shape:
                 raise StateDictError(f"load_state_dict: {name!r} has shape {array.shape}, the "
-                                     f"parameter has {param.shape}")
+                                     f"{kind} has {entry.shape}")
             # Integers convert as PyTorch's copy_ does; bool or complex values are no weights.
             if array.dtype.kind not in "fiu":
                 raise StateDictError(f"load_state_dict: {name!r} has dtype {array.dtype}, the "
-                                     f"parameter holds {np.dtype(param.value.dtype)}")
+                                     f"{kind} holds {np.dtype(entry.dtype)}")
             arrays[name] = array
-        for name, param in params.items():  # only once every key fits: a rejected state
-            _write(param.value, arrays[name])  # leaves every parameter as it was
-            if isinstance(param, Parameter):
-                param._half_stale = True  # its optimizer's float16 copy is out of date
+        for name, entry in entries.items():  # only once every key fits: a rejected state
+            if isinstance(entry, np.ndarray):  # leaves everything as it was
+                entry[...] = arrays[name]      # a buffer the host keeps
+            else:
+                _write(entry.value if isinstance(entry, Node) else entry, arrays[name])
+            if isinstance(entry, Parameter):
+                entry._half_stale = True  # its optimizer's float16 copy is out of date
+
+
+def _check_buffer(name, value):
+    """A buffer's value: a Tensor, a host NumPy array, or None (TypeError otherwise, as
+    PyTorch)."""
+    if value is not None and not isinstance(value, (Tensor, np.ndarray)):
+        raise TypeError(f"buffer {name!r} must be a Tensor, a NumPy array or None, got "
+                        f"{type(value).__name__}")
+    return value
 
 
 class StateDictError(KeyError, ValueError, RuntimeError):
