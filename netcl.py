@@ -2794,6 +2794,113 @@ class Sequential(Module):
         return iter(self._modules.values())
 
 
+# --- normalisation, embedding and attention ---------------------------------------------------
+
+def _constant_parameter(shape, value, queue):
+    return Parameter(Tensor.from_host(np.full(shape, value, np.float32), queue))
+
+
+class LayerNorm(Module):
+    """layer_norm over the last dimensions, normalized_shape (an int or a tuple); PyTorch's
+    initialisation: weight ones, bias zeros (elementwise_affine=False: neither; bias=False:
+    no bias)."""
+
+    def __init__(self, normalized_shape, eps=1e-5, elementwise_affine=True, bias=True, *,
+                 queue=None):
+        super().__init__()
+        self.normalized_shape = _normalized_shape("LayerNorm", normalized_shape)
+        self.eps = _check_number("LayerNorm", "eps", eps)
+        self.elementwise_affine = bool(elementwise_affine)
+        self.weight = (_constant_parameter(self.normalized_shape, 1.0, queue)
+                       if elementwise_affine else None)
+        self.bias = (_constant_parameter(self.normalized_shape, 0.0, queue)
+                     if elementwise_affine and bias else None)
+
+    def forward(self, x):
+        """x (..., *normalized_shape) -> the same shape."""
+        return layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+
+
+class _BatchNorm(Module):
+    """BatchNorm1d and BatchNorm2d: batch_norm with PyTorch's parameters and buffers.
+
+    Training normalises with the batch's statistics and updates running_mean and
+    running_var (buffers: in state_dict, not in parameters()); eval normalises with them.
+    momentum=None makes the running statistics the plain average over every batch so far
+    (num_batches_tracked, an int64 kept on the host as PyTorch keeps it, counts them).
+    track_running_stats=False keeps no statistics and always normalises with the batch's.
+    """
+
+    input_ranks = ()  # the input dimensions a subclass accepts
+
+    def __init__(self, num_features, eps=1e-5, momentum=0.1, affine=True,
+                 track_running_stats=True, *, queue=None):
+        super().__init__()
+        name = type(self).__name__
+        self.num_features = _check_positive_int("num_features", num_features)
+        self.eps = _check_number(name, "eps", eps)
+        self.momentum = None if momentum is None else _check_number(name, "momentum", momentum)
+        self.affine, self.track_running_stats = bool(affine), bool(track_running_stats)
+        C = self.num_features
+        self.weight = _constant_parameter((C,), 1.0, queue) if affine else None
+        self.bias = _constant_parameter((C,), 0.0, queue) if affine else None
+        tracked = track_running_stats
+        self.register_buffer("running_mean", Tensor.from_host(np.zeros(C, np.float32), queue)
+                             if tracked else None)
+        self.register_buffer("running_var", Tensor.from_host(np.ones(C, np.float32), queue)
+                             if tracked else None)
+        self.register_buffer("num_batches_tracked", np.zeros((), np.int64) if tracked else None)
+
+    def forward(self, x):
+        """x (N, C, ...) -> the same shape, normalised per channel."""
+        (x,) = _nodes(type(self).__name__, x)
+        if len(x.shape) not in self.input_ranks:  # PyTorch's words
+            ranks = " or ".join(f"{r}D" for r in self.input_ranks)
+            raise ValueError(f"{type(self).__name__}: expected {ranks} input (got "
+                             f"{len(x.shape)}D input)")
+        counting = self.training and self.track_running_stats
+        batches = int(self.num_batches_tracked) + 1 if counting else 0
+        factor = 0.0 if self.momentum is None else self.momentum  # PyTorch's
+        if counting and self.momentum is None:
+            factor = 1.0 / batches  # the average over every batch so far
+        # As PyTorch: training uses the batch; eval the running statistics if there are any.
+        out = batch_norm(x, self.running_mean if not self.training or counting else None,
+                         self.running_var if not self.training or counting else None,
+                         self.weight, self.bias, self.training or self.running_mean is None,
+                         factor, self.eps)
+        if counting:  # counted once batch_norm has accepted the batch
+            self.num_batches_tracked[...] = batches
+        return out
+
+
+class BatchNorm1d(_BatchNorm):
+    """Batch normalisation of (N, C) or (N, C, L) input, per channel C."""
+
+    input_ranks = (2, 3)
+
+
+class BatchNorm2d(_BatchNorm):
+    """Batch normalisation of (N, C, H, W) input, per channel C."""
+
+    input_ranks = (4,)
+
+
+class Embedding(Module):
+    """A lookup table: weight (num_embeddings, embedding_dim), PyTorch's initialisation
+    N(0, 1). Called on integer indices of any shape -> (*shape, embedding_dim)."""
+
+    def __init__(self, num_embeddings, embedding_dim, *, queue=None):
+        super().__init__()
+        self.num_embeddings = _check_positive_int("num_embeddings", num_embeddings)
+        self.embedding_dim = _check_positive_int("embedding_dim", embedding_dim)
+        values = _rng().standard_normal((self.num_embeddings, self.embedding_dim))
+        self.weight = Parameter(Tensor.from_host(values.astype(np.float32), queue))
+
+    def forward(self, idx):
+        """idx (...) integers in [0, num_embeddings) -> (..., embedding_dim)."""
+        return embedding(idx, self.weight)
+
+
 def save(state, path):
     """Write a dict of arrays (or Tensors/Nodes) to exactly `path` as .npz (no pickles).
 
@@ -4569,7 +4676,8 @@ functional = _alias(
 autograd = _alias("autograd", Node=Node, Parameter=Parameter, Tape=Tape, no_grad=no_grad)
 nn = _alias("nn", Module=Module, Linear=Linear, ReLU=ReLU, Tanh=Tanh, Sigmoid=Sigmoid,
             GELU=GELU, Dropout=Dropout, Flatten=Flatten, Sequential=Sequential,
-            Conv2d=Conv2d, MaxPool2d=MaxPool2d, Parameter=Parameter, functional=functional)
+            Conv2d=Conv2d, MaxPool2d=MaxPool2d, Parameter=Parameter, functional=functional,
+            LayerNorm=LayerNorm, BatchNorm1d=BatchNorm1d, BatchNorm2d=BatchNorm2d, Embedding=Embedding)
 sys.modules[f"{__name__}.nn.functional"] = functional  # import netcl.nn.functional as F
 optim = _alias("optim", Optimizer=Optimizer, SGD=SGD, Adam=Adam, AdamW=AdamW,
                clip_grad_norm=clip_grad_norm, clip_grad_norm_=clip_grad_norm_,
