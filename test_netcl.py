@@ -700,6 +700,175 @@ def _(draw, rng, fd):
                 seed=draw(st.integers(0, 2 ** 31 - 1)))
 
 
+# --- normalisation, embedding and attention: NumPy transcriptions of PyTorch's formulas
+
+ATTENTION_DIM = st.integers(1, 24)
+
+
+def _layer_norm_ref(x, shape, w=None, b=None, eps=1e-5):
+    """torch.nn.functional.layer_norm: the biased variance over the last len(shape) dims."""
+    axes = tuple(range(x.ndim - len(shape), x.ndim))
+    mean = x.mean(axis=axes, keepdims=True)
+    var = ((x - mean) ** 2).mean(axis=axes, keepdims=True)
+    y = (x - mean) / np.sqrt(var + eps)
+    return y * (1 if w is None else w) + (0 if b is None else b)
+
+
+def _layer_norm_shapes(draw, fd):
+    """(leading shape, normalized_shape): rows across layer_norm's 256-row chunks too."""
+    lead = (_dim(draw, fd, st.one_of(st.integers(1, 40), st.sampled_from([255, 256, 257, 600]))),)
+    lead = draw(st.sampled_from([(), lead, lead + (_dim(draw, fd, st.integers(1, 3)),)]))
+    if draw(st.booleans()):
+        return lead, (_dim(draw, fd, GEMM_DIM),)
+    return lead, (_dim(draw, fd, st.integers(1, 8)), _dim(draw, fd, st.integers(1, 8)))
+
+
+@case("layer_norm")
+def _(draw, rng, fd):
+    lead, shape = _layer_norm_shapes(draw, fd)
+    return Case(lambda x, w, b: F.layer_norm(x, shape, w, b),
+                lambda x, w, b: _layer_norm_ref(x, shape, w, b),
+                [rng.standard_normal(lead + shape), rng.standard_normal(shape),
+                 rng.standard_normal(shape)], tol="acc")
+
+
+@case("layer_norm_no_affine")
+def _(draw, rng, fd):
+    lead, shape = _layer_norm_shapes(draw, fd)
+    return Case(lambda x: F.layer_norm(x, shape, eps=1e-3),
+                lambda x: _layer_norm_ref(x, shape, eps=1e-3),
+                [rng.standard_normal(lead + shape) * 3], tol="acc")
+
+
+@case("layer_norm_weight_only")
+def _(draw, rng, fd):
+    lead, shape = _layer_norm_shapes(draw, fd)
+    return Case(lambda x, w: F.layer_norm(x, shape, weight=w),
+                lambda x, w: _layer_norm_ref(x, shape, w),
+                [rng.standard_normal(lead + shape), rng.standard_normal(shape)], tol="acc")
+
+
+def _batch_norm_ref(x, mean=None, var=None, w=None, b=None, eps=1e-5):
+    """torch.nn.functional.batch_norm per channel (dim 1): with the batch's mean and biased
+    variance over every other dim (training=True), or with the given ones (training=False)."""
+    axes, shape = (0,) + tuple(range(2, x.ndim)), (1, -1) + (1,) * (x.ndim - 2)
+    if mean is None:
+        mean, var = x.mean(axis=axes, keepdims=True), x.var(axis=axes, keepdims=True)
+    else:
+        mean, var = mean.reshape(shape), var.reshape(shape)
+    y = (x - mean) / np.sqrt(var + eps)
+    return y * (1 if w is None else w.reshape(shape)) + (0 if b is None else b.reshape(shape))
+
+
+def _batch_norm_shape(draw, fd):
+    """(N, C, *trailing): at least two values per channel, as training needs."""
+    channels = _dim(draw, fd, st.integers(1, 12))
+    trailing = tuple(_dim(draw, fd) for _ in range(draw(st.integers(0, 2))))
+    n = max(_dim(draw, fd), 2 if not trailing or math.prod(trailing) == 1 else 1)
+    return (n, channels) + trailing
+
+
+@case("batch_norm_training")
+def _(draw, rng, fd):
+    shape = _batch_norm_shape(draw, fd)
+    C = shape[1]
+    return Case(lambda x, w, b: F.batch_norm(x, None, None, w, b, training=True),
+                lambda x, w, b: _batch_norm_ref(x, w=w, b=b),
+                [rng.standard_normal(shape) * 2 + 1, rng.standard_normal(C),
+                 rng.standard_normal(C)], tol="acc")
+
+
+@case("batch_norm_training_no_affine")
+def _(draw, rng, fd):
+    shape = _batch_norm_shape(draw, fd)
+    C = shape[1]
+    # Running statistics are updated in place; the output does not depend on them.
+    return Case(lambda x, mean, var: F.batch_norm(x, mean, var, training=True, eps=1e-3),
+                lambda x, mean, var: _batch_norm_ref(x, eps=1e-3),
+                [rng.standard_normal(shape)], [np.zeros(C), np.ones(C)], tol="acc")
+
+
+@case("batch_norm_eval")
+def _(draw, rng, fd):
+    shape = _batch_norm_shape(draw, fd)
+    C = shape[1]
+    return Case(lambda x, w, b, mean, var: F.batch_norm(x, mean, var, w, b),
+                lambda x, w, b, mean, var: _batch_norm_ref(x, mean, var, w, b),
+                [rng.standard_normal(shape), rng.standard_normal(C), rng.standard_normal(C)],
+                [rng.standard_normal(C), rng.uniform(0.5, 2.0, C)], tol="acc")
+
+
+@case("embedding")
+def _(draw, rng, fd):
+    num, dim = _dim(draw, fd), _dim(draw, fd)
+    idx_shape = tuple(_dim(draw, fd) for _ in range(draw(st.integers(0, 3))))
+    idx = rng.integers(0, num, size=idx_shape)  # few rows: most are picked more than once
+    return Case(lambda w, i: F.embedding(i, w), lambda w, i: w[i],
+                [rng.standard_normal((num, dim))], [idx], tol="acc")
+
+
+def _attention_ref(q, k, v, mask=None, causal=False, scale=None):
+    """The reference implementation in the documentation of
+    torch.nn.functional.scaled_dot_product_attention (without dropout)."""
+    L, S = q.shape[-2], k.shape[-2]
+    scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
+    bias = np.zeros((L, S))
+    if causal:
+        bias = np.where(np.tril(np.ones((L, S), bool)), 0.0, -np.inf)
+    if mask is not None:
+        bias = np.where(mask, 0.0, -np.inf) if mask.dtype == bool else bias + mask
+    scores = q @ np.swapaxes(k, -1, -2) * scale + bias
+    return _softmax_ref(scores) @ v
+
+
+def _attention_inputs(draw, rng, fd, max_lead=2):
+    lead = tuple(_dim(draw, fd, st.integers(1, 3)) for _ in range(draw(st.integers(0, max_lead))))
+    L, S, E, Ev = (_dim(draw, fd, ATTENTION_DIM) for _ in range(4))
+    return lead, L, S, [rng.standard_normal(lead + (L, E)), rng.standard_normal(lead + (S, E)),
+                        rng.standard_normal(lead + (S, Ev))]
+
+
+def _mask_shape(draw, lead, L, S):
+    """A shape that broadcasts to (*lead, L, S): leading dims dropped, any dim 1 or kept."""
+    full = lead + (L, S)
+    shape = tuple(draw(st.sampled_from([1, n])) for n in full)
+    return shape[draw(st.integers(0, len(lead))):]
+
+
+@case("scaled_dot_product_attention")
+def _(draw, rng, fd):
+    _, _, _, inputs = _attention_inputs(draw, rng, fd)
+    return Case(F.scaled_dot_product_attention, _attention_ref, inputs, tol="acc")
+
+
+@case("scaled_dot_product_attention_causal")
+def _(draw, rng, fd):
+    _, _, _, inputs = _attention_inputs(draw, rng, fd)
+    return Case(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+                lambda q, k, v: _attention_ref(q, k, v, causal=True), inputs, tol="acc")
+
+
+@case("scaled_dot_product_attention_bool_mask")
+def _(draw, rng, fd):
+    lead, L, S, inputs = _attention_inputs(draw, rng, fd, max_lead=3)
+    mask = rng.uniform(size=_mask_shape(draw, lead, L, S)) < 0.6
+    mask[..., 0] = True  # every row attends to a key (a row of none: its own test)
+    return Case(lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m),
+                lambda q, k, v, m: _attention_ref(q, k, v, m), inputs, [mask], tol="acc")
+
+
+@case("scaled_dot_product_attention_float_mask_and_scale")
+def _(draw, rng, fd):
+    lead, L, S, inputs = _attention_inputs(draw, rng, fd, max_lead=3)
+    shape = _mask_shape(draw, lead, L, S)
+    mask = np.where(rng.uniform(size=shape) < 0.3, -np.inf, rng.standard_normal(shape))
+    mask[..., 0] = rng.standard_normal(shape[:-1])
+    scale = draw(st.sampled_from([0.3, 1.0, 2.5]))
+    return Case(lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, m, scale=scale),
+                lambda q, k, v, m: _attention_ref(q, k, v, m, scale=scale), inputs, [mask],
+                tol="acc")
+
+
 # Random outputs cannot be compared across backends (the mask stream is per backend).
 CROSS_BACKEND_CASES = sorted(name for name in CASES if name != "dropout")
 
