@@ -2134,8 +2134,8 @@ def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5):
     if X.device.backend == "cpu":
         v = X.data.reshape(rows, D).astype(dtype, copy=False)
         with np.errstate(all="ignore"):  # D = 0: empty rows, a NaN mean nobody reads
-            mu = v.mean(axis=1, keepdims=True)
-            r = 1 / np.sqrt(((v - mu) ** 2).mean(axis=1, keepdims=True) + eps)
+            mu = v.sum(axis=1, keepdims=True) / D
+            r = 1 / np.sqrt(((v - mu) ** 2).sum(axis=1, keepdims=True) / D + eps)
         out = (v - mu) * r
         if W is not None:
             out = out * W.data.reshape(D)
@@ -2158,8 +2158,8 @@ def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5):
                 d_hat = gv * W.data.reshape(D) if W is not None else gv
                 with np.errstate(all="ignore"):  # D = 0, as in forward
                     grad_x.data.reshape(rows, D)[...] = rstd.data.reshape(rows, 1) * (
-                        d_hat - d_hat.mean(axis=1, keepdims=True)
-                        - x_hat * (d_hat * x_hat).mean(axis=1, keepdims=True))
+                        d_hat - d_hat.sum(axis=1, keepdims=True) / D
+                        - x_hat * (d_hat * x_hat).sum(axis=1, keepdims=True) / D)
             if W is not None:
                 grad_w = _like(W, dtype=dtype)
                 grad_w.data.reshape(D)[...] = (gv * x_hat).sum(axis=0)
@@ -2234,7 +2234,8 @@ def batch_norm(x, running_mean, running_var, weight=None, bias=None, training=Fa
         v = X.data.reshape(N, C, L).astype(dtype, copy=False)
         if training:
             with np.errstate(all="ignore"):  # an empty batch: NaN statistics nobody reads
-                mean.data[...], var.data[...] = v.mean(axis=(0, 2)), v.var(axis=(0, 2))
+                mean.data[...] = v.sum(axis=(0, 2)) / count
+                var.data[...] = ((v - mean.data.reshape(C, 1)) ** 2).sum(axis=(0, 2)) / count
         if update:
             running_mean.data[...] = (1 - momentum) * running_mean.data + momentum * mean.data
             running_var.data[...] = ((1 - momentum) * running_var.data
@@ -2315,15 +2316,15 @@ def embedding(idx, weight):
     if bad.size:
         raise IndexError(f"embedding: index {bad.flat[0]} is out of range [0, {num}) for "
                          f"{num} embeddings")
-    Wt = _float32(w.value)
-    I = t if isinstance(t, Tensor) else Tensor.from_host(host.astype(np.int32), Wt.queue)
+    W = _float32(w.value)
+    indices = t if isinstance(t, Tensor) else Tensor.from_host(host.astype(np.int32), W.queue)
     flat = host.reshape(-1).astype(np.int64)
-    out = _like(Wt, host.shape + (dim,))
-    if Wt.device.backend == "cpu":
-        out.data[...] = Wt.data[host]
+    out = _like(W, host.shape + (dim,))
+    if W.device.backend == "cpu":
+        out.data[...] = W.data[host]
     elif out.size:
-        Wt.device.launch("embedding_fwd", *_grid(out.size), out.size, dim, I.data, Wt.data,
-                         out.data)
+        W.device.launch("embedding_fwd", *_grid(out.size), out.size, dim, indices.data, W.data,
+                        out.data)
 
     def backward(g):  # g (*idx.shape, dim) -> dweight (num, dim)
         grad = _like(g, (num, dim))
@@ -2370,6 +2371,7 @@ def _attention_mask(mask, lead, L, S, like):
     batch, (Lm, Sm) = shape[:-2], shape[-2:]
     kept = [i for i, n in enumerate(batch) if n != 1]
     if kept and kept != list(range(kept[0], kept[-1] + 1)):  # e.g. (B, 1, H): repeat it
+        # (a Tensor mask is read back for that: a sync, for such a rare layout only)
         m = np.broadcast_to(m.to_host() if isinstance(m, Tensor) else m, full[:-2] + (Lm, Sm))
         kept = list(range(len(lead)))
     dtype = _compute_dtype(like.dtype)
