@@ -1000,6 +1000,325 @@ __kernel void dropout_mask(const int n, const uint seed, const float p, const fl
     STORE(out, i, u >= p ? LOAD(x, i) * scale : 0.0f);
 }
 
+// --- normalisation, embedding and attention. Statistics take two passes (the mean, then the
+// mean squared deviation); every sum over rows is a gather in a fixed order, never an atomic.
+// Inputs are act_t; outputs, statistics and gradients are float.
+
+// x (rows, D) -> y (rows, D) = (x - mean) * rstd [* weight] [+ bias], rstd = 1 / sqrt(biased
+// variance + eps); mean and rstd (rows) are kept for backward. One work-item per row.
+__kernel void layer_norm_fwd(const int rows, const int D, const float eps, const int has_weight,
+                             const int has_bias, __global const act_t* x,
+                             __global const float* weight, __global const float* bias,
+                             __global float* y, __global float* mean, __global float* rstd) {
+    const int r = get_global_id(0);
+    if (r >= rows) return;
+    __global const act_t* row = x + r * D;
+    float total = 0.0f;
+    for (int j = 0; j < D; ++j) total += LOAD(row, j);
+    const float mu = total / (float)D;
+    float squares = 0.0f;
+    for (int j = 0; j < D; ++j) { const float d = LOAD(row, j) - mu; squares += d * d; }
+    const float r_std = 1.0f / sqrt(squares / (float)D + eps);
+    for (int j = 0; j < D; ++j) {
+        float value = (LOAD(row, j) - mu) * r_std;
+        if (has_weight) value *= weight[j];
+        if (has_bias) value += bias[j];
+        y[r * D + j] = value;
+    }
+    mean[r] = mu;
+    rstd[r] = r_std;
+}
+
+// g (rows, D) -> dx (rows, D) = rstd (d - mean(d) - x_hat mean(d x_hat)), d = g [* weight],
+// x_hat = (x - mean) * rstd. One work-item per row.
+__kernel void layer_norm_bwd_dx(const int rows, const int D, const int has_weight,
+                                __global const float* g, __global const act_t* x,
+                                __global const float* weight, __global const float* mean,
+                                __global const float* rstd, __global float* dx) {
+    const int r = get_global_id(0);
+    if (r >= rows) return;
+    __global const act_t* row = x + r * D;
+    const float mu = mean[r], r_std = rstd[r];
+    float sum_d = 0.0f, sum_d_x_hat = 0.0f;
+    for (int j = 0; j < D; ++j) {
+        const float d = has_weight ? g[r * D + j] * weight[j] : g[r * D + j];
+        sum_d += d;
+        sum_d_x_hat += d * (LOAD(row, j) - mu) * r_std;
+    }
+    const float mean_d = sum_d / (float)D, mean_d_x_hat = sum_d_x_hat / (float)D;
+    for (int j = 0; j < D; ++j) {
+        const float d = has_weight ? g[r * D + j] * weight[j] : g[r * D + j];
+        const float x_hat = (LOAD(row, j) - mu) * r_std;
+        dx[r * D + j] = r_std * (d - mean_d - x_hat * mean_d_x_hat);
+    }
+}
+
+// g, x (rows, D) -> dweight, dbias (chunks, D): the sums of g x_hat and of g over each chunk of
+// rows_per_chunk rows. A 2-D launch over (column, chunk); netcl.py then sums the chunks.
+__kernel void layer_norm_bwd_params(const int rows, const int D, const int rows_per_chunk,
+                                    __global const float* g, __global const act_t* x,
+                                    __global const float* mean, __global const float* rstd,
+                                    __global float* dweight, __global float* dbias) {
+    const int j = get_global_id(0), chunk = get_global_id(1);
+    if (j >= D) return;
+    const int first = chunk * rows_per_chunk;
+    const int end = first + rows_per_chunk < rows ? first + rows_per_chunk : rows;
+    float acc_w = 0.0f, acc_b = 0.0f;
+    for (int r = first; r < end; ++r) {
+        const float gv = g[r * D + j];
+        acc_w += gv * (LOAD(x, r * D + j) - mean[r]) * rstd[r];
+        acc_b += gv;
+    }
+    dweight[chunk * D + j] = acc_w;
+    dbias[chunk * D + j] = acc_b;
+}
+
+// The sum of `value` over a 256-wide work-group, returned to every work-item (a tree in local
+// memory; `partial` may be reused at once).
+float group_sum(__local float* partial, const float value) {
+    const int lid = get_local_id(0);
+    partial[lid] = value;
+    barrier(CLK_LOCAL_MEM_FENCE);
+    for (int stride = 128; stride > 0; stride >>= 1) {
+        if (lid < stride) partial[lid] += partial[lid + stride];
+        barrier(CLK_LOCAL_MEM_FENCE);
+    }
+    const float total = partial[0];
+    barrier(CLK_LOCAL_MEM_FENCE);
+    return total;
+}
+
+// Batch norm sees x as (N, C, L) and reduces each channel over N and L: n = N * L values.
+#define CHANNEL_AT(j) ((((j) / L) * C + c) * L + (j) % L)
+
+// x (N, C, L) -> mean, var (C): the batch's mean and biased variance, one work-group per
+// channel; when `update`, running_mean and running_var (C) move towards them by momentum,
+// the variance unbiased (n / (n - 1)), as PyTorch.
+__kernel __attribute__((reqd_work_group_size(256, 1, 1)))
+void batch_norm_stats(const int N, const int C, const int L, const float momentum,
+                      const int update, __global const act_t* x, __global float* mean,
+                      __global float* var, __global float* running_mean,
+                      __global float* running_var) {
+    __local float partial[256];
+    const int c = get_group_id(0), lid = get_local_id(0), n = N * L;
+    float acc = 0.0f;
+    for (int j = lid; j < n; j += 256) acc += LOAD(x, CHANNEL_AT(j));
+    const float mu = group_sum(partial, acc) / (float)n;
+    acc = 0.0f;
+    for (int j = lid; j < n; j += 256) {
+        const float d = LOAD(x, CHANNEL_AT(j)) - mu;
+        acc += d * d;
+    }
+    const float v = group_sum(partial, acc) / (float)n;
+    if (lid == 0) {
+        mean[c] = mu;
+        var[c] = v;
+        if (update) {
+            running_mean[c] = (1.0f - momentum) * running_mean[c] + momentum * mu;
+            running_var[c] = (1.0f - momentum) * running_var[c]
+                             + momentum * v * ((float)n / (float)(n - 1));
+        }
+    }
+}
+
+// x (N, C, L) -> y = (x - mean[c]) / sqrt(var[c] + eps) [* weight[c]] [+ bias[c]], n = N*C*L.
+__kernel void batch_norm_fwd(const int n, const int C, const int L, const float eps,
+                             const int has_weight, const int has_bias, __global const act_t* x,
+                             __global const float* mean, __global const float* var,
+                             __global const float* weight, __global const float* bias,
+                             __global float* y) {
+    const int i = get_global_id(0);
+    if (i >= n) return;
+    const int c = (i / L) % C;
+    float value = (LOAD(x, i) - mean[c]) / sqrt(var[c] + eps);
+    if (has_weight) value *= weight[c];
+    if (has_bias) value += bias[c];
+    y[i] = value;
+}
+
+// g, x (N, C, L) -> sum_g, sum_g_x_hat (C): the bias's and the weight's gradients, one
+// work-group per channel.
+__kernel __attribute__((reqd_work_group_size(256, 1, 1)))
+void batch_norm_bwd_sums(const int N, const int C, const int L, const float eps,
+                         __global const float* g, __global const act_t* x,
+                         __global const float* mean, __global const float* var,
+                         __global float* sum_g, __global float* sum_g_x_hat) {
+    __local float partial[256];
+    const int c = get_group_id(0), lid = get_local_id(0), n = N * L;
+    const float mu = mean[c], r_std = 1.0f / sqrt(var[c] + eps);
+    float acc_g = 0.0f, acc_g_x_hat = 0.0f;
+    for (int j = lid; j < n; j += 256) {
+        const int at = CHANNEL_AT(j);
+        acc_g += g[at];
+        acc_g_x_hat += g[at] * (LOAD(x, at) - mu) * r_std;
+    }
+    const float total_g = group_sum(partial, acc_g);
+    const float total_g_x_hat = group_sum(partial, acc_g_x_hat);
+    if (lid == 0) { sum_g[c] = total_g; sum_g_x_hat[c] = total_g_x_hat; }
+}
+
+// g (N, C, L) -> dx = weight rstd (g - (sum_g + x_hat sum_g_x_hat) / n) with batch statistics
+// (batch_stats: the mean and variance depend on x), weight rstd g with running ones.
+// inv_count = 1 / (N * L); n = N * C * L.
+__kernel void batch_norm_bwd_dx(const int n, const int C, const int L, const float inv_count,
+                                const float eps, const int batch_stats, const int has_weight,
+                                __global const float* g, __global const act_t* x,
+                                __global const float* mean, __global const float* var,
+                                __global const float* weight, __global const float* sum_g,
+                                __global const float* sum_g_x_hat, __global float* dx) {
+    const int i = get_global_id(0);
+    if (i >= n) return;
+    const int c = (i / L) % C;
+    const float r_std = 1.0f / sqrt(var[c] + eps);
+    const float scale = has_weight ? weight[c] * r_std : r_std;
+    float d = g[i];
+    if (batch_stats) {
+        const float x_hat = (LOAD(x, i) - mean[c]) * r_std;
+        d -= (sum_g[c] + x_hat * sum_g_x_hat[c]) * inv_count;
+    }
+    dx[i] = scale * d;
+}
+
+// weight (num, dim), idx (n / dim) -> out (n / dim, dim) = the rows idx picks; n = out's size.
+__kernel void embedding_fwd(const int n, const int dim, __global const int* idx,
+                            __global const float* weight, __global float* out) {
+    const int i = get_global_id(0);
+    if (i >= n) return;
+    const int position = i / dim;
+    out[i] = weight[idx[position] * dim + (i - position * dim)];
+}
+
+// g (positions, dim) -> dweight (num, dim): row r sums the rows of g at the positions that
+// picked it, order[starts[r]] .. order[starts[r + 1] - 1] (positions sorted by index, stably,
+// on the host), so each sum runs in position order. One work-item per (row, column).
+__kernel void embedding_bwd(const int num, const int dim, __global const int* starts,
+                            __global const int* order, __global const float* g,
+                            __global float* dweight) {
+    const int i = get_global_id(0);
+    if (i >= num * dim) return;
+    const int row = i / dim, col = i - row * dim;
+    float acc = 0.0f;
+    for (int j = starts[row]; j < starts[row + 1]; ++j) acc += g[order[j] * dim + col];
+    dweight[i] = acc;
+}
+
+// Attention over q (B, L, E), k (B, S, E), v (B, S, Ev) (act_t). The score of query row l
+// against key s is scale q.k plus the mask (float, added), or -inf when causal and s > l. The
+// mask of (b, l, s) is at ((b / mask_div) % mask_mod) * mask_stride_b + l * mask_stride_l +
+// s * mask_stride_s: broadcast dimensions have stride 0. A kept weight is scaled by
+// dropout_scale; the keep test is dropout_mask's hash of (seed, (b * L + l) * S + s).
+#define ATTENTION_ARGS const int B, const int L, const int S, const int E, const int Ev,          \
+    const float scale, const int causal, const int has_mask, const int mask_div,                 \
+    const int mask_mod, const int mask_stride_b, const int mask_stride_l,                        \
+    const int mask_stride_s, const float dropout_p, const float dropout_scale, const uint seed
+#define MASK_AT(b, l, s) (((b) / mask_div) % mask_mod * mask_stride_b + (l) * mask_stride_l      \
+                          + (s) * mask_stride_s)
+#define SCORE(b, l, s, q_row, k_row, out)                                                       \
+    if (causal && (s) > (l)) { out = -INFINITY; } else {                                         \
+        float dot_ = 0.0f;                                                                       \
+        for (int e = 0; e < E; ++e) dot_ += LOAD(q_row, e) * LOAD(k_row, e);                     \
+        out = scale * dot_ + (has_mask ? mask[MASK_AT(b, l, s)] : 0.0f);                         \
+    }
+#define DROPOUT_FACTOR(b, l, s)                                                                  \
+    (dropout_p == 0.0f ? 1.0f :                                                                  \
+     (float)(fmix32((uint)(((b) * L + (l)) * S + (s)) * 0x9E3779B1u + fmix32(seed)) >> 8)       \
+         * (1.0f / 16777216.0f) >= dropout_p ? dropout_scale : 0.0f)
+
+// -> out (B, L, Ev) = sum_s exp(score - lse) dropout v[s], lse (B, L) each row's log-sum-exp
+// (+inf for a row with no key to attend to: its weights are then all 0, PyTorch's output 0).
+// One work-item per query row: the max and the sum in one pass (online), then the output.
+__kernel void attention_fwd(ATTENTION_ARGS, __global const act_t* q, __global const act_t* k,
+                            __global const act_t* v, __global const float* mask,
+                            __global float* out, __global float* lse) {
+    const int i = get_global_id(0);
+    if (i >= B * L) return;
+    const int b = i / L, l = i - b * L;
+    __global const act_t* q_row = q + i * E;
+    __global float* out_row = out + i * Ev;
+    float top = -INFINITY, total = 0.0f, score;
+    for (int s = 0; s < S; ++s) {
+        SCORE(b, l, s, q_row, k + (b * S + s) * E, score)
+        if (score > top) { total = total * exp(top - score) + 1.0f; top = score; }
+        else total += exp(score - top);
+    }
+    const float row_lse = top == -INFINITY ? INFINITY : top + log(total);
+    for (int e = 0; e < Ev; ++e) out_row[e] = 0.0f;
+    for (int s = 0; s < S; ++s) {
+        SCORE(b, l, s, q_row, k + (b * S + s) * E, score)
+        const float weight = exp(score - row_lse) * DROPOUT_FACTOR(b, l, s);
+        if (weight == 0.0f) continue;  // masked, dropped or underflowed: adds nothing
+        __global const act_t* v_row = v + (b * S + s) * Ev;
+        for (int e = 0; e < Ev; ++e) out_row[e] += weight * LOAD(v_row, e);
+    }
+    lse[i] = row_lse;
+}
+
+// g (B, L, Ev) -> dq (B, L, E) = scale sum_s P (D g.v[s] - delta) k[s], delta (B, L) = g.out:
+// P = exp(score - lse) recomputed, D the dropout factor. One work-item per query row.
+__kernel void attention_bwd_q(ATTENTION_ARGS, __global const act_t* q, __global const act_t* k,
+                              __global const act_t* v, __global const float* mask,
+                              __global const float* g, __global const float* out,
+                              __global const float* lse, __global float* delta,
+                              __global float* dq) {
+    const int i = get_global_id(0);
+    if (i >= B * L) return;
+    const int b = i / L, l = i - b * L;
+    __global const act_t* q_row = q + i * E;
+    __global const float* g_row = g + i * Ev;
+    __global float* dq_row = dq + i * E;
+    float row_delta = 0.0f, score;
+    for (int e = 0; e < Ev; ++e) row_delta += g_row[e] * out[i * Ev + e];
+    for (int e = 0; e < E; ++e) dq_row[e] = 0.0f;
+    for (int s = 0; s < S; ++s) {
+        __global const act_t* k_row = k + (b * S + s) * E;
+        SCORE(b, l, s, q_row, k_row, score)
+        const float p = exp(score - lse[i]);
+        if (p == 0.0f) continue;
+        __global const act_t* v_row = v + (b * S + s) * Ev;
+        float g_dot_v = 0.0f;
+        for (int e = 0; e < Ev; ++e) g_dot_v += g_row[e] * LOAD(v_row, e);
+        const float d_score = p * (g_dot_v * DROPOUT_FACTOR(b, l, s) - row_delta);
+        for (int e = 0; e < E; ++e) dq_row[e] += d_score * LOAD(k_row, e);
+    }
+    for (int e = 0; e < E; ++e) dq_row[e] *= scale;
+    delta[i] = row_delta;
+}
+
+// -> dk (B, S, E) = scale sum_l P (D g[l].v - delta[l]) q[l], dv (B, S, Ev) = sum_l P D g[l]:
+// one work-item per key row, summing over the query rows in order (no atomics).
+__kernel void attention_bwd_kv(ATTENTION_ARGS, __global const act_t* q, __global const act_t* k,
+                               __global const act_t* v, __global const float* mask,
+                               __global const float* g, __global const float* lse,
+                               __global const float* delta, __global float* dk,
+                               __global float* dv) {
+    const int i = get_global_id(0);
+    if (i >= B * S) return;
+    const int b = i / S, s = i - b * S;
+    __global const act_t* k_row = k + i * E;
+    __global const act_t* v_row = v + i * Ev;
+    __global float* dk_row = dk + i * E;
+    __global float* dv_row = dv + i * Ev;
+    float score;
+    for (int e = 0; e < E; ++e) dk_row[e] = 0.0f;
+    for (int e = 0; e < Ev; ++e) dv_row[e] = 0.0f;
+    for (int l = 0; l < L; ++l) {
+        __global const act_t* q_row = q + (b * L + l) * E;
+        SCORE(b, l, s, q_row, k_row, score)
+        const float p = exp(score - lse[b * L + l]);
+        if (p == 0.0f) continue;
+        __global const float* g_row = g + (b * L + l) * Ev;
+        const float drop = DROPOUT_FACTOR(b, l, s);
+        float g_dot_v = 0.0f;
+        for (int e = 0; e < Ev; ++e) {
+            g_dot_v += g_row[e] * LOAD(v_row, e);
+            dv_row[e] += p * drop * g_row[e];
+        }
+        const float d_score = p * (g_dot_v * drop - delta[b * L + l]);
+        for (int e = 0; e < E; ++e) dk_row[e] += d_score * LOAD(q_row, e);
+    }
+    for (int e = 0; e < E; ++e) dk_row[e] *= scale;
+}
+
 // ---------------------------------------------------------------------------- optimizers
 
 // SGD as torch/optim/sgd.py (dampening 0): d = g + wd p; buf = first ? d : momentum buf + d;

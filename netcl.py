@@ -2541,8 +2541,435 @@ def dropout(x, p=0.5, training=True):
     return _record(masked(x.value), (x,), lambda g: (masked(g),))
 
 
+# --- normalisation, embedding and attention ---------------------------------------------------
+# The layers a transformer adds to linear and softmax. The normalisations read their input in
+# its own storage and return float32 (PyTorch's autocast runs layer_norm in float32 too); their
+# statistics take two passes, the mean and then the mean squared deviation, which cancels less
+# than E[x^2] - E[x]^2. Every sum over rows in a backward (a weight's gradient, an embedding
+# row's, a key's) is a gather in a fixed order: no atomics (OpenCL 1.2 has no float ones),
+# and the same bits on every run.
+
+def _normalized_shape(op, normalized_shape):
+    """normalized_shape as a tuple: an int or a non-empty sequence of non-negative ints."""
+    shape = ((normalized_shape,) if isinstance(normalized_shape, (int, np.integer))
+             else normalized_shape)
+    if not (isinstance(shape, (tuple, list)) and shape and all(
+            isinstance(s, (int, np.integer)) and not isinstance(s, bool) and s >= 0
+            for s in shape)):
+        raise ValueError(f"{op}: normalized_shape must be an int or a non-empty tuple of "
+                         f"non-negative ints, got {normalized_shape!r}")
+    return tuple(int(s) for s in shape)
+
+
+def _check_number(op, name, value):
+    if not _is_scalar(value):
+        raise ValueError(f"{op}: {name} must be a number, got {value!r}")
+    return float(value)
+
+
+def _data_or_none(tensor):
+    """A kernel's buffer argument for an optional operand: its data, or None (NULL)."""
+    return None if tensor is None else tensor.data
+
+
+def _optional_nodes(op, x, *optional):
+    """Nodes for x and the optional operands that are not None (one device), None kept."""
+    x, *given = _nodes(op, x, *(p for p in optional if p is not None))
+    return [x] + [None if p is None else given.pop(0) for p in optional]
+
+
+_ROWS_PER_CHUNK = 256  # layer_norm's weight gradient: rows summed per work-item before the chunks
+
+
+def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5):
+    """x (..., *normalized_shape) normalised over its last len(normalized_shape) dimensions,
+    as PyTorch's layer_norm: (x - mean) / sqrt(var + eps) * weight + bias, var the biased
+    variance, weight and bias (normalized_shape) optional. Returns float32 for float16 x."""
+    shape = _normalized_shape("layer_norm", normalized_shape)
+    eps = _check_number("layer_norm", "eps", eps)
+    x, w, b = _optional_nodes("layer_norm", x, weight, bias)
+    if x.shape[max(len(x.shape) - len(shape), 0):] != shape or len(x.shape) < len(shape):
+        raise ValueError(f"layer_norm: normalized_shape {shape} does not match input {x.shape} "
+                         f"(expected input (..., {', '.join(map(str, shape))}))")
+    for name, p in (("weight", w), ("bias", b)):
+        if p is not None and p.shape != shape:
+            raise ValueError(f"layer_norm: {name} shape {p.shape} != normalized_shape {shape}")
+    D, rows = math.prod(shape), math.prod(x.shape[:len(x.shape) - len(shape)])
+    X = x.value
+    W, B = (None if p is None else _float32(p.value) for p in (w, b))
+    dtype = _compute_dtype(X.dtype)
+    y = _like(X, dtype=dtype)
+    mean, rstd = _like(X, (rows,), dtype), _like(X, (rows,), dtype)  # kept for backward
+    if X.device.backend == "cpu":
+        v = X.data.reshape(rows, D).astype(dtype, copy=False)
+        with np.errstate(all="ignore"):  # D = 0: empty rows, a NaN mean nobody reads
+            mu = v.sum(axis=1, keepdims=True) / D
+            r = 1 / np.sqrt(((v - mu) ** 2).sum(axis=1, keepdims=True) / D + eps)
+        out = (v - mu) * r
+        if W is not None:
+            out = out * W.data.reshape(D)
+        if B is not None:
+            out = out + B.data.reshape(D)
+        y.data.reshape(rows, D)[...] = out
+        mean.data[...], rstd.data[...] = mu.reshape(rows), r.reshape(rows)
+    elif rows:
+        X.device.launch("layer_norm_fwd", *_grid(rows), rows, D, eps, int(W is not None),
+                        int(B is not None), X.data, _data_or_none(W), _data_or_none(B), y.data,
+                        mean.data, rstd.data, half=X.dtype == np.float16)
+
+    def backward(g):  # g (..., D) -> dx (..., D), dweight, dbias (normalized_shape)
+        grad_x = _like(g) if x.requires_grad else None
+        grad_w = grad_b = None
+        if g.device.backend == "cpu":
+            v, gv = X.data.reshape(rows, D).astype(dtype, copy=False), g.data.reshape(rows, D)
+            x_hat = (v - mean.data.reshape(rows, 1)) * rstd.data.reshape(rows, 1)
+            if grad_x is not None:
+                d_hat = gv * W.data.reshape(D) if W is not None else gv
+                with np.errstate(all="ignore"):  # D = 0, as in forward
+                    grad_x.data.reshape(rows, D)[...] = rstd.data.reshape(rows, 1) * (
+                        d_hat - d_hat.sum(axis=1, keepdims=True) / D
+                        - x_hat * (d_hat * x_hat).sum(axis=1, keepdims=True) / D)
+            if W is not None:
+                grad_w = _like(W, dtype=dtype)
+                grad_w.data.reshape(D)[...] = (gv * x_hat).sum(axis=0)
+            if B is not None:
+                grad_b = _like(B, dtype=dtype)
+                grad_b.data.reshape(D)[...] = gv.sum(axis=0)
+        else:
+            half = X.dtype == np.float16
+            if grad_x is not None and grad_x.size:
+                g.device.launch("layer_norm_bwd_dx", *_grid(rows), rows, D, int(W is not None),
+                                g.data, X.data, _data_or_none(W), mean.data, rstd.data,
+                                grad_x.data, half=half)
+            if W is not None or B is not None:
+                # Column sums over chunks of rows, then over the chunks (_sum_axis_tensor):
+                # D work-items alone would leave a GPU idle for the few columns of a model.
+                chunks = _ceil_div(rows, _ROWS_PER_CHUNK)
+                parts = [_like(g, (chunks, D)) for _ in range(2)]  # sum g x_hat, sum g
+                if chunks and D:
+                    g.device.launch("layer_norm_bwd_params", (D, chunks), (64, 1), rows, D,
+                                    _ROWS_PER_CHUNK, g.data, X.data, mean.data, rstd.data,
+                                    parts[0].data, parts[1].data, half=half)
+                grad_w, grad_b = (_sum_axis_tensor(part, 1, chunks, D).reshape(shape)
+                                  if chunks != 1 else part.reshape(shape) for part in parts)
+        return [grad_x] + [grad for p, grad in ((w, grad_w), (b, grad_b)) if p is not None]
+    return _record(y, tuple(p for p in (x, w, b) if p is not None), backward)
+
+
+def batch_norm(x, running_mean, running_var, weight=None, bias=None, training=False,
+               momentum=0.1, eps=1e-5):
+    """x (N, C, *) normalised per channel over N and the trailing dimensions, as PyTorch's
+    batch_norm: (x - mean) / sqrt(var + eps) * weight + bias, weight and bias (C,) optional.
+    training=True: mean and var are the batch's (var biased), and running_mean, running_var
+    (Tensors (C,), or None) are updated in place, running = (1 - momentum) * running +
+    momentum * batch statistic, with the unbiased variance var * n / (n - 1), n = N * L.
+    training=False: running_mean and running_var are the statistics. Returns float32 for
+    float16 x."""
+    momentum = _check_number("batch_norm", "momentum", momentum)
+    eps = _check_number("batch_norm", "eps", eps)
+    x, w, b = _optional_nodes("batch_norm", x, weight, bias)
+    if len(x.shape) < 2:
+        raise ValueError(f"batch_norm: input must be (N, C, *), got shape {x.shape}")
+    (N, C), L = x.shape[:2], math.prod(x.shape[2:])
+    count = N * L
+    stats = (running_mean, running_var)
+    if any(s is not None for s in stats) and not all(isinstance(s, Tensor) for s in stats):
+        raise TypeError(f"batch_norm: running_mean and running_var must both be Tensors or "
+                        f"both None, got {type(running_mean).__name__} and "
+                        f"{type(running_var).__name__}")
+    for name, p in (("running_mean", running_mean), ("running_var", running_var),
+                    ("weight", w), ("bias", b)):
+        if p is not None and p.shape != (C,):
+            raise ValueError(f"batch_norm: {name} of shape {p.shape} does not match the {C} "
+                             f"channels of input {x.shape}; expected ({C},)")
+    if running_mean is not None:
+        _devices_of("batch_norm", x, running_mean, running_var)
+    elif not training:
+        raise ValueError("batch_norm: running_mean and running_var must be given when not "
+                         "training (training=False normalises with them)")
+    if training and count == 1:  # PyTorch's check and words
+        raise ValueError(f"batch_norm: expected more than 1 value per channel when training, "
+                         f"got input size {x.shape}")
+    X = x.value
+    W, B = (None if p is None else _float32(p.value) for p in (w, b))
+    dtype = _compute_dtype(X.dtype)
+    if training:
+        mean, var = _like(X, (C,), dtype), _like(X, (C,), dtype)
+    else:
+        mean, var = _float32(running_mean), _float32(running_var)
+    update = training and running_mean is not None and count > 0  # an empty batch: none
+    y = _like(X, dtype=dtype)
+    if X.device.backend == "cpu":
+        v = X.data.reshape(N, C, L).astype(dtype, copy=False)
+        if training:
+            with np.errstate(all="ignore"):  # an empty batch: NaN statistics nobody reads
+                mean.data[...] = v.sum(axis=(0, 2)) / count
+                var.data[...] = ((v - mean.data.reshape(C, 1)) ** 2).sum(axis=(0, 2)) / count
+        if update:
+            running_mean.data[...] = (1 - momentum) * running_mean.data + momentum * mean.data
+            running_var.data[...] = ((1 - momentum) * running_var.data
+                                     + momentum * var.data * (count / (count - 1)))
+        out = (v - mean.data.reshape(C, 1)) / np.sqrt(var.data.reshape(C, 1) + eps)
+        if W is not None:
+            out = out * W.data.reshape(C, 1)
+        if B is not None:
+            out = out + B.data.reshape(C, 1)
+        y.data.reshape(N, C, L)[...] = out
+    elif y.size:
+        half = X.dtype == np.float16
+        if training:  # one work-group per channel
+            X.device.launch("batch_norm_stats", (C * 256,), (256,), N, C, L, momentum,
+                            int(update), X.data, mean.data, var.data,
+                            _data_or_none(running_mean), _data_or_none(running_var),
+                            half=half)
+        X.device.launch("batch_norm_fwd", *_grid(y.size), y.size, C, L, eps, int(W is not None),
+                        int(B is not None), X.data, mean.data, var.data, _data_or_none(W),
+                        _data_or_none(B), y.data, half=half)
+
+    def backward(g):  # g (N, C, *) -> dx (N, C, *), dweight, dbias (C,)
+        # With batch statistics the mean and the variance depend on x too: dx = weight *
+        # rstd * (g - mean(g) - x_hat * mean(g x_hat)); with running ones, weight * rstd * g.
+        grad_x = _like(g) if x.requires_grad else None
+        sum_g, sum_g_x_hat = _like(g, (C,)), _like(g, (C,))  # = dbias, dweight
+        if g.device.backend == "cpu":
+            v, gv = X.data.reshape(N, C, L).astype(dtype, copy=False), g.data.reshape(N, C, L)
+            rstd = 1 / np.sqrt(var.data.reshape(C, 1) + eps)
+            x_hat = (v - mean.data.reshape(C, 1)) * rstd
+            sum_g.data[...] = gv.sum(axis=(0, 2))
+            sum_g_x_hat.data[...] = (gv * x_hat).sum(axis=(0, 2))
+            if grad_x is not None:
+                scale = rstd * (W.data.reshape(C, 1) if W is not None else 1)
+                if training:
+                    grad_x.data.reshape(N, C, L)[...] = scale * (
+                        gv - (sum_g.data.reshape(C, 1) + x_hat * sum_g_x_hat.data.reshape(C, 1))
+                        / count)
+                else:
+                    grad_x.data.reshape(N, C, L)[...] = scale * gv
+        elif g.size:
+            g.device.launch("batch_norm_bwd_sums", (C * 256,), (256,), N, C, L, eps, g.data,
+                            X.data, mean.data, var.data, sum_g.data, sum_g_x_hat.data,
+                            half=X.dtype == np.float16)
+            if grad_x is not None:
+                g.device.launch("batch_norm_bwd_dx", *_grid(g.size), g.size, C, L,
+                                1.0 / count, eps, int(training), int(W is not None), g.data,
+                                X.data, mean.data, var.data, _data_or_none(W), sum_g.data,
+                                sum_g_x_hat.data, grad_x.data, half=X.dtype == np.float16)
+        else:  # an empty batch: the sums are 0
+            sum_g, sum_g_x_hat = _fill((C,), 0.0, g), _fill((C,), 0.0, g)
+        return [grad_x] + [grad for p, grad in ((w, sum_g_x_hat), (b, sum_g)) if p is not None]
+    return _record(y, tuple(p for p in (x, w, b) if p is not None), backward)
+
+
+def embedding(idx, weight):
+    """Rows of weight (num_embeddings, dim) picked by idx, an integer array or int32 Tensor
+    of any shape: -> (*idx.shape, dim), as PyTorch's embedding. A row's gradient is the sum of
+    the output gradients of every position that picked it. idx is a constant."""
+    (w,) = _nodes("embedding", weight)
+    if len(w.shape) != 2:
+        raise ValueError(f"embedding: weight must be 2-D (num_embeddings, embedding_dim), got "
+                         f"shape {w.shape}")
+    t = idx.value if isinstance(idx, Node) else idx
+    if isinstance(t, Tensor):
+        _devices_of("embedding", w, t)
+        if t.dtype != np.int32:
+            raise TypeError(f"embedding: idx must hold integers, got a {t.dtype} Tensor")
+        # Indices are checked on the host, as cross_entropy's labels: with the copy an upload
+        # kept, else read back (a sync: only indices computed on the device need one).
+        host = t._labels if t._labels is not None else t.to_host()
+    else:
+        host = _real_array("embedding", t, "idx")
+        if host.dtype.kind not in "iu":
+            raise TypeError(f"embedding: idx must hold integers, got dtype {host.dtype}")
+    num, dim = w.shape
+    bad = host[(host < 0) | (host >= num)]
+    if bad.size:
+        raise IndexError(f"embedding: index {bad.flat[0]} is out of range [0, {num}) for "
+                         f"{num} embeddings")
+    W = _float32(w.value)
+    indices = t if isinstance(t, Tensor) else Tensor.from_host(host.astype(np.int32), W.queue)
+    flat = host.reshape(-1).astype(np.int64)
+    out = _like(W, host.shape + (dim,))
+    if W.device.backend == "cpu":
+        out.data[...] = W.data[host]
+    elif out.size:
+        W.device.launch("embedding_fwd", *_grid(out.size), out.size, dim, indices.data, W.data,
+                        out.data)
+
+    def backward(g):  # g (*idx.shape, dim) -> dweight (num, dim)
+        grad = _like(g, (num, dim))
+        if g.device.backend == "cpu":
+            grad.data[...] = 0
+            np.add.at(grad.data, flat, g.data.reshape(-1, dim))
+        elif grad.size:
+            # The positions sorted by index (stably: each row sums in position order), and
+            # where each row's run starts: a gather per (row, column), no atomics.
+            # (Held in names until the launch: a Tensor's buffer goes back to the pool as
+            # soon as the Tensor goes.)
+            order = Tensor.from_host(np.argsort(flat, kind="stable").astype(np.int32), g.queue)
+            starts = Tensor.from_host(np.concatenate(
+                [[0], np.cumsum(np.bincount(flat, minlength=num))]).astype(np.int32), g.queue)
+            g.device.launch("embedding_bwd", *_grid(grad.size), num, dim, starts.data,
+                            order.data, g.data, grad.data)
+        return (grad,)
+    return _record(out, (w,), backward)
+
+
+def _attention_mask(mask, lead, L, S, like):
+    """attn_mask (bool: True takes part; or float: added to the scores), broadcast to
+    (*lead, L, S), as the kernels read it: (tensor, (div, mod, stride_b, stride_l, stride_s)),
+    the mask of batch b, row l, key s at ((b / div) % mod) * stride_b + l * stride_l +
+    s * stride_s. Broadcast dimensions get no copy when the mask's own batch dimensions are one
+    run of lead's (the usual (L, S), (B, 1, L, S) or (H, L, S)); others are repeated."""
+    op = "scaled_dot_product_attention"
+    m = mask.value if isinstance(mask, Node) else mask
+    if isinstance(m, Tensor):
+        _devices_of(op, like, m)
+        if m.dtype.kind != "f":
+            raise TypeError(f"{op}: attn_mask must be bool or float, got a {m.dtype} Tensor")
+        shape = m.shape
+    else:
+        m = _real_array(op, m, "attn_mask")
+        if m.dtype.kind not in "bf":
+            raise TypeError(f"{op}: attn_mask must be bool or float, got dtype {m.dtype}")
+        shape = m.shape
+    full = tuple(lead) + (L, S)
+    if len(shape) > len(full) or any(a not in (1, f) for a, f in zip(shape[::-1], full[::-1])):
+        raise ValueError(f"{op}: attn_mask of shape {shape} does not broadcast to the scores "
+                         f"{full}")
+    shape = (1,) * (len(full) - len(shape)) + tuple(shape)
+    batch, (Lm, Sm) = shape[:-2], shape[-2:]
+    kept = [i for i, n in enumerate(batch) if n != 1]
+    if kept and kept != list(range(kept[0], kept[-1] + 1)):  # e.g. (B, 1, H): repeat it
+        # (a Tensor mask is read back for that: a sync, for such a rare layout only)
+        m = np.broadcast_to(m.to_host() if isinstance(m, Tensor) else m, full[:-2] + (Lm, Sm))
+        kept = list(range(len(lead)))
+    dtype = _compute_dtype(like.dtype)
+    if isinstance(m, Tensor):
+        tensor = _float32(m)
+    else:
+        additive = np.where(m, 0.0, -np.inf) if m.dtype == bool else m  # PyTorch's rule
+        tensor = Tensor.from_host(np.ascontiguousarray(additive), like.queue, dtype)
+    div = math.prod(lead[kept[-1] + 1:]) if kept else 1
+    mod = math.prod(lead[i] for i in kept)
+    return tensor, (div, mod, Lm * Sm, Sm if Lm != 1 else 0, int(Sm != 1))
+
+
+def _attention_scores(Q, K, scale, mask, geometry, causal):
+    """NumPy: the scores (B, L, S) = scale q k^T + mask (-inf above the diagonal if causal),
+    and each row's log-sum-exp, +inf for a row without a key to attend to (so that all its
+    probabilities exp(score - lse) are 0: PyTorch's output there is 0)."""
+    B, L, S = Q.shape[0], Q.shape[1], K.shape[1]
+    scores = np.matmul(Q, K.transpose(0, 2, 1)) * scale
+    if mask is not None:
+        div, mod, stride_b, stride_l, stride_s = geometry
+        Lm, Sm = (L if stride_l else 1), (S if stride_s else 1)
+        per_batch = (np.arange(B) // div) % mod
+        scores = scores + mask.data.reshape(-1, Lm, Sm)[per_batch]
+    if causal:  # top-left aligned, as PyTorch: key s takes part in row l when s <= l
+        scores = np.where(np.tri(L, S, dtype=bool), scores, -np.inf)
+    top = scores.max(axis=2, keepdims=True, initial=-np.inf)
+    with np.errstate(all="ignore"):
+        lse = np.log(np.exp(scores - np.where(top == -np.inf, 0, top)).sum(axis=2, keepdims=True))
+    return scores, np.where(top == -np.inf, np.inf, top + lse)
+
+
+def scaled_dot_product_attention(q, k, v, attn_mask=None, is_causal=False, dropout_p=0.0,
+                                 scale=None):
+    """softmax(q k^T * scale + mask) v for q (..., L, E), k (..., S, E), v (..., S, Ev) ->
+    (..., L, Ev), as PyTorch's scaled_dot_product_attention. scale defaults to 1/sqrt(E);
+    attn_mask, broadcast to (..., L, S), is bool (True takes part) or float (added), and a
+    constant; is_causal lets row l see keys s <= l. dropout_p > 0 drops attention weights
+    (netcl's dropout stream, manual_seed). A row that attends to no key gives 0, as PyTorch.
+    q, k and v share their leading dimensions (PyTorch would broadcast them)."""
+    op = "scaled_dot_product_attention"
+    if attn_mask is not None and is_causal:  # PyTorch's words
+        raise ValueError(f"{op}: explicit attn_mask should not be set when is_causal=True")
+    if not _is_scalar(dropout_p) or not 0.0 <= dropout_p <= 1.0:
+        raise ValueError(f"{op}: dropout_p must be a probability in [0, 1], got {dropout_p!r}")
+    if scale is not None and not _is_scalar(scale):
+        raise ValueError(f"{op}: scale must be a number or None, got {scale!r}")
+    q, k, v = _nodes(op, q, k, v)
+    if min(len(q.shape), len(k.shape), len(v.shape)) < 2 or not (
+            q.shape[:-2] == k.shape[:-2] == v.shape[:-2]) or q.shape[-1] != k.shape[-1] \
+            or k.shape[-2] != v.shape[-2]:
+        raise ValueError(f"{op}: q {q.shape}, k {k.shape} and v {v.shape} do not fit (expected "
+                         f"(..., L, E), (..., S, E) and (..., S, Ev), the same leading sizes)")
+    lead, (L, E), (S, Ev) = q.shape[:-2], q.shape[-2:], v.shape[-2:]
+    B = math.prod(lead)
+    scale = (1.0 / math.sqrt(E) if E else math.inf) if scale is None else float(scale)
+    Q, K, V = q.value, k.value, v.value
+    if not Q.dtype == K.dtype == V.dtype:  # mixed storage: all three in float32
+        Q, K, V = _float32(Q), _float32(K), _float32(V)
+    mask, geometry = (None, (1, 1, 0, 0, 0)) if attn_mask is None else \
+        _attention_mask(attn_mask, lead, L, S, Q)
+    p = float(dropout_p)
+    seed = int(_rng().integers(0, 2**32)) if p > 0 else 0
+    drop_scale = 0.0 if p == 1.0 else 1.0 / (1.0 - p)
+    dtype = _compute_dtype(Q.dtype)
+    out = _like(Q, lead + (L, Ev), dtype)
+    lse = _like(Q, (B, L), dtype)  # each row's log-sum-exp: backward recomputes from it
+    half = Q.dtype == np.float16
+    # The kernels' arguments after the sizes: how scores are made, masked and dropped.
+    settings = (scale, int(is_causal), int(mask is not None), *geometry, p, drop_scale, seed)
+
+    def host_arrays():
+        return (Q.data.reshape(B, L, E).astype(dtype, copy=False),
+                K.data.reshape(B, S, E).astype(dtype, copy=False),
+                V.data.reshape(B, S, Ev).astype(dtype, copy=False))
+
+    def host_probabilities(Qh, Kh):
+        """NumPy: the attention weights P and the dropped ones P * D (B, L, S)."""
+        scores, row_lse = _attention_scores(Qh, Kh, scale, mask, geometry, is_causal)
+        probs = np.exp(scores - row_lse)
+        if p == 0:
+            return probs, probs, row_lse
+        keep = _dropout_keep(B * L * S, seed, p).reshape(B, L, S)
+        return probs, np.where(keep, probs * drop_scale, 0), row_lse
+
+    if Q.device.backend == "cpu":
+        Qh, Kh, Vh = host_arrays()
+        _, dropped, row_lse = host_probabilities(Qh, Kh)
+        out.data.reshape(B, L, Ev)[...] = np.matmul(dropped, Vh)
+        lse.data[...] = row_lse.reshape(B, L)
+    elif B * L:
+        Q.device.launch("attention_fwd", *_grid(B * L), B, L, S, E, Ev, *settings, Q.data,
+                        K.data, V.data, _data_or_none(mask), out.data, lse.data, half=half)
+
+    def backward(g):  # g (..., L, Ev) -> dq (..., L, E), dk (..., S, E), dv (..., S, Ev)
+        # P = exp(score - lse), D the dropout mask (scaled), out = (P D) v:
+        # dv = (P D)^T g; dP = D (g v^T); dscore = P (dP - delta), delta = rowsum(g out);
+        # dq = scale dscore k, dk = scale dscore^T q.
+        grad_q, grad_k, grad_v = _like(g, Q.shape), _like(g, K.shape), _like(g, V.shape)
+        if g.device.backend == "cpu":
+            Qh, Kh, Vh = host_arrays()
+            probs, dropped, _ = host_probabilities(Qh, Kh)
+            G = g.data.reshape(B, L, Ev)
+            delta = (G * out.data.reshape(B, L, Ev)).sum(axis=2, keepdims=True)
+            d_probs = np.matmul(G, Vh.transpose(0, 2, 1))  # d(P D) = g v^T
+            if p:
+                keep = _dropout_keep(B * L * S, seed, p).reshape(B, L, S)
+                d_probs = np.where(keep, d_probs * drop_scale, 0)
+            d_scores = probs * (d_probs - delta)
+            grad_q.data.reshape(B, L, E)[...] = np.matmul(d_scores, Kh) * scale
+            grad_k.data.reshape(B, S, E)[...] = np.matmul(d_scores.transpose(0, 2, 1), Qh) * scale
+            grad_v.data.reshape(B, S, Ev)[...] = np.matmul(dropped.transpose(0, 2, 1), G)
+        else:
+            delta = _like(g, (B, L))  # written by the first kernel, read by the second
+            if B * L:  # one work-item per query row: dq, delta
+                g.device.launch("attention_bwd_q", *_grid(B * L), B, L, S, E, Ev, *settings,
+                                Q.data, K.data, V.data, _data_or_none(mask), g.data, out.data,
+                                lse.data, delta.data, grad_q.data, half=half)
+            if B * S:  # one work-item per key row: dk, dv, summed over the query rows
+                g.device.launch("attention_bwd_kv", *_grid(B * S), B, L, S, E, Ev, *settings,
+                                Q.data, K.data, V.data, _data_or_none(mask), g.data, lse.data,
+                                delta.data, grad_k.data, grad_v.data, half=half)
+        return grad_q, grad_k, grad_v
+    return _record(out, (q, k, v), backward)
+
+
 # ============================================================================ nn modules
 # Modules hold Parameters and sub-modules, registered by attribute assignment as in PyTorch,
+# and buffers (saved, never trained: running statistics), registered with register_buffer;
 # so named_parameters() yields PyTorch's names in PyTorch's order and state_dict() loads
 # into the same torch.nn model and back.
 
@@ -2551,6 +2978,7 @@ class Module:
 
     def __init__(self):
         object.__setattr__(self, "_parameters", OrderedDict())
+        object.__setattr__(self, "_buffers", OrderedDict())
         object.__setattr__(self, "_modules", OrderedDict())
         object.__setattr__(self, "training", True)
 
@@ -2560,14 +2988,32 @@ class Module:
                                f"before assigning attributes")
         if isinstance(value, Parameter):  # a reassigned name keeps its place, as PyTorch
             self._modules.pop(name, None)
+            self._buffers.pop(name, None)
             self._parameters[name] = value
         elif isinstance(value, Module):
             self._parameters.pop(name, None)
+            self._buffers.pop(name, None)
             self._modules[name] = value
+        elif name in self._buffers:  # a new value for a registered buffer, as PyTorch
+            self._buffers[name] = _check_buffer(name, value)
         else:
             self._parameters.pop(name, None)
             self._modules.pop(name, None)
         object.__setattr__(self, name, value)
+
+    def register_buffer(self, name, tensor):
+        """Register state that is saved but not trained, as PyTorch: a BatchNorm's running
+        statistics. `tensor` is a Tensor, a NumPy array kept on the host (a counter the
+        host needs anyway, such as num_batches_tracked), or None (then it is left out of
+        state_dict). It becomes the attribute `name`, and state_dict() holds it after the
+        module's parameters; parameters() never does."""
+        if not isinstance(name, str) or not name or "." in name:
+            raise KeyError(f"register_buffer: name must be a non-empty string without '.', "
+                           f"got {name!r}")
+        if name not in self._buffers and (name in self.__dict__ or hasattr(type(self), name)):
+            raise KeyError(f"register_buffer: attribute {name!r} already exists")
+        self._buffers[name] = _check_buffer(name, tensor)
+        object.__setattr__(self, name, tensor)
 
     def __call__(self, *args, **kwargs):
         return self.forward(*args, **kwargs)
@@ -2587,6 +3033,23 @@ class Module:
         """The Parameters, in named_parameters() order."""
         return [param for _, param in self.named_parameters()]
 
+    def named_buffers(self, prefix=""):
+        """(name, buffer) pairs: own buffers first, then each sub-module's (None ones left out)."""
+        for name, buffer in self._buffers.items():
+            if buffer is not None:
+                yield prefix + name, buffer
+        for name, module in self._modules.items():
+            yield from module.named_buffers(prefix + name + ".")
+
+    def _state_items(self, prefix=""):
+        """(name, Parameter or buffer) in PyTorch's state_dict order: each module's own
+        parameters, then its own buffers, then its sub-modules' in turn."""
+        yield from ((prefix + name, param) for name, param in self._parameters.items())
+        yield from ((prefix + name, buffer) for name, buffer in self._buffers.items()
+                    if buffer is not None)
+        for name, module in self._modules.items():
+            yield from module._state_items(prefix + name + ".")
+
     def train(self, mode=True):
         """Set training mode (dropout active) on this module and its sub-modules."""
         object.__setattr__(self, "training", bool(mode))
@@ -2599,35 +3062,51 @@ class Module:
         return self.train(False)
 
     def state_dict(self):
-        """An ordered dict of NumPy copies of every parameter, under PyTorch's names."""
-        return OrderedDict((name, param.value.to_host()) for name, param in self.named_parameters())
+        """An ordered dict of NumPy copies of every parameter and buffer, under PyTorch's
+        names and in its order."""
+        return OrderedDict((name, entry.copy() if isinstance(entry, np.ndarray) else
+                            (entry.value if isinstance(entry, Node) else entry).to_host())
+                           for name, entry in self._state_items())
 
     def load_state_dict(self, state):
-        """Copy arrays into the existing parameters (an optimizer built before keeps working).
-        A missing or an unexpected key, a shape mismatch, or a bool or complex array raises
-        StateDictError naming it, before any parameter is written."""
-        params = OrderedDict(self.named_parameters())
-        missing = [k for k in params if k not in state]
-        unexpected = [k for k in state if k not in params]
+        """Copy arrays into the existing parameters and buffers (an optimizer built before
+        keeps working). A missing or an unexpected key, a shape mismatch, or a bool or
+        complex array raises StateDictError naming it, before anything is written."""
+        entries = OrderedDict(self._state_items())
+        missing = [k for k in entries if k not in state]
+        unexpected = [k for k in state if k not in entries]
         if missing or unexpected:
             raise StateDictError(f"load_state_dict: missing keys {missing}, unexpected keys "
                                  f"{unexpected}")
         arrays = {}
-        for name, param in params.items():
+        for name, entry in entries.items():
+            kind = "parameter" if isinstance(entry, Node) else "buffer"
             array = state[name]
             array = array.to_host() if isinstance(array, Tensor) else np.asarray(array)
-            if array.shape != param.shape:
+            if array.shape != entry.shape:
                 raise StateDictError(f"load_state_dict: {name!r} has shape {array.shape}, the "
-                                     f"parameter has {param.shape}")
+                                     f"{kind} has {entry.shape}")
             # Integers convert as PyTorch's copy_ does; bool or complex values are no weights.
             if array.dtype.kind not in "fiu":
                 raise StateDictError(f"load_state_dict: {name!r} has dtype {array.dtype}, the "
-                                     f"parameter holds {np.dtype(param.value.dtype)}")
+                                     f"{kind} holds {np.dtype(entry.dtype)}")
             arrays[name] = array
-        for name, param in params.items():  # only once every key fits: a rejected state
-            _write(param.value, arrays[name])  # leaves every parameter as it was
-            if isinstance(param, Parameter):
-                param._half_stale = True  # its optimizer's float16 copy is out of date
+        for name, entry in entries.items():  # only once every key fits: a rejected state
+            if isinstance(entry, np.ndarray):  # leaves everything as it was
+                entry[...] = arrays[name]      # a buffer the host keeps
+            else:
+                _write(entry.value if isinstance(entry, Node) else entry, arrays[name])
+            if isinstance(entry, Parameter):
+                entry._half_stale = True  # its optimizer's float16 copy is out of date
+
+
+def _check_buffer(name, value):
+    """A buffer's value: a Tensor, a host NumPy array, or None (TypeError otherwise, as
+    PyTorch)."""
+    if value is not None and not isinstance(value, (Tensor, np.ndarray)):
+        raise TypeError(f"buffer {name!r} must be a Tensor, a NumPy array or None, got "
+                        f"{type(value).__name__}")
+    return value
 
 
 class StateDictError(KeyError, ValueError, RuntimeError):
@@ -2790,6 +3269,113 @@ class Sequential(Module):
 
     def __iter__(self):
         return iter(self._modules.values())
+
+
+# --- normalisation, embedding and attention ---------------------------------------------------
+
+def _constant_parameter(shape, value, queue):
+    return Parameter(Tensor.from_host(np.full(shape, value, np.float32), queue))
+
+
+class LayerNorm(Module):
+    """layer_norm over the last dimensions, normalized_shape (an int or a tuple); PyTorch's
+    initialisation: weight ones, bias zeros (elementwise_affine=False: neither; bias=False:
+    no bias)."""
+
+    def __init__(self, normalized_shape, eps=1e-5, elementwise_affine=True, bias=True, *,
+                 queue=None):
+        super().__init__()
+        self.normalized_shape = _normalized_shape("LayerNorm", normalized_shape)
+        self.eps = _check_number("LayerNorm", "eps", eps)
+        self.elementwise_affine = bool(elementwise_affine)
+        self.weight = (_constant_parameter(self.normalized_shape, 1.0, queue)
+                       if elementwise_affine else None)
+        self.bias = (_constant_parameter(self.normalized_shape, 0.0, queue)
+                     if elementwise_affine and bias else None)
+
+    def forward(self, x):
+        """x (..., *normalized_shape) -> the same shape."""
+        return layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+
+
+class _BatchNorm(Module):
+    """BatchNorm1d and BatchNorm2d: batch_norm with PyTorch's parameters and buffers.
+
+    Training normalises with the batch's statistics and updates running_mean and
+    running_var (buffers: in state_dict, not in parameters()); eval normalises with them.
+    momentum=None makes the running statistics the plain average over every batch so far
+    (num_batches_tracked, an int64 kept on the host as PyTorch keeps it, counts them).
+    track_running_stats=False keeps no statistics and always normalises with the batch's.
+    """
+
+    input_ranks = ()  # the input dimensions a subclass accepts
+
+    def __init__(self, num_features, eps=1e-5, momentum=0.1, affine=True,
+                 track_running_stats=True, *, queue=None):
+        super().__init__()
+        name = type(self).__name__
+        self.num_features = _check_positive_int("num_features", num_features)
+        self.eps = _check_number(name, "eps", eps)
+        self.momentum = None if momentum is None else _check_number(name, "momentum", momentum)
+        self.affine, self.track_running_stats = bool(affine), bool(track_running_stats)
+        C = self.num_features
+        self.weight = _constant_parameter((C,), 1.0, queue) if affine else None
+        self.bias = _constant_parameter((C,), 0.0, queue) if affine else None
+        tracked = track_running_stats
+        self.register_buffer("running_mean", Tensor.from_host(np.zeros(C, np.float32), queue)
+                             if tracked else None)
+        self.register_buffer("running_var", Tensor.from_host(np.ones(C, np.float32), queue)
+                             if tracked else None)
+        self.register_buffer("num_batches_tracked", np.zeros((), np.int64) if tracked else None)
+
+    def forward(self, x):
+        """x (N, C, ...) -> the same shape, normalised per channel."""
+        (x,) = _nodes(type(self).__name__, x)
+        if len(x.shape) not in self.input_ranks:  # PyTorch's words
+            ranks = " or ".join(f"{r}D" for r in self.input_ranks)
+            raise ValueError(f"{type(self).__name__}: expected {ranks} input (got "
+                             f"{len(x.shape)}D input)")
+        counting = self.training and self.track_running_stats
+        batches = int(self.num_batches_tracked) + 1 if counting else 0
+        factor = 0.0 if self.momentum is None else self.momentum  # PyTorch's
+        if counting and self.momentum is None:
+            factor = 1.0 / batches  # the average over every batch so far
+        # As PyTorch: training uses the batch; eval the running statistics if there are any.
+        out = batch_norm(x, self.running_mean if not self.training or counting else None,
+                         self.running_var if not self.training or counting else None,
+                         self.weight, self.bias, self.training or self.running_mean is None,
+                         factor, self.eps)
+        if counting:  # counted once batch_norm has accepted the batch
+            self.num_batches_tracked[...] = batches
+        return out
+
+
+class BatchNorm1d(_BatchNorm):
+    """Batch normalisation of (N, C) or (N, C, L) input, per channel C."""
+
+    input_ranks = (2, 3)
+
+
+class BatchNorm2d(_BatchNorm):
+    """Batch normalisation of (N, C, H, W) input, per channel C."""
+
+    input_ranks = (4,)
+
+
+class Embedding(Module):
+    """A lookup table: weight (num_embeddings, embedding_dim), PyTorch's initialisation
+    N(0, 1). Called on integer indices of any shape -> (*shape, embedding_dim)."""
+
+    def __init__(self, num_embeddings, embedding_dim, *, queue=None):
+        super().__init__()
+        self.num_embeddings = _check_positive_int("num_embeddings", num_embeddings)
+        self.embedding_dim = _check_positive_int("embedding_dim", embedding_dim)
+        values = _rng().standard_normal((self.num_embeddings, self.embedding_dim))
+        self.weight = Parameter(Tensor.from_host(values.astype(np.float32), queue))
+
+    def forward(self, idx):
+        """idx (...) integers in [0, num_embeddings) -> (..., embedding_dim)."""
+        return embedding(idx, self.weight)
 
 
 def save(state, path):
@@ -4565,11 +5151,14 @@ functional = _alias(
     dropout=dropout, conv2d=conv2d, max_pool2d=max_pool2d, avg_pool2d=avg_pool2d,
     sqrt=sqrt, rsqrt=rsqrt, abs=absolute, pow=power, clamp=clamp, silu=silu, maximum=maximum,
     minimum=minimum, where=where, masked_fill=masked_fill, max=reduce_max, min=reduce_min,
-    argmax=argmax, var=var, std=std, logsumexp=logsumexp)
+    argmax=argmax, var=var, std=std, logsumexp=logsumexp, layer_norm=layer_norm,
+    batch_norm=batch_norm, embedding=embedding,
+    scaled_dot_product_attention=scaled_dot_product_attention)
 autograd = _alias("autograd", Node=Node, Parameter=Parameter, Tape=Tape, no_grad=no_grad)
 nn = _alias("nn", Module=Module, Linear=Linear, ReLU=ReLU, Tanh=Tanh, Sigmoid=Sigmoid,
             GELU=GELU, Dropout=Dropout, Flatten=Flatten, Sequential=Sequential,
-            Conv2d=Conv2d, MaxPool2d=MaxPool2d, Parameter=Parameter, functional=functional)
+            Conv2d=Conv2d, MaxPool2d=MaxPool2d, Parameter=Parameter, functional=functional,
+            LayerNorm=LayerNorm, BatchNorm1d=BatchNorm1d, BatchNorm2d=BatchNorm2d, Embedding=Embedding)
 sys.modules[f"{__name__}.nn.functional"] = functional  # import netcl.nn.functional as F
 optim = _alias("optim", Optimizer=Optimizer, SGD=SGD, Adam=Adam, AdamW=AdamW,
                clip_grad_norm=clip_grad_norm, clip_grad_norm_=clip_grad_norm_,

@@ -887,6 +887,173 @@ def _(draw, rng, fd):
     return Case(lambda x: F.logsumexp(x, axis, keepdims=keepdims),
                 lambda x: _logsumexp_ref(x, axis, keepdims),
                 [rng.standard_normal(shape) * 3], tol="acc")
+# --- normalisation, embedding and attention: NumPy transcriptions of PyTorch's formulas
+
+ATTENTION_DIM = st.integers(1, 24)
+
+
+def _layer_norm_ref(x, shape, w=None, b=None, eps=1e-5):
+    """torch.nn.functional.layer_norm: the biased variance over the last len(shape) dims."""
+    axes = tuple(range(x.ndim - len(shape), x.ndim))
+    mean = x.mean(axis=axes, keepdims=True)
+    var = ((x - mean) ** 2).mean(axis=axes, keepdims=True)
+    y = (x - mean) / np.sqrt(var + eps)
+    return y * (1 if w is None else w) + (0 if b is None else b)
+
+
+def _layer_norm_shapes(draw, fd):
+    """(leading shape, normalized_shape): rows across layer_norm's 256-row chunks too."""
+    lead = (_dim(draw, fd, st.one_of(st.integers(1, 40), st.sampled_from([255, 256, 257, 600]))),)
+    lead = draw(st.sampled_from([(), lead, lead + (_dim(draw, fd, st.integers(1, 3)),)]))
+    if draw(st.booleans()):
+        return lead, (_dim(draw, fd, GEMM_DIM),)
+    return lead, (_dim(draw, fd, st.integers(1, 8)), _dim(draw, fd, st.integers(1, 8)))
+
+
+@case("layer_norm")
+def _(draw, rng, fd):
+    lead, shape = _layer_norm_shapes(draw, fd)
+    return Case(lambda x, w, b: F.layer_norm(x, shape, w, b),
+                lambda x, w, b: _layer_norm_ref(x, shape, w, b),
+                [rng.standard_normal(lead + shape), rng.standard_normal(shape),
+                 rng.standard_normal(shape)], tol="acc")
+
+
+@case("layer_norm_no_affine")
+def _(draw, rng, fd):
+    lead, shape = _layer_norm_shapes(draw, fd)
+    return Case(lambda x: F.layer_norm(x, shape, eps=1e-3),
+                lambda x: _layer_norm_ref(x, shape, eps=1e-3),
+                [rng.standard_normal(lead + shape) * 3], tol="acc")
+
+
+@case("layer_norm_weight_only")
+def _(draw, rng, fd):
+    lead, shape = _layer_norm_shapes(draw, fd)
+    return Case(lambda x, w: F.layer_norm(x, shape, weight=w),
+                lambda x, w: _layer_norm_ref(x, shape, w),
+                [rng.standard_normal(lead + shape), rng.standard_normal(shape)], tol="acc")
+
+
+def _batch_norm_ref(x, mean=None, var=None, w=None, b=None, eps=1e-5):
+    """torch.nn.functional.batch_norm per channel (dim 1): with the batch's mean and biased
+    variance over every other dim (training=True), or with the given ones (training=False)."""
+    axes, shape = (0,) + tuple(range(2, x.ndim)), (1, -1) + (1,) * (x.ndim - 2)
+    if mean is None:
+        mean, var = x.mean(axis=axes, keepdims=True), x.var(axis=axes, keepdims=True)
+    else:
+        mean, var = mean.reshape(shape), var.reshape(shape)
+    y = (x - mean) / np.sqrt(var + eps)
+    return y * (1 if w is None else w.reshape(shape)) + (0 if b is None else b.reshape(shape))
+
+
+def _batch_norm_shape(draw, fd):
+    """(N, C, *trailing): at least two values per channel, as training needs."""
+    channels = _dim(draw, fd, st.integers(1, 12))
+    trailing = tuple(_dim(draw, fd) for _ in range(draw(st.integers(0, 2))))
+    n = max(_dim(draw, fd), 2 if not trailing or math.prod(trailing) == 1 else 1)
+    return (n, channels) + trailing
+
+
+@case("batch_norm_training")
+def _(draw, rng, fd):
+    shape = _batch_norm_shape(draw, fd)
+    C = shape[1]
+    return Case(lambda x, w, b: F.batch_norm(x, None, None, w, b, training=True),
+                lambda x, w, b: _batch_norm_ref(x, w=w, b=b),
+                [rng.standard_normal(shape) * 2 + 1, rng.standard_normal(C),
+                 rng.standard_normal(C)], tol="acc")
+
+
+@case("batch_norm_training_no_affine")
+def _(draw, rng, fd):
+    shape = _batch_norm_shape(draw, fd)
+    C = shape[1]
+    # Running statistics are updated in place; the output does not depend on them.
+    return Case(lambda x, mean, var: F.batch_norm(x, mean, var, training=True, eps=1e-3),
+                lambda x, mean, var: _batch_norm_ref(x, eps=1e-3),
+                [rng.standard_normal(shape)], [np.zeros(C), np.ones(C)], tol="acc")
+
+
+@case("batch_norm_eval")
+def _(draw, rng, fd):
+    shape = _batch_norm_shape(draw, fd)
+    C = shape[1]
+    return Case(lambda x, w, b, mean, var: F.batch_norm(x, mean, var, w, b),
+                lambda x, w, b, mean, var: _batch_norm_ref(x, mean, var, w, b),
+                [rng.standard_normal(shape), rng.standard_normal(C), rng.standard_normal(C)],
+                [rng.standard_normal(C), rng.uniform(0.5, 2.0, C)], tol="acc")
+
+
+@case("embedding")
+def _(draw, rng, fd):
+    num, dim = _dim(draw, fd), _dim(draw, fd)
+    idx_shape = tuple(_dim(draw, fd) for _ in range(draw(st.integers(0, 3))))
+    idx = rng.integers(0, num, size=idx_shape)  # few rows: most are picked more than once
+    return Case(lambda w, i: F.embedding(i, w), lambda w, i: w[i],
+                [rng.standard_normal((num, dim))], [idx], tol="acc")
+
+
+def _attention_ref(q, k, v, mask=None, causal=False, scale=None):
+    """The reference implementation in the documentation of
+    torch.nn.functional.scaled_dot_product_attention (without dropout)."""
+    L, S = q.shape[-2], k.shape[-2]
+    scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
+    bias = np.zeros((L, S))
+    if causal:
+        bias = np.where(np.tril(np.ones((L, S), bool)), 0.0, -np.inf)
+    if mask is not None:
+        bias = np.where(mask, 0.0, -np.inf) if mask.dtype == bool else bias + mask
+    scores = q @ np.swapaxes(k, -1, -2) * scale + bias
+    return _softmax_ref(scores) @ v
+
+
+def _attention_inputs(draw, rng, fd, max_lead=2):
+    lead = tuple(_dim(draw, fd, st.integers(1, 3)) for _ in range(draw(st.integers(0, max_lead))))
+    L, S, E, Ev = (_dim(draw, fd, ATTENTION_DIM) for _ in range(4))
+    return lead, L, S, [rng.standard_normal(lead + (L, E)), rng.standard_normal(lead + (S, E)),
+                        rng.standard_normal(lead + (S, Ev))]
+
+
+def _mask_shape(draw, lead, L, S):
+    """A shape that broadcasts to (*lead, L, S): leading dims dropped, any dim 1 or kept."""
+    full = lead + (L, S)
+    shape = tuple(draw(st.sampled_from([1, n])) for n in full)
+    return shape[draw(st.integers(0, len(lead))):]
+
+
+@case("scaled_dot_product_attention")
+def _(draw, rng, fd):
+    _, _, _, inputs = _attention_inputs(draw, rng, fd)
+    return Case(F.scaled_dot_product_attention, _attention_ref, inputs, tol="acc")
+
+
+@case("scaled_dot_product_attention_causal")
+def _(draw, rng, fd):
+    _, _, _, inputs = _attention_inputs(draw, rng, fd)
+    return Case(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+                lambda q, k, v: _attention_ref(q, k, v, causal=True), inputs, tol="acc")
+
+
+@case("scaled_dot_product_attention_bool_mask")
+def _(draw, rng, fd):
+    lead, L, S, inputs = _attention_inputs(draw, rng, fd, max_lead=3)
+    mask = rng.uniform(size=_mask_shape(draw, lead, L, S)) < 0.6
+    mask[..., 0] = True  # every row attends to a key (a row of none: its own test)
+    return Case(lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m),
+                lambda q, k, v, m: _attention_ref(q, k, v, m), inputs, [mask], tol="acc")
+
+
+@case("scaled_dot_product_attention_float_mask_and_scale")
+def _(draw, rng, fd):
+    lead, L, S, inputs = _attention_inputs(draw, rng, fd, max_lead=3)
+    shape = _mask_shape(draw, lead, L, S)
+    mask = np.where(rng.uniform(size=shape) < 0.3, -np.inf, rng.standard_normal(shape))
+    mask[..., 0] = rng.standard_normal(shape[:-1])
+    scale = draw(st.sampled_from([0.3, 1.0, 2.5]))
+    return Case(lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, m, scale=scale),
+                lambda q, k, v, m: _attention_ref(q, k, v, m, scale=scale), inputs, [mask],
+                tol="acc")
 
 
 # Random outputs cannot be compared across backends (the mask stream is per backend).
@@ -5510,3 +5677,475 @@ def test_float16_storage_new_ops(opencl, case):
     """test_float16_storage_ops for these ops: float16 in, float16 out for the elementwise
     ones, float32 for the reductions, float32 gradients either way."""
     test_float16_storage_ops(opencl, case)
+# normalisation, embedding and attention
+# ---------------------------------------------------------------------------------------------
+
+def _batch_norm_module_ref(batches, momentum, eps=1e-5):
+    """torch.nn.BatchNorm1d's training steps, transcribed: each batch normalised with its own
+    statistics; running_mean and running_var (unbiased variance) moved by momentum, or by
+    1 / num_batches_tracked for momentum=None. Returns the outputs and the final state."""
+    C = batches[0].shape[1]
+    running_mean, running_var = np.zeros(C), np.ones(C)
+    outputs = []
+    for count, x in enumerate(batches, start=1):
+        axes = (0,) + tuple(range(2, x.ndim))
+        n = x.size // C
+        mean, var = x.mean(axis=axes), x.var(axis=axes)
+        factor = 1.0 / count if momentum is None else momentum
+        running_mean = (1 - factor) * running_mean + factor * mean
+        running_var = (1 - factor) * running_var + factor * var * n / (n - 1)
+        outputs.append(_batch_norm_ref(x, mean, var, eps=eps))
+    return outputs, running_mean, running_var
+
+
+@pytest.mark.parametrize("shape, module", [((8, 3), netcl.BatchNorm1d),
+                                           ((5, 3, 4), netcl.BatchNorm1d),
+                                           ((4, 3, 2, 5), netcl.BatchNorm2d)])
+@pytest.mark.parametrize("momentum", [0.1, 0.5, None])
+def test_batch_norm_running_stats_and_eval_follow_pytorch(backend, shape, module, momentum):
+    rng = np.random.default_rng(40)
+    batches = [(rng.standard_normal(shape) * (i + 1) + i).astype(np.float32) for i in range(3)]
+    bn = module(3, momentum=momentum, queue=backend.queue)
+    outputs, running_mean, running_var = _batch_norm_module_ref(batches, momentum)
+    for x, expected in zip(batches, outputs):
+        np.testing.assert_allclose(host(bn(tensor(x, backend))), expected, rtol=1e-5, atol=1e-5)
+    state = bn.state_dict()
+    np.testing.assert_allclose(state["running_mean"], running_mean, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(state["running_var"], running_var, rtol=1e-5, atol=1e-6)
+    assert state["num_batches_tracked"] == 3
+    # eval: the running statistics normalise, and the gradient is weight * g / sqrt(var + eps)
+    bn.eval()
+    x = param(batches[0], backend)
+    with netcl.Tape() as tape:
+        y = bn(x)
+    np.testing.assert_allclose(host(y), _batch_norm_ref(batches[0], running_mean, running_var),
+                               rtol=1e-5, atol=1e-5)
+    g = rng.standard_normal(shape).astype(np.float32)
+    tape.backward(y, grad=tensor(g, backend))
+    channel = (1, 3) + (1,) * (len(shape) - 2)
+    np.testing.assert_allclose(host(x.grad), g / np.sqrt(running_var.reshape(channel) + 1e-5),
+                               rtol=1e-5, atol=1e-6)
+    assert bn.state_dict()["num_batches_tracked"] == 3  # eval counts nothing
+
+
+def test_batch_norm_train_eval_switching(backend):
+    rng = np.random.default_rng(41)
+    bn = netcl.BatchNorm1d(4, queue=backend.queue)
+    x = tensor(rng.standard_normal((6, 4)) * 3 + 2, backend)
+    trained = host(bn(x))
+    after_one = bn.state_dict()
+    bn.eval()
+    assert not bn.training
+    first, second = host(bn(x)), host(bn(x))
+    np.testing.assert_array_equal(first, second)  # no statistics move in eval
+    assert not np.allclose(first, trained, atol=1e-3)  # running, not batch, statistics
+    for key, value in bn.state_dict().items():
+        np.testing.assert_array_equal(value, after_one[key])
+    bn.train()
+    np.testing.assert_array_equal(host(bn(x)), trained)
+    assert bn.state_dict()["num_batches_tracked"] == 2
+    assert not np.array_equal(bn.state_dict()["running_mean"], after_one["running_mean"])
+
+
+def test_batch_norm_without_running_stats_or_affine(backend):
+    rng = np.random.default_rng(42)
+    x = rng.standard_normal((7, 3, 2)).astype(np.float32)
+    plain = netcl.BatchNorm1d(3, affine=False, track_running_stats=False, queue=backend.queue)
+    assert plain.parameters() == [] and list(plain.state_dict()) == []
+    assert plain.running_mean is None and plain.weight is None
+    plain.eval()  # without running statistics eval normalises with the batch's, as PyTorch
+    np.testing.assert_allclose(host(plain(tensor(x, backend))), _batch_norm_ref(x),
+                               rtol=1e-5, atol=1e-5)
+    stats_only = netcl.BatchNorm1d(3, affine=False, queue=backend.queue)
+    assert list(stats_only.state_dict()) == ["running_mean", "running_var", "num_batches_tracked"]
+    no_stats = netcl.BatchNorm1d(3, track_running_stats=False, queue=backend.queue)
+    np.testing.assert_allclose(host(no_stats(tensor(x, backend))), _batch_norm_ref(x),
+                               rtol=1e-5, atol=1e-5)
+    assert list(no_stats.state_dict()) == ["weight", "bias"] and no_stats.running_var is None
+
+
+def test_batch_norm_state_dict_keys_order_and_round_trip(backend, tmp_path):
+    netcl.manual_seed(0)
+    model = netcl.Sequential(netcl.Linear(4, 3, queue=backend.queue),
+                             netcl.BatchNorm1d(3, queue=backend.queue))
+    assert [n for n, _ in model.named_parameters()] == ["0.weight", "0.bias", "1.weight",
+                                                         "1.bias"]
+    assert [n for n, _ in model.named_buffers()] == ["1.running_mean", "1.running_var",
+                                                      "1.num_batches_tracked"]
+    model(tensor(np.random.default_rng(43).standard_normal((5, 4)), backend))
+    state = model.state_dict()
+    assert list(state) == ["0.weight", "0.bias", "1.weight", "1.bias", "1.running_mean",
+                           "1.running_var", "1.num_batches_tracked"]  # PyTorch's order
+    assert state["1.weight"].dtype == np.float32 and state["1.running_var"].shape == (3,)
+    counter = state["1.num_batches_tracked"]
+    assert isinstance(counter, np.ndarray) and counter.dtype == np.int64 and counter.shape == ()
+    assert counter == 1
+    np.testing.assert_array_equal(state["1.weight"], np.ones(3))  # PyTorch's initialisation
+    np.testing.assert_array_equal(state["1.bias"], np.zeros(3))
+    # A PyTorch state dict, as NumPy arrays: float32 statistics, an int64 counter.
+    torch_like = dict(state)
+    torch_like["1.running_mean"] = np.array([0.5, -1.0, 2.0], np.float32)
+    torch_like["1.running_var"] = np.array([1.5, 0.25, 4.0], np.float32)
+    torch_like["1.num_batches_tracked"] = np.array(17, np.int64)
+    other = netcl.Sequential(netcl.Linear(4, 3, queue=backend.queue),
+                             netcl.BatchNorm1d(3, queue=backend.queue))
+    other.load_state_dict(torch_like)
+    for key, value in other.state_dict().items():
+        np.testing.assert_array_equal(value, torch_like[key])
+        assert value.dtype == torch_like[key].dtype
+    netcl.save(other.state_dict(), tmp_path / "bn.npz")
+    loaded = netcl.load(tmp_path / "bn.npz")
+    assert loaded["1.num_batches_tracked"].dtype == np.int64
+    model.load_state_dict(loaded)
+    for key, value in model.state_dict().items():
+        np.testing.assert_array_equal(value, torch_like[key])
+    del torch_like["1.running_var"]
+    with raises_naming((KeyError, ValueError, RuntimeError), "1.running_var"):
+        model.load_state_dict(torch_like)
+    with raises_naming((KeyError, ValueError, RuntimeError), "1.running_mean", "(4,)"):
+        model.load_state_dict(dict(loaded, **{"1.running_mean": np.zeros(4, np.float32)}))
+
+
+def test_batch_norm_zero_size_and_errors(backend):
+    bn = netcl.BatchNorm1d(3, queue=backend.queue)
+    x = param(np.zeros((0, 3), np.float32), backend)
+    with netcl.Tape() as tape:
+        y = bn(x)
+        loss = y.sum()
+    assert y.shape == (0, 3)
+    tape.backward(loss)
+    np.testing.assert_array_equal(host(bn.weight.grad), np.zeros(3))
+    np.testing.assert_array_equal(host(bn.bias.grad), np.zeros(3))
+    state = bn.state_dict()  # an empty batch moves no statistics, but counts (PyTorch)
+    np.testing.assert_array_equal(state["running_mean"], np.zeros(3))
+    np.testing.assert_array_equal(state["running_var"], np.ones(3))
+    assert state["num_batches_tracked"] == 1
+    with raises_naming(ValueError, "more than 1 value per channel", "(1, 3)"):
+        bn(tensor(np.ones((1, 3)), backend))
+    assert bn.state_dict()["num_batches_tracked"] == 1  # a refused batch is not counted
+    with raises_naming(ValueError, "BatchNorm1d", "2D or 3D", "4D"):
+        bn(tensor(np.ones((2, 3, 2, 2)), backend))
+    with raises_naming(ValueError, "BatchNorm2d", "4D", "3D"):
+        netcl.BatchNorm2d(3, queue=backend.queue)(tensor(np.ones((2, 3, 2)), backend))
+    with raises_naming(ValueError, "batch_norm", "running_mean", "(2,)", "3"):
+        F.batch_norm(tensor(np.ones((4, 3)), backend), tensor(np.zeros(2), backend),
+                     tensor(np.ones(2), backend), training=True)
+    with raises_naming(ValueError, "batch_norm", "weight", "(2,)"):
+        F.batch_norm(tensor(np.ones((4, 3)), backend), None, None,
+                     weight=tensor(np.ones(2), backend), training=True)
+    with raises_naming(ValueError, "batch_norm", "running_mean", "training"):
+        F.batch_norm(tensor(np.ones((4, 3)), backend), None, None, training=False)
+    with raises_naming(ValueError, "batch_norm", "(N, C"):
+        F.batch_norm(tensor(np.ones(4), backend), None, None, training=True)
+    with raises_naming(ValueError, "batch_norm", "momentum"):
+        F.batch_norm(tensor(np.ones((4, 3)), backend), None, None, training=True, momentum="x")
+    with raises_naming(TypeError, "batch_norm", "running_mean"):
+        F.batch_norm(tensor(np.ones((4, 3)), backend), np.zeros(3), np.ones(3))
+    with raises_naming(ValueError, "num_features"):
+        netcl.BatchNorm1d(0)
+
+
+def test_register_buffer_and_named_buffers(backend):
+    class Counter(netcl.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale = param(np.ones(2), backend)
+            self.register_buffer("total", tensor(np.zeros(2), backend))
+            self.register_buffer("steps", np.zeros((), np.int64))
+            self.register_buffer("nothing", None)
+            self.child = netcl.Linear(2, 2, queue=backend.queue)
+
+    m = Counter()
+    assert [n for n, _ in m.named_parameters()] == ["scale", "child.weight", "child.bias"]
+    assert [n for n, _ in m.named_buffers()] == ["total", "steps"]  # None is left out
+    assert list(m.state_dict()) == ["scale", "total", "steps", "child.weight", "child.bias"]
+    m.total = tensor(np.full(2, 3.0), backend)  # a new value keeps the buffer's place
+    assert list(m.state_dict()) == ["scale", "total", "steps", "child.weight", "child.bias"]
+    np.testing.assert_array_equal(m.state_dict()["total"], [3.0, 3.0])
+    assert len(m.parameters()) == 3
+    with raises_naming(TypeError, "total"):
+        m.total = 5
+    with raises_naming(KeyError, "scale", "exists"):
+        m.register_buffer("scale", tensor(np.zeros(2), backend))
+    with raises_naming(KeyError, "a.b"):
+        m.register_buffer("a.b", None)
+    with raises_naming(TypeError, "other"):
+        m.register_buffer("other", [1.0])
+
+
+def test_layer_norm_module(backend):
+    ln = netcl.LayerNorm((2, 3), queue=backend.queue)
+    assert ln.normalized_shape == (2, 3)
+    assert [n for n, _ in ln.named_parameters()] == ["weight", "bias"]
+    np.testing.assert_array_equal(host(ln.weight), np.ones((2, 3)))
+    np.testing.assert_array_equal(host(ln.bias), np.zeros((2, 3)))
+    assert list(netcl.LayerNorm(4, bias=False).state_dict()) == ["weight"]
+    assert netcl.LayerNorm(4, elementwise_affine=False).parameters() == []
+    x = np.random.default_rng(44).standard_normal((5, 2, 3)).astype(np.float32)
+    np.testing.assert_allclose(host(ln(tensor(x, backend))), _layer_norm_ref(x, (2, 3)),
+                               rtol=1e-5, atol=1e-5)
+    with raises_naming(ValueError, "normalized_shape"):
+        netcl.LayerNorm(())
+
+
+def test_layer_norm_zero_size_and_errors(backend):
+    w, b = param(np.ones(4), backend), param(np.zeros(4), backend)
+    x = param(np.zeros((0, 4), np.float32), backend)
+    with netcl.Tape() as tape:
+        y = F.layer_norm(x, (4,), w, b)
+        loss = y.sum()
+    assert y.shape == (0, 4)
+    tape.backward(loss)
+    np.testing.assert_array_equal(host(w.grad), np.zeros(4))
+    np.testing.assert_array_equal(host(b.grad), np.zeros(4))
+    assert F.layer_norm(tensor(np.zeros((3, 0)), backend), (0,)).shape == (3, 0)
+    with raises_naming(ValueError, "layer_norm", "(2,)", "(4, 3)"):
+        F.layer_norm(tensor(np.ones((4, 3)), backend), (2,))
+    with raises_naming(ValueError, "layer_norm", "weight", "(2,)", "(3,)"):
+        F.layer_norm(tensor(np.ones((4, 3)), backend), 3, weight=tensor(np.ones(2), backend))
+    with raises_naming(ValueError, "layer_norm", "normalized_shape"):
+        F.layer_norm(tensor(np.ones((4, 3)), backend), (-3,))
+    with raises_naming(ValueError, "layer_norm", "eps"):
+        F.layer_norm(tensor(np.ones((4, 3)), backend), 3, eps=None)
+
+
+@pytest.mark.parametrize("op", ["layer_norm", "batch_norm", "attention"])
+def test_normalisation_and_attention_read_float16_storage(cpu, opencl, op):
+    """float16 storage in (autocast's activations), float32 out, on both backends alike."""
+    rng = np.random.default_rng(45)
+    x = rng.standard_normal((6, 3, 8)).astype(np.float16)
+    run = {"layer_norm": lambda x: F.layer_norm(x, 8),
+           "batch_norm": lambda x: F.batch_norm(x, None, None, training=True),
+           "attention": lambda x: F.scaled_dot_product_attention(x, x, x, is_causal=True)}[op]
+    results = []
+    for dev in (cpu, opencl):
+        node = netcl.Node(tensor(x, dev), requires_grad=True)
+        with netcl.Tape() as tape:
+            y = run(node)
+        tape.backward(y, grad=np.ones(y.shape, np.float32))
+        assert y.dtype == np.float32 and node.grad.dtype == np.float32
+        results.append((host(y), host(node.grad)))
+    (y_cpu, g_cpu), (y_cl, g_cl) = results
+    np.testing.assert_allclose(y_cl, y_cpu, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(g_cl, g_cpu, rtol=1e-4, atol=1e-5)
+
+
+def test_embedding_module_and_index_kinds(backend):
+    netcl.manual_seed(0)
+    emb = netcl.Embedding(200, 50, queue=backend.queue)
+    weight = host(emb.weight)
+    assert list(emb.state_dict()) == ["weight"] and weight.shape == (200, 50)
+    assert abs(weight.mean()) < 0.02 and abs(weight.std() - 1.0) < 0.02  # N(0, 1), as PyTorch
+    idx = np.array([[3, 0, 199], [3, 3, 7]])
+    for kind in (idx, idx.astype(np.int32), tensor(idx, backend), idx.tolist()):
+        np.testing.assert_array_equal(host(emb(kind)), weight[idx])
+    assert emb(np.int64(5)).shape == (50,)
+    assert emb(np.zeros((2, 0), np.int64)).shape == (2, 0, 50)
+
+
+def test_embedding_backward_sums_repeated_rows_in_a_fixed_order(cpu, opencl):
+    """A row picked many times gets the sum of its positions' gradients; the OpenCL gather
+    adds them in position order, as np.add.at does, so both backends agree to the bit."""
+    rng = np.random.default_rng(46)
+    idx = rng.integers(0, 5, size=(40, 30))
+    w0 = rng.standard_normal((9, 6)).astype(np.float32)
+    g = rng.standard_normal((40, 30, 6)).astype(np.float32)
+    grads = []
+    for dev in (cpu, opencl, opencl):
+        w = param(w0, dev)
+        with netcl.Tape() as tape:
+            y = F.embedding(idx, w)
+        tape.backward(y, grad=tensor(g, dev))
+        grads.append(host(w.grad))
+    expected = np.zeros((9, 6))
+    np.add.at(expected, idx.ravel(), g.reshape(-1, 6).astype(np.float64))
+    np.testing.assert_allclose(grads[0], expected, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(grads[1], grads[0])
+    np.testing.assert_array_equal(grads[2], grads[1])
+    np.testing.assert_array_equal(grads[0][5:], 0)  # rows nobody picked
+
+
+def test_embedding_zero_size_and_errors(backend):
+    w = param(np.ones((5, 3)), backend)
+    with netcl.Tape() as tape:
+        y = F.embedding(np.zeros((0,), np.int64), w)
+        loss = y.sum()
+    assert y.shape == (0, 3)
+    tape.backward(loss)
+    np.testing.assert_array_equal(host(w.grad), np.zeros((5, 3)))
+    for bad in (5, -1):
+        with raises_naming(IndexError, "embedding", f"index {bad}", "[0, 5)"):
+            F.embedding(np.array([0, bad]), w)
+    with raises_naming(IndexError, "index 9"):
+        F.embedding(tensor(np.array([9], np.int32), backend), w)
+    with raises_naming(TypeError, "embedding", "idx", "float"):
+        F.embedding(np.array([1.0]), w)
+    with raises_naming(TypeError, "embedding", "idx", "float32"):
+        F.embedding(tensor(np.array([1.0]), backend), w)
+    with raises_naming(ValueError, "embedding", "weight", "(5,)"):
+        F.embedding(np.array([1]), param(np.ones(5), backend))
+    with raises_naming(ValueError, "num_embeddings"):
+        netcl.Embedding(0, 3)
+
+
+def test_attention_row_without_keys_gives_zero(backend):
+    rng = np.random.default_rng(47)
+    q, k, v = (param(rng.standard_normal(s), backend) for s in [(2, 3, 4), (2, 5, 4), (2, 5, 6)])
+    mask = np.ones((3, 5), bool)
+    mask[1] = False  # query row 1 may attend to nothing: PyTorch gives 0, not NaN
+    with netcl.Tape() as tape:
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        loss = (y * y).sum()
+    out = host(y)
+    np.testing.assert_array_equal(out[:, 1], 0)
+    np.testing.assert_allclose(out[:, [0, 2]], _attention_ref(*map(host, (q, k, v)))[:, [0, 2]],
+                               rtol=1e-5, atol=1e-5)
+    tape.backward(loss)
+    np.testing.assert_array_equal(host(q.grad)[:, 1], 0)
+    assert all(np.isfinite(host(p.grad)).all() for p in (q, k, v))
+
+
+def test_attention_zero_size(backend):
+    rng = np.random.default_rng(48)
+    cases = [((2, 0, 4), (2, 5, 4), (2, 5, 3)),   # no queries
+             ((2, 3, 4), (2, 0, 4), (2, 0, 3)),   # no keys: zeros, as PyTorch
+             ((0, 3, 4), (0, 5, 4), (0, 5, 3))]   # no batch
+    for shapes in cases:
+        q, k, v = (param(rng.standard_normal(s), backend) for s in shapes)
+        with netcl.Tape() as tape:
+            y = F.scaled_dot_product_attention(q, k, v)
+            loss = y.sum()
+        assert y.shape == shapes[0][:-1] + (3,)
+        np.testing.assert_array_equal(host(y), 0)
+        tape.backward(loss)
+        for p, s in zip((q, k, v), shapes):
+            assert host(p.grad).shape == s
+            np.testing.assert_array_equal(host(p.grad), 0)
+
+
+def test_attention_errors(backend):
+    q, k, v = (tensor(np.ones(s), backend) for s in [(2, 3, 4), (2, 5, 4), (2, 5, 6)])
+    attention = F.scaled_dot_product_attention
+    with raises_naming(ValueError, "scaled_dot_product_attention", "attn_mask", "is_causal"):
+        attention(q, k, v, attn_mask=np.ones((3, 5), bool), is_causal=True)
+    for p in (1.5, -0.1, "0.1"):
+        with raises_naming(ValueError, "scaled_dot_product_attention", "dropout_p"):
+            attention(q, k, v, dropout_p=p)
+    with raises_naming(ValueError, "scaled_dot_product_attention", "(2, 5, 3)"):
+        attention(q, tensor(np.ones((2, 5, 3)), backend), v)
+    with raises_naming(ValueError, "scaled_dot_product_attention", "(2, 4, 6)"):
+        attention(q, k, tensor(np.ones((2, 4, 6)), backend))
+    with raises_naming(ValueError, "scaled_dot_product_attention", "(3, 3, 4)"):
+        attention(tensor(np.ones((3, 3, 4)), backend), k, v)
+    with raises_naming(ValueError, "scaled_dot_product_attention", "(4,)"):
+        attention(tensor(np.ones(4), backend), k, v)
+    with raises_naming(ValueError, "attn_mask", "(3, 4)", "(2, 3, 5)"):
+        attention(q, k, v, attn_mask=np.ones((3, 4), bool))
+    with raises_naming(TypeError, "attn_mask", "int"):
+        attention(q, k, v, attn_mask=np.ones((3, 5), np.int64))
+    with raises_naming(ValueError, "scaled_dot_product_attention", "scale"):
+        attention(q, k, v, scale="big")
+
+
+def _dropped_attention(dev, seed, p, L=40, S=30, g=None):
+    """Attention with q = k = 0 (every weight 1/S) and v = I: the output is the dropout
+    factor of each weight, / S. Returns the output and the gradient of v for `g`."""
+    q, k = param(np.zeros((L, 4)), dev), param(np.zeros((S, 4)), dev)
+    v = param(np.eye(S), dev)
+    netcl.manual_seed(seed)
+    with netcl.Tape() as tape:
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=p)
+    tape.backward(y, grad=tensor(np.ones((L, S)) if g is None else g, dev))
+    return host(y), host(v.grad)
+
+
+@pytest.mark.parametrize("p", [0.2, 0.5])
+def test_attention_dropout_statistics_and_determinism(backend, p):
+    out, grad_v = _dropped_attention(backend, 0, p)
+    factor = out * 30 * (1 - p)  # 1 for a kept weight, 0 for a dropped one
+    np.testing.assert_allclose(factor[factor > 0.5], 1, rtol=1e-5)
+    dropped = (factor < 0.5).mean()
+    assert abs(dropped - p) < 4 * math.sqrt(p * (1 - p) / factor.size)
+    again, _ = _dropped_attention(backend, 0, p)
+    np.testing.assert_array_equal(again, out)  # the same seed, the same mask
+    other, _ = _dropped_attention(backend, 1, p)
+    assert not np.array_equal(other, out)
+    # backward drops what forward dropped: dv = (P D)^T g, and P D / S is the output here
+    g = np.random.default_rng(49).standard_normal((40, 30)).astype(np.float32)
+    _, grad_v = _dropped_attention(backend, 0, p, g=g)
+    np.testing.assert_allclose(grad_v, out.T @ g, rtol=1e-5, atol=1e-5)
+
+
+def test_attention_dropout_gradient_and_backends_agree(cpu, opencl):
+    """With the mask fixed by manual_seed, dropout attention is a smooth function: its
+    gradient matches central differences (float64, NumPy backend), and the OpenCL backend,
+    whose mask is the same hash of the same seed, matches the NumPy one."""
+    rng = np.random.default_rng(50)
+    arrays = [rng.standard_normal(s) for s in [(2, 3, 4), (2, 5, 4), (2, 5, 3)]]
+    g = rng.standard_normal((2, 3, 3))
+
+    def run(dev, values, dtype=np.float64):
+        nodes = [param(a, dev, dtype) for a in values]
+        netcl.manual_seed(7)
+        with netcl.Tape() as tape:
+            y = F.scaled_dot_product_attention(*nodes, dropout_p=0.4)
+        tape.backward(y, grad=tensor(g, dev, dtype))
+        return host(y), [host(n.grad) for n in nodes]
+
+    y, grads = run(cpu, arrays)
+    eps = 1e-6
+    for i, analytic in enumerate(grads):
+        numeric = np.zeros_like(arrays[i])
+        for idx in np.ndindex(arrays[i].shape):
+            values = []
+            for shift in (eps, -eps):
+                shifted = [a.copy() for a in arrays]
+                shifted[i][idx] += shift
+                netcl.manual_seed(7)
+                values.append(float((host(F.scaled_dot_product_attention(
+                    *[tensor(a, cpu, np.float64) for a in shifted], dropout_p=0.4)) * g).sum()))
+            numeric[idx] = (values[0] - values[1]) / (2 * eps)
+        np.testing.assert_allclose(analytic, numeric, rtol=1e-5, atol=1e-7)
+    y32, grads32 = run(cpu, arrays, None)
+    y_cl, grads_cl = run(opencl, arrays, None)
+    np.testing.assert_allclose(y_cl, y32, rtol=1e-5, atol=1e-5)
+    for a, b in zip(grads_cl, grads32):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    assert (y32 == 0).any()  # some weights were dropped
+
+
+def test_new_layers_in_the_alias_modules():
+    for name in ["layer_norm", "batch_norm", "embedding", "scaled_dot_product_attention"]:
+        assert getattr(netcl, name) is getattr(F, name), name
+    for name in ["LayerNorm", "BatchNorm1d", "BatchNorm2d", "Embedding"]:
+        assert getattr(netcl, name) is getattr(nn, name), name
+
+
+def test_tiny_attention_model_learns(backend):
+    """Embeddings, causal attention, LayerNorm and a linear head learn to copy the previous
+    token, which takes attention: the loss falls far below chance (log 6) in 50 Adam steps."""
+    netcl.manual_seed(0)
+    vocab, dim, B, T = 6, 16, 16, 8
+    emb = netcl.Embedding(vocab, dim, queue=backend.queue)
+    pos = netcl.Embedding(T, dim, queue=backend.queue)
+    projections = [netcl.Linear(dim, dim, queue=backend.queue) for _ in range(3)]
+    norm = netcl.LayerNorm(dim, queue=backend.queue)
+    head = netcl.Linear(dim, vocab, queue=backend.queue)
+    opt = netcl.Adam([p for m in [emb, pos, *projections, norm, head] for p in m.parameters()],
+                     lr=0.02)
+    rng = np.random.default_rng(51)
+    losses = []
+    for _ in range(50):
+        tokens = rng.integers(0, vocab, size=(B, T))
+        target = np.concatenate([tokens[:, :1], tokens[:, :-1]], axis=1)  # the previous token
+        with netcl.Tape() as tape:
+            x = emb(tokens) + pos(np.arange(T))                              # (B, T, C)
+            q, k, v = (projection(x) for projection in projections)
+            h = x + F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            logits = head(norm(h))                                           # (B, T, vocab)
+            loss = F.cross_entropy(F.reshape(logits, (B * T, vocab)), target.reshape(-1))
+        opt.zero_grad()
+        tape.backward(loss)
+        opt.step()
+        losses.append(float(loss.value))
+    assert np.mean(losses[-10:]) < 0.1 * math.log(vocab), losses[::10]
