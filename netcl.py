@@ -1714,8 +1714,8 @@ def _copy_rows(src, dst, dim, n, src_at=(0, 1), dst_at=(0, 1)):
 
 
 def _node_list(op, tensors):
-    """The operands of cat or stack as Nodes of one device and dtype (float16 storage met
-    with float32 widens, as for the elementwise ops)."""
+    """The operands of cat or stack as Nodes of one device, of one dtype or of float16 and
+    float32 (cat widens the first then, as the elementwise ops do)."""
     if not isinstance(tensors, (tuple, list)):
         raise TypeError(f"{op}: tensors must be a tuple or list of tensors, got "
                         f"{type(tensors).__name__}")
@@ -1723,9 +1723,7 @@ def _node_list(op, tensors):
         raise ValueError(f"{op}: expected a non-empty list of tensors")
     nodes = _nodes(op, *tensors, numeric=False)
     dtypes = {node.dtype for node in nodes}
-    if dtypes == {np.dtype(np.float16), np.dtype(np.float32)}:
-        return [_to_float32(node) for node in nodes]
-    if len(dtypes) > 1:
+    if len(dtypes) > 1 and dtypes != {np.dtype(np.float16), np.dtype(np.float32)}:
         raise ValueError(f"{op}: tensors of dtypes {sorted(d.name for d in dtypes)}; expected "
                          f"one dtype (float16 storage with float32 widens)")
     return nodes
@@ -1736,30 +1734,32 @@ def cat(tensors, dim=0):
     there, a 1-D empty tensor (shape (0,)) joins any shape, adding nothing. Each input's
     gradient is its slice of the output's."""
     nodes = _node_list("cat", tensors)
-    joined = [(i, node) for i, node in enumerate(nodes) if node.shape != (0,)] or [(0, nodes[0])]
-    first = joined[0][1]
-    for i, node in joined:
-        if not node.shape:
+    joined = [i for i, node in enumerate(nodes) if node.shape != (0,)] or [0]
+    first = nodes[joined[0]].shape
+    for i in joined:
+        if not nodes[i].shape:
             raise ValueError(f"cat: zero-dimensional tensor (at position {i}) cannot be "
                              f"concatenated")
-        if len(node.shape) != len(first.shape):
+        if len(nodes[i].shape) != len(first):
             raise ValueError(f"cat: tensors must have the same number of dimensions: shapes "
-                             f"{first.shape} and {node.shape} (position {i})")
-    d = _check_dim("cat", dim, len(first.shape))
-    for i, node in joined:
-        if node.shape[:d] + node.shape[d + 1:] != first.shape[:d] + first.shape[d + 1:]:
-            raise ValueError(f"cat: shapes {first.shape} and {node.shape} (position {i}) must "
+                             f"{first} and {nodes[i].shape} (position {i})")
+    d = _check_dim("cat", dim, len(first))
+    for i in joined:
+        if nodes[i].shape[:d] + nodes[i].shape[d + 1:] != first[:d] + first[d + 1:]:
+            raise ValueError(f"cat: shapes {first} and {nodes[i].shape} (position {i}) must "
                              f"match except in dimension {d}")
-    starts = np.cumsum([0] + [node.shape[d] for _, node in joined]).tolist()
-    out = _like(first.value, first.shape[:d] + (starts[-1],) + first.shape[d + 1:])
-    start_of = {i: start for (i, _), start in zip(joined, starts)}
-    for i, node in joined:
-        _copy_rows(node.value, out, d, node.shape[d], dst_at=(start_of[i], 1))
+    if len({node.dtype for node in nodes}) > 1:  # float16 storage with float32: widened
+        nodes = [_to_float32(node) for node in nodes]
+    starts = dict(zip(joined, np.cumsum([0] + [nodes[i].shape[d] for i in joined]).tolist()))
+    rows = builtins.sum(nodes[i].shape[d] for i in joined)
+    out = _like(nodes[joined[0]].value, first[:d] + (rows,) + first[d + 1:])
+    for i in joined:
+        _copy_rows(nodes[i].value, out, d, nodes[i].shape[d], dst_at=(starts[i], 1))
 
     def backward(g):  # g (..., all inputs' rows, ...) -> each input's own rows
         grads = [_like(g, node.shape) for node in nodes]  # a skipped (0,) one: empty
-        for i, node in joined:
-            _copy_rows(g, grads[i], d, node.shape[d], src_at=(start_of[i], 1))
+        for i in joined:
+            _copy_rows(g, grads[i], d, nodes[i].shape[d], src_at=(starts[i], 1))
         return grads
     return _record(out, tuple(nodes), backward)
 
@@ -1966,7 +1966,7 @@ def _index(x, key):
     if ellipses:
         at = ellipses[0]
         items = items[:at] + (slice(None),) * (len(x.shape) - used) + items[at + 1:]
-    value, d, shape = x, 0, []
+    cuts, d, shape = [], 0, []  # every item checked before the first copy is queued
     for item in items:
         if item is None:
             shape.append(1)
@@ -1977,15 +1977,18 @@ def _index(x, key):
                 raise ValueError(f"index: slice step must be greater than zero, got {item.step}")
             start, stop, step = item.indices(size)
             rows = len(range(start, stop, step))
-            if rows != size:
-                value = _slice(value, d, start, step, rows)
             shape.append(rows)
         else:
             if not -size <= item < size:
                 raise IndexError(f"index: index {item} is out of bounds for dimension {d} with "
                                  f"size {size}")
-            value = _slice(value, d, int(item) % size, 1, 1)
+            start, step, rows = int(item) % size, 1, 1
+        if rows != size:
+            cuts.append((d, start, step, rows))
         d += 1
+    value = x
+    for cut in cuts:  # one copy per dimension that is cut
+        value = _slice(value, *cut)
     return reshape(value, tuple(shape) + x.shape[d:])
 
 
