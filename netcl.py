@@ -1714,8 +1714,8 @@ def _copy_rows(src, dst, dim, n, src_at=(0, 1), dst_at=(0, 1)):
 
 
 def _node_list(op, tensors):
-    """The operands of cat or stack as Nodes of one device, of one dtype or of float16 and
-    float32 (cat widens the first then, as the elementwise ops do)."""
+    """The operands of cat or stack as Nodes of one device, all of one dtype or of float16
+    storage and float32 (cat then widens the float16 ones, as the elementwise ops do)."""
     if not isinstance(tensors, (tuple, list)):
         raise TypeError(f"{op}: tensors must be a tuple or list of tensors, got "
                         f"{type(tensors).__name__}")
@@ -1756,10 +1756,11 @@ def cat(tensors, dim=0):
     for i in joined:
         _copy_rows(nodes[i].value, out, d, nodes[i].shape[d], dst_at=(starts[i], 1))
 
-    def backward(g):  # g (..., all inputs' rows, ...) -> each input's own rows
-        grads = [_like(g, node.shape) for node in nodes]  # a skipped (0,) one: empty
-        for i in joined:
-            _copy_rows(g, grads[i], d, nodes[i].shape[d], src_at=(starts[i], 1))
+    def backward(g):  # g (..., all inputs' rows, ...) -> the rows of each input that needs them
+        grads = [_like(g, node.shape) if node.requires_grad else None for node in nodes]
+        for i in joined:  # a skipped (0,) input's gradient is empty: nothing to copy
+            if grads[i] is not None:
+                _copy_rows(g, grads[i], d, nodes[i].shape[d], src_at=(starts[i], 1))
         return grads
     return _record(out, tuple(nodes), backward)
 

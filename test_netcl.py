@@ -5235,6 +5235,14 @@ def test_split_pieces_without_gradient_contribute_zeros(backend):
         np.testing.assert_array_equal(host(piece), rows)
 
 
+def test_cat_with_constants_gives_the_parameter_its_rows(backend):
+    x = np.arange(6, dtype=np.float32).reshape(3, 2)
+    constant = np.ones((2, 2), np.float32)
+    y, grad, w = _grad_of(backend, x, lambda p: F.cat([constant, p, tensor(constant, backend)]))
+    np.testing.assert_array_equal(y, np.concatenate([constant, x, constant]))
+    np.testing.assert_array_equal(grad, w[2:5])
+
+
 def test_split_and_chunk_piece_sizes(backend):
     """torch.split and torch.chunk's counts: chunk may give fewer pieces than asked, and a
     dimension of size 0 gives one empty piece to split, `chunks` empty ones to chunk."""
