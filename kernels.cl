@@ -210,6 +210,69 @@ __kernel void cast_from_act(const int n, __global const act_t* x, __global float
     if (i < n) out[i] = LOAD(x, i);
 }
 
+// --- shape ops: permute, row copies (cat, stack, split, chunk, slicing) and row gathers
+// (integer-array indexing, index_select). They only move values: x and out are act_t in the
+// forward pass, and the float build moves the gradients back.
+
+// x -> out (n elements), out = x with its dimensions permuted, seen as (s0, ..., s5): netcl.py
+// merges the dimensions that move together and pads to six with size-1 dimensions in front.
+// Index k of out steps t_k elements in x; s0 is implied by n.
+__kernel void permute_axes(const int n, const int s1, const int s2, const int s3, const int s4,
+                           const int s5, const int t0, const int t1, const int t2, const int t3,
+                           const int t4, const int t5, __global const act_t* x,
+                           __global act_t* out) {
+    const int i = get_global_id(0);
+    if (i >= n) return;
+    int rest = i, src = 0;
+    src += (rest % s5) * t5; rest /= s5;
+    src += (rest % s4) * t4; rest /= s4;
+    src += (rest % s3) * t3; rest /= s3;
+    src += (rest % s2) * t2; rest /= s2;
+    src += (rest % s1) * t1; rest /= s1;
+    src += rest * t0;
+    STORE(out, i, LOAD(x, src));
+}
+
+// x (outer, x_rows, inner) -> out (outer, out_rows, inner): row out_start + j * out_step of
+// out gets row x_start + j * x_step of x, for j < n. cat writes each input at its offset,
+// split and slicing take rows out, and their backward passes put the gradients back.
+__kernel void copy_rows(const int outer, const int n, const int inner, const int x_rows,
+                        const int out_rows, const int x_start, const int x_step,
+                        const int out_start, const int out_step, __global const act_t* x,
+                        __global act_t* out) {
+    const int i = get_global_id(0);
+    if (i >= outer * n * inner) return;
+    const int k = i % inner, j = (i / inner) % n, o = i / (n * inner);
+    STORE(out, (o * out_rows + out_start + j * out_step) * inner + k,
+          LOAD(x, (o * x_rows + x_start + j * x_step) * inner + k));
+}
+
+// x (outer, rows, inner) -> out (outer, m, inner), out[o, j, k] = x[o, index[j], k], every
+// index in [0, rows) (netcl.py checks them).
+__kernel void gather_rows(const int outer, const int rows, const int m, const int inner,
+                          __global const int* index, __global const act_t* x,
+                          __global act_t* out) {
+    const int i = get_global_id(0);
+    if (i >= outer * m * inner) return;
+    const int k = i % inner, j = (i / inner) % m, o = i / (m * inner);
+    STORE(out, i, LOAD(x, (o * rows + index[j]) * inner + k));
+}
+
+// Its backward without atomics: g (outer, m, inner) -> out (outer, rows, inner), float. Each
+// work-item owns one element of out and sums g over the positions gathered from its row r,
+// order[starts[r]] .. order[starts[r + 1] - 1] (positions sorted stably by index, netcl.py),
+// so a row never gathered gets 0 and the sum runs in increasing position on every device.
+__kernel void gather_rows_bwd(const int outer, const int rows, const int m, const int inner,
+                              __global const int* starts, __global const int* order,
+                              __global const float* g, __global float* out) {
+    const int i = get_global_id(0);
+    if (i >= outer * rows * inner) return;
+    const int k = i % inner, r = (i / inner) % rows, o = i / (rows * inner);
+    float acc = 0.0f;
+    for (int s = starts[r]; s < starts[r + 1]; ++s) acc += g[(o * m + order[s]) * inner + k];
+    out[i] = acc;
+}
+
 // --- GEMM: C (M, N) = op(A) (M, K) @ op(B) (K, N) [+ bias (N)], op = identity or transpose.
 // Backward needs A^T B and A B^T; the layout is a macro argument, so no transpose is ever
 // materialised. A 16x16 work-group computes a TILE x TILE block of C, TILE = 16 * WPT, each

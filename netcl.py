@@ -760,6 +760,35 @@ class Node:
     def masked_fill(self, mask, value):
         """A copy with the number `value` where mask is true."""
         return masked_fill(self, mask, value)
+    def permute(self, *dims):
+        """The dimensions reordered, out.shape[i] = shape[dims[i]]; dims as ints or one tuple."""
+        return permute(self, dims[0] if len(dims) == 1 and isinstance(dims[0], (tuple, list))
+                       else dims)
+
+    def transpose(self, dim0, dim1):
+        """Dimensions dim0 and dim1 swapped."""
+        return transpose(self, dim0, dim1)
+
+    def squeeze(self, dim=None):
+        """Without the dimensions of size 1 (only those in `dim`, if given)."""
+        return squeeze(self, dim)
+
+    def unsqueeze(self, dim):
+        """With a new dimension of size 1 at `dim`."""
+        return unsqueeze(self, dim)
+
+    def split(self, split_size_or_sections, dim=0):
+        """Pieces along `dim`: see functional.split."""
+        return split(self, split_size_or_sections, dim)
+
+    def chunk(self, chunks, dim=0):
+        """`chunks` pieces along `dim`: see functional.chunk."""
+        return chunk(self, chunks, dim)
+
+    def __getitem__(self, key):
+        """x[key]: ints, slices with a positive step, `...`, None, or one integer array
+        indexing the leading dimension (see _index)."""
+        return _index(self, key)
 
 
 class Parameter(Node):
@@ -1810,8 +1839,11 @@ def linear(x, w, b=None):
     return out if len(x.shape) == 2 else reshape(out, x.shape[:-1] + (w.shape[0],))
 
 
-def transpose(x):
-    """The transpose of a 2-D x (a copy)."""
+def transpose(x, dim0=None, dim1=None):
+    """The transpose of a 2-D x (a copy); given dim0 and dim1, x of any rank with those two
+    dimensions swapped, as torch.transpose (shape ops, below)."""
+    if dim0 is not None or dim1 is not None:
+        return _swap_dims(x, dim0, dim1)
     (x,) = _nodes("transpose", x, numeric=False)
     if len(x.shape) != 2:
         raise ValueError(f"transpose: expected a 2-D operand, got shape {x.shape}")
@@ -1850,6 +1882,424 @@ def flatten(x, start_dim=1, end_dim=-1):
         raise ValueError(f"flatten: start_dim={start_dim}, end_dim={end_dim} invalid for "
                          f"shape {x.shape}")
     return reshape(x, x.shape[:start] + (math.prod(x.shape[start:end + 1]),) + x.shape[end + 1:])
+
+
+# --- shape ops --------------------------------------------------------------------------------
+# Permuting, joining, cutting and indexing, as PyTorch's. netcl's tensors are contiguous, so
+# where PyTorch returns a strided view these ops copy: a permute is one gather (each output
+# element finds its input through strides); cat, stack, split, chunk and slicing copy rows
+# between blocks seen as (outer, rows, inner); integer-array indexing gathers rows. squeeze
+# and unsqueeze only change the shape: views, through reshape. Each backward moves the
+# gradient back the same way; a row gathered twice sums its two gradients, without atomics.
+
+def _is_int(value):
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def _check_dim(op, dim, ndim, name="dim"):
+    """dim in [-ndim, ndim) as an index from 0; a 0-d tensor takes -1 and 0, as PyTorch."""
+    if not _is_int(dim):
+        raise TypeError(f"{op}: {name} must be an int, got {dim!r}")
+    size = max(ndim, 1)
+    if not -size <= dim < size:
+        raise ValueError(f"{op}: {name} {dim} out of range for a tensor of {ndim} dimensions "
+                         f"(expected [{-size}, {size - 1}])")
+    return int(dim) % size
+
+
+_MAX_PERMUTE_RANK = 6  # kernels.cl's permute_axes takes six sizes and six steps
+
+
+def _merged_permutation(shape, dims):
+    """x.permute(dims) seen with as few dimensions as it moves: (sizes, steps), one entry per
+    dimension of the output, whose index k moves steps[k] elements in x. Size-1 dimensions
+    are dropped, and neighbours that stay neighbours in x merge: (B, T, H, D) -> (B, H, T, D)
+    stays 4-D, (B, T, H, D) -> (T, B, H, D) is 3-D, (T, C, 1) -> (1, C, T) a 2-D transpose."""
+    x_steps = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+    sizes, steps = [], []
+    for d in dims:
+        if shape[d] == 1:
+            continue
+        if steps and steps[-1] == x_steps[d] * shape[d]:  # continues the previous dimension
+            sizes[-1] *= shape[d]
+            steps[-1] = x_steps[d]
+        else:
+            sizes.append(shape[d])
+            steps.append(x_steps[d])
+    return sizes, steps
+
+
+def _permute_tensor(x, dims):
+    """x.permute(dims) as a new contiguous tensor: a copy, a 2-D transpose, or one gather."""
+    shape = tuple(x.shape[d] for d in dims)
+    sizes, steps = _merged_permutation(x.shape, dims)
+    if len(sizes) == 2:  # a plain transpose once merged: the 2-D kernel needs no divisions
+        return _transpose_tensor(x.reshape((sizes[1], sizes[0]))).reshape(shape)
+    out = _like(x, shape)
+    if x.device.backend == "cpu":
+        np.copyto(out.data, x.data.transpose(dims))
+    elif len(sizes) < 2:  # the order of the elements does not change
+        _copy(x, out)
+    elif out.size:
+        pad = _MAX_PERMUTE_RANK - len(sizes)  # size-1 dimensions in front, which never move
+        sizes, steps = [1] * pad + sizes, [0] * pad + steps
+        x.device.launch("permute_axes", *_grid(out.size), out.size, *sizes[1:], *steps,
+                        x.data, out.data, half=x.dtype == np.float16)
+    return out
+
+
+def permute(x, dims):
+    """x with its dimensions reordered, out.shape[i] = x.shape[dims[i]], as torch.permute (a
+    copy, not a view). The backward permutes the gradient back, by the inverse permutation."""
+    (x,) = _nodes("permute", x, numeric=False)
+    if not isinstance(dims, (tuple, list)):
+        raise TypeError(f"permute: dims must be a tuple of ints, got {dims!r}")
+    if len(dims) != len(x.shape):
+        raise ValueError(f"permute: dims {tuple(dims)} has {len(dims)} entries for a tensor of "
+                         f"shape {x.shape} ({len(x.shape)} dimensions)")
+    dims = tuple(_check_dim("permute", d, len(x.shape)) for d in dims)
+    if len(set(dims)) != len(dims):
+        raise ValueError(f"permute: repeated dim in {dims}")
+    if len(_merged_permutation(x.shape, dims)[0]) > _MAX_PERMUTE_RANK:
+        raise ValueError(f"permute: dims {dims} on shape {x.shape} move more than "
+                         f"{_MAX_PERMUTE_RANK} separate dimensions")
+    inverse = tuple(int(d) for d in np.argsort(dims))
+    return _record(_permute_tensor(x.value, dims), (x,),
+                   lambda g: (_permute_tensor(g, inverse),))
+
+
+def _swap_dims(x, dim0, dim1):
+    """transpose(x, dim0, dim1): the permutation that swaps two dimensions."""
+    (x,) = _nodes("transpose", x, numeric=False)
+    if dim0 is None or dim1 is None:
+        raise TypeError(f"transpose: give both dim0 and dim1 (or neither, for a 2-D x), got "
+                        f"dim0={dim0!r}, dim1={dim1!r}")
+    ndim = len(x.shape)
+    d0 = _check_dim("transpose", dim0, ndim, "dim0")
+    d1 = _check_dim("transpose", dim1, ndim, "dim1")
+    dims = list(range(ndim))
+    if ndim:  # a 0-d x takes dims 0 and -1 too, and stays as it is
+        dims[d0], dims[d1] = dims[d1], dims[d0]
+    return permute(x, dims)
+
+
+def squeeze(x, dim=None):
+    """x without its dimensions of size 1, or only those of them in `dim` (an int or a tuple:
+    a listed dimension of another size stays, as PyTorch). A view."""
+    (x,) = _nodes("squeeze", x, numeric=False)
+    ndim = len(x.shape)
+    if dim is None:
+        dims = range(ndim)
+    else:
+        listed = tuple(dim) if isinstance(dim, (tuple, list)) else (dim,)
+        dims = [_check_dim("squeeze", d, ndim) for d in listed]
+        if len(set(dims)) != len(dims):
+            raise ValueError(f"squeeze: repeated dim in {dim}")
+    return reshape(x, tuple(s for d, s in enumerate(x.shape) if not (s == 1 and d in dims)))
+
+
+def unsqueeze(x, dim):
+    """x with a new dimension of size 1 at `dim`, in [-(ndim + 1), ndim]. A view."""
+    (x,) = _nodes("unsqueeze", x, numeric=False)
+    d = _check_dim("unsqueeze", dim, len(x.shape) + 1)
+    return reshape(x, x.shape[:d] + (1,) + x.shape[d:])
+
+
+def _copy_rows(src, dst, dim, n, src_at=(0, 1), dst_at=(0, 1)):
+    """Copy n rows along `dim` from src into dst (same shape but for `dim`, same dtype): row
+    start + j * step of dst, (start, step) = dst_at, gets row start' + j * step' of src,
+    (start', step') = src_at. Both are seen as (outer, rows, inner)."""
+    (src_start, src_step), (dst_start, dst_step) = src_at, dst_at
+    if dst.device.backend == "cpu":
+        before = (slice(None),) * dim
+        dst.data[before + (slice(dst_start, dst_start + n * dst_step, dst_step),)] = \
+            src.data[before + (slice(src_start, src_start + n * src_step, src_step),)]
+        return
+    outer, inner = math.prod(dst.shape[:dim]), math.prod(dst.shape[dim + 1:])
+    if outer * n * inner:
+        dst.device.launch("copy_rows", *_grid(outer * n * inner), outer, n, inner,
+                          src.shape[dim], dst.shape[dim], src_start, src_step, dst_start,
+                          dst_step, src.data, dst.data, half=dst.dtype == np.float16)
+
+
+def _node_list(op, tensors):
+    """The operands of cat or stack as Nodes of one device, all of one dtype or of float16
+    storage and float32 (cat then widens the float16 ones, as the elementwise ops do)."""
+    if not isinstance(tensors, (tuple, list)):
+        raise TypeError(f"{op}: tensors must be a tuple or list of tensors, got "
+                        f"{type(tensors).__name__}")
+    if not tensors:
+        raise ValueError(f"{op}: expected a non-empty list of tensors")
+    nodes = _nodes(op, *tensors, numeric=False)
+    dtypes = {node.dtype for node in nodes}
+    if len(dtypes) > 1 and dtypes != {np.dtype(np.float16), np.dtype(np.float32)}:
+        raise ValueError(f"{op}: tensors of dtypes {sorted(d.name for d in dtypes)}; expected "
+                         f"one dtype (float16 storage with float32 widens)")
+    return nodes
+
+
+def cat(tensors, dim=0):
+    """The tensors joined along `dim`, as torch.cat: their shapes agree but along `dim`; as
+    there, a 1-D empty tensor (shape (0,)) joins any shape, adding nothing. Each input's
+    gradient is its slice of the output's."""
+    nodes = _node_list("cat", tensors)
+    joined = [i for i, node in enumerate(nodes) if node.shape != (0,)] or [0]
+    first = nodes[joined[0]].shape
+    for i in joined:
+        if not nodes[i].shape:
+            raise ValueError(f"cat: zero-dimensional tensor (at position {i}) cannot be "
+                             f"concatenated")
+        if len(nodes[i].shape) != len(first):
+            raise ValueError(f"cat: tensors must have the same number of dimensions: shapes "
+                             f"{first} and {nodes[i].shape} (position {i})")
+    d = _check_dim("cat", dim, len(first))
+    for i in joined:
+        if nodes[i].shape[:d] + nodes[i].shape[d + 1:] != first[:d] + first[d + 1:]:
+            raise ValueError(f"cat: shapes {first} and {nodes[i].shape} (position {i}) must "
+                             f"match except in dimension {d}")
+    if len({node.dtype for node in nodes}) > 1:  # float16 storage with float32: widened
+        nodes = [_to_float32(node) for node in nodes]
+    starts = dict(zip(joined, np.cumsum([0] + [nodes[i].shape[d] for i in joined]).tolist()))
+    rows = builtins.sum(nodes[i].shape[d] for i in joined)
+    out = _like(nodes[joined[0]].value, first[:d] + (rows,) + first[d + 1:])
+    for i in joined:
+        _copy_rows(nodes[i].value, out, d, nodes[i].shape[d], dst_at=(starts[i], 1))
+
+    def backward(g):  # g (..., all inputs' rows, ...) -> the rows of each input that needs them
+        grads = [_like(g, node.shape) if node.requires_grad else None for node in nodes]
+        for i in joined:  # a skipped (0,) input's gradient is empty: nothing to copy
+            if grads[i] is not None:
+                _copy_rows(g, grads[i], d, nodes[i].shape[d], src_at=(starts[i], 1))
+        return grads
+    return _record(out, tuple(nodes), backward)
+
+
+def stack(tensors, dim=0):
+    """The tensors, all of one shape, joined along a new dimension `dim`, as torch.stack."""
+    nodes = _node_list("stack", tensors)
+    for i, node in enumerate(nodes):
+        if node.shape != nodes[0].shape:
+            raise ValueError(f"stack: expects each tensor to be equal size, but got "
+                             f"{nodes[0].shape} at entry 0 and {node.shape} at entry {i}")
+    d = _check_dim("stack", dim, len(nodes[0].shape) + 1)
+    return cat([unsqueeze(node, d) for node in nodes], d)
+
+
+def _pieces(x, d, sizes):
+    """x cut along dimension d into pieces of `sizes` rows: a tuple of Nodes (copies)."""
+    starts = np.cumsum([0] + list(sizes)).tolist()
+    values = []
+    for start, rows in zip(starts, sizes):
+        values.append(_like(x.value, x.shape[:d] + (rows,) + x.shape[d + 1:]))
+        _copy_rows(x.value, values[-1], d, rows, src_at=(start, 1))
+    # A node has one gradient, so the pieces' gradients meet in one buffer of x's shape, held
+    # by a hidden node between x and the pieces: the first piece whose backward runs makes it
+    # (zeros: a piece that gets no gradient contributes none) and hands it to the hidden node;
+    # later pieces copy their gradients into its rows in place. The hidden node was recorded
+    # before the pieces, so its backward, which passes the buffer on to x, runs after theirs.
+    whole = _record(x.value, (x,), lambda g: (g,))
+    buffer = []
+
+    def place(start, rows):
+        def backward(g):
+            first = not buffer
+            if first:
+                buffer.append(_fill(x.shape, 0.0, g))
+            _copy_rows(g, buffer[0], d, rows, dst_at=(start, 1))
+            return (buffer[0] if first else None,)
+        return backward
+    return tuple(_record(value, (whole,), place(start, rows))
+                 for value, start, rows in zip(values, starts, sizes))
+
+
+def _cut_dim(op, x, dim):
+    """The dimension split and chunk cut x along (x is at least 1-D, as PyTorch asks)."""
+    if not x.shape:
+        raise ValueError(f"{op}: expects at least a 1-dimensional tensor, got shape ()")
+    return _check_dim(op, dim, len(x.shape))
+
+
+def split(x, split_size_or_sections, dim=0):
+    """x cut along `dim`, as torch.split: into pieces of split_size_or_sections rows (an int;
+    the last piece may be shorter) or of the listed sizes, which must add up to x's size
+    there. A tuple of Nodes; in backward, their gradients are put back in place."""
+    (x,) = _nodes("split", x, numeric=False)
+    d = _cut_dim("split", x, dim)
+    size, sections = x.shape[d], split_size_or_sections
+    if _is_int(sections):
+        if sections < 0 or (sections == 0 and size):
+            raise ValueError(f"split: split_size must be positive (0 only for a dimension of "
+                             f"size 0), got {sections} for dimension {d} of size {size}")
+        count = max(-(-size // sections), 1) if sections else 1  # one piece at least
+        sizes = [int(sections)] * (count - 1) + [size - int(sections) * (count - 1)]
+    elif isinstance(sections, (tuple, list)) and all(_is_int(s) for s in sections):
+        sizes = [int(s) for s in sections]
+        if any(s < 0 for s in sizes) or builtins.sum(sizes) != size:
+            raise ValueError(f"split: sections {sizes} must be non-negative and add up to "
+                             f"{size}, the size of dimension {d} of shape {x.shape}")
+    else:
+        raise TypeError(f"split: split_size_or_sections must be an int or a list of ints, got "
+                        f"{split_size_or_sections!r}")
+    return _pieces(x, d, sizes)
+
+
+def chunk(x, chunks, dim=0):
+    """x cut into `chunks` pieces along `dim`, as torch.chunk: pieces of ceil(size / chunks)
+    rows, so there may be fewer than `chunks` (a size of 0 gives `chunks` empty pieces)."""
+    (x,) = _nodes("chunk", x, numeric=False)
+    if not _is_int(chunks):
+        raise TypeError(f"chunk: chunks must be an int, got {chunks!r}")
+    if chunks <= 0:
+        raise ValueError(f"chunk: chunks must be greater than 0, got {chunks}")
+    d = _cut_dim("chunk", x, dim)
+    size = x.shape[d]
+    return _pieces(x, d, [0] * chunks) if size == 0 else split(x, -(-size // chunks), d)
+
+
+def _slice(x, d, start, step, rows):
+    """x's rows start, start + step, ... (`rows` of them) along dimension d (a copy); the
+    backward puts the gradient back into those rows of zeros."""
+    out = _like(x.value, x.shape[:d] + (rows,) + x.shape[d + 1:])
+    _copy_rows(x.value, out, d, rows, src_at=(start, step))
+
+    def backward(g):
+        grad = _fill(x.shape, 0.0, g)
+        _copy_rows(g, grad, d, rows, dst_at=(start, step))
+        return (grad,)
+    return _record(out, (x,), backward)
+
+
+def _host_index(op, index, x, d, negative):
+    """(the indices as a host int array in [0, size), an int32 Tensor of them on x's device
+    or None to upload) for indexing dimension d of x; negative indices count from the end
+    where `negative` (x[idx]), not for index_select (as PyTorch). IndexError names a bad one."""
+    size = x.shape[d]
+    if isinstance(index, Node):
+        index = index.value
+    device_index = None
+    if isinstance(index, Tensor):
+        _devices_of(op, x, index)
+        if index.dtype != np.int32:
+            raise IndexError(f"{op}: an index tensor must be int32, got {index.dtype.name}")
+        # An index out of range would read outside x on the device, so indices are checked on
+        # the host: with the copy an upload kept, else read back (a sync).
+        host = index._labels if index._labels is not None else index.to_host()
+        device_index = index
+    else:
+        host = np.asarray(index)
+        if isinstance(index, list) and not index:  # x[[]] picks nothing; NumPy reads [] as float
+            host = host.astype(np.int64)
+        if host.dtype.kind not in "iu":
+            raise IndexError(f"{op}: indices must be integers, got dtype {host.dtype}")
+    bad = host[(host < (-size if negative else 0)) | (host >= size)]
+    if bad.size:
+        raise IndexError(f"{op}: index {bad.flat[0]} is out of bounds for dimension {d} with "
+                         f"size {size}")
+    if negative and (host < 0).any():
+        host, device_index = np.where(host < 0, host + size, host), None
+    return host.astype(np.int64), device_index
+
+
+def _gather(x, d, host, device_index):
+    """The rows host (an int array in [0, size), flattened) of x along dimension d: x seen as
+    (outer, size, inner) -> (outer, m, inner). On the NumPy backend np.take and, for the
+    backward, np.add.at; on OpenCL one gather and, for the backward, a sum per row of x over
+    the positions gathered from it (sorted by row on the host, so no atomics are needed)."""
+    flat = host.reshape(-1)
+    outer, size, inner = math.prod(x.shape[:d]), x.shape[d], math.prod(x.shape[d + 1:])
+    X = x.value
+    out = _like(X, x.shape[:d] + (flat.size,) + x.shape[d + 1:])
+    if X.device.backend == "cpu":
+        np.take(X.data, flat, axis=d, out=out.data)
+    elif out.size:
+        if device_index is None:
+            device_index = Tensor.from_host(flat.astype(np.int32), X.queue)
+        X.device.launch("gather_rows", *_grid(out.size), outer, size, flat.size, inner,
+                        device_index.data, X.data, out.data, half=X.dtype == np.float16)
+
+    def backward(g):  # g (outer, m, inner) -> dx (outer, size, inner), repeated rows summed
+        grad = _like(g, x.shape)
+        if g.device.backend == "cpu":
+            grad.data.fill(0)
+            np.add.at(grad.data.reshape(outer, size, inner), (slice(None), flat),
+                      g.data.reshape(outer, flat.size, inner))
+        elif grad.size:
+            # Row r's gradient sums g at positions order[starts[r]:starts[r + 1]], in
+            # increasing position, as np.add.at adds them: both backends agree to the bit.
+            order = np.argsort(flat, kind="stable")
+            starts = np.searchsorted(flat[order], np.arange(size + 1))
+            order, starts = (Tensor.from_host(a.astype(np.int32), g.queue)
+                             for a in (order, starts))
+            g.device.launch("gather_rows_bwd", *_grid(grad.size), outer, size, flat.size, inner,
+                            starts.data, order.data, g.data, grad.data)
+        return (grad,)
+    return _record(out, (x,), backward)
+
+
+def index_select(x, dim, index):
+    """The entries of x at `index` (a 1-D integer array or int32 Tensor, repeats allowed) along
+    `dim`, as torch.index_select: out.shape[dim] = len(index). Indices must lie in
+    [0, size); the gradient of a row picked several times is the sum of theirs."""
+    (x,) = _nodes("index_select", x, numeric=False)
+    if not x.shape:
+        raise ValueError("index_select: expects at least a 1-dimensional tensor, got shape ()")
+    d = _check_dim("index_select", dim, len(x.shape))
+    host, device_index = _host_index("index_select", index, x, d, negative=False)
+    if host.ndim > 1:
+        raise IndexError(f"index_select: index must be a vector, got shape {host.shape}")
+    return _gather(x, d, host, device_index)
+
+
+def _index(x, key):
+    """x[key] (Node.__getitem__), as PyTorch's indexing: a key of ints (from the end when
+    negative), slices with a positive step, `...` and None (a new dimension of size 1), or
+    one integer array (a NumPy array, a list or an int32 Tensor, of any shape; repeats and
+    negative indices allowed) that picks along the leading dimension. A copy, unless the key
+    only reshapes (`x[:]`, `x[None]`), which is a view."""
+    (x,) = _nodes("index", x, numeric=False)
+    if isinstance(key, (Node, Tensor, np.ndarray, list)):
+        if not x.shape:
+            raise IndexError("index: an integer array cannot index a 0-dimensional tensor")
+        host, device_index = _host_index("index", key, x, 0, negative=True)
+        return reshape(_gather(x, 0, host, device_index), host.shape + x.shape[1:])
+    items = key if isinstance(key, tuple) else (key,)
+    for item in items:
+        if not (item is None or item is Ellipsis or isinstance(item, slice) or _is_int(item)):
+            raise TypeError(f"index: {item!r} ({type(item).__name__}) is not a supported index: "
+                            f"ints, slices, ..., None, or one integer array for dimension 0")
+    ellipses = [i for i, item in enumerate(items) if item is Ellipsis]
+    used = builtins.sum(item is not None and item is not Ellipsis for item in items)
+    if len(ellipses) > 1:
+        raise IndexError("index: an index can only have a single ellipsis ('...')")
+    if used > len(x.shape):
+        raise IndexError(f"index: too many indices ({used}) for a tensor of shape {x.shape}")
+    if ellipses:
+        at = ellipses[0]
+        items = items[:at] + (slice(None),) * (len(x.shape) - used) + items[at + 1:]
+    cuts, d, shape = [], 0, []  # every item checked before the first copy is queued
+    for item in items:
+        if item is None:
+            shape.append(1)
+            continue
+        size = x.shape[d]
+        if isinstance(item, slice):
+            if _is_int(item.step) and item.step <= 0:
+                raise ValueError(f"index: slice step must be greater than zero, got {item.step}")
+            start, stop, step = item.indices(size)
+            rows = len(range(start, stop, step))
+            shape.append(rows)
+        else:
+            if not -size <= item < size:
+                raise IndexError(f"index: index {item} is out of bounds for dimension {d} with "
+                                 f"size {size}")
+            start, step, rows = int(item) % size, 1, 1
+        if rows != size:
+            cuts.append((d, start, step, rows))
+        d += 1
+    value = x
+    for cut in cuts:  # one copy per dimension that is cut
+        value = _slice(value, *cut)
+    return reshape(value, tuple(shape) + x.shape[d:])
 
 
 # --- reductions -------------------------------------------------------------------------------
@@ -5153,7 +5603,9 @@ functional = _alias(
     minimum=minimum, where=where, masked_fill=masked_fill, max=reduce_max, min=reduce_min,
     argmax=argmax, var=var, std=std, logsumexp=logsumexp, layer_norm=layer_norm,
     batch_norm=batch_norm, embedding=embedding,
-    scaled_dot_product_attention=scaled_dot_product_attention)
+    scaled_dot_product_attention=scaled_dot_product_attention,
+    permute=permute, squeeze=squeeze, unsqueeze=unsqueeze, cat=cat, stack=stack, split=split,
+    chunk=chunk, index_select=index_select)
 autograd = _alias("autograd", Node=Node, Parameter=Parameter, Tape=Tape, no_grad=no_grad)
 nn = _alias("nn", Module=Module, Linear=Linear, ReLU=ReLU, Tanh=Tanh, Sigmoid=Sigmoid,
             GELU=GELU, Dropout=Dropout, Flatten=Flatten, Sequential=Sequential,

@@ -1054,6 +1054,220 @@ def _(draw, rng, fd):
     return Case(lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, m, scale=scale),
                 lambda q, k, v, m: _attention_ref(q, k, v, m, scale=scale), inputs, [mask],
                 tol="acc")
+# --- shape ops: permute, transpose, squeeze, unsqueeze, cat, stack, split, chunk, indexing.
+# Their shapes may have zero-size dimensions; dims and indices are drawn negative too.
+
+def _shape_op_shape(draw, fd, min_ndim=1, max_ndim=4):
+    """A shape of min_ndim..max_ndim dimensions, each 0 one time in ten."""
+    ndim = draw(st.integers(min_ndim, max_ndim))
+    high = 3 if fd else (40 if ndim <= 2 else 8)
+    return tuple(0 if draw(st.integers(0, 9)) == 0 else draw(st.integers(1, high))
+                 for _ in range(ndim))
+
+
+def _standard_normal(rng, shape):
+    return np.asarray(rng.standard_normal(shape))  # an ndarray for shape () too
+
+
+def _dim_of(draw, ndim):
+    """A dim of a tensor of ndim dimensions, from the end half of the time."""
+    return draw(st.integers(-max(ndim, 1), max(ndim, 1) - 1))
+
+
+@case("permute")
+def _(draw, rng, fd):
+    shape = _shape_op_shape(draw, fd, 0, 4)
+    dims = [d - len(shape) if draw(st.booleans()) else d
+            for d in draw(st.permutations(range(len(shape))))]
+    form = draw(st.sampled_from(["function", "method", "method_tuple"]))
+    fn = {"function": lambda x: F.permute(x, dims), "method": lambda x: x.permute(*dims),
+          "method_tuple": lambda x: x.permute(tuple(dims))}[form]
+    return Case(fn, lambda x: np.transpose(x, dims), [_standard_normal(rng, shape)])
+
+
+@case("permute_6d")
+def _(draw, rng, fd):  # six dimensions that all move: the kernel's full rank
+    shape = tuple(draw(st.integers(2, 2 if fd else 4)) for _ in range(6))
+    dims = draw(st.permutations(range(6)).filter(
+        lambda p: all(b != a + 1 for a, b in zip(p, p[1:]))))
+    return Case(lambda x: F.permute(x, dims), lambda x: np.transpose(x, dims),
+                [_standard_normal(rng, shape)])
+
+
+@case("transpose_dims")
+def _(draw, rng, fd):
+    shape = _shape_op_shape(draw, fd)
+    dim0, dim1 = _dim_of(draw, len(shape)), _dim_of(draw, len(shape))
+    fn = (lambda x: x.transpose(dim0, dim1)) if draw(st.booleans()) else \
+        (lambda x: F.transpose(x, dim0, dim1))
+    return Case(fn, lambda x: np.swapaxes(x, dim0, dim1), [_standard_normal(rng, shape)])
+
+
+@case("squeeze")
+def _(draw, rng, fd):
+    shape = tuple(1 if draw(st.booleans()) else s for s in _shape_op_shape(draw, fd, 0, 4))
+    ndim = len(shape)
+    dim = draw(st.one_of(st.none(), st.integers(-max(ndim, 1), max(ndim, 1) - 1),
+                         st.lists(st.sampled_from(range(-ndim, 0)) if ndim else st.nothing(),
+                                  unique=True).map(tuple)))
+    listed = range(ndim) if dim is None else [dim] if isinstance(dim, int) else dim
+
+    def ref(x):  # torch.squeeze: the listed dimensions of size 1 go, the others stay
+        return np.squeeze(x, tuple(d for d in listed if x.ndim and x.shape[d] == 1))
+    fn = (lambda x: x.squeeze(dim)) if draw(st.booleans()) else (lambda x: F.squeeze(x, dim))
+    return Case(fn, ref, [_standard_normal(rng, shape)])
+
+
+@case("unsqueeze")
+def _(draw, rng, fd):
+    shape = _shape_op_shape(draw, fd, 0, 3)
+    dim = _dim_of(draw, len(shape) + 1)
+    fn = (lambda x: x.unsqueeze(dim)) if draw(st.booleans()) else (lambda x: F.unsqueeze(x, dim))
+    return Case(fn, lambda x: np.expand_dims(x, dim), [_standard_normal(rng, shape)])
+
+
+def _rows_along(draw, fd, shape, dim, count):
+    """`count` shapes like `shape` but for their sizes along dim (0 one time in ten)."""
+    high = 3 if fd else 12
+    return [shape[:dim] + (0 if draw(st.integers(0, 9)) == 0 else draw(st.integers(1, high)),)
+            + shape[dim + 1:] for _ in range(count)]
+
+
+@case("cat")
+def _(draw, rng, fd):
+    shape = _shape_op_shape(draw, fd, 1, 3)
+    dim = _dim_of(draw, len(shape))
+    shapes = _rows_along(draw, fd, shape, dim % len(shape), draw(st.integers(1, 3)))
+    return Case(lambda *xs: F.cat(list(xs), dim), lambda *xs: np.concatenate(xs, axis=dim),
+                [_standard_normal(rng, s) for s in shapes])
+
+
+@case("cat_skips_1d_empty")
+def _(draw, rng, fd):  # torch.cat's legacy: a (0,) tensor joins tensors of any shape
+    shape = _shape_op_shape(draw, fd, 2, 3)
+    return Case(lambda a, b, c: F.cat([a, b, c], 0),
+                lambda a, b, c: np.concatenate([b, c], axis=0),
+                [np.zeros(0), _standard_normal(rng, shape), _standard_normal(rng, shape)])
+
+
+@case("stack")
+def _(draw, rng, fd):
+    shape = _shape_op_shape(draw, fd, 0, 3)
+    dim = _dim_of(draw, len(shape) + 1)
+    return Case(lambda *xs: F.stack(list(xs), dim), lambda *xs: np.stack(xs, axis=dim),
+                [_standard_normal(rng, shape) for _ in range(draw(st.integers(1, 3)))])
+
+
+def _split_args(draw, shape, dim):
+    """split_size_or_sections for dimension dim of shape, and the cut positions it means
+    (torch.split: pieces of split_size rows, the last one what is left; or the sections)."""
+    size = shape[dim]
+    if draw(st.booleans()):
+        split_size = draw(st.integers(1 if size else 0, size + 2))
+        return split_size, list(range(split_size, size, split_size)) if split_size else []
+    cuts = sorted(draw(st.lists(st.integers(0, size), max_size=3)))
+    return [b - a for a, b in zip([0] + cuts, cuts + [size])], cuts
+
+
+def _weighted_pieces(pieces, dim, cat):
+    """The pieces scaled by 1, 2, 3, ... and joined again: each piece's gradient differs."""
+    return cat([piece * float(i + 1) for i, piece in enumerate(pieces)], dim)
+
+
+@case("split")
+def _(draw, rng, fd):
+    shape = _shape_op_shape(draw, fd, 1, 3)
+    dim = _dim_of(draw, len(shape))
+    sections, cuts = _split_args(draw, shape, dim % len(shape))
+    split = (lambda x: x.split(sections, dim)) if draw(st.booleans()) else \
+        (lambda x: F.split(x, sections, dim))
+    return Case(lambda x: _weighted_pieces(split(x), dim, F.cat),
+                lambda x: _weighted_pieces(np.split(x, cuts, dim), dim, np.concatenate),
+                [_standard_normal(rng, shape)])
+
+
+@case("split_some_pieces")
+def _(draw, rng, fd):  # the pieces left out get no gradient, so theirs are zeros
+    shape = _shape_op_shape(draw, fd, 1, 3)
+    dim = _dim_of(draw, len(shape))
+    sections, cuts = _split_args(draw, shape, dim % len(shape))
+    chosen = draw(st.lists(st.integers(0, len(cuts)), min_size=1, unique=True))
+    return Case(lambda x: F.cat([F.split(x, sections, dim)[k] for k in chosen], dim),
+                lambda x: np.concatenate([np.split(x, cuts, dim)[k] for k in chosen], dim),
+                [_standard_normal(rng, shape)])
+
+
+@case("chunk")
+def _(draw, rng, fd):
+    shape = _shape_op_shape(draw, fd, 1, 3)
+    dim = _dim_of(draw, len(shape))
+    chunks = draw(st.integers(1, 5))
+    size = shape[dim]
+    step = max(-(-size // chunks), 1)  # torch.chunk: pieces of ceil(size / chunks) rows
+    chunk = (lambda x: x.chunk(chunks, dim)) if draw(st.booleans()) else \
+        (lambda x: F.chunk(x, chunks, dim))
+    return Case(lambda x: _weighted_pieces(chunk(x), dim, F.cat),
+                lambda x: _weighted_pieces(np.split(x, list(range(step, size, step)), dim), dim,
+                                           np.concatenate),
+                [_standard_normal(rng, shape)])
+
+
+def _basic_index(draw, size):
+    """One entry of a basic index for a dimension of `size`: an int, a slice, or `:`."""
+    kind = draw(st.sampled_from(["int", "slice", "colon"] if size else ["slice", "colon"]))
+    if kind == "int":
+        return draw(st.integers(-size, size - 1))
+    if kind == "colon":
+        return slice(None)
+    bound = st.one_of(st.none(), st.integers(-size - 2, size + 2))
+    return slice(draw(bound), draw(bound), draw(st.one_of(st.none(), st.integers(1, 3))))
+
+
+@case("getitem")
+def _(draw, rng, fd):  # NumPy's basic indexing is PyTorch's for positive steps
+    shape = _shape_op_shape(draw, fd, 1, 4)
+    head = draw(st.integers(0, len(shape)))
+    tail = draw(st.integers(0, len(shape) - head)) if draw(st.booleans()) else None
+    key = [_basic_index(draw, size) for size in shape[:head]]
+    if tail is not None:  # an ellipsis, then entries for the last `tail` dimensions
+        key += [Ellipsis] + [_basic_index(draw, size) for size in shape[len(shape) - tail:]]
+    for _ in range(draw(st.integers(0, 2))):
+        key.insert(draw(st.integers(0, len(key))), None)
+    key = key[0] if len(key) == 1 and draw(st.booleans()) else tuple(key)
+    return Case(lambda x: x[key], lambda x: np.array(x[key]), [_standard_normal(rng, shape)])
+
+
+@case("getitem_int_array")
+def _(draw, rng, fd):  # x[idx]: repeats and negative indices, as NumPy's
+    shape = _shape_op_shape(draw, fd, 1, 3)
+    rows, m = shape[0], draw(st.integers(0, 6 if fd else 60))
+    index_shape = draw(st.sampled_from([(m,), (2, m), ()])) if rows else (0,)
+    index = rng.integers(-rows, max(rows, 1), size=index_shape)
+    kind = draw(st.sampled_from(["array", "list", "tensor"]))
+
+    def fn(x, index):
+        if kind == "list":
+            return x[index.tolist()]
+        if kind == "tensor":
+            return x[netcl.Tensor.from_host(index.astype(np.int32), queue=x.value.queue)]
+        return x[index]
+    return Case(fn, lambda x, index: x[index], [_standard_normal(rng, shape)], [index])
+
+
+@case("index_select")
+def _(draw, rng, fd):
+    shape = _shape_op_shape(draw, fd, 1, 3)
+    dim = _dim_of(draw, len(shape))
+    rows, m = shape[dim], draw(st.integers(0, 6 if fd else 60))
+    index = rng.integers(0, rows, size=m if rows else 0)
+    as_tensor = draw(st.booleans())
+
+    def fn(x, index):
+        if as_tensor:
+            index = netcl.Tensor.from_host(index.astype(np.int32), queue=x.value.queue)
+        return F.index_select(x, dim, index)
+    return Case(fn, lambda x, index: np.take(x, index, axis=dim), [_standard_normal(rng, shape)],
+                [index])
 
 
 # Random outputs cannot be compared across backends (the mask stream is per backend).
@@ -6149,3 +6363,281 @@ def test_tiny_attention_model_learns(backend):
         opt.step()
         losses.append(float(loss.value))
     assert np.mean(losses[-10:]) < 0.1 * math.log(vocab), losses[::10]
+# shape ops
+# ---------------------------------------------------------------------------------------------
+
+def _grad_of(dev, array, op, weights_seed=0, index_dtype=None):
+    """(output, gradient of the input) of sum(op(x) * w) for a random w, as host arrays."""
+    x = param(array, dev, index_dtype)
+    with netcl.Tape() as tape:
+        y = op(x)
+    w = np.random.default_rng(weights_seed).standard_normal(y.shape).astype(np.float32)
+    tape.backward(y, grad=tensor(w, dev))
+    return host(y), host(x.grad), w
+
+
+@pytest.mark.parametrize("index", [
+    np.array([3, 1, 3, 3, -2, 0]),                      # -2 is row 3 again
+    [3, 1, 3, 3, -2, 0],
+    np.array([[3, 1, 3], [3, -2, 0]]),
+])
+def test_repeated_indices_accumulate(backend, index):
+    x = np.arange(15, dtype=np.float32).reshape(5, 3)
+    y, grad, w = _grad_of(backend, x, lambda p: p[index])
+    rows = np.array([3, 1, 3, 3, 3, 0]).reshape(np.shape(index))
+    np.testing.assert_array_equal(y, x[rows])
+    w_rows = w.reshape(6, 3)
+    expected = np.zeros_like(x)  # torch's index backward: each row sums what it gave
+    expected[3] = w_rows[0] + w_rows[2] + w_rows[3] + w_rows[4]
+    expected[1], expected[0] = w_rows[1], w_rows[5]
+    np.testing.assert_allclose(grad, expected, rtol=1e-6)
+    # rows 2 and 4 were never picked: exactly 0
+    assert not grad[[2, 4]].any()
+
+
+def test_gathered_gradients_sum_in_the_same_order_on_both_backends(cpu, opencl):
+    """Many repeats of few rows: the OpenCL backward adds in the order np.add.at does."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((7, 33)).astype(np.float32)
+    index = rng.integers(-7, 7, size=(40, 25))
+    results = [_grad_of(dev, x, lambda p: p[index], 4) for dev in (cpu, opencl)]
+    np.testing.assert_array_equal(results[1][0], results[0][0])
+    np.testing.assert_array_equal(results[1][1], results[0][1])
+    select = [_grad_of(dev, x, lambda p: F.index_select(p, 1, np.abs(index[0])), 5)
+              for dev in (cpu, opencl)]
+    np.testing.assert_array_equal(select[1][1], select[0][1])
+
+
+@pytest.mark.parametrize("key", [
+    np.s_[1:3], np.s_[1:4:2], np.s_[3:], np.s_[-1], np.s_[2], np.s_[:, -1], np.s_[:, 1:3],
+    np.s_[..., 2], np.s_[..., -1, :], np.s_[None, 2], np.s_[1, None, ::3], np.s_[-3:-1, :, 1],
+    np.s_[5:9], np.s_[3:1], np.s_[:], np.s_[()], np.s_[...], np.s_[np.int64(2)],
+    np.s_[1, 2, 3], np.s_[-4, -5, -6], np.s_[::5, 1::2, ::4],
+])
+def test_getitem_basic_forms(backend, key):
+    x = np.arange(120, dtype=np.float32).reshape(4, 5, 6)
+    y, grad, w = _grad_of(backend, x, lambda p: p[key])
+    np.testing.assert_array_equal(y, x[key])
+    expected = np.zeros_like(x)
+    expected[key] = w  # the gradient lands where the values came from
+    np.testing.assert_array_equal(grad, expected)
+
+
+def test_getitem_int_array_forms(backend):
+    x = np.arange(12, dtype=np.float32).reshape(4, 3)
+    p = param(x, backend)
+    for index, rows in [([2, 0, -1], [2, 0, 3]), (np.array([2, 0, -1], np.int32), [2, 0, 3]),
+                        (np.array(1), 1), ([], np.zeros(0, int)),
+                        (np.array([[0], [3]]), [[0], [3]]),
+                        (tensor(np.array([2, 0, 3], np.int32), backend), [2, 0, 3]),
+                        (netcl.Node(tensor(np.array([-1, 1], np.int32), backend)), [3, 1])]:
+        np.testing.assert_array_equal(host(p[index]), x[np.array(rows)])
+    np.testing.assert_array_equal(host(F.index_select(p, 1, [2, 2, 0])), x[:, [2, 2, 0]])
+    np.testing.assert_array_equal(host(F.index_select(p, -1, np.array(1))), x[:, [1]])
+
+
+def test_full_slices_and_none_are_views(backend):
+    x = netcl.Node(tensor(np.arange(24, dtype=np.float32).reshape(2, 3, 4), backend))
+    for key in (np.s_[:], np.s_[None], np.s_[..., None], np.s_[:, :, 0:4], np.s_[0:2, ...]):
+        assert _shares_buffer(x[key].value, x.value, backend), key
+    assert _shares_buffer(x.unsqueeze(1).value, x.value, backend)
+    assert _shares_buffer(F.squeeze(x[None]).value, x.value, backend)
+    assert not _shares_buffer(x[1:].value, x.value, backend)  # tensors are contiguous: a copy
+
+
+def test_split_pieces_without_gradient_contribute_zeros(backend):
+    x = np.arange(14, dtype=np.float32).reshape(7, 2)
+    p = param(x, backend)
+    with netcl.Tape() as tape:
+        a, b, c, d = p.split(2)
+        loss = (b * 3.0).sum() + (d * 5.0).sum() + p.sum()  # a and c get no gradient
+    assert [piece.shape for piece in (a, b, c, d)] == [(2, 2), (2, 2), (2, 2), (1, 2)]
+    tape.backward(loss)
+    np.testing.assert_array_equal(host(p.grad)[:, 0], [1, 1, 4, 4, 1, 1, 6])
+    for piece, rows in zip((a, b, c, d), (x[0:2], x[2:4], x[4:6], x[6:])):
+        np.testing.assert_array_equal(host(piece), rows)
+
+
+def test_cat_with_constants_gives_the_parameter_its_rows(backend):
+    x = np.arange(6, dtype=np.float32).reshape(3, 2)
+    constant = np.ones((2, 2), np.float32)
+    y, grad, w = _grad_of(backend, x, lambda p: F.cat([constant, p, tensor(constant, backend)]))
+    np.testing.assert_array_equal(y, np.concatenate([constant, x, constant]))
+    np.testing.assert_array_equal(grad, w[2:5])
+
+
+def test_split_and_chunk_piece_sizes(backend):
+    """torch.split and torch.chunk's counts: chunk may give fewer pieces than asked, and a
+    dimension of size 0 gives one empty piece to split, `chunks` empty ones to chunk."""
+    def sizes(pieces, dim=0):
+        return [piece.shape[dim] for piece in pieces]
+    x = param(np.zeros((7, 0, 5), np.float32), backend)
+    assert sizes(F.chunk(x, 3)) == [3, 3, 1]
+    assert sizes(F.chunk(x, 5)) == [2, 2, 2, 1]
+    assert sizes(F.chunk(x, 9)) == [1] * 7
+    assert sizes(F.chunk(x, 3, dim=1), 1) == [0, 0, 0]
+    assert sizes(F.split(x, 2, dim=1), 1) == [0]
+    assert sizes(F.split(x, 0, dim=1), 1) == [0]
+    assert sizes(F.split(x, 10)) == [7]
+    assert sizes(F.split(x, [0, 7, 0])) == [0, 7, 0]
+    assert sizes(F.split(x, (2, 3), dim=-1), 2) == [2, 3]
+    assert sizes(x.chunk(2, -1), 2) == [3, 2]
+
+
+def test_shape_op_node_methods_and_names(backend):
+    x = np.random.default_rng(0).standard_normal((2, 1, 3, 4)).astype(np.float32)
+    p = param(x, backend)
+    np.testing.assert_array_equal(host(p.permute(3, 0, 2, 1)), x.transpose(3, 0, 2, 1))
+    np.testing.assert_array_equal(host(p.permute([3, 0, 2, 1])), x.transpose(3, 0, 2, 1))
+    np.testing.assert_array_equal(host(p.transpose(-1, 0)), np.swapaxes(x, -1, 0))
+    np.testing.assert_array_equal(host(F.transpose(p, 2, 2)), x)
+    assert p.squeeze().shape == (2, 3, 4) and p.squeeze(0).shape == (2, 1, 3, 4)
+    assert p.squeeze((1, -4)).shape == (2, 3, 4) and p.unsqueeze(-1).shape == (2, 1, 3, 4, 1)
+    assert p.unsqueeze(4).shape == (2, 1, 3, 4, 1) and p.unsqueeze(-5).shape == (1, 2, 1, 3, 4)
+    np.testing.assert_array_equal(host(p[1, 0].T), x[1, 0].T)   # .T and transpose(x) stay 2-D
+    with raises_naming(ValueError, "transpose", "2-D"):
+        F.transpose(p)
+    scalar = param(np.array(2.5, np.float32), backend)  # a 0-d tensor takes dims 0 and -1
+    assert F.transpose(scalar, 0, -1).shape == () and scalar.squeeze(0).shape == ()
+    assert scalar.unsqueeze(-1).shape == (1,) and F.permute(scalar, ()).shape == ()
+    for name in ["permute", "squeeze", "unsqueeze", "cat", "stack", "split", "chunk",
+                 "index_select", "transpose"]:
+        assert getattr(netcl, name) is getattr(F, name), name
+
+
+def test_permute_is_one_launch_of_up_to_six_moving_dimensions(opencl):
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((2, 3, 2, 3, 2, 3)).astype(np.float32)
+    p = tensor(x, opencl)
+    launches = opencl.launches
+    y = F.permute(p, (5, 3, 1, 4, 2, 0))
+    assert opencl.launches - launches == 1
+    np.testing.assert_array_equal(host(y), x.transpose(5, 3, 1, 4, 2, 0))
+    # Seven dimensions, of which the moves keep two pairs together: five move.
+    x7 = rng.standard_normal((2, 3, 2, 3, 2, 3, 2)).astype(np.float32)
+    dims = (5, 6, 3, 4, 0, 2, 1)
+    np.testing.assert_array_equal(host(F.permute(tensor(x7, opencl), dims)), x7.transpose(dims))
+    with raises_naming(ValueError, "permute", "6"):
+        F.permute(tensor(x7, opencl), (6, 4, 2, 0, 5, 3, 1))
+
+
+def test_shape_ops_move_float16_storage_exactly(opencl):
+    """float16 in, float16 out: the same bits moved (nothing is computed); the gradients are
+    float32, the very gradients of a float32 run."""
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((4, 6, 5)).astype(np.float16)
+    ops = {
+        "permute": (lambda p: p.permute(2, 0, 1), lambda a: a.transpose(2, 0, 1)),
+        "transpose_2d": (lambda p: p.transpose(0, 2), lambda a: a.transpose(2, 1, 0)),
+        "cat": (lambda p: F.cat([p, p[:, :2]], 1), lambda a: np.concatenate([a, a[:, :2]], 1)),
+        "stack": (lambda p: F.stack([p, p], -1), lambda a: np.stack([a, a], -1)),
+        "split": (lambda p: F.split(p, [1, 3, 1], -1)[1], lambda a: a[..., 1:4]),
+        "chunk": (lambda p: F.chunk(p, 2, 1)[1], lambda a: a[:, 3:]),
+        "slice": (lambda p: p[:, -1, 1::2], lambda a: a[:, -1, 1::2]),
+        "index": (lambda p: p[[3, 0, 3, -1]], lambda a: a[[3, 0, 3, -1]]),
+        "index_select": (lambda p: F.index_select(p, 1, [5, 5, 0]), lambda a: a[:, [5, 5, 0]]),
+    }
+    for name, (op, reference) in ops.items():
+        y16, grad16, _ = _grad_of(opencl, x, op, index_dtype=np.float16)
+        y32, grad32, _ = _grad_of(opencl, x.astype(np.float32), op)
+        assert y16.dtype == np.float16 and grad16.dtype == np.float32, name
+        np.testing.assert_array_equal(y16.view(np.uint16), reference(x).view(np.uint16), name)
+        np.testing.assert_array_equal(grad16, grad32, name)
+    mixed = F.cat([tensor(x, opencl), tensor(x.astype(np.float32), opencl)])
+    assert mixed.dtype == np.float32  # float16 storage met with float32 widens
+    np.testing.assert_array_equal(host(mixed), np.concatenate([x, x]).astype(np.float32))
+
+
+def test_shape_ops_move_int32_exactly(backend):
+    labels = np.array([[7, -1, 2 ** 31 - 1], [0, 5, -2 ** 31]], np.int32)  # odd bit patterns
+    t = tensor(labels, backend)
+    for out, expected in [(F.cat([t, t], 1), np.concatenate([labels, labels], 1)),
+                          (F.permute(t, (1, 0)), labels.T), (netcl.Node(t)[[1, 1, 0]],
+                                                             labels[[1, 1, 0]]),
+                          (netcl.Node(t)[:, 1:], labels[:, 1:]),
+                          (F.stack([t, t]).permute(1, 2, 0), np.stack([labels] * 2, -1))]:
+        assert out.dtype == np.int32
+        np.testing.assert_array_equal(host(out), expected)
+
+
+def _scalar(like):
+    """A 0-d parameter on like's device (uploaded: no kernel launch)."""
+    return param(np.array(0.0, np.float32), like.device)
+
+
+@pytest.mark.parametrize("call, error, words", [
+    (lambda x: F.permute(x, (0,)), ValueError, ["permute", "(0,)", "(2, 3)"]),
+    (lambda x: F.permute(x, (1, 1)), ValueError, ["permute", "repeated"]),
+    (lambda x: F.permute(x, (0, 2)), ValueError, ["permute", "dim 2", "[-2, 1]"]),
+    (lambda x: F.permute(x, (0, 1.0)), TypeError, ["permute", "1.0"]),
+    (lambda x: F.permute(x, 1), TypeError, ["permute", "dims"]),
+    (lambda x: F.transpose(x, 0), TypeError, ["transpose", "dim1"]),
+    (lambda x: x.transpose(0, -3), ValueError, ["transpose", "dim1", "-3"]),
+    (lambda x: F.squeeze(x, 2), ValueError, ["squeeze", "dim 2"]),
+    (lambda x: F.squeeze(x, (1, -1)), ValueError, ["squeeze", "repeated"]),
+    (lambda x: x.unsqueeze(3), ValueError, ["unsqueeze", "dim 3", "[-3, 2]"]),
+    (lambda x: x.unsqueeze(None), TypeError, ["unsqueeze", "dim", "None"]),
+    (lambda x: F.cat([]), ValueError, ["cat", "non-empty"]),
+    (lambda x: F.cat(x), TypeError, ["cat", "tensors", "Parameter"]),
+    (lambda x: F.cat([x, np.zeros((2, 4))]), ValueError,
+     ["cat", "(2, 3)", "(2, 4)", "dimension 0"]),
+    (lambda x: F.cat([x, np.zeros((2, 4))], dim=1), None, None),
+    (lambda x: F.cat([x, np.zeros((2, 3, 1))], 0), ValueError, ["cat", "(2, 3)", "(2, 3, 1)"]),
+    (lambda x: F.cat([x, x], dim=2), ValueError, ["cat", "dim 2"]),
+    (lambda x: F.cat([_scalar(x), _scalar(x)]), ValueError,
+     ["cat", "zero-dimensional", "position 0"]),
+    (lambda x: F.cat([x, netcl.Tensor.empty((2, 3), np.int32, queue=x.value.queue)]),
+     ValueError, ["cat", "int32", "float32"]),
+    (lambda x: F.stack([x, np.zeros((3, 2))]), ValueError,
+     ["stack", "(2, 3)", "(3, 2)", "entry 1"]),
+    (lambda x: F.stack([x, x], 3), ValueError, ["stack", "dim 3"]),
+    (lambda x: F.stack(()), ValueError, ["stack", "non-empty"]),
+    (lambda x: F.split(x, 0), ValueError, ["split", "split_size", "0"]),
+    (lambda x: F.split(x, -1, 1), ValueError, ["split", "split_size", "-1"]),
+    (lambda x: F.split(x, [1, 1], 1), ValueError, ["split", "[1, 1]", "3"]),
+    (lambda x: F.split(x, [3, -1]), ValueError, ["split", "[3, -1]"]),
+    (lambda x: F.split(x, 1.5), TypeError, ["split", "split_size_or_sections", "1.5"]),
+    (lambda x: F.split(_scalar(x), 1), ValueError, ["split", "1-dimensional"]),
+    (lambda x: F.chunk(x, 0), ValueError, ["chunk", "chunks", "0"]),
+    (lambda x: F.chunk(x, 2.0), TypeError, ["chunk", "chunks", "2.0"]),
+    (lambda x: F.chunk(x, 2, dim=-3), ValueError, ["chunk", "dim -3"]),
+    (lambda x: x[2], IndexError, ["index 2", "dimension 0", "size 2"]),
+    (lambda x: x[-3], IndexError, ["index -3", "size 2"]),
+    (lambda x: x[:, 3], IndexError, ["index 3", "dimension 1", "size 3"]),
+    (lambda x: x[0, 0, 0], IndexError, ["too many", "(2, 3)"]),
+    (lambda x: _scalar(x)[0], IndexError, ["too many", "()"]),
+    (lambda x: x[..., 0, ...], IndexError, ["ellipsis"]),
+    (lambda x: x[::-1], ValueError, ["step", "-1"]),
+    (lambda x: x[:, ::0], ValueError, ["step", "0"]),
+    (lambda x: x[1.0], TypeError, ["index", "1.0", "float"]),
+    (lambda x: x[True], TypeError, ["index", "True"]),
+    (lambda x: x["a"], TypeError, ["index", "'a'"]),
+    (lambda x: x[np.array([0, 5])], IndexError, ["index 5", "dimension 0", "size 2"]),
+    (lambda x: x[[-3, 0]], IndexError, ["index -3", "size 2"]),
+    (lambda x: x[tensor(np.array([1, 2], np.int32), x.device)], IndexError, ["index 2", "size 2"]),
+    (lambda x: x[np.array([0.0])], IndexError, ["integers", "float64"]),
+    (lambda x: x[tensor(np.array([0.0], np.float32), x.device)], IndexError, ["int32", "float32"]),
+    (lambda x: x[np.array([True, False])], IndexError, ["integers", "bool"]),
+    (lambda x: _scalar(x)[np.array([0])], IndexError, ["0-dimensional"]),
+    (lambda x: F.index_select(x, 1, [-1]), IndexError, ["index_select", "index -1", "size 3"]),
+    (lambda x: F.index_select(x, 0, [[0]]), IndexError, ["index_select", "vector", "(1, 1)"]),
+    (lambda x: F.index_select(x, 2, [0]), ValueError, ["index_select", "dim 2"]),
+])
+def test_shape_op_errors_name_the_op_and_the_value(backend, call, error, words):
+    x = param(np.zeros((2, 3), np.float32), backend)
+    launches = backend.launches
+    if error is None:  # the control: the same call with a fitting argument works
+        call(x)
+        return
+    with raises_naming(error, *words):
+        call(x)
+    assert backend.launches == launches  # raised before anything was queued
+
+
+def test_mixing_devices_in_shape_ops_raises(cpu, opencl):
+    a = param(np.ones((2, 3), np.float32), cpu)
+    b = param(np.ones((2, 3), np.float32), opencl)
+    with raises_naming(ValueError, "cat", "different devices"):
+        F.cat([a, b])
+    with raises_naming(ValueError, "index", "different devices"):
+        b[tensor(np.array([0], np.int32), cpu)]
