@@ -1701,24 +1701,33 @@ def log_softmax(x, axis=-1):
 _REDUCTIONS = ("mean", "sum", "none")
 
 
-def cross_entropy(logits, target, reduction="mean"):
-    """Cross-entropy of logits (N, C) against class indices (N,) or probabilities (N, C).
-
-    Index targets: any integer array or an int32 Tensor; an index outside [0, C) raises.
-    Probability (one-hot or soft) targets give the same loss and gradient as indices would.
-    "mean" divides by N, as PyTorch does for unweighted losses; as there, the mean over empty
-    logits (N = 0, or C = 0 with probability targets) is NaN and the sum 0. The target is a
-    constant.
-    """
+def _check_loss_args(op, reduction, ignore_index=-100):
     if reduction not in _REDUCTIONS:
-        raise ValueError(f"cross_entropy: reduction must be one of {_REDUCTIONS}, got {reduction!r}")
-    (x,) = _nodes("cross_entropy", logits)
-    if len(x.shape) != 2:
-        raise ValueError(f"cross_entropy: logits must be (N, C), got shape {x.shape}")
-    N, C = x.shape
+        raise ValueError(f"{op}: reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+    if not isinstance(ignore_index, (int, np.integer)) or isinstance(ignore_index, bool):
+        raise TypeError(f"{op}: ignore_index must be an int, got {ignore_index!r}")
+
+
+def _class_layout(op, x, what):
+    """Scores x (C,), (N, C) or (N, C, d1, ...) seen as (outer, C, inner), the class axis in
+    the middle, as the kernels read it (in place: no transposition); and the shape of the
+    losses, one per target: (), (N,) or (N, d1, ...)."""
+    if not x.shape:
+        raise ValueError(f"{op}: {what} must be (C,), (N, C) or (N, C, d1, ...), got shape ()")
+    if len(x.shape) == 1:
+        return (1, x.shape[0], 1), ()
+    return (x.shape[0], x.shape[1], math.prod(x.shape[2:])), x.shape[:1] + x.shape[2:]
+
+
+def _class_target(op, x, target, loss_shape, ignore_index, probabilities):
+    """The target of a classification loss on scores x, checked on the host before anything
+    is enqueued: (T, soft, count). T is on x's device: int32 class indices shaped like the
+    losses, or (soft, where `probabilities` allows) float probabilities shaped like x. count
+    is what "mean" divides by: the index targets other than ignore_index, or the number of
+    probability rows (0 when there are no classes, so the mean is NaN, as PyTorch's)."""
     t = target.value if isinstance(target, Node) else target
     if isinstance(t, Tensor):
-        _devices_of("cross_entropy", x, t)
+        _devices_of(op, x, t)
         soft = t.dtype.kind == "f"
         # A wrong label would read out of bounds on the device, so labels are checked on the
         # host: with the copy an upload kept, else read back (a sync).
@@ -1727,63 +1736,286 @@ def cross_entropy(logits, target, reduction="mean"):
         host = np.asarray(t)
         soft = host.dtype.kind == "f"
         if host.dtype.kind not in "iuf":
-            raise ValueError(f"cross_entropy: target must hold integers or floats, got {host.dtype}")
+            raise ValueError(f"{op}: target must hold integers or floats, got {host.dtype}")
+    C = x.shape[1] if len(x.shape) > 1 else x.shape[0]
     if soft:
         shape = t.shape if isinstance(t, Tensor) else host.shape
-        if len(shape) != 2 or shape[0] != N or shape[1] != C:
-            raise ValueError(f"cross_entropy: probability target of shape {shape} (width "
-                             f"{shape[-1] if shape else None}) does not match logits ({N}, {C})")
+        if not probabilities:
+            raise ValueError(f"{op}: target must hold class indices (integers), got floats "
+                             f"of shape {shape}")
+        if shape != x.shape:
+            raise ValueError(f"{op}: probability target of shape {shape} does not match "
+                             f"logits {x.shape} (a probability target has the logits' shape)")
+        if ignore_index >= 0:  # PyTorch's rule: the default -100 passes unnoticed
+            raise ValueError(f"{op}: ignore_index={ignore_index} is not supported for "
+                             f"probability targets")
         T = _float32(t) if isinstance(t, Tensor) else Tensor.from_host(
             host, x.value.queue, _compute_dtype(x.dtype))
-    else:
-        if host.shape != (N,):
-            raise ValueError(f"cross_entropy: index target of shape {host.shape} does not match "
-                             f"logits ({N}, {C}); expected ({N},)")
-        bad = host[(host < 0) | (host >= C)]
-        if bad.size:
-            raise ValueError(f"cross_entropy: target label {bad[0]} out of range [0, {C})")
-        T = t if isinstance(t, Tensor) else Tensor.from_host(host.astype(np.int32), x.value.queue)
+        return T, True, math.prod(loss_shape) if C else 0
+    if host.shape != loss_shape:
+        raise ValueError(f"{op}: index target of shape {host.shape} does not match logits "
+                         f"{x.shape}; expected {loss_shape}")
+    bad = host[((host < 0) | (host >= C)) & (host != ignore_index)]
+    if bad.size:
+        raise ValueError(f"{op}: target label {bad[0]} out of range [0, {C})")
+    T = t if isinstance(t, Tensor) else Tensor.from_host(host.astype(np.int32), x.value.queue)
+    return T, False, int(np.count_nonzero(host != ignore_index))
+
+
+def _reduce_losses(losses, reduction, count):
+    """The losses themselves ("none"), their sum, or their sum / count ("mean"; NaN when count
+    is 0, as PyTorch's mean over nothing)."""
+    if reduction == "none":
+        return losses
+    scale = 1.0 if reduction == "sum" else 1.0 / count if count else math.nan
+    return _sum_axis_tensor(losses, 1, losses.size, 1, scale).reshape(())
+
+
+def _log_softmax_classes(logits):
+    """log_softmax over the classes of logits (outer, C, inner): the NumPy reference of the
+    kernels' row loops. initial=-inf, as the kernels start their maximum: with C = 0 the empty
+    sums are 0, and log(0) no error."""
+    shifted = logits - logits.max(axis=1, keepdims=True, initial=-np.inf)
+    with np.errstate(divide="ignore"):
+        return shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
+
+
+def _pick_class(values, labels, kept):
+    """values (outer, C, inner) at the classes labels (outer, 1, inner). Where not kept (an
+    ignored target) class 0 is read instead, for the caller to mask; with C = 0 every target
+    is ignored and the picks are zeros."""
+    if not values.shape[1]:
+        return np.zeros(labels.shape, values.dtype)
+    return np.take_along_axis(values, np.where(kept, labels, 0), axis=1)
+
+
+def cross_entropy(logits, target, reduction="mean", ignore_index=-100, label_smoothing=0.0):
+    """Cross-entropy of logits (C,), (N, C) or (N, C, d1, ...) against class indices (), (N,)
+    or (N, d1, ...), or probabilities shaped like the logits, as PyTorch's cross_entropy.
+
+    Index targets: any integer array or an int32 Tensor; an index outside [0, C) raises
+    unless it is ignore_index: such a target adds nothing, and "mean" divides by the number
+    of the others (NaN if there are none). Probability (one-hot or soft) targets give the
+    same loss and gradient as indices would; "mean" divides by the number of targets, so the
+    mean over empty logits is NaN and the sum 0. label_smoothing e in [0, 1] mixes every
+    target with the uniform distribution: (1 - e) t + e / C (PyTorch's formula). Index
+    targets are constants; a probability target that requires a gradient gets one, as in
+    PyTorch: -(1 - e) log_softmax(logits), scaled as the loss was reduced.
+    """
+    _check_loss_args("cross_entropy", reduction, ignore_index)
+    # PyTorch refuses only values above 1 (it silently treats negatives and NaN as 0); its
+    # documented range is [0, 1], and that is what is checked here.
+    if not _is_scalar(label_smoothing) or not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"cross_entropy: label_smoothing must be between 0.0 and 1.0, got "
+                         f"{label_smoothing!r}")
+    smoothing = float(label_smoothing)
+    (x,) = _nodes("cross_entropy", logits)
+    (outer, C, inner), loss_shape = _class_layout("cross_entropy", x, "logits")
+    T, soft, count = _class_target("cross_entropy", x, target, loss_shape, ignore_index,
+                                   probabilities=True)
+    t = target if soft and isinstance(target, Node) and target.requires_grad else None
     X = x.value
     half = X.dtype == np.float16  # float16 logits are read as such; the loss is float32
+    uniform = smoothing / C if C else 0.0  # the smoothed target's share of every class
 
-    losses = _like(X, (N,), _compute_dtype(X.dtype))
+    losses = _like(X, loss_shape, _compute_dtype(X.dtype))
     if X.device.backend == "cpu":
-        logits = X.data.astype(losses.dtype, copy=False)
-        # initial=-inf, as the kernels start their maximum: with C = 0 a row's loss is the
-        # empty sum 0 (soft targets; index targets raised above), and log(0) no error
-        shifted = logits - logits.max(axis=1, keepdims=True, initial=-np.inf)
-        with np.errstate(divide="ignore"):
-            log_p = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
-        losses.data[...] = -(T.data * log_p).sum(1) if soft else -log_p[np.arange(N), T.data]
-    elif N:
-        X.device.launch("cross_entropy_soft" if soft else "cross_entropy_index", *_grid(N),
-                        N, C, X.data, T.data, losses.data, half=half)
-    if reduction == "none":
-        loss = losses
-    else:
-        loss = _sum_axis_tensor(losses, 1, N, 1, 1.0 / N if reduction == "mean" and X.size else
-                                (math.nan if reduction == "mean" else 1.0)).reshape(())
-    scale = 1.0 / N if reduction == "mean" and N else 1.0
+        log_p = _log_softmax_classes(X.data.reshape(outer, C, inner).astype(losses.dtype,
+                                                                           copy=False))
+        if soft:
+            smoothed = T.data.reshape(outer, C, inner) * (1 - smoothing) + uniform
+            losses.data[...] = -(smoothed * log_p).sum(axis=1).reshape(loss_shape)
+        else:
+            labels = T.data.reshape(outer, 1, inner)
+            kept = labels != ignore_index
+            nll = -_pick_class(log_p, labels, kept)
+            if smoothing:  # PyTorch: (1 - e) nll + e / C * sum over the classes of -log p
+                nll = (1 - smoothing) * nll - uniform * log_p.sum(axis=1, keepdims=True)
+            losses.data[...] = np.where(kept, nll, 0).reshape(loss_shape)
+    elif losses.size:
+        if soft:
+            X.device.launch("cross_entropy_soft", *_grid(losses.size), outer, C, inner,
+                            smoothing, X.data, T.data, losses.data, half=half)
+        else:
+            X.device.launch("cross_entropy_index", *_grid(losses.size), outer, C, inner,
+                            ignore_index, smoothing, X.data, T.data, losses.data, half=half)
+    loss = _reduce_losses(losses, reduction, count)
+    scale = 1.0 / count if reduction == "mean" and count else 1.0
+    per_target = int(reduction == "none")  # g has one value per target, else one in all
 
-    def backward(g):
-        out = _like(X, dtype=losses.dtype)
-        if X.device.backend == "cpu":
-            logits = X.data.astype(out.dtype, copy=False)
-            shifted = logits - logits.max(axis=1, keepdims=True, initial=-np.inf)
-            p = np.exp(shifted)
-            p /= p.sum(axis=1, keepdims=True)
-            if soft:
-                p = p * T.data.sum(1, keepdims=True) - T.data
-            else:
-                p[np.arange(N), T.data] -= 1
-            g_rows = g.data.reshape(-1, 1) if reduction == "none" else g.data.reshape(1, 1)
-            out.data[...] = p * g_rows * scale
-        elif N:
-            X.device.launch("cross_entropy_bwd", *_grid(N), N, C, int(reduction == "none"),
-                            scale, int(soft), g.data, X.data, None if soft else T.data,
-                            T.data if soft else None, out.data, half=half)
-        return (out,)
+    def backward(g):  # g () or loss_shape -> dlogits (outer, C, inner), dtarget (probabilities)
+        grad_x = _like(X, dtype=losses.dtype) if x.requires_grad else None
+        grad_t = _like(T) if t is not None else None
+        if g.device.backend == "cpu":
+            g_rows = scale * g.data.reshape((outer, 1, inner) if per_target else (1, 1, 1))
+            log_p = _log_softmax_classes(X.data.reshape(outer, C, inner).astype(losses.dtype,
+                                                                               copy=False))
+            if grad_x is not None:  # softmax(x) sum_c t_c - t, t the smoothed target
+                if soft:
+                    smoothed = T.data.reshape(outer, C, inner) * (1 - smoothing) + uniform
+                    grad = np.exp(log_p) * smoothed.sum(axis=1, keepdims=True) - smoothed
+                else:
+                    labels = T.data.reshape(outer, 1, inner)
+                    one_hot = np.arange(C).reshape(1, C, 1) == labels
+                    grad = np.where(labels != ignore_index,
+                                    np.exp(log_p) - (one_hot * (1 - smoothing) + uniform), 0)
+                grad_x.data[...] = (grad * g_rows).reshape(X.shape)
+            if grad_t is not None:
+                grad_t.data[...] = (-(1 - smoothing) * log_p * g_rows).reshape(T.shape)
+        elif losses.size:
+            if grad_x is not None:
+                g.device.launch("cross_entropy_bwd", *_grid(losses.size), outer, C, inner,
+                                per_target, scale, int(soft), ignore_index, smoothing, g.data,
+                                X.data, None if soft else T.data, T.data if soft else None,
+                                grad_x.data, half=half)
+            if grad_t is not None:
+                g.device.launch("cross_entropy_target_bwd", *_grid(losses.size), outer, C,
+                                inner, per_target, scale, smoothing, g.data, X.data,
+                                grad_t.data, half=half)
+        return (grad_x,) if t is None else (grad_x, grad_t)
+    return _record(loss, (x,) if t is None else (x, t), backward)
+
+
+def nll_loss(log_probs, target, reduction="mean", ignore_index=-100):
+    """The negative log-likelihood -log_probs[target] of log-probabilities (C,), (N, C) or
+    (N, C, d1, ...) (a log_softmax over axis 1) against class indices (), (N,) or
+    (N, d1, ...), as PyTorch's nll_loss: a target equal to ignore_index adds nothing, and
+    "mean" divides by the number of the others (NaN if there are none). The target is a
+    constant; cross_entropy is log_softmax and nll_loss in one pass."""
+    _check_loss_args("nll_loss", reduction, ignore_index)
+    (x,) = _nodes("nll_loss", log_probs)
+    (outer, C, inner), loss_shape = _class_layout("nll_loss", x, "log_probs")
+    T, _, count = _class_target("nll_loss", x, target, loss_shape, ignore_index,
+                                probabilities=False)
+    X = x.value
+    losses = _like(X, loss_shape, _compute_dtype(X.dtype))
+    if X.device.backend == "cpu":
+        labels = T.data.reshape(outer, 1, inner)
+        kept = labels != ignore_index
+        picked = _pick_class(X.data.reshape(outer, C, inner), labels, kept)
+        losses.data[...] = np.where(kept, -picked, 0).reshape(loss_shape)
+    elif losses.size:
+        X.device.launch("nll_loss_fwd", *_grid(losses.size), outer, C, inner, ignore_index,
+                        X.data, T.data, losses.data, half=X.dtype == np.float16)
+    loss = _reduce_losses(losses, reduction, count)
+    scale = 1.0 / count if reduction == "mean" and count else 1.0
+    per_target = int(reduction == "none")
+
+    def backward(g):  # g () or loss_shape -> dlog_probs: -g at each target's class, else 0
+        grad_x = _like(X, dtype=losses.dtype)
+        if g.device.backend == "cpu":
+            labels = T.data.reshape(outer, 1, inner)
+            hit = (np.arange(C).reshape(1, C, 1) == labels) & (labels != ignore_index)
+            g_rows = g.data.reshape((outer, 1, inner) if per_target else (1, 1, 1))
+            grad_x.data[...] = np.where(hit, -scale * g_rows, 0).reshape(X.shape)
+        elif grad_x.size:
+            g.device.launch("nll_loss_bwd", *_grid(grad_x.size), outer, C, inner, per_target,
+                            scale, ignore_index, g.data, T.data, grad_x.data)
+        return (grad_x,)
     return _record(loss, (x,), backward)
+
+
+def _loss_weight(op, name, value, x):
+    """A loss's weight or pos_weight for input x: None, or a constant Tensor in x's compute
+    dtype whose shape broadcasts to x's (PyTorch multiplies in place: x's shape may not grow).
+    On OpenCL it is repeated to x's shape on the device unless the kernels can repeat it
+    themselves (i % size): a trailing part of x's shape, leading 1s aside."""
+    if value is None:
+        return None
+    if isinstance(value, Node) and value.requires_grad and _state.tapes and \
+            _state.grad_enabled[-1]:  # PyTorch refuses this too: it defines no such gradient
+        raise ValueError(f"{op}: {name} requires a gradient, which the loss does not define "
+                         f"(a {name} is a constant)")
+    if isinstance(value, (Node, Tensor)):
+        w = _float32(_as_tensor(op, value, x.value))
+        if w.dtype.kind != "f":
+            raise ValueError(f"{op}: {name} of dtype {w.dtype.name}; a {name} holds floats")
+    else:
+        w = Tensor.from_host(_real_array(op, value, name), x.value.queue,
+                             _compute_dtype(x.dtype))
+    try:
+        fits = np.broadcast_shapes(w.shape, x.shape) == x.shape
+    except ValueError:
+        fits = False
+    if not fits:
+        raise ValueError(f"{op}: {name} of shape {w.shape} does not broadcast to the input's "
+                         f"shape {x.shape}")
+    core = w.shape[next((i for i, s in enumerate(w.shape) if s != 1), len(w.shape)):]
+    if x.device.backend == "cpu" or core == x.shape[len(x.shape) - len(core):]:
+        return w
+    padded = (1,) * (len(x.shape) - len(w.shape)) + w.shape
+    for axis, size in enumerate(x.shape):  # expand one axis at a time, the earlier ones done
+        if padded[axis] != size:
+            w = _expand_axis_tensor(w, math.prod(x.shape[:axis]), size,
+                                    math.prod(padded[axis + 1:]))
+    return w.reshape(x.shape)
+
+
+def _log_sigmoid(x):
+    """log(sigmoid(x)) = min(x, 0) - log1p(exp(-|x|)): exp never overflows."""
+    return np.minimum(x, 0) - np.log1p(np.exp(-np.abs(x)))
+
+
+def binary_cross_entropy_with_logits(input, target, weight=None, reduction="mean",
+                                     pos_weight=None):
+    """Binary cross-entropy of logits against targets in [0, 1] of the same shape, as
+    PyTorch's binary_cross_entropy_with_logits, in its stable form (no sigmoid is rounded):
+        loss = weight * ((1 - t) x - (1 + (pos_weight - 1) t) log_sigmoid(x))
+    weight and pos_weight (None: 1) broadcast to the input's shape as PyTorch's (a
+    pos_weight (C,) weighs the positives of each class of (N, C) input) and are constants;
+    the target may require a gradient. "mean" divides by the number of elements (NaN if
+    there are none)."""
+    op = "binary_cross_entropy_with_logits"
+    _check_loss_args(op, reduction)
+    x, t = _nodes(op, input, target)
+    if t.shape != x.shape:
+        raise ValueError(f"{op}: target shape {t.shape} must be the same as input shape "
+                         f"{x.shape}")
+    W, PW = _loss_weight(op, "weight", weight, x), _loss_weight(op, "pos_weight", pos_weight, x)
+    X, T = x.value, _float32(t.value)
+    n = X.size
+    # the kernels' sizes of the weights they repeat (i % size); 0: no weight, i.e. 1
+    sizes = (0 if W is None else W.size, 0 if PW is None else PW.size)
+    weights = (None if W is None else W.data, None if PW is None else PW.data)
+    half = X.dtype == np.float16
+
+    losses = _like(X, dtype=_compute_dtype(X.dtype))
+    if X.device.backend == "cpu":
+        logit = X.data.astype(losses.dtype, copy=False)
+        log_weight = 1 if PW is None else 1 + (PW.data - 1) * T.data  # PyTorch's order
+        loss = (1 - T.data) * logit - log_weight * _log_sigmoid(logit)
+        losses.data[...] = loss if W is None else loss * W.data
+    elif n:
+        X.device.launch("bce_logits_fwd", *_grid(n), n, *sizes, X.data, T.data, *weights,
+                        losses.data, half=half)
+    scale = 1.0 / n if reduction == "mean" and n else 1.0
+    per_element = int(reduction == "none")
+
+    def backward(g):  # g () or x's shape -> dinput, dtarget
+        grads = []
+        for wrt_target, node in ((0, x), (1, t)):
+            if not node.requires_grad:
+                grads.append(None)
+                continue
+            grad = _like(X, dtype=losses.dtype)
+            if g.device.backend == "cpu":
+                logit = X.data.astype(losses.dtype, copy=False)
+                if wrt_target:  # -x - (pos_weight - 1) log_sigmoid(x)
+                    d = -logit if PW is None else -logit - (PW.data - 1) * _log_sigmoid(logit)
+                else:  # (1 + (pos_weight - 1) t) sigmoid(x) - pos_weight t
+                    with np.errstate(over="ignore"):
+                        sig = 1 / (1 + np.exp(-logit))
+                    d = sig - T.data if PW is None else \
+                        (1 + (PW.data - 1) * T.data) * sig - PW.data * T.data
+                d = d * scale * g.data.reshape(X.shape if per_element else ())
+                grad.data[...] = d if W is None else d * W.data
+            elif n:
+                g.device.launch("bce_logits_bwd", *_grid(n), n, per_element, scale, *sizes,
+                                wrt_target, g.data, X.data, T.data, *weights, grad.data,
+                                half=half)
+            grads.append(grad)
+        return grads
+    return _record(_reduce_losses(losses, reduction, n), (x, t), backward)
 
 
 def mse_loss(input, target, reduction="mean"):
@@ -4087,7 +4319,8 @@ functional = _alias(
     relu=relu, leaky_relu=leaky_relu, sigmoid=sigmoid, tanh=tanh, gelu=gelu, exp=exp, log=log,
     sum=reduce_sum, mean=reduce_mean, reshape=reshape, flatten=flatten, transpose=transpose,
     softmax=softmax, log_softmax=log_softmax, cross_entropy=cross_entropy, mse_loss=mse_loss,
-    dropout=dropout, conv2d=conv2d, max_pool2d=max_pool2d, avg_pool2d=avg_pool2d)
+    dropout=dropout, conv2d=conv2d, max_pool2d=max_pool2d, avg_pool2d=avg_pool2d,
+    nll_loss=nll_loss, binary_cross_entropy_with_logits=binary_cross_entropy_with_logits)
 autograd = _alias("autograd", Node=Node, Parameter=Parameter, Tape=Tape, no_grad=no_grad)
 nn = _alias("nn", Module=Module, Linear=Linear, ReLU=ReLU, Tanh=Tanh, Sigmoid=Sigmoid,
             GELU=GELU, Dropout=Dropout, Flatten=Flatten, Sequential=Sequential,
