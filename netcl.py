@@ -2034,7 +2034,8 @@ def mse_loss(input, target, reduction="mean"):
 
 # --- convolution and pooling ----------------------------------------------------------------
 # Images are NCHW. Each op slides an (R, S) window over the (H, W) plane, padded by (PH, PW)
-# on every side, in steps of (SH, SW); output sizes round down, as PyTorch. The NumPy versions
+# on every side, in steps of (SH, SW); conv2d's window may be dilated, its taps (DH, DW)
+# apart; output sizes round down, as PyTorch. The NumPy versions
 # view every window at once through stride tricks. On OpenCL, conv2d is im2col + the GEMM
 # above: copying the windows out costs memory (C*R*S values per output pixel) but lets the
 # one tuned GEMM do all the arithmetic, so conv2d gets faster whenever the GEMM does, with no
@@ -2042,7 +2043,8 @@ def mse_loss(input, target, reduction="mean"):
 # Every backward is a gather (one work-item per input pixel sums what it fed): no atomics.
 
 def _pair(op, name, value, minimum):
-    """kernel_size, stride or padding: an int or a pair of ints, each >= minimum (as PyTorch)."""
+    """kernel_size, stride, padding or dilation: an int or a pair of ints, each >= minimum (as
+    PyTorch)."""
     pair = (value, value) if isinstance(value, (int, np.integer)) else value
     if not (isinstance(pair, (tuple, list)) and len(pair) == 2 and all(
             isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v >= minimum
@@ -2052,34 +2054,43 @@ def _pair(op, name, value, minimum):
     return int(pair[0]), int(pair[1])
 
 
-def _window(op, x_shape, kernel, stride, padding):
-    """The geometry (H, W, R, S, SH, SW, PH, PW, OH, OW) of a kernel sliding over x (N, C, H, W):
-    the order of kernels.cl's WINDOW_ARGS. Raises if the kernel is larger than the padded input."""
+def _window(op, x_shape, kernel, stride, padding, dilation=(1, 1)):
+    """The geometry (H, W, R, S, SH, SW, PH, PW, DH, DW, OH, OW) of a kernel sliding over
+    x (N, C, H, W): the order of kernels.cl's WINDOW_ARGS. A dilated kernel spans
+    ((R - 1) DH + 1, (S - 1) DW + 1) pixels; raises if that is larger than the padded input."""
     if len(x_shape) != 4:
         raise ValueError(f"{op}: input must be 4-D (N, C, H, W), got shape {x_shape}")
     H, W = x_shape[2:]
-    (R, S), (SH, SW), (PH, PW) = kernel, stride, padding
-    if R > H + 2 * PH or S > W + 2 * PW:
-        raise ValueError(f"{op}: kernel ({R}, {S}) is larger than the padded input "
+    (R, S), (SH, SW), (PH, PW), (DH, DW) = kernel, stride, padding, dilation
+    span_h, span_w = (R - 1) * DH + 1, (S - 1) * DW + 1
+    if span_h > H + 2 * PH or span_w > W + 2 * PW:
+        spans = "" if dilation == (1, 1) else \
+            f" with dilation {dilation} spans ({span_h}, {span_w}), which"
+        raise ValueError(f"{op}: kernel ({R}, {S}){spans} is larger than the padded input "
                          f"({H + 2 * PH}, {W + 2 * PW}) (input {x_shape}, padding {padding})")
-    return H, W, R, S, SH, SW, PH, PW, (H + 2 * PH - R) // SH + 1, (W + 2 * PW - S) // SW + 1
+    return (H, W, R, S, SH, SW, PH, PW, DH, DW,
+            (H + 2 * PH - span_h) // SH + 1, (W + 2 * PW - span_w) // SW + 1)
 
 
 def _windows_numpy(x, window, pad_value):
-    """x (N, C, H, W) -> (N, C, OH, OW, R, S), every window of the padded x: a strided view."""
-    H, W, R, S, SH, SW, PH, PW, OH, OW = window
+    """x (N, C, H, W) -> (N, C, OH, OW, R, S), every window of the padded x: a strided view
+    (of the span of each dilated window, every DH-th row and DW-th column of it)."""
+    H, W, R, S, SH, SW, PH, PW, DH, DW, OH, OW = window
     padded = np.pad(x, ((0, 0), (0, 0), (PH, PH), (PW, PW)), constant_values=pad_value)
-    return np.lib.stride_tricks.sliding_window_view(padded, (R, S), axis=(2, 3))[:, :, ::SH, ::SW]
+    span = ((R - 1) * DH + 1, (S - 1) * DW + 1)
+    return np.lib.stride_tricks.sliding_window_view(padded, span, axis=(2, 3))[
+        :, :, ::SH, ::SW, ::DH, ::DW]
 
 
 def _col2im_numpy(windows, window):
     """The adjoint of _windows_numpy: windows (N, C, OH, OW, R, S) summed onto (N, C, H, W)."""
-    H, W, R, S, SH, SW, PH, PW, OH, OW = window
+    H, W, R, S, SH, SW, PH, PW, DH, DW, OH, OW = window
     N, C = windows.shape[:2]
     padded = np.zeros((N, C, H + 2 * PH, W + 2 * PW), windows.dtype)
     for r in range(R):
         for s in range(S):
-            padded[:, :, r:r + SH * OH:SH, s:s + SW * OW:SW] += windows[..., r, s]
+            padded[:, :, r * DH:r * DH + SH * OH:SH, s * DW:s * DW + SW * OW:SW] += \
+                windows[..., r, s]
     return padded[:, :, PH:PH + H, PW:PW + W]
 
 
@@ -2090,7 +2101,7 @@ def _im2col(X, n0, nb, window, tensor_cores=False):
     """Samples n0 .. n0+nb-1 of x (N, C, H, W) -> cols (C*R*S, nb*OH*OW): column p holds the
     window of output pixel p, zeros where it covers padding. float32, or with tensor_cores
     (x in float16 storage) float16: their operands."""
-    H, W, R, S, SH, SW, PH, PW, OH, OW = window
+    H, W, R, S, SH, SW, PH, PW, DH, DW, OH, OW = window
     C = X.shape[1]
     cols = _like(X, (C * R * S, nb * OH * OW), np.float16 if tensor_cores else np.float32)
     X.device.launch("im2col_act" if tensor_cores else "im2col", (nb * OH * OW, C), (256, 1), n0,
@@ -2098,29 +2109,80 @@ def _im2col(X, n0, nb, window, tensor_cores=False):
     return cols
 
 
-def conv2d(x, w, b=None, stride=1, padding=0):
-    """x (N, C, H, W) with filters w (K, C, R, S) [+ b (K,)] -> (N, K, OH, OW), as PyTorch's
-    conv2d (a cross-correlation, zero padding):
-        out[n, k, i, j] = b[k] + sum over c, r, s of w[k, c, r, s] * x[n, c, i*SH + r, j*SW + s]
-    stride and padding are an int or a pair (height, width). Inside autocast (OpenCL) the
-    output is float16 storage; x is read in its own storage; the product is float32. On
-    tensor cores x and w are rounded to float16 and every product runs there."""
+def _row_block(x, start, rows):
+    """Rows start .. start+rows-1 of x (M, ...): x itself when that is all of it, else a copy."""
+    if start == 0 and rows == x.shape[0]:
+        return x
+    out = _like(x, (rows,) + x.shape[1:])
+    if x.device.backend == "cpu":
+        np.copyto(out.data, x.data[start:start + rows])
+    elif out.size:
+        cl.enqueue_copy(x.device.queue, out.data, x.data, src_offset=start * out.nbytes // rows,
+                        byte_count=out.nbytes)
+    return out
+
+
+def _grouped_gemm(a, b, groups, trans_a=False, trans_b=False):
+    """conv2d's products on OpenCL: a, b and the result cut into `groups` equal blocks of rows,
+    block g of the result = op(block g of a) @ op(block g of b), as a block-diagonal matrix
+    would give. With groups=1 this is _gemm itself; otherwise each group's operands are
+    copied out and its product copied into place (the GEMM kernels take no offsets, and
+    grouped convolutions are not on a hot path)."""
+    if groups == 1:
+        return _gemm(a, b, trans_a, trans_b)
+    rows_a, rows_b = a.shape[0] // groups, b.shape[0] // groups
+    out = None
+    for g in range(groups):
+        block = _gemm(_row_block(a, g * rows_a, rows_a), _row_block(b, g * rows_b, rows_b),
+                      trans_a, trans_b)
+        if out is None:
+            out = _like(block, (groups * block.shape[0], block.shape[1]))
+        if block.size:
+            cl.enqueue_copy(a.device.queue, out.data, block.data, dst_offset=g * block.nbytes,
+                            byte_count=block.nbytes)
+    return out
+
+
+def _check_groups(op, groups):
+    if not isinstance(groups, (int, np.integer)) or isinstance(groups, bool) or groups < 1:
+        raise ValueError(f"{op}: groups must be a positive int, got {groups!r}")
+    return int(groups)
+
+
+def conv2d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
+    """x (N, C, H, W) with filters w (K, C / groups, R, S) [+ b (K,)] -> (N, K, OH, OW), as
+    PyTorch's conv2d (a cross-correlation, zero padding). With G = groups, the channels split
+    into G groups, and output channel k of group g = k // (K / G) sees only input channels
+    g C/G .. (g+1) C/G - 1, as c' = g C/G + c:
+        out[n, k, i, j] = b[k] + sum over c, r, s of
+                          w[k, c, r, s] * x[n, c', i*SH + r*DH, j*SW + s*DW]
+    stride, padding and dilation (the spacing of the kernel's taps) are an int or a pair
+    (height, width). Inside autocast (OpenCL) the output is float16 storage; x is read in its
+    own storage; the product is float32. On tensor cores x and w are rounded to float16 and
+    every product runs there."""
     stride = _pair("conv2d", "stride", stride, 1)
     padding = _pair("conv2d", "padding", padding, 0)
+    dilation = _pair("conv2d", "dilation", dilation, 1)
+    groups = _check_groups("conv2d", groups)
     x, w, *rest = _nodes("conv2d", x, w, *(() if b is None else (b,)))
     b = rest[0] if rest else None
     if len(w.shape) != 4:
         raise ValueError(f"conv2d: weight must be 4-D (K, C, R, S), got shape {w.shape}")
-    window = _window("conv2d", x.shape, w.shape[2:], stride, padding)
-    if x.shape[1] != w.shape[1]:
+    window = _window("conv2d", x.shape, w.shape[2:], stride, padding, dilation)
+    if w.shape[0] % groups:  # PyTorch's rule: every group has K / groups filters
+        raise ValueError(f"conv2d: weight {w.shape} has {w.shape[0]} filters, not divisible "
+                         f"by groups={groups}")
+    if x.shape[1] != w.shape[1] * groups:
+        per_group = "" if groups == 1 else f" ({w.shape[1]} per group, groups={groups})"
         raise ValueError(f"conv2d: input {x.shape} has {x.shape[1]} channels, weight {w.shape} "
-                         f"expects {w.shape[1]}")
+                         f"expects {w.shape[1] * groups}{per_group}")
     if b is not None and b.shape != (w.shape[0],):
         raise ValueError(f"conv2d: bias shape {b.shape} != ({w.shape[0]},) for weight {w.shape}")
-    H, W, R, S, SH, SW, PH, PW, OH, OW = window
+    H, W, R, S, SH, SW, PH, PW, DH, DW, OH, OW = window
     (N, C), K, L = x.shape[:2], w.shape[0], OH * OW
+    G, group_taps = groups, w.shape[1] * R * S  # group_taps: the rows of one group's columns
     X, weight, bias = x.value, w.value, None if b is None else b.value
-    weight_rows = weight.reshape((K, C * R * S))  # a view: the GEMM's left operand
+    weight_rows = weight.reshape((K, group_taps))  # a view: the GEMM's left operand
     # im2col on the whole batch at once (fewer launches), in chunks of samples if too large.
     per_chunk = max(1, _IM2COL_BYTES // max(1, C * R * S * L * 4))  # columns are float32
     chunks = [(n0, min(per_chunk, N - n0)) for n0 in range(0, N, per_chunk)]
@@ -2128,16 +2190,22 @@ def conv2d(x, w, b=None, stride=1, padding=0):
     half = _half_activations(X.device)
     tensor_cores = half and X.device.tensor_cores  # float16 operands, as in linear
     if tensor_cores:
-        X, weight_rows = _half_operand(X), _half_weight(w).reshape((K, C * R * S))
+        X, weight_rows = _half_operand(X), _half_weight(w).reshape((K, group_taps))
     out = _like(X, (N, K, OH, OW), np.float16 if half else None)
+    # Each group's filters and channels, for the NumPy versions: a group is an ordinary
+    # convolution of its own channels (one einsum over a group axis would be twice as slow).
+    group_slices = [(slice(g * K // G, (g + 1) * K // G), slice(g * C // G, (g + 1) * C // G))
+                    for g in range(G)]
     if X.device.backend == "cpu":
         windows = _windows_numpy(X.data, window, 0.0)
-        out.data[...] = np.einsum("nchwrs,kcrs->nkhw", windows, weight.data, optimize=True)
+        for k, c in group_slices:
+            out.data[:, k] = np.einsum("nchwrs,kcrs->nkhw", windows[:, c], weight.data[k],
+                                       optimize=True)
         if bias is not None:
             out.data += bias.data.reshape(K, 1, 1)
     elif out.size:
-        for n0, nb in chunks:
-            y = _gemm(weight_rows, _im2col(X, n0, nb, window, tensor_cores))  # (K, nb*OH*OW)
+        for n0, nb in chunks:  # y (K, nb*OH*OW): each group's filters on its channels' columns
+            y = _grouped_gemm(weight_rows, _im2col(X, n0, nb, window, tensor_cores), G)
             X.device.launch("swap_axes01", *_grid(y.size), K, nb, L, 0, n0 * K * L,
                             int(bias is not None), y.data, None if bias is None else bias.data,
                             out.data, half=half)  # (K, nb, OH*OW) + bias -> out[n0:n0+nb]
@@ -2148,27 +2216,30 @@ def conv2d(x, w, b=None, stride=1, padding=0):
         grad_w = None
         if g.device.backend == "cpu":
             windows = _windows_numpy(X.data, window, 0.0)
-            if w.requires_grad:
-                grad_w = _like(weight)
-                grad_w.data[...] = np.einsum("nkhw,nchwrs->kcrs", g.data, windows, optimize=True)
-            if grad_x is not None:
-                grad_windows = np.einsum("nkhw,kcrs->nchwrs", g.data, weight.data, optimize=True)
-                grad_x.data[...] = _col2im_numpy(grad_windows, window)
+            grad_w = _like(weight) if w.requires_grad else None
+            for k, c in group_slices:
+                if grad_w is not None:
+                    grad_w.data[k] = np.einsum("nkhw,nchwrs->kcrs", g.data[:, k], windows[:, c],
+                                               optimize=True)
+                if grad_x is not None:
+                    grad_windows = np.einsum("nkhw,kcrs->nchwrs", g.data[:, k], weight.data[k],
+                                             optimize=True)
+                    grad_x.data[:, c] = _col2im_numpy(grad_windows, window)
         else:
             for n0, nb in chunks:
                 # g[n0:n0+nb] (nb, K, OH*OW) -> (K, nb*OH*OW)
                 g_rows = _like(g, (K, nb * L), np.float16 if tensor_cores else None)
                 g.device.launch("swap_axes01", *_grid(g_rows.size), nb, K, L, n0 * K * L, 0, 0,
                                 g.data, None, g_rows.data, half=tensor_cores)
-                if w.requires_grad:  # dw = g_rows @ cols^T, summed over the chunks
+                if w.requires_grad:  # dw = g_rows @ cols^T per group, summed over the chunks
                     cols = _im2col(X, n0, nb, window, tensor_cores)
-                    part = _gemm(g_rows, cols, trans_b=True)
+                    part = _grouped_gemm(g_rows, cols, G, trans_b=True)
                     if grad_w is None:
                         grad_w = part.reshape(weight.shape)
                     else:
                         _add_into(grad_w, part)
-                if grad_x is not None:  # dcols = w^T @ g_rows, then each pixel gathers its own
-                    grad_cols = _gemm(weight_rows, g_rows, trans_a=True)  # (C*R*S, nb*OH*OW)
+                if grad_x is not None:  # dcols = w^T @ g_rows per group, then col2im
+                    grad_cols = _grouped_gemm(weight_rows, g_rows, G, trans_a=True)
                     g.device.launch("col2im", (nb * H * W, C), (256, 1), n0, nb, C, *window,
                                     grad_cols.data, grad_x.data)
             if w.requires_grad and grad_w is None:  # an empty batch: no chunks
@@ -2204,7 +2275,7 @@ def max_pool2d(x, kernel_size, stride=None, padding=0):
     kernel_size; padding is -inf. The gradient goes to the first maximum of each window in
     row-major order (PyTorch's tie rule); NaN counts as the largest value."""
     x, window = _pool_window("max_pool2d", x, kernel_size, stride, padding)
-    H, W, R, S, SH, SW, PH, PW, OH, OW = window
+    H, W, R, S, SH, SW, PH, PW, _, _, OH, OW = window  # pooling windows are not dilated
     N, C = x.shape[:2]
     X = x.value
     out = _like(X, (N, C, OH, OW))
@@ -2239,7 +2310,7 @@ def avg_pool2d(x, kernel_size, stride=None, padding=0):
     """The mean of each window: x (N, C, H, W) -> (N, C, OH, OW). stride defaults to
     kernel_size; padded zeros count in the mean (PyTorch's default count_include_pad=True)."""
     x, window = _pool_window("avg_pool2d", x, kernel_size, stride, padding)
-    H, W, R, S, SH, SW, PH, PW, OH, OW = window
+    H, W, R, S, SH, SW, PH, PW, _, _, OH, OW = window
     N, C = x.shape[:2]
     X = x.value
     out = _like(X, (N, C, OH, OW))
@@ -2430,25 +2501,35 @@ class Linear(Module):
 
 
 class Conv2d(Module):
-    """2-D convolution over (N, C, H, W) input, weight (out_channels, in_channels, kh, kw);
-    PyTorch's initialisation: weight and bias ~ U(-1/sqrt(fan_in), 1/sqrt(fan_in)),
-    fan_in = in_channels * kh * kw. kernel_size, stride and padding: an int or a pair."""
+    """2-D convolution over (N, C, H, W) input, weight (out_channels, in_channels / groups,
+    kh, kw); PyTorch's initialisation: weight and bias ~ U(-1/sqrt(fan_in), 1/sqrt(fan_in)),
+    fan_in = in_channels / groups * kh * kw. kernel_size, stride, padding and dilation: an int
+    or a pair; in_ch and out_ch must both be multiples of groups."""
 
-    def __init__(self, in_ch, out_ch, kernel_size, stride=1, padding=0, bias=True, *, queue=None):
+    def __init__(self, in_ch, out_ch, kernel_size, stride=1, padding=0, dilation=1, groups=1,
+                 bias=True, *, queue=None):
         super().__init__()
         self.in_channels = _check_positive_int("in_ch", in_ch)  # PyTorch's attribute names
         self.out_channels = _check_positive_int("out_ch", out_ch)
         self.kernel_size = _pair("Conv2d", "kernel_size", kernel_size, 1)
         self.stride = _pair("Conv2d", "stride", stride, 1)
         self.padding = _pair("Conv2d", "padding", padding, 0)
-        bound = 1.0 / math.sqrt(self.in_channels * math.prod(self.kernel_size))
-        self.weight = _uniform_parameter((self.out_channels, self.in_channels) + self.kernel_size,
+        self.dilation = _pair("Conv2d", "dilation", dilation, 1)
+        self.groups = _check_groups("Conv2d", groups)
+        for name, channels in (("in_ch", in_ch), ("out_ch", out_ch)):
+            if channels % groups:
+                raise ValueError(f"Conv2d: {name}={channels} is not divisible by "
+                                 f"groups={groups}")
+        group_channels = self.in_channels // self.groups
+        bound = 1.0 / math.sqrt(group_channels * math.prod(self.kernel_size))
+        self.weight = _uniform_parameter((self.out_channels, group_channels) + self.kernel_size,
                                          bound, queue)
         self.bias = _uniform_parameter((self.out_channels,), bound, queue) if bias else None
 
     def forward(self, x):
         """x (N, in_channels, H, W) -> (N, out_channels, OH, OW)."""
-        return conv2d(x, self.weight, self.bias, self.stride, self.padding)
+        return conv2d(x, self.weight, self.bias, self.stride, self.padding, self.dilation,
+                      self.groups)
 
 
 class MaxPool2d(Module):

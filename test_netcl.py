@@ -887,6 +887,51 @@ def _(draw, rng, fd):
                 [weight, pos_weight], tol="acc")
 
 
+# --- conv2d with dilation and groups: the reference is written from the definition.
+
+def _conv2d_ref(x, w, b, stride, padding, dilation, groups):
+    """torch.nn.functional.conv2d from its definition, one output pixel at a time: filter k
+    of group g = k // (K / groups) sees channels g C/G .. (g+1) C/G - 1 through taps
+    `dilation` apart, the first at (i SH - PH, j SW - PW)."""
+    (sh, sw), (ph, pw), (dh, dw) = stride, padding, dilation
+    N, C, H, W = x.shape
+    K, group_channels, R, S = w.shape
+    padded = np.pad(x, ((0, 0), (0, 0), (ph, ph), (pw, pw)))
+    OH, OW = (H + 2 * ph - dh * (R - 1) - 1) // sh + 1, (W + 2 * pw - dw * (S - 1) - 1) // sw + 1
+    out = np.zeros((N, K, OH, OW))
+    for k in range(K):
+        g = k // (K // groups)
+        channels = padded[:, g * group_channels:(g + 1) * group_channels]
+        for i in range(OH):
+            for j in range(OW):
+                taps = channels[:, :, i * sh:i * sh + dh * (R - 1) + 1:dh,
+                                j * sw:j * sw + dw * (S - 1) + 1:dw]
+                out[:, k, i, j] = np.tensordot(taps, w[k], axes=3)
+    return out if b is None else out + b.reshape(1, K, 1, 1)
+
+
+@case("conv2d_dilation_groups")
+def _(draw, rng, fd):
+    small = st.integers(1, 2) if fd else st.integers(1, 4)
+    groups = draw(st.integers(1, 3))
+    N, group_channels, group_filters = draw(small), draw(small), draw(small)
+    R, S = draw(st.integers(1, 3)), draw(st.integers(1, 3))
+    stride, dilation = draw(st.integers(1, 2)), (draw(st.integers(1, 3)), draw(st.integers(1, 3)))
+    padding = (draw(st.integers(0, 2)), draw(st.integers(0, 2)))
+    span = ((R - 1) * dilation[0] + 1, (S - 1) * dilation[1] + 1)
+    top = 7 if fd else 12
+    H = draw(st.integers(max(1, span[0] - 2 * padding[0]), max(top, span[0])))
+    W = draw(st.integers(max(1, span[1] - 2 * padding[1]), max(top, span[1])))
+    inputs = [rng.standard_normal((N, groups * group_channels, H, W)),
+              rng.standard_normal((groups * group_filters, group_channels, R, S))]
+    if draw(st.booleans()):
+        inputs.append(rng.standard_normal(groups * group_filters))
+    geometry = (stride, padding, dilation, groups)
+    return Case(lambda x, w, b=None: F.conv2d(x, w, b, *geometry),
+                lambda x, w, b=None: _conv2d_ref(x, w, b, (stride, stride), *geometry[1:]),
+                inputs, tol="acc")
+
+
 # Random outputs cannot be compared across backends (the mask stream is per backend).
 CROSS_BACKEND_CASES = sorted(name for name in CASES if name != "dropout")
 
@@ -5302,3 +5347,119 @@ def test_loss_weights_are_constants(backend):
 def test_new_loss_names():
     assert netcl.nll_loss is F.nll_loss and netcl.nn.functional.nll_loss is F.nll_loss
     assert netcl.binary_cross_entropy_with_logits is F.binary_cross_entropy_with_logits
+
+
+def test_grouped_conv2d_is_one_conv2d_per_group(device):
+    """groups=G is G ordinary convolutions side by side, each on its C/G channels with its
+    K/G filters (depthwise when G = C); dilation spreads the taps, as the definition says."""
+    rng = np.random.default_rng(6)
+    for groups, dilation in ((2, 1), (4, (2, 1))):
+        x = rng.standard_normal((2, 4, 7, 6)).astype(np.float32)
+        w = rng.standard_normal((2 * groups, 4 // groups, 3, 3)).astype(np.float32)
+        whole = host(F.conv2d(tensor(x, device), w, padding=1, dilation=dilation, groups=groups))
+        per = len(w) // groups
+        parts = [host(F.conv2d(tensor(x[:, g * (4 // groups):(g + 1) * (4 // groups)], device),
+                               w[g * per:(g + 1) * per], padding=1, dilation=dilation))
+                 for g in range(groups)]
+        np.testing.assert_allclose(whole, np.concatenate(parts, axis=1), rtol=1e-5, atol=1e-5)
+
+
+def test_grouped_dilated_conv2d_in_im2col_chunks(opencl, monkeypatch):
+    """A batch split into im2col chunks gives what the whole batch gives, grouped and dilated."""
+    rng = np.random.default_rng(7)
+    arrays = [rng.standard_normal(s).astype(np.float32) for s in ((5, 4, 7, 6), (6, 2, 3, 2), (6,))]
+    op = lambda x, w, b: F.conv2d(x, w, b, stride=(1, 2), padding=2, dilation=(2, 3), groups=2)
+    g = rng.standard_normal(op(*arrays).shape).astype(np.float32)
+    launches = opencl.launches
+    whole = run_op(op, arrays, g, opencl)
+    whole_launches, launches = opencl.launches - launches, opencl.launches
+    # two samples' columns per chunk: C*R*S rows of OH*OW float32 values each
+    monkeypatch.setattr(netcl, "_IM2COL_BYTES", 2 * (4 * 3 * 2) * (7 * 4) * 4)
+    chunked = run_op(op, arrays, g, opencl)
+    assert opencl.launches - launches > whole_launches  # three chunks really ran
+    for got, want in zip([chunked[0]] + chunked[1], [whole[0]] + whole[1]):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_grouped_dilated_conv2d_of_an_empty_batch(device):
+    x = param(np.zeros((0, 4, 5, 5)), device)
+    w = param(np.ones((6, 2, 2, 2)), device)
+    with netcl.Tape() as tape:
+        out = F.conv2d(x, w, stride=1, padding=1, dilation=3, groups=2)
+    assert out.shape == (0, 6, 4, 4)
+    tape.backward(out, grad=np.zeros(out.shape, np.float32))
+    assert host(x.grad).shape == (0, 4, 5, 5)
+    np.testing.assert_array_equal(host(w.grad), np.zeros((6, 2, 2, 2)))
+
+
+@pytest.mark.parametrize("gemm", ["packed", "tiled"])
+@pytest.mark.usefixtures("portable_half")
+def test_autocast_grouped_dilated_conv2d_is_the_float32_result_rounded(opencl, monkeypatch,
+                                                                        gemm):
+    """Under autocast a grouped, dilated conv2d writes float16 storage: the float32 result on
+    the same values, rounded once; its gradients are the float32 ones."""
+    monkeypatch.setattr(opencl, "gemm", gemm)
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((2, 6, 8, 7)).astype(np.float16)
+    weights = [rng.standard_normal((9, 2, 3, 3)) / 5, rng.standard_normal(9)]
+    results = {}
+    for enabled, dtype in ((False, np.float32), (True, np.float16)):
+        leaves = [param(x, opencl, dtype)] + [param(w, opencl) for w in weights]
+        with netcl.Tape() as tape, netcl.autocast(enabled=enabled):
+            out = F.conv2d(*leaves, stride=(2, 1), padding=2, dilation=(2, 1), groups=3)
+        seed = np.random.default_rng(1).standard_normal(out.shape).astype(np.float16)
+        tape.backward(out, grad=seed.astype(np.float32))
+        results[enabled] = host(out), [host(p.grad) for p in leaves]
+    (single, grads32), (half, grads16) = results[False], results[True]
+    assert half.dtype == np.float16
+    np.testing.assert_array_equal(half, single.astype(np.float16))
+    for g16, g32 in zip(grads16, grads32):
+        np.testing.assert_array_equal(g16, g32)
+
+
+@pytest.mark.parametrize("call, words", [
+    (lambda t: F.conv2d(t(2, 4, 5, 5), t(3, 2, 3, 3), groups=2),
+     ["conv2d", "3 filters", "groups=2"]),
+    (lambda t: F.conv2d(t(2, 3, 5, 5), t(4, 2, 3, 3), groups=2),
+     ["conv2d", "3 channels", "expects 4", "groups=2"]),
+    (lambda t: F.conv2d(t(2, 4, 5, 5), t(4, 4, 3, 3), groups=2),
+     ["conv2d", "4 channels", "expects 8"]),
+    (lambda t: F.conv2d(t(2, 4, 5, 5), t(4, 2, 3, 3), groups=0), ["conv2d", "groups", "0"]),
+    (lambda t: F.conv2d(t(2, 4, 5, 5), t(4, 2, 3, 3), groups=2.0), ["conv2d", "groups", "2.0"]),
+    (lambda t: F.conv2d(t(2, 4, 5, 5), t(4, 4, 3, 3), groups=True), ["conv2d", "groups", "True"]),
+    (lambda t: F.conv2d(t(2, 4, 5, 5), t(4, 4, 3, 3), dilation=0), ["conv2d", "dilation", "0"]),
+    (lambda t: F.conv2d(t(2, 4, 5, 5), t(4, 4, 3, 3), dilation=(1, -2)),
+     ["conv2d", "dilation", "-2"]),
+    (lambda t: F.conv2d(t(2, 4, 5, 5), t(4, 4, 3, 3), dilation=3),
+     ["conv2d", "kernel (3, 3)", "dilation (3, 3)", "spans (7, 7)", "padded input (5, 5)"]),
+    (lambda t: nn.Conv2d(3, 4, 3, groups=2), ["Conv2d", "in_ch=3", "groups=2"]),
+    (lambda t: nn.Conv2d(4, 3, 3, groups=2), ["Conv2d", "out_ch=3", "groups=2"]),
+    (lambda t: nn.Conv2d(4, 4, 3, groups=0), ["Conv2d", "groups", "0"]),
+    (lambda t: nn.Conv2d(4, 4, 3, dilation=(0, 1)), ["Conv2d", "dilation", "(0, 1)"]),
+])
+def test_conv2d_groups_and_dilation_are_checked(device, call, words):
+    tensor = lambda *shape: netcl.Tensor.from_host(np.zeros(shape, np.float32), device.queue)
+    launches = device.launches
+    with raises_naming(ValueError, *words):
+        call(tensor)
+    assert device.launches == launches
+
+
+def test_conv2d_module_dilation_and_groups(device):
+    """nn.Conv2d as PyTorch's: weight (out, in / groups, kh, kw), U(+-1/sqrt(fan_in)) with
+    fan_in = in / groups * kh * kw, the attributes, and the functional op underneath."""
+    netcl.manual_seed(0)
+    conv = nn.Conv2d(6, 9, (3, 2), 1, 2, (2, 1), 3, queue=device.queue)  # PyTorch's order
+    assert (conv.dilation, conv.groups, conv.padding) == ((2, 1), 3, (2, 2))
+    state = conv.state_dict()
+    assert list(state) == ["weight", "bias"] and state["weight"].shape == (9, 2, 3, 2)
+    bound = 1 / np.sqrt(2 * 3 * 2)
+    for value in state.values():
+        assert np.abs(value).max() <= bound and np.abs(value).max() > 0.7 * bound
+    x = np.random.default_rng(9).standard_normal((2, 6, 7, 5)).astype(np.float32)
+    out = conv(tensor(x, device))
+    np.testing.assert_array_equal(host(out), host(F.conv2d(x, conv.weight, conv.bias, padding=2,
+                                                           dilation=(2, 1), groups=3)))
+    np.testing.assert_allclose(host(out), _conv2d_ref(x.astype(np.float64), state["weight"],
+                                                      state["bias"], (1, 1), (2, 2), (2, 1), 3),
+                               rtol=1e-5, atol=1e-5)
