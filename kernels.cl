@@ -847,67 +847,177 @@ __kernel void softmax_axis_bwd(const int outer, const int R, const int inner, co
     }
 }
 
-// --- cross-entropy, fused with log-softmax. One work-item per row.
-// logits (N, C), target (N) class indices -> loss (N) = logsumexp(x) - x[target]
-__kernel void cross_entropy_index(const int N, const int C, __global const act_t* x,
-                                  __global const int* target, __global float* loss) {
-    const int r = get_global_id(0);
-    if (r >= N) return;
-    __global const act_t* row = x + r * C;
+// --- cross-entropy, fused with log-softmax, and the other losses. One work-item per row: a
+// row is the C scores of one target, read in place at stride `inner` from x (outer, C, inner)
+// (logits (N, C) are outer = N, inner = 1; (N, C, d1, ...) have inner = d1 * ...), and the
+// row of work-item r = o * inner + i starts at o * C * inner + i. A row whose index target is
+// ignore_index loses 0 and gets no gradient. `smoothing` is label_smoothing e: the target
+// becomes t' = (1 - e) t + e / C, t one-hot for an index target (PyTorch's formula).
+
+// The maximum m of the row's C values at stride `stride`, and sum_c exp(x_c - m) in *total.
+float row_max_and_total(__global const act_t* row, const int C, const int stride,
+                        float* total) {
     float m = -INFINITY;
-    for (int c = 0; c < C; ++c) m = fmax(m, LOAD(row, c));
-    float total = 0.0f;
-    for (int c = 0; c < C; ++c) total += exp(LOAD(row, c) - m);
-    loss[r] = m + log(total) - LOAD(row, target[r]);
+    for (int c = 0; c < C; ++c) m = fmax(m, LOAD(row, c * stride));
+    float sum = 0.0f;
+    for (int c = 0; c < C; ++c) sum += exp(LOAD(row, c * stride) - m);
+    *total = sum;
+    return m;
 }
 
-// logits (N, C), target (N, C) probabilities -> loss (N) = sum_c t_c (logsumexp(x) - x_c)
-__kernel void cross_entropy_soft(const int N, const int C, __global const act_t* x,
+// logits (outer, C, inner), target (outer, inner) class indices -> loss (outer, inner)
+//   = (1 - e) (lse - x[target]) + e / C * sum_c (lse - x_c), lse = logsumexp(x)
+__kernel void cross_entropy_index(const int outer, const int C, const int inner,
+                                  const int ignore_index, const float smoothing,
+                                  __global const act_t* x, __global const int* target,
+                                  __global float* loss) {
+    const int r = get_global_id(0);
+    if (r >= outer * inner) return;
+    if (target[r] == ignore_index) { loss[r] = 0.0f; return; }
+    __global const act_t* row = x + (r / inner) * C * inner + r % inner;
+    float total;
+    const float m = row_max_and_total(row, C, inner, &total), lse = m + log(total);
+    float value = lse - LOAD(row, target[r] * inner);
+    if (smoothing != 0.0f) {  // a third pass only when asked: with e = 0, -inf logits stay harmless
+        float spread = 0.0f;
+        for (int c = 0; c < C; ++c) spread += lse - LOAD(row, c * inner);
+        value = (1.0f - smoothing) * value + smoothing / C * spread;
+    }
+    loss[r] = value;
+}
+
+// logits (outer, C, inner), target (outer, C, inner) probabilities -> loss (outer, inner)
+//   = sum_c t'_c (lse - x_c)
+__kernel void cross_entropy_soft(const int outer, const int C, const int inner,
+                                 const float smoothing, __global const act_t* x,
                                  __global const float* target, __global float* loss) {
     const int r = get_global_id(0);
-    if (r >= N) return;
-    __global const act_t* row = x + r * C;
-    __global const float* t = target + r * C;
-    float m = -INFINITY;
-    for (int c = 0; c < C; ++c) m = fmax(m, LOAD(row, c));
-    float total = 0.0f;
-    for (int c = 0; c < C; ++c) total += exp(LOAD(row, c) - m);
-    const float lse = m + log(total);
+    if (r >= outer * inner) return;
+    const int base = (r / inner) * C * inner + r % inner;
+    __global const act_t* row = x + base;
+    __global const float* t = target + base;
+    float total;
+    const float m = row_max_and_total(row, C, inner, &total), lse = m + log(total);
+    const float keep = 1.0f - smoothing, uniform = smoothing / C;
     float acc = 0.0f;
-    for (int c = 0; c < C; ++c) acc += t[c] * (lse - LOAD(row, c));
+    for (int c = 0; c < C; ++c) acc += (keep * t[c * inner] + uniform) * (lse - LOAD(row, c * inner));
     loss[r] = acc;
 }
 
-// dx (N, C) = g_r (softmax(x) sum_c t_c - t), g_r = scale * g[r * g_stride]: g_stride is 0
-// when the loss was reduced to a scalar, 1 for reduction="none". Index targets are one-hot.
-__kernel void cross_entropy_bwd(const int N, const int C, const int g_stride, const float scale,
-                                const int soft, __global const float* g, __global const act_t* x,
+// dx (outer, C, inner) = g_r (softmax(x) sum_c t'_c - t'), g_r = scale * g[r * g_stride]:
+// g_stride is 0 when the loss was reduced to a scalar, 1 for reduction="none". Index targets
+// are one-hot (soft = 0: `index` is read, else `target`).
+__kernel void cross_entropy_bwd(const int outer, const int C, const int inner,
+                                const int g_stride, const float scale, const int soft,
+                                const int ignore_index, const float smoothing,
+                                __global const float* g, __global const act_t* x,
                                 __global const int* index, __global const float* target,
                                 __global float* out) {
     const int r = get_global_id(0);
-    if (r >= N) return;
-    __global const act_t* row = x + r * C;
-    float m = -INFINITY;
-    for (int c = 0; c < C; ++c) m = fmax(m, LOAD(row, c));
-    float total = 0.0f;
-    for (int c = 0; c < C; ++c) total += exp(LOAD(row, c) - m);
+    if (r >= outer * inner) return;
+    const int base = (r / inner) * C * inner + r % inner;
+    if (!soft && index[r] == ignore_index) {
+        for (int c = 0; c < C; ++c) out[base + c * inner] = 0.0f;
+        return;
+    }
+    float total;
+    const float m = row_max_and_total(x + base, C, inner, &total);
     float mass = 1.0f;
-    if (soft) { mass = 0.0f; for (int c = 0; c < C; ++c) mass += target[r * C + c]; }
+    if (soft) { mass = 0.0f; for (int c = 0; c < C; ++c) mass += target[base + c * inner]; }
+    const float keep = 1.0f - smoothing, uniform = smoothing / C;
+    mass = keep * mass + smoothing;  // sum_c t'_c
     const float g_r = scale * g[r * g_stride];
     for (int c = 0; c < C; ++c) {
-        const float t = soft ? target[r * C + c] : (c == index[r] ? 1.0f : 0.0f);
-        out[r * C + c] = g_r * (exp(LOAD(row, c) - m) / total * mass - t);
+        const int j = base + c * inner;
+        const float t = soft ? target[j] : (c == index[r] ? 1.0f : 0.0f);
+        out[j] = g_r * (exp(LOAD(x, j) - m) / total * mass - (keep * t + uniform));
     }
+}
+
+// dtarget (outer, C, inner) = g_r (1 - e) (lse - x_c) = -g_r (1 - e) log_softmax(x): the
+// gradient of a probability target that requires one.
+__kernel void cross_entropy_target_bwd(const int outer, const int C, const int inner,
+                                       const int g_stride, const float scale,
+                                       const float smoothing, __global const float* g,
+                                       __global const act_t* x, __global float* out) {
+    const int r = get_global_id(0);
+    if (r >= outer * inner) return;
+    const int base = (r / inner) * C * inner + r % inner;
+    float total;
+    const float m = row_max_and_total(x + base, C, inner, &total), lse = m + log(total);
+    const float g_r = scale * g[r * g_stride] * (1.0f - smoothing);
+    for (int c = 0; c < C; ++c) out[base + c * inner] = g_r * (lse - LOAD(x, base + c * inner));
+}
+
+// log_probs (outer, C, inner), target (outer, inner) -> loss (outer, inner) = -x[target]
+__kernel void nll_loss_fwd(const int outer, const int C, const int inner,
+                           const int ignore_index, __global const act_t* x,
+                           __global const int* target, __global float* loss) {
+    const int r = get_global_id(0);
+    if (r >= outer * inner) return;
+    const int t = target[r];
+    loss[r] = t == ignore_index ? 0.0f
+                                : -LOAD(x, (r / inner) * C * inner + t * inner + r % inner);
+}
+
+// dx (outer, C, inner) = -scale g[r * g_stride] at row r's target class, 0 elsewhere. One
+// work-item per element of dx.
+__kernel void nll_loss_bwd(const int outer, const int C, const int inner, const int g_stride,
+                           const float scale, const int ignore_index, __global const float* g,
+                           __global const int* target, __global float* out) {
+    const int i = get_global_id(0);
+    if (i >= outer * C * inner) return;
+    const int q = i / inner, in = i - q * inner, o = q / C, c = q - o * C, r = o * inner + in;
+    out[i] = c == target[r] && c != ignore_index ? -scale * g[r * g_stride] : 0.0f;
+}
+
+// Binary cross-entropy on logits, elementwise, in PyTorch's stable form: with L = 1 + (pw - 1) t,
+// loss (n) = w ((1 - t) x - L log_sigmoid(x)). The weight w and pos_weight pw repeat along the
+// leading dimensions (i % size: netcl.py expands any other broadcast first); size 0: absent, 1.
+// x is act_t; t, w, pw float.
+float log_sigmoid(const float x) {  // min(x, 0) - log1p(exp(-|x|)): exp never overflows
+    return (x < 0.0f ? x : 0.0f) - log1p(exp(-fabs(x)));
+}
+
+__kernel void bce_logits_fwd(const int n, const int w_size, const int pw_size,
+                             __global const act_t* x_, __global const float* t_,
+                             __global const float* w_, __global const float* pw_,
+                             __global float* loss) {
+    const int i = get_global_id(0);
+    if (i >= n) return;
+    const float x = LOAD(x_, i), t = t_[i];
+    const float w = w_size ? w_[i % w_size] : 1.0f, pw = pw_size ? pw_[i % pw_size] : 1.0f;
+    loss[i] = w * ((1.0f - t) * x - (1.0f + (pw - 1.0f) * t) * log_sigmoid(x));
+}
+
+// out (n) = scale g[i * g_stride] w times dloss/dx = L sigmoid(x) - pw t, or with wrt_target
+// dloss/dt = -x - (pw - 1) log_sigmoid(x).
+__kernel void bce_logits_bwd(const int n, const int g_stride, const float scale,
+                             const int w_size, const int pw_size, const int wrt_target,
+                             __global const float* g, __global const act_t* x_,
+                             __global const float* t_, __global const float* w_,
+                             __global const float* pw_, __global float* out) {
+    const int i = get_global_id(0);
+    if (i >= n) return;
+    const float x = LOAD(x_, i), t = t_[i];
+    const float w = w_size ? w_[i % w_size] : 1.0f, pw = pw_size ? pw_[i % pw_size] : 1.0f;
+    const float d = wrt_target ? -x - (pw - 1.0f) * log_sigmoid(x)
+                               : (1.0f + (pw - 1.0f) * t) / (1.0f + exp(-x)) - pw * t;
+    out[i] = scale * g[i * g_stride] * w * d;
 }
 
 // --- convolution and pooling on NCHW images. Every kernel takes the window geometry in this
 // order: input plane (H, W), kernel (R, S), stride (SH, SW), padding (PH, PW) on each side,
-// output plane (OH, OW). Backward kernels gather: one work-item per input pixel sums the
-// outputs whose window covers it, so no two work-items write one place and nothing is atomic.
+// dilation (DH, DW), output plane (OH, OW). A dilated kernel's taps are DH rows and DW
+// columns apart, so it spans (R-1)*DH+1 rows; pooling windows are not dilated (DH = DW = 1).
+// Backward kernels gather: one work-item per input pixel sums the outputs whose window
+// covers it, so no two work-items write one place and nothing is atomic.
 #define WINDOW_ARGS const int H, const int W, const int R, const int S, const int SH,            \
-                    const int SW, const int PH, const int PW, const int OH, const int OW
+                    const int SW, const int PH, const int PW, const int DH, const int DW,        \
+                    const int OH, const int OW
 
-// The outputs whose window covers padded row hp: oh in [lo, hi], with lo = ceil((hp-R+1)/SH).
+// The outputs whose window, R rows long, spans padded row hp: oh in [lo, hi], with
+// lo = ceil((hp-R+1)/SH).
 #define COVERING(hp, R, SH, OH, lo, hi)                                                        \
     const int lo = (hp) < (R) ? 0 : ((hp) - (R)) / (SH) + 1;                                   \
     const int hi = (hp) / (SH) < (OH) - 1 ? (hp) / (SH) : (OH) - 1;
@@ -928,9 +1038,9 @@ __kernel void NAME(const int n0, const int nb, const int C, WINDOW_ARGS,        
     __global const act_t* plane = x + ((n0 + n) * C + c) * H * W;                              \
     __global COL_T* column = cols + c * R * S * P + p;                                         \
     for (int r = 0; r < R; ++r) {                                                              \
-        const int h = oh * SH - PH + r;                                                        \
+        const int h = oh * SH - PH + r * DH;                                                   \
         for (int s = 0; s < S; ++s) {                                                          \
-            const int w = ow * SW - PW + s;                                                    \
+            const int w = ow * SW - PW + s * DW;                                               \
             const int inside = h >= 0 && h < H && w >= 0 && w < W;                             \
             STORE_##COL_T(column, (r * S + s) * P, inside ? LOAD(plane, h * W + w) : 0.0f);    \
         }                                                                                      \
@@ -941,22 +1051,36 @@ IM2COL(im2col_act, act_t)
 
 // dcols (C*R*S, nb*OH*OW) -> dx (N, C, H, W) for samples n0 .. n0+nb-1: the adjoint of im2col,
 // each input pixel summing the column entries that were copies of it. A 2-D launch over
-// (input pixel, channel), as im2col.
+// (input pixel, channel), as im2col. A dilated window's span holds rows and columns between
+// its taps, which are skipped; the undilated case has its own loop, free of those divisions
+// (they cost it a fifth of its time on PoCL).
 __kernel void col2im(const int n0, const int nb, const int C, WINDOW_ARGS,
                      __global const float* dcols, __global float* dx) {
     const int i = get_global_id(0), c = get_global_id(1), P = nb * OH * OW;
     if (i >= nb * H * W) return;
     const int q = i / W, w = i - q * W, n = q / H, h = q - n * H;
     const int hp = h + PH, wp = w + PW;
-    COVERING(hp, R, SH, OH, oh_lo, oh_hi)
-    COVERING(wp, S, SW, OW, ow_lo, ow_hi)
+    COVERING(hp, (R - 1) * DH + 1, SH, OH, oh_lo, oh_hi)
+    COVERING(wp, (S - 1) * DW + 1, SW, OW, ow_lo, ow_hi)
     __global const float* taps = dcols + c * R * S * P + n * OH * OW;
     float acc = 0.0f;
-    for (int oh = oh_lo; oh <= oh_hi; ++oh) {
-        const int r = hp - oh * SH;
-        for (int ow = ow_lo; ow <= ow_hi; ++ow) {
-            const int s = wp - ow * SW;
-            acc += taps[(r * S + s) * P + oh * OW + ow];
+    if (DH == 1 && DW == 1) {
+        for (int oh = oh_lo; oh <= oh_hi; ++oh) {
+            const int r = hp - oh * SH;
+            for (int ow = ow_lo; ow <= ow_hi; ++ow) {
+                const int s = wp - ow * SW;
+                acc += taps[(r * S + s) * P + oh * OW + ow];
+            }
+        }
+    } else {
+        for (int oh = oh_lo; oh <= oh_hi; ++oh) {
+            const int dr = hp - oh * SH;  // r * DH, if this row is one of the window's taps
+            if (dr % DH) continue;
+            for (int ow = ow_lo; ow <= ow_hi; ++ow) {
+                const int ds = wp - ow * SW;
+                if (ds % DW) continue;
+                acc += taps[((dr / DH) * S + ds / DW) * P + oh * OW + ow];
+            }
         }
     }
     dx[(((n0 + n) * C + c) * H + h) * W + w] = acc;

@@ -2620,24 +2620,33 @@ def log_softmax(x, axis=-1):
 _REDUCTIONS = ("mean", "sum", "none")
 
 
-def cross_entropy(logits, target, reduction="mean"):
-    """Cross-entropy of logits (N, C) against class indices (N,) or probabilities (N, C).
-
-    Index targets: any integer array or an int32 Tensor; an index outside [0, C) raises.
-    Probability (one-hot or soft) targets give the same loss and gradient as indices would.
-    "mean" divides by N, as PyTorch does for unweighted losses; as there, the mean over empty
-    logits (N = 0, or C = 0 with probability targets) is NaN and the sum 0. The target is a
-    constant.
-    """
+def _check_loss_args(op, reduction, ignore_index=-100):
     if reduction not in _REDUCTIONS:
-        raise ValueError(f"cross_entropy: reduction must be one of {_REDUCTIONS}, got {reduction!r}")
-    (x,) = _nodes("cross_entropy", logits)
-    if len(x.shape) != 2:
-        raise ValueError(f"cross_entropy: logits must be (N, C), got shape {x.shape}")
-    N, C = x.shape
+        raise ValueError(f"{op}: reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+    if not isinstance(ignore_index, (int, np.integer)) or isinstance(ignore_index, bool):
+        raise TypeError(f"{op}: ignore_index must be an int, got {ignore_index!r}")
+
+
+def _class_layout(op, x, what):
+    """Scores x (C,), (N, C) or (N, C, d1, ...) seen as (outer, C, inner), the class axis in
+    the middle, as the kernels read it (in place: no transposition); and the shape of the
+    losses, one per target: (), (N,) or (N, d1, ...)."""
+    if not x.shape:
+        raise ValueError(f"{op}: {what} must be (C,), (N, C) or (N, C, d1, ...), got shape ()")
+    if len(x.shape) == 1:
+        return (1, x.shape[0], 1), ()
+    return (x.shape[0], x.shape[1], math.prod(x.shape[2:])), x.shape[:1] + x.shape[2:]
+
+
+def _class_target(op, x, target, loss_shape, ignore_index, probabilities):
+    """The target of a classification loss on scores x, checked on the host before anything
+    is enqueued: (T, soft, count). T is on x's device: int32 class indices shaped like the
+    losses, or (soft, where `probabilities` allows) float probabilities shaped like x. count
+    is what "mean" divides by: the index targets other than ignore_index, or the number of
+    probability rows (0 when there are no classes, so the mean is NaN, as PyTorch's)."""
     t = target.value if isinstance(target, Node) else target
     if isinstance(t, Tensor):
-        _devices_of("cross_entropy", x, t)
+        _devices_of(op, x, t)
         soft = t.dtype.kind == "f"
         # A wrong label would read out of bounds on the device, so labels are checked on the
         # host: with the copy an upload kept, else read back (a sync).
@@ -2646,63 +2655,286 @@ def cross_entropy(logits, target, reduction="mean"):
         host = np.asarray(t)
         soft = host.dtype.kind == "f"
         if host.dtype.kind not in "iuf":
-            raise ValueError(f"cross_entropy: target must hold integers or floats, got {host.dtype}")
+            raise ValueError(f"{op}: target must hold integers or floats, got {host.dtype}")
+    C = x.shape[1] if len(x.shape) > 1 else x.shape[0]
     if soft:
         shape = t.shape if isinstance(t, Tensor) else host.shape
-        if len(shape) != 2 or shape[0] != N or shape[1] != C:
-            raise ValueError(f"cross_entropy: probability target of shape {shape} (width "
-                             f"{shape[-1] if shape else None}) does not match logits ({N}, {C})")
+        if not probabilities:
+            raise ValueError(f"{op}: target must hold class indices (integers), got floats "
+                             f"of shape {shape}")
+        if shape != x.shape:
+            raise ValueError(f"{op}: probability target of shape {shape} does not match "
+                             f"logits {x.shape} (a probability target has the logits' shape)")
+        if ignore_index >= 0:  # PyTorch's rule: the default -100 passes unnoticed
+            raise ValueError(f"{op}: ignore_index={ignore_index} is not supported for "
+                             f"probability targets")
         T = _float32(t) if isinstance(t, Tensor) else Tensor.from_host(
             host, x.value.queue, _compute_dtype(x.dtype))
-    else:
-        if host.shape != (N,):
-            raise ValueError(f"cross_entropy: index target of shape {host.shape} does not match "
-                             f"logits ({N}, {C}); expected ({N},)")
-        bad = host[(host < 0) | (host >= C)]
-        if bad.size:
-            raise ValueError(f"cross_entropy: target label {bad[0]} out of range [0, {C})")
-        T = t if isinstance(t, Tensor) else Tensor.from_host(host.astype(np.int32), x.value.queue)
+        return T, True, math.prod(loss_shape) if C else 0
+    if host.shape != loss_shape:
+        raise ValueError(f"{op}: index target of shape {host.shape} does not match logits "
+                         f"{x.shape}; expected {loss_shape}")
+    bad = host[((host < 0) | (host >= C)) & (host != ignore_index)]
+    if bad.size:
+        raise ValueError(f"{op}: target label {bad[0]} out of range [0, {C})")
+    T = t if isinstance(t, Tensor) else Tensor.from_host(host.astype(np.int32), x.value.queue)
+    return T, False, int(np.count_nonzero(host != ignore_index))
+
+
+def _reduce_losses(losses, reduction, count):
+    """The losses themselves ("none"), their sum, or their sum / count ("mean"; NaN when count
+    is 0, as PyTorch's mean over nothing)."""
+    if reduction == "none":
+        return losses
+    scale = 1.0 if reduction == "sum" else 1.0 / count if count else math.nan
+    return _sum_axis_tensor(losses, 1, losses.size, 1, scale).reshape(())
+
+
+def _log_softmax_classes(logits):
+    """log_softmax over the classes of logits (outer, C, inner): the NumPy reference of the
+    kernels' row loops. initial=-inf, as the kernels start their maximum: with C = 0 the empty
+    sums are 0, and log(0) no error."""
+    shifted = logits - logits.max(axis=1, keepdims=True, initial=-np.inf)
+    with np.errstate(divide="ignore"):
+        return shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
+
+
+def _pick_class(values, labels, kept):
+    """values (outer, C, inner) at the classes labels (outer, 1, inner). Where not kept (an
+    ignored target) class 0 is read instead, for the caller to mask; with C = 0 every target
+    is ignored and the picks are zeros."""
+    if not values.shape[1]:
+        return np.zeros(labels.shape, values.dtype)
+    return np.take_along_axis(values, np.where(kept, labels, 0), axis=1)
+
+
+def cross_entropy(logits, target, reduction="mean", ignore_index=-100, label_smoothing=0.0):
+    """Cross-entropy of logits (C,), (N, C) or (N, C, d1, ...) against class indices (), (N,)
+    or (N, d1, ...), or probabilities shaped like the logits, as PyTorch's cross_entropy.
+
+    Index targets: any integer array or an int32 Tensor; an index outside [0, C) raises
+    unless it is ignore_index: such a target adds nothing, and "mean" divides by the number
+    of the others (NaN if there are none). Probability (one-hot or soft) targets give the
+    same loss and gradient as indices would; "mean" divides by the number of targets, so the
+    mean over empty logits is NaN and the sum 0. label_smoothing e in [0, 1] mixes every
+    target with the uniform distribution: (1 - e) t + e / C (PyTorch's formula). Index
+    targets are constants; a probability target that requires a gradient gets one, as in
+    PyTorch: -(1 - e) log_softmax(logits), scaled as the loss was reduced.
+    """
+    _check_loss_args("cross_entropy", reduction, ignore_index)
+    # PyTorch refuses only values above 1 (it silently treats negatives and NaN as 0); its
+    # documented range is [0, 1], and that is what is checked here.
+    if not _is_scalar(label_smoothing) or not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"cross_entropy: label_smoothing must be between 0.0 and 1.0, got "
+                         f"{label_smoothing!r}")
+    smoothing = float(label_smoothing)
+    (x,) = _nodes("cross_entropy", logits)
+    (outer, C, inner), loss_shape = _class_layout("cross_entropy", x, "logits")
+    T, soft, count = _class_target("cross_entropy", x, target, loss_shape, ignore_index,
+                                   probabilities=True)
+    t = target if soft and isinstance(target, Node) and target.requires_grad else None
     X = x.value
     half = X.dtype == np.float16  # float16 logits are read as such; the loss is float32
+    uniform = smoothing / C if C else 0.0  # the smoothed target's share of every class
 
-    losses = _like(X, (N,), _compute_dtype(X.dtype))
+    losses = _like(X, loss_shape, _compute_dtype(X.dtype))
     if X.device.backend == "cpu":
-        logits = X.data.astype(losses.dtype, copy=False)
-        # initial=-inf, as the kernels start their maximum: with C = 0 a row's loss is the
-        # empty sum 0 (soft targets; index targets raised above), and log(0) no error
-        shifted = logits - logits.max(axis=1, keepdims=True, initial=-np.inf)
-        with np.errstate(divide="ignore"):
-            log_p = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
-        losses.data[...] = -(T.data * log_p).sum(1) if soft else -log_p[np.arange(N), T.data]
-    elif N:
-        X.device.launch("cross_entropy_soft" if soft else "cross_entropy_index", *_grid(N),
-                        N, C, X.data, T.data, losses.data, half=half)
-    if reduction == "none":
-        loss = losses
-    else:
-        loss = _sum_axis_tensor(losses, 1, N, 1, 1.0 / N if reduction == "mean" and X.size else
-                                (math.nan if reduction == "mean" else 1.0)).reshape(())
-    scale = 1.0 / N if reduction == "mean" and N else 1.0
+        log_p = _log_softmax_classes(X.data.reshape(outer, C, inner).astype(losses.dtype,
+                                                                           copy=False))
+        if soft:
+            smoothed = T.data.reshape(outer, C, inner) * (1 - smoothing) + uniform
+            losses.data[...] = -(smoothed * log_p).sum(axis=1).reshape(loss_shape)
+        else:
+            labels = T.data.reshape(outer, 1, inner)
+            kept = labels != ignore_index
+            nll = -_pick_class(log_p, labels, kept)
+            if smoothing:  # PyTorch: (1 - e) nll + e / C * sum over the classes of -log p
+                nll = (1 - smoothing) * nll - uniform * log_p.sum(axis=1, keepdims=True)
+            losses.data[...] = np.where(kept, nll, 0).reshape(loss_shape)
+    elif losses.size:
+        if soft:
+            X.device.launch("cross_entropy_soft", *_grid(losses.size), outer, C, inner,
+                            smoothing, X.data, T.data, losses.data, half=half)
+        else:
+            X.device.launch("cross_entropy_index", *_grid(losses.size), outer, C, inner,
+                            ignore_index, smoothing, X.data, T.data, losses.data, half=half)
+    loss = _reduce_losses(losses, reduction, count)
+    scale = 1.0 / count if reduction == "mean" and count else 1.0
+    per_target = int(reduction == "none")  # g has one value per target, else one in all
 
-    def backward(g):
-        out = _like(X, dtype=losses.dtype)
-        if X.device.backend == "cpu":
-            logits = X.data.astype(out.dtype, copy=False)
-            shifted = logits - logits.max(axis=1, keepdims=True, initial=-np.inf)
-            p = np.exp(shifted)
-            p /= p.sum(axis=1, keepdims=True)
-            if soft:
-                p = p * T.data.sum(1, keepdims=True) - T.data
-            else:
-                p[np.arange(N), T.data] -= 1
-            g_rows = g.data.reshape(-1, 1) if reduction == "none" else g.data.reshape(1, 1)
-            out.data[...] = p * g_rows * scale
-        elif N:
-            X.device.launch("cross_entropy_bwd", *_grid(N), N, C, int(reduction == "none"),
-                            scale, int(soft), g.data, X.data, None if soft else T.data,
-                            T.data if soft else None, out.data, half=half)
-        return (out,)
+    def backward(g):  # g () or loss_shape -> dlogits (outer, C, inner), dtarget (probabilities)
+        grad_x = _like(X, dtype=losses.dtype) if x.requires_grad else None
+        grad_t = _like(T) if t is not None else None
+        if g.device.backend == "cpu":
+            g_rows = scale * g.data.reshape((outer, 1, inner) if per_target else (1, 1, 1))
+            log_p = _log_softmax_classes(X.data.reshape(outer, C, inner).astype(losses.dtype,
+                                                                               copy=False))
+            if grad_x is not None:  # softmax(x) sum_c t_c - t, t the smoothed target
+                if soft:
+                    smoothed = T.data.reshape(outer, C, inner) * (1 - smoothing) + uniform
+                    grad = np.exp(log_p) * smoothed.sum(axis=1, keepdims=True) - smoothed
+                else:
+                    labels = T.data.reshape(outer, 1, inner)
+                    one_hot = np.arange(C).reshape(1, C, 1) == labels
+                    grad = np.where(labels != ignore_index,
+                                    np.exp(log_p) - (one_hot * (1 - smoothing) + uniform), 0)
+                grad_x.data[...] = (grad * g_rows).reshape(X.shape)
+            if grad_t is not None:
+                grad_t.data[...] = (-(1 - smoothing) * log_p * g_rows).reshape(T.shape)
+        elif losses.size:
+            if grad_x is not None:
+                g.device.launch("cross_entropy_bwd", *_grid(losses.size), outer, C, inner,
+                                per_target, scale, int(soft), ignore_index, smoothing, g.data,
+                                X.data, None if soft else T.data, T.data if soft else None,
+                                grad_x.data, half=half)
+            if grad_t is not None:
+                g.device.launch("cross_entropy_target_bwd", *_grid(losses.size), outer, C,
+                                inner, per_target, scale, smoothing, g.data, X.data,
+                                grad_t.data, half=half)
+        return (grad_x,) if t is None else (grad_x, grad_t)
+    return _record(loss, (x,) if t is None else (x, t), backward)
+
+
+def nll_loss(log_probs, target, reduction="mean", ignore_index=-100):
+    """The negative log-likelihood -log_probs[target] of log-probabilities (C,), (N, C) or
+    (N, C, d1, ...) (a log_softmax over axis 1) against class indices (), (N,) or
+    (N, d1, ...), as PyTorch's nll_loss: a target equal to ignore_index adds nothing, and
+    "mean" divides by the number of the others (NaN if there are none). The target is a
+    constant; cross_entropy is log_softmax and nll_loss in one pass."""
+    _check_loss_args("nll_loss", reduction, ignore_index)
+    (x,) = _nodes("nll_loss", log_probs)
+    (outer, C, inner), loss_shape = _class_layout("nll_loss", x, "log_probs")
+    T, _, count = _class_target("nll_loss", x, target, loss_shape, ignore_index,
+                                probabilities=False)
+    X = x.value
+    losses = _like(X, loss_shape, _compute_dtype(X.dtype))
+    if X.device.backend == "cpu":
+        labels = T.data.reshape(outer, 1, inner)
+        kept = labels != ignore_index
+        picked = _pick_class(X.data.reshape(outer, C, inner), labels, kept)
+        losses.data[...] = np.where(kept, -picked, 0).reshape(loss_shape)
+    elif losses.size:
+        X.device.launch("nll_loss_fwd", *_grid(losses.size), outer, C, inner, ignore_index,
+                        X.data, T.data, losses.data, half=X.dtype == np.float16)
+    loss = _reduce_losses(losses, reduction, count)
+    scale = 1.0 / count if reduction == "mean" and count else 1.0
+    per_target = int(reduction == "none")
+
+    def backward(g):  # g () or loss_shape -> dlog_probs: -g at each target's class, else 0
+        grad_x = _like(X, dtype=losses.dtype)
+        if g.device.backend == "cpu":
+            labels = T.data.reshape(outer, 1, inner)
+            hit = (np.arange(C).reshape(1, C, 1) == labels) & (labels != ignore_index)
+            g_rows = g.data.reshape((outer, 1, inner) if per_target else (1, 1, 1))
+            grad_x.data[...] = np.where(hit, -scale * g_rows, 0).reshape(X.shape)
+        elif grad_x.size:
+            g.device.launch("nll_loss_bwd", *_grid(grad_x.size), outer, C, inner, per_target,
+                            scale, ignore_index, g.data, T.data, grad_x.data)
+        return (grad_x,)
     return _record(loss, (x,), backward)
+
+
+def _loss_weight(op, name, value, x):
+    """A loss's weight or pos_weight for input x: None, or a constant Tensor in x's compute
+    dtype whose shape broadcasts to x's (PyTorch multiplies in place: x's shape may not grow).
+    On OpenCL it is repeated to x's shape on the device unless the kernels can repeat it
+    themselves (i % size): a trailing part of x's shape, leading 1s aside."""
+    if value is None:
+        return None
+    if isinstance(value, Node) and value.requires_grad and _state.tapes and \
+            _state.grad_enabled[-1]:  # PyTorch refuses this too: it defines no such gradient
+        raise ValueError(f"{op}: {name} requires a gradient, which the loss does not define "
+                         f"(a {name} is a constant)")
+    if isinstance(value, (Node, Tensor)):
+        w = _float32(_as_tensor(op, value, x.value))
+        if w.dtype.kind != "f":
+            raise ValueError(f"{op}: {name} of dtype {w.dtype.name}; a {name} holds floats")
+    else:
+        w = Tensor.from_host(_real_array(op, value, name), x.value.queue,
+                             _compute_dtype(x.dtype))
+    try:
+        fits = np.broadcast_shapes(w.shape, x.shape) == x.shape
+    except ValueError:
+        fits = False
+    if not fits:
+        raise ValueError(f"{op}: {name} of shape {w.shape} does not broadcast to the input's "
+                         f"shape {x.shape}")
+    core = w.shape[next((i for i, s in enumerate(w.shape) if s != 1), len(w.shape)):]
+    if x.device.backend == "cpu" or core == x.shape[len(x.shape) - len(core):]:
+        return w
+    padded = (1,) * (len(x.shape) - len(w.shape)) + w.shape
+    for axis, size in enumerate(x.shape):  # expand one axis at a time, the earlier ones done
+        if padded[axis] != size:
+            w = _expand_axis_tensor(w, math.prod(x.shape[:axis]), size,
+                                    math.prod(padded[axis + 1:]))
+    return w.reshape(x.shape)
+
+
+def _log_sigmoid(x):
+    """log(sigmoid(x)) = min(x, 0) - log1p(exp(-|x|)): exp never overflows."""
+    return np.minimum(x, 0) - np.log1p(np.exp(-np.abs(x)))
+
+
+def binary_cross_entropy_with_logits(input, target, weight=None, reduction="mean",
+                                     pos_weight=None):
+    """Binary cross-entropy of logits against targets in [0, 1] of the same shape, as
+    PyTorch's binary_cross_entropy_with_logits, in its stable form (no sigmoid is rounded):
+        loss = weight * ((1 - t) x - (1 + (pos_weight - 1) t) log_sigmoid(x))
+    weight and pos_weight (None: 1) broadcast to the input's shape as PyTorch's (a
+    pos_weight (C,) weighs the positives of each class of (N, C) input) and are constants;
+    the target may require a gradient. "mean" divides by the number of elements (NaN if
+    there are none)."""
+    op = "binary_cross_entropy_with_logits"
+    _check_loss_args(op, reduction)
+    x, t = _nodes(op, input, target)
+    if t.shape != x.shape:
+        raise ValueError(f"{op}: target shape {t.shape} must be the same as input shape "
+                         f"{x.shape}")
+    W, PW = _loss_weight(op, "weight", weight, x), _loss_weight(op, "pos_weight", pos_weight, x)
+    X, T = x.value, _float32(t.value)
+    n = X.size
+    # the kernels' sizes of the weights they repeat (i % size); 0: no weight, i.e. 1
+    sizes = (0 if W is None else W.size, 0 if PW is None else PW.size)
+    weights = (None if W is None else W.data, None if PW is None else PW.data)
+    half = X.dtype == np.float16
+
+    losses = _like(X, dtype=_compute_dtype(X.dtype))
+    if X.device.backend == "cpu":
+        logit = X.data.astype(losses.dtype, copy=False)
+        log_weight = 1 if PW is None else 1 + (PW.data - 1) * T.data  # PyTorch's order
+        loss = (1 - T.data) * logit - log_weight * _log_sigmoid(logit)
+        losses.data[...] = loss if W is None else loss * W.data
+    elif n:
+        X.device.launch("bce_logits_fwd", *_grid(n), n, *sizes, X.data, T.data, *weights,
+                        losses.data, half=half)
+    scale = 1.0 / n if reduction == "mean" and n else 1.0
+    per_element = int(reduction == "none")
+
+    def backward(g):  # g () or x's shape -> dinput, dtarget
+        grads = []
+        for wrt_target, node in ((0, x), (1, t)):
+            if not node.requires_grad:
+                grads.append(None)
+                continue
+            grad = _like(X, dtype=losses.dtype)
+            if g.device.backend == "cpu":
+                logit = X.data.astype(losses.dtype, copy=False)
+                if wrt_target:  # -x - (pos_weight - 1) log_sigmoid(x)
+                    d = -logit if PW is None else -logit - (PW.data - 1) * _log_sigmoid(logit)
+                else:  # (1 + (pos_weight - 1) t) sigmoid(x) - pos_weight t
+                    with np.errstate(over="ignore"):
+                        sig = 1 / (1 + np.exp(-logit))
+                    d = sig - T.data if PW is None else \
+                        (1 + (PW.data - 1) * T.data) * sig - PW.data * T.data
+                d = d * scale * g.data.reshape(X.shape if per_element else ())
+                grad.data[...] = d if W is None else d * W.data
+            elif n:
+                g.device.launch("bce_logits_bwd", *_grid(n), n, per_element, scale, *sizes,
+                                wrt_target, g.data, X.data, T.data, *weights, grad.data,
+                                half=half)
+            grads.append(grad)
+        return grads
+    return _record(_reduce_losses(losses, reduction, n), (x, t), backward)
 
 
 def mse_loss(input, target, reduction="mean"):
@@ -2721,7 +2953,8 @@ def mse_loss(input, target, reduction="mean"):
 
 # --- convolution and pooling ----------------------------------------------------------------
 # Images are NCHW. Each op slides an (R, S) window over the (H, W) plane, padded by (PH, PW)
-# on every side, in steps of (SH, SW); output sizes round down, as PyTorch. The NumPy versions
+# on every side, in steps of (SH, SW); conv2d's window may be dilated, its taps (DH, DW)
+# apart; output sizes round down, as PyTorch. The NumPy versions
 # view every window at once through stride tricks. On OpenCL, conv2d is im2col + the GEMM
 # above: copying the windows out costs memory (C*R*S values per output pixel) but lets the
 # one tuned GEMM do all the arithmetic, so conv2d gets faster whenever the GEMM does, with no
@@ -2729,7 +2962,8 @@ def mse_loss(input, target, reduction="mean"):
 # Every backward is a gather (one work-item per input pixel sums what it fed): no atomics.
 
 def _pair(op, name, value, minimum):
-    """kernel_size, stride or padding: an int or a pair of ints, each >= minimum (as PyTorch)."""
+    """kernel_size, stride, padding or dilation: an int or a pair of ints, each >= minimum (as
+    PyTorch)."""
     pair = (value, value) if isinstance(value, (int, np.integer)) else value
     if not (isinstance(pair, (tuple, list)) and len(pair) == 2 and all(
             isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v >= minimum
@@ -2739,34 +2973,43 @@ def _pair(op, name, value, minimum):
     return int(pair[0]), int(pair[1])
 
 
-def _window(op, x_shape, kernel, stride, padding):
-    """The geometry (H, W, R, S, SH, SW, PH, PW, OH, OW) of a kernel sliding over x (N, C, H, W):
-    the order of kernels.cl's WINDOW_ARGS. Raises if the kernel is larger than the padded input."""
+def _window(op, x_shape, kernel, stride, padding, dilation=(1, 1)):
+    """The geometry (H, W, R, S, SH, SW, PH, PW, DH, DW, OH, OW) of a kernel sliding over
+    x (N, C, H, W): the order of kernels.cl's WINDOW_ARGS. A dilated kernel spans
+    ((R - 1) DH + 1, (S - 1) DW + 1) pixels; raises if that is larger than the padded input."""
     if len(x_shape) != 4:
         raise ValueError(f"{op}: input must be 4-D (N, C, H, W), got shape {x_shape}")
     H, W = x_shape[2:]
-    (R, S), (SH, SW), (PH, PW) = kernel, stride, padding
-    if R > H + 2 * PH or S > W + 2 * PW:
-        raise ValueError(f"{op}: kernel ({R}, {S}) is larger than the padded input "
+    (R, S), (SH, SW), (PH, PW), (DH, DW) = kernel, stride, padding, dilation
+    span_h, span_w = (R - 1) * DH + 1, (S - 1) * DW + 1
+    if span_h > H + 2 * PH or span_w > W + 2 * PW:
+        spans = "" if dilation == (1, 1) else \
+            f" with dilation {dilation} spans ({span_h}, {span_w}), which"
+        raise ValueError(f"{op}: kernel ({R}, {S}){spans} is larger than the padded input "
                          f"({H + 2 * PH}, {W + 2 * PW}) (input {x_shape}, padding {padding})")
-    return H, W, R, S, SH, SW, PH, PW, (H + 2 * PH - R) // SH + 1, (W + 2 * PW - S) // SW + 1
+    return (H, W, R, S, SH, SW, PH, PW, DH, DW,
+            (H + 2 * PH - span_h) // SH + 1, (W + 2 * PW - span_w) // SW + 1)
 
 
 def _windows_numpy(x, window, pad_value):
-    """x (N, C, H, W) -> (N, C, OH, OW, R, S), every window of the padded x: a strided view."""
-    H, W, R, S, SH, SW, PH, PW, OH, OW = window
+    """x (N, C, H, W) -> (N, C, OH, OW, R, S), every window of the padded x: a strided view
+    (of the span of each dilated window, every DH-th row and DW-th column of it)."""
+    H, W, R, S, SH, SW, PH, PW, DH, DW, OH, OW = window
     padded = np.pad(x, ((0, 0), (0, 0), (PH, PH), (PW, PW)), constant_values=pad_value)
-    return np.lib.stride_tricks.sliding_window_view(padded, (R, S), axis=(2, 3))[:, :, ::SH, ::SW]
+    span = ((R - 1) * DH + 1, (S - 1) * DW + 1)
+    return np.lib.stride_tricks.sliding_window_view(padded, span, axis=(2, 3))[
+        :, :, ::SH, ::SW, ::DH, ::DW]
 
 
 def _col2im_numpy(windows, window):
     """The adjoint of _windows_numpy: windows (N, C, OH, OW, R, S) summed onto (N, C, H, W)."""
-    H, W, R, S, SH, SW, PH, PW, OH, OW = window
+    H, W, R, S, SH, SW, PH, PW, DH, DW, OH, OW = window
     N, C = windows.shape[:2]
     padded = np.zeros((N, C, H + 2 * PH, W + 2 * PW), windows.dtype)
     for r in range(R):
         for s in range(S):
-            padded[:, :, r:r + SH * OH:SH, s:s + SW * OW:SW] += windows[..., r, s]
+            padded[:, :, r * DH:r * DH + SH * OH:SH, s * DW:s * DW + SW * OW:SW] += \
+                windows[..., r, s]
     return padded[:, :, PH:PH + H, PW:PW + W]
 
 
@@ -2777,7 +3020,7 @@ def _im2col(X, n0, nb, window, tensor_cores=False):
     """Samples n0 .. n0+nb-1 of x (N, C, H, W) -> cols (C*R*S, nb*OH*OW): column p holds the
     window of output pixel p, zeros where it covers padding. float32, or with tensor_cores
     (x in float16 storage) float16: their operands."""
-    H, W, R, S, SH, SW, PH, PW, OH, OW = window
+    H, W, R, S, SH, SW, PH, PW, DH, DW, OH, OW = window
     C = X.shape[1]
     cols = _like(X, (C * R * S, nb * OH * OW), np.float16 if tensor_cores else np.float32)
     X.device.launch("im2col_act" if tensor_cores else "im2col", (nb * OH * OW, C), (256, 1), n0,
@@ -2785,29 +3028,80 @@ def _im2col(X, n0, nb, window, tensor_cores=False):
     return cols
 
 
-def conv2d(x, w, b=None, stride=1, padding=0):
-    """x (N, C, H, W) with filters w (K, C, R, S) [+ b (K,)] -> (N, K, OH, OW), as PyTorch's
-    conv2d (a cross-correlation, zero padding):
-        out[n, k, i, j] = b[k] + sum over c, r, s of w[k, c, r, s] * x[n, c, i*SH + r, j*SW + s]
-    stride and padding are an int or a pair (height, width). Inside autocast (OpenCL) the
-    output is float16 storage; x is read in its own storage; the product is float32. On
-    tensor cores x and w are rounded to float16 and every product runs there."""
+def _row_block(x, start, rows):
+    """Rows start .. start+rows-1 of x (M, ...): x itself when that is all of it, else a copy."""
+    if start == 0 and rows == x.shape[0]:
+        return x
+    out = _like(x, (rows,) + x.shape[1:])
+    if x.device.backend == "cpu":
+        np.copyto(out.data, x.data[start:start + rows])
+    elif out.size:
+        cl.enqueue_copy(x.device.queue, out.data, x.data, src_offset=start * out.nbytes // rows,
+                        byte_count=out.nbytes)
+    return out
+
+
+def _grouped_gemm(a, b, groups, trans_a=False, trans_b=False):
+    """conv2d's products on OpenCL: a, b and the result cut into `groups` equal blocks of rows,
+    block g of the result = op(block g of a) @ op(block g of b), as a block-diagonal matrix
+    would give. With groups=1 this is _gemm itself; otherwise each group's operands are
+    copied out and its product copied into place (the GEMM kernels take no offsets, and
+    grouped convolutions are not on a hot path)."""
+    if groups == 1:
+        return _gemm(a, b, trans_a, trans_b)
+    rows_a, rows_b = a.shape[0] // groups, b.shape[0] // groups
+    out = None
+    for g in range(groups):
+        block = _gemm(_row_block(a, g * rows_a, rows_a), _row_block(b, g * rows_b, rows_b),
+                      trans_a, trans_b)
+        if out is None:
+            out = _like(block, (groups * block.shape[0], block.shape[1]))
+        if block.size:
+            cl.enqueue_copy(a.device.queue, out.data, block.data, dst_offset=g * block.nbytes,
+                            byte_count=block.nbytes)
+    return out
+
+
+def _check_groups(op, groups):
+    if not isinstance(groups, (int, np.integer)) or isinstance(groups, bool) or groups < 1:
+        raise ValueError(f"{op}: groups must be a positive int, got {groups!r}")
+    return int(groups)
+
+
+def conv2d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
+    """x (N, C, H, W) with filters w (K, C / groups, R, S) [+ b (K,)] -> (N, K, OH, OW), as
+    PyTorch's conv2d (a cross-correlation, zero padding). With G = groups, the channels split
+    into G groups, and output channel k of group g = k // (K / G) sees only input channels
+    g C/G .. (g+1) C/G - 1, as c' = g C/G + c:
+        out[n, k, i, j] = b[k] + sum over c, r, s of
+                          w[k, c, r, s] * x[n, c', i*SH + r*DH, j*SW + s*DW]
+    stride, padding and dilation (the spacing of the kernel's taps) are an int or a pair
+    (height, width). Inside autocast (OpenCL) the output is float16 storage; x is read in its
+    own storage; the product is float32. On tensor cores x and w are rounded to float16 and
+    every product runs there."""
     stride = _pair("conv2d", "stride", stride, 1)
     padding = _pair("conv2d", "padding", padding, 0)
+    dilation = _pair("conv2d", "dilation", dilation, 1)
+    groups = _check_groups("conv2d", groups)
     x, w, *rest = _nodes("conv2d", x, w, *(() if b is None else (b,)))
     b = rest[0] if rest else None
     if len(w.shape) != 4:
         raise ValueError(f"conv2d: weight must be 4-D (K, C, R, S), got shape {w.shape}")
-    window = _window("conv2d", x.shape, w.shape[2:], stride, padding)
-    if x.shape[1] != w.shape[1]:
+    window = _window("conv2d", x.shape, w.shape[2:], stride, padding, dilation)
+    if w.shape[0] % groups:  # PyTorch's rule: every group has K / groups filters
+        raise ValueError(f"conv2d: weight {w.shape} has {w.shape[0]} filters, not divisible "
+                         f"by groups={groups}")
+    if x.shape[1] != w.shape[1] * groups:
+        per_group = "" if groups == 1 else f" ({w.shape[1]} per group, groups={groups})"
         raise ValueError(f"conv2d: input {x.shape} has {x.shape[1]} channels, weight {w.shape} "
-                         f"expects {w.shape[1]}")
+                         f"expects {w.shape[1] * groups}{per_group}")
     if b is not None and b.shape != (w.shape[0],):
         raise ValueError(f"conv2d: bias shape {b.shape} != ({w.shape[0]},) for weight {w.shape}")
-    H, W, R, S, SH, SW, PH, PW, OH, OW = window
+    H, W, R, S, SH, SW, PH, PW, DH, DW, OH, OW = window
     (N, C), K, L = x.shape[:2], w.shape[0], OH * OW
+    G, group_taps = groups, w.shape[1] * R * S  # group_taps: the rows of one group's columns
     X, weight, bias = x.value, w.value, None if b is None else b.value
-    weight_rows = weight.reshape((K, C * R * S))  # a view: the GEMM's left operand
+    weight_rows = weight.reshape((K, group_taps))  # a view: the GEMM's left operand
     # im2col on the whole batch at once (fewer launches), in chunks of samples if too large.
     per_chunk = max(1, _IM2COL_BYTES // max(1, C * R * S * L * 4))  # columns are float32
     chunks = [(n0, min(per_chunk, N - n0)) for n0 in range(0, N, per_chunk)]
@@ -2815,16 +3109,22 @@ def conv2d(x, w, b=None, stride=1, padding=0):
     half = _half_activations(X.device)
     tensor_cores = half and X.device.tensor_cores  # float16 operands, as in linear
     if tensor_cores:
-        X, weight_rows = _half_operand(X), _half_weight(w).reshape((K, C * R * S))
+        X, weight_rows = _half_operand(X), _half_weight(w).reshape((K, group_taps))
     out = _like(X, (N, K, OH, OW), np.float16 if half else None)
+    # Each group's filters and channels, for the NumPy versions: a group is an ordinary
+    # convolution of its own channels (one einsum over a group axis would be twice as slow).
+    group_slices = [(slice(g * K // G, (g + 1) * K // G), slice(g * C // G, (g + 1) * C // G))
+                    for g in range(G)]
     if X.device.backend == "cpu":
         windows = _windows_numpy(X.data, window, 0.0)
-        out.data[...] = np.einsum("nchwrs,kcrs->nkhw", windows, weight.data, optimize=True)
+        for k, c in group_slices:
+            out.data[:, k] = np.einsum("nchwrs,kcrs->nkhw", windows[:, c], weight.data[k],
+                                       optimize=True)
         if bias is not None:
             out.data += bias.data.reshape(K, 1, 1)
     elif out.size:
-        for n0, nb in chunks:
-            y = _gemm(weight_rows, _im2col(X, n0, nb, window, tensor_cores))  # (K, nb*OH*OW)
+        for n0, nb in chunks:  # y (K, nb*OH*OW): each group's filters on its channels' columns
+            y = _grouped_gemm(weight_rows, _im2col(X, n0, nb, window, tensor_cores), G)
             X.device.launch("swap_axes01", *_grid(y.size), K, nb, L, 0, n0 * K * L,
                             int(bias is not None), y.data, None if bias is None else bias.data,
                             out.data, half=half)  # (K, nb, OH*OW) + bias -> out[n0:n0+nb]
@@ -2835,27 +3135,30 @@ def conv2d(x, w, b=None, stride=1, padding=0):
         grad_w = None
         if g.device.backend == "cpu":
             windows = _windows_numpy(X.data, window, 0.0)
-            if w.requires_grad:
-                grad_w = _like(weight)
-                grad_w.data[...] = np.einsum("nkhw,nchwrs->kcrs", g.data, windows, optimize=True)
-            if grad_x is not None:
-                grad_windows = np.einsum("nkhw,kcrs->nchwrs", g.data, weight.data, optimize=True)
-                grad_x.data[...] = _col2im_numpy(grad_windows, window)
+            grad_w = _like(weight) if w.requires_grad else None
+            for k, c in group_slices:
+                if grad_w is not None:
+                    grad_w.data[k] = np.einsum("nkhw,nchwrs->kcrs", g.data[:, k], windows[:, c],
+                                               optimize=True)
+                if grad_x is not None:
+                    grad_windows = np.einsum("nkhw,kcrs->nchwrs", g.data[:, k], weight.data[k],
+                                             optimize=True)
+                    grad_x.data[:, c] = _col2im_numpy(grad_windows, window)
         else:
             for n0, nb in chunks:
                 # g[n0:n0+nb] (nb, K, OH*OW) -> (K, nb*OH*OW)
                 g_rows = _like(g, (K, nb * L), np.float16 if tensor_cores else None)
                 g.device.launch("swap_axes01", *_grid(g_rows.size), nb, K, L, n0 * K * L, 0, 0,
                                 g.data, None, g_rows.data, half=tensor_cores)
-                if w.requires_grad:  # dw = g_rows @ cols^T, summed over the chunks
+                if w.requires_grad:  # dw = g_rows @ cols^T per group, summed over the chunks
                     cols = _im2col(X, n0, nb, window, tensor_cores)
-                    part = _gemm(g_rows, cols, trans_b=True)
+                    part = _grouped_gemm(g_rows, cols, G, trans_b=True)
                     if grad_w is None:
                         grad_w = part.reshape(weight.shape)
                     else:
                         _add_into(grad_w, part)
-                if grad_x is not None:  # dcols = w^T @ g_rows, then each pixel gathers its own
-                    grad_cols = _gemm(weight_rows, g_rows, trans_a=True)  # (C*R*S, nb*OH*OW)
+                if grad_x is not None:  # dcols = w^T @ g_rows per group, then col2im
+                    grad_cols = _grouped_gemm(weight_rows, g_rows, G, trans_a=True)
                     g.device.launch("col2im", (nb * H * W, C), (256, 1), n0, nb, C, *window,
                                     grad_cols.data, grad_x.data)
             if w.requires_grad and grad_w is None:  # an empty batch: no chunks
@@ -2891,7 +3194,7 @@ def max_pool2d(x, kernel_size, stride=None, padding=0):
     kernel_size; padding is -inf. The gradient goes to the first maximum of each window in
     row-major order (PyTorch's tie rule); NaN counts as the largest value."""
     x, window = _pool_window("max_pool2d", x, kernel_size, stride, padding)
-    H, W, R, S, SH, SW, PH, PW, OH, OW = window
+    H, W, R, S, SH, SW, PH, PW, _, _, OH, OW = window  # pooling windows are not dilated
     N, C = x.shape[:2]
     X = x.value
     out = _like(X, (N, C, OH, OW))
@@ -2926,7 +3229,7 @@ def avg_pool2d(x, kernel_size, stride=None, padding=0):
     """The mean of each window: x (N, C, H, W) -> (N, C, OH, OW). stride defaults to
     kernel_size; padded zeros count in the mean (PyTorch's default count_include_pad=True)."""
     x, window = _pool_window("avg_pool2d", x, kernel_size, stride, padding)
-    H, W, R, S, SH, SW, PH, PW, OH, OW = window
+    H, W, R, S, SH, SW, PH, PW, _, _, OH, OW = window
     N, C = x.shape[:2]
     X = x.value
     out = _like(X, (N, C, OH, OW))
@@ -3596,25 +3899,35 @@ class Linear(Module):
 
 
 class Conv2d(Module):
-    """2-D convolution over (N, C, H, W) input, weight (out_channels, in_channels, kh, kw);
-    PyTorch's initialisation: weight and bias ~ U(-1/sqrt(fan_in), 1/sqrt(fan_in)),
-    fan_in = in_channels * kh * kw. kernel_size, stride and padding: an int or a pair."""
+    """2-D convolution over (N, C, H, W) input, weight (out_channels, in_channels / groups,
+    kh, kw); PyTorch's initialisation: weight and bias ~ U(-1/sqrt(fan_in), 1/sqrt(fan_in)),
+    fan_in = in_channels / groups * kh * kw. kernel_size, stride, padding and dilation: an int
+    or a pair; in_ch and out_ch must both be multiples of groups."""
 
-    def __init__(self, in_ch, out_ch, kernel_size, stride=1, padding=0, bias=True, *, queue=None):
+    def __init__(self, in_ch, out_ch, kernel_size, stride=1, padding=0, dilation=1, groups=1,
+                 bias=True, *, queue=None):
         super().__init__()
         self.in_channels = _check_positive_int("in_ch", in_ch)  # PyTorch's attribute names
         self.out_channels = _check_positive_int("out_ch", out_ch)
         self.kernel_size = _pair("Conv2d", "kernel_size", kernel_size, 1)
         self.stride = _pair("Conv2d", "stride", stride, 1)
         self.padding = _pair("Conv2d", "padding", padding, 0)
-        bound = 1.0 / math.sqrt(self.in_channels * math.prod(self.kernel_size))
-        self.weight = _uniform_parameter((self.out_channels, self.in_channels) + self.kernel_size,
+        self.dilation = _pair("Conv2d", "dilation", dilation, 1)
+        self.groups = _check_groups("Conv2d", groups)
+        for name, channels in (("in_ch", in_ch), ("out_ch", out_ch)):
+            if channels % groups:
+                raise ValueError(f"Conv2d: {name}={channels} is not divisible by "
+                                 f"groups={groups}")
+        group_channels = self.in_channels // self.groups
+        bound = 1.0 / math.sqrt(group_channels * math.prod(self.kernel_size))
+        self.weight = _uniform_parameter((self.out_channels, group_channels) + self.kernel_size,
                                          bound, queue)
         self.bias = _uniform_parameter((self.out_channels,), bound, queue) if bias else None
 
     def forward(self, x):
         """x (N, in_channels, H, W) -> (N, out_channels, OH, OW)."""
-        return conv2d(x, self.weight, self.bias, self.stride, self.padding)
+        return conv2d(x, self.weight, self.bias, self.stride, self.padding, self.dilation,
+                      self.groups)
 
 
 class MaxPool2d(Module):
@@ -5605,7 +5918,8 @@ functional = _alias(
     batch_norm=batch_norm, embedding=embedding,
     scaled_dot_product_attention=scaled_dot_product_attention,
     permute=permute, squeeze=squeeze, unsqueeze=unsqueeze, cat=cat, stack=stack, split=split,
-    chunk=chunk, index_select=index_select)
+    chunk=chunk, index_select=index_select,
+    nll_loss=nll_loss, binary_cross_entropy_with_logits=binary_cross_entropy_with_logits)
 autograd = _alias("autograd", Node=Node, Parameter=Parameter, Tape=Tape, no_grad=no_grad)
 nn = _alias("nn", Module=Module, Linear=Linear, ReLU=ReLU, Tanh=Tanh, Sigmoid=Sigmoid,
             GELU=GELU, Dropout=Dropout, Flatten=Flatten, Sequential=Sequential,

@@ -1268,6 +1268,236 @@ def _(draw, rng, fd):
         return F.index_select(x, dim, index)
     return Case(fn, lambda x, index: np.take(x, index, axis=dim), [_standard_normal(rng, shape)],
                 [index])
+# --- losses: N-d cross_entropy, ignore_index, label_smoothing, probability targets with a
+# gradient, nll_loss, binary_cross_entropy_with_logits. References transcribe PyTorch's
+# formulas (torch.nn.functional and aten/src/ATen/native/LossNLL.cpp, Loss.cpp) in float64.
+
+REDUCTIONS = st.sampled_from(["mean", "sum", "none"])
+
+
+def _nll_loss_ref(log_p, target, reduction, ignore_index=-100):
+    """torch.nn.functional.nll_loss: -log_p[target] along the class axis (1, or 0 for 1-D
+    input); an ignored target adds 0, and "mean" divides by the number of the others."""
+    axis = 1 if log_p.ndim > 1 else 0
+    kept = target != ignore_index
+    picked = np.take_along_axis(log_p, np.expand_dims(np.where(kept, target, 0), axis), axis)
+    losses = np.where(kept, -picked.squeeze(axis), 0.0)
+    return {"mean": losses.sum() / kept.sum(), "sum": losses.sum(), "none": losses}[reduction]
+
+
+def _cross_entropy_nd_ref(x, target, reduction, ignore_index=-100, label_smoothing=0.0):
+    """torch.nn.functional.cross_entropy on logits (C,), (N, C) or (N, C, d1, ...): index
+    targets as LossNLL.cpp's cross_entropy_loss_label_smoothing (nll_loss, plus e / C times
+    the summed -log_softmax of the kept targets), probabilities as
+    cross_entropy_loss_prob_target (t (1 - e) + e / C; "mean" divides by numel / C)."""
+    axis = 1 if x.ndim > 1 else 0
+    classes, e = x.shape[axis], label_smoothing
+    log_p = _log_softmax(x, axis)
+    if target.dtype.kind == "f":
+        losses = -((target * (1 - e) + e / classes) * log_p).sum(axis)
+        return {"mean": losses.sum() / (x.size / classes), "sum": losses.sum(),
+                "none": losses}[reduction]
+    kept = target != ignore_index
+    smooth = np.where(kept, -log_p.sum(axis), 0.0)
+    smooth = {"mean": smooth.sum() / kept.sum(), "sum": smooth.sum(), "none": smooth}[reduction]
+    return (1 - e) * _nll_loss_ref(log_p, target, reduction, ignore_index) + e / classes * smooth
+
+
+def _bce_with_logits_ref(x, t, weight=None, pos_weight=None, reduction="mean"):
+    """torch.nn.functional.binary_cross_entropy_with_logits (Loss.cpp): (1 - t) x -
+    (1 + (pos_weight - 1) t) log_sigmoid(x), times weight; log_sigmoid(x) = -log(1 + e^-x)."""
+    log_weight = 1.0 if pos_weight is None else 1 + (pos_weight - 1) * t
+    losses = (1 - t) * x - log_weight * -np.logaddexp(0.0, -x)
+    losses = losses if weight is None else losses * weight
+    return {"mean": losses.mean(), "sum": losses.sum(), "none": losses}[reduction]
+
+
+def _class_scores_shape(draw, fd, extra_dims=(0, 2)):
+    """(N, C) followed by 0..2 spatial dimensions d1, ...: logits of the N-d losses."""
+    n, classes = _dim(draw, fd), _dim(draw, fd, st.integers(1, 12))
+    spatial = tuple(_dim(draw, fd, st.integers(1, 6))
+                    for _ in range(draw(st.integers(*extra_dims))))
+    return (n, classes) + spatial
+
+
+def _probabilities(rng, shape, axis=1):
+    p = rng.uniform(0, 1, size=shape)
+    return p / p.sum(axis=axis, keepdims=True)
+
+
+def _labels_with_ignored(draw, rng, shape):
+    """Class indices for logits `shape` with some set to an ignore_index (the default -100,
+    or one inside [0, C)); the first is never ignored, so a mean is never 0 / 0."""
+    classes = shape[1]
+    ignore_index = draw(st.sampled_from([-100, -1, 0] if classes > 1 else [-100, -1]))
+    target = rng.integers(0, classes, size=shape[:1] + shape[2:])
+    target[rng.uniform(size=target.shape) < 0.4] = ignore_index
+    target.flat[0] = classes - 1 if ignore_index == 0 else 0
+    return target, ignore_index
+
+
+@case("cross_entropy_nd_index")
+def _(draw, rng, fd):
+    shape = _class_scores_shape(draw, fd, (1, 2))
+    reduction = draw(REDUCTIONS)
+    target = rng.integers(0, shape[1], size=shape[:1] + shape[2:])
+    return Case(lambda x, t: F.cross_entropy(x, t, reduction=reduction),
+                lambda x, t: np.asarray(_cross_entropy_nd_ref(x, t, reduction)),
+                [rng.standard_normal(shape) * 3], [target], tol="acc")
+
+
+@case("cross_entropy_nd_soft")
+def _(draw, rng, fd):
+    shape = _class_scores_shape(draw, fd, (1, 2))
+    reduction = draw(REDUCTIONS)
+    return Case(lambda x, t: F.cross_entropy(x, t, reduction=reduction),
+                lambda x, t: np.asarray(_cross_entropy_nd_ref(x, t, reduction)),
+                [rng.standard_normal(shape) * 3], [_probabilities(rng, shape)], tol="acc")
+
+
+@case("cross_entropy_1d")
+def _(draw, rng, fd):
+    classes = _dim(draw, fd, GEMM_DIM)
+    target = (_probabilities(rng, (classes,), axis=0) if draw(st.booleans())
+              else np.array(rng.integers(0, classes)))
+    reduction = draw(REDUCTIONS)
+    return Case(lambda x, t: F.cross_entropy(x, t, reduction=reduction),
+                lambda x, t: np.asarray(_cross_entropy_nd_ref(x, t, reduction)),
+                [rng.standard_normal(classes) * 3], [target], tol="acc")
+
+
+@case("cross_entropy_ignore_index")
+def _(draw, rng, fd):
+    shape = _class_scores_shape(draw, fd)
+    target, ignore_index = _labels_with_ignored(draw, rng, shape)
+    reduction = draw(REDUCTIONS)
+    return Case(lambda x, t: F.cross_entropy(x, t, reduction=reduction,
+                                             ignore_index=ignore_index),
+                lambda x, t: np.asarray(_cross_entropy_nd_ref(x, t, reduction, ignore_index)),
+                [rng.standard_normal(shape) * 3], [target], tol="acc")
+
+
+@case("cross_entropy_label_smoothing")
+def _(draw, rng, fd):
+    shape = _class_scores_shape(draw, fd)
+    target, ignore_index = _labels_with_ignored(draw, rng, shape)
+    smoothing = draw(st.sampled_from([0.05, 0.3, 1.0]))
+    reduction = draw(REDUCTIONS)
+    return Case(lambda x, t: F.cross_entropy(x, t, reduction=reduction, ignore_index=ignore_index,
+                                             label_smoothing=smoothing),
+                lambda x, t: np.asarray(_cross_entropy_nd_ref(x, t, reduction, ignore_index,
+                                                              smoothing)),
+                [rng.standard_normal(shape) * 3], [target], tol="acc")
+
+
+@case("cross_entropy_label_smoothing_soft")
+def _(draw, rng, fd):
+    shape = _class_scores_shape(draw, fd)
+    smoothing = draw(st.sampled_from([0.05, 0.3, 1.0]))
+    reduction = draw(REDUCTIONS)
+    return Case(lambda x, t: F.cross_entropy(x, t, reduction=reduction,
+                                             label_smoothing=smoothing),
+                lambda x, t: np.asarray(_cross_entropy_nd_ref(x, t, reduction,
+                                                              label_smoothing=smoothing)),
+                [rng.standard_normal(shape) * 3], [_probabilities(rng, shape)], tol="acc")
+
+
+@case("cross_entropy_soft_target_gradient")
+def _(draw, rng, fd):
+    # the target is an input: it gets d loss / d target = -(1 - e) log_softmax(x), reduced
+    shape = _class_scores_shape(draw, fd)
+    smoothing = draw(st.sampled_from([0.0, 0.2]))
+    reduction = draw(REDUCTIONS)
+    return Case(lambda x, t: F.cross_entropy(x, t, reduction=reduction,
+                                             label_smoothing=smoothing),
+                lambda x, t: np.asarray(_cross_entropy_nd_ref(x, t, reduction,
+                                                              label_smoothing=smoothing)),
+                [rng.standard_normal(shape) * 3, _probabilities(rng, shape)], tol="acc")
+
+
+@case("nll_loss")
+def _(draw, rng, fd):
+    shape = _class_scores_shape(draw, fd)
+    target, ignore_index = _labels_with_ignored(draw, rng, shape)
+    if draw(st.booleans()):  # one sample: log-probabilities (C,), a 0-d target
+        shape, target = shape[1:2], target.flat[0]
+    reduction = draw(REDUCTIONS)
+    return Case(lambda x, t: F.nll_loss(x, t, reduction=reduction, ignore_index=ignore_index),
+                lambda x, t: np.asarray(_nll_loss_ref(x, t, reduction, ignore_index)),
+                [rng.standard_normal(shape)], [np.asarray(target)], tol="acc")
+
+
+@case("binary_cross_entropy_with_logits")
+def _(draw, rng, fd):
+    shape = _shape(draw, fd)
+    reduction = draw(REDUCTIONS)
+    return Case(lambda x, t: F.binary_cross_entropy_with_logits(x, t, reduction=reduction),
+                lambda x, t: np.asarray(_bce_with_logits_ref(x, t, reduction=reduction)),
+                [rng.standard_normal(shape) * 3, rng.uniform(0, 1, size=shape)], tol="acc")
+
+
+def _broadcasting_to(draw, shape):
+    """A shape that broadcasts to `shape` without growing it: a trailing part, maybe with 1s."""
+    tail = shape[len(shape) - draw(st.integers(0, len(shape))):]
+    return tuple(draw(st.sampled_from([size, 1])) for size in tail)
+
+
+@case("binary_cross_entropy_with_logits_weights")
+def _(draw, rng, fd):
+    shape = _shape(draw, fd)
+    reduction = draw(REDUCTIONS)
+    weight = rng.uniform(0.5, 2.0, size=_broadcasting_to(draw, shape))
+    pos_weight = rng.uniform(0.2, 3.0, size=_broadcasting_to(draw, shape))
+    return Case(lambda x, t, w, pw: F.binary_cross_entropy_with_logits(
+                    x, t, weight=w, reduction=reduction, pos_weight=pw),
+                lambda x, t, w, pw: np.asarray(_bce_with_logits_ref(x, t, w, pw, reduction)),
+                [rng.standard_normal(shape) * 3, rng.uniform(0, 1, size=shape)],
+                [weight, pos_weight], tol="acc")
+
+
+# --- conv2d with dilation and groups: the reference is written from the definition.
+
+def _conv2d_ref(x, w, b, stride, padding, dilation, groups):
+    """torch.nn.functional.conv2d from its definition, one output pixel at a time: filter k
+    of group g = k // (K / groups) sees channels g C/G .. (g+1) C/G - 1 through taps
+    `dilation` apart, the first at (i SH - PH, j SW - PW)."""
+    (sh, sw), (ph, pw), (dh, dw) = stride, padding, dilation
+    N, C, H, W = x.shape
+    K, group_channels, R, S = w.shape
+    padded = np.pad(x, ((0, 0), (0, 0), (ph, ph), (pw, pw)))
+    OH, OW = (H + 2 * ph - dh * (R - 1) - 1) // sh + 1, (W + 2 * pw - dw * (S - 1) - 1) // sw + 1
+    out = np.zeros((N, K, OH, OW))
+    for k in range(K):
+        g = k // (K // groups)
+        channels = padded[:, g * group_channels:(g + 1) * group_channels]
+        for i in range(OH):
+            for j in range(OW):
+                taps = channels[:, :, i * sh:i * sh + dh * (R - 1) + 1:dh,
+                                j * sw:j * sw + dw * (S - 1) + 1:dw]
+                out[:, k, i, j] = np.tensordot(taps, w[k], axes=3)
+    return out if b is None else out + b.reshape(1, K, 1, 1)
+
+
+@case("conv2d_dilation_groups")
+def _(draw, rng, fd):
+    small = st.integers(1, 2) if fd else st.integers(1, 4)
+    groups = draw(st.integers(1, 3))
+    N, group_channels, group_filters = draw(small), draw(small), draw(small)
+    R, S = draw(st.integers(1, 3)), draw(st.integers(1, 3))
+    stride, dilation = draw(st.integers(1, 2)), (draw(st.integers(1, 3)), draw(st.integers(1, 3)))
+    padding = (draw(st.integers(0, 2)), draw(st.integers(0, 2)))
+    span = ((R - 1) * dilation[0] + 1, (S - 1) * dilation[1] + 1)
+    top = 7 if fd else 12
+    H = draw(st.integers(max(1, span[0] - 2 * padding[0]), max(top, span[0])))
+    W = draw(st.integers(max(1, span[1] - 2 * padding[1]), max(top, span[1])))
+    inputs = [rng.standard_normal((N, groups * group_channels, H, W)),
+              rng.standard_normal((groups * group_filters, group_channels, R, S))]
+    if draw(st.booleans()):
+        inputs.append(rng.standard_normal(groups * group_filters))
+    geometry = (stride, padding, dilation, groups)
+    return Case(lambda x, w, b=None: F.conv2d(x, w, b, *geometry),
+                lambda x, w, b=None: _conv2d_ref(x, w, b, (stride, stride), *geometry[1:]),
+                inputs, tol="acc")
 
 
 # Random outputs cannot be compared across backends (the mask stream is per backend).
@@ -6641,3 +6871,310 @@ def test_mixing_devices_in_shape_ops_raises(cpu, opencl):
         F.cat([a, b])
     with raises_naming(ValueError, "index", "different devices"):
         b[tensor(np.array([0], np.int32), cpu)]
+# losses and convolution options
+# ---------------------------------------------------------------------------------------------
+# The op cases above check values and gradients; these check PyTorch's edge semantics and the
+# argument errors.
+
+@pytest.mark.parametrize("op", ["cross_entropy", "cross_entropy_smoothed", "nll_loss"])
+def test_all_ignored_targets_as_pytorch(backend, op):
+    """Every target ignored: the mean is 0 / 0 = NaN, the sum 0, the losses 0, and the
+    gradient 0 (PyTorch's nll_loss and cross_entropy, with or without label_smoothing)."""
+    loss_fn = {"cross_entropy": F.cross_entropy, "nll_loss": F.nll_loss,
+               "cross_entropy_smoothed": lambda *a, **k: F.cross_entropy(*a, **k,
+                                                                         label_smoothing=0.3)}[op]
+    logits = np.random.default_rng(0).standard_normal((3, 4, 2))
+    for ignore_index, target in ((-100, np.full((3, 2), -100)), (2, np.full((3, 2), 2))):
+        for reduction, expected in (("mean", np.nan), ("sum", 0.0), ("none", np.zeros((3, 2)))):
+            x = param(logits, backend)
+            with netcl.Tape() as tape:
+                loss = loss_fn(x, target, reduction=reduction, ignore_index=ignore_index)
+                total = F.sum(loss)
+            tape.backward(total)
+            np.testing.assert_array_equal(host(loss), expected)
+            np.testing.assert_array_equal(host(x.grad), np.zeros((3, 4, 2)))
+
+
+def test_ignored_targets_do_not_count_in_the_mean(backend):
+    """"mean" divides by the number of targets that are not ignored, not by N."""
+    logits = np.random.default_rng(1).standard_normal((4, 3)).astype(np.float32)
+    target = np.array([0, -100, 2, -100])
+    loss = host(F.cross_entropy(tensor(logits, backend), target))
+    kept = host(F.cross_entropy(tensor(logits[[0, 2]], backend), target[[0, 2]]))
+    np.testing.assert_allclose(loss, kept, rtol=1e-6)
+    assert host(F.nll_loss(tensor(logits, backend), target)) == \
+        pytest.approx(-(logits[0, 0] + logits[2, 2]) / 2, rel=1e-6)
+
+
+def test_cross_entropy_nd_is_the_2d_loss_over_every_position(backend):
+    """Logits (N, C, d1, d2) are (N * d1 * d2) rows of C classes, the class axis second, as
+    PyTorch's: the loss and gradient equal those of the permuted 2-D loss."""
+    rng = np.random.default_rng(2)
+    logits = rng.standard_normal((2, 5, 3, 4)).astype(np.float32)
+    labels = rng.integers(0, 5, size=(2, 3, 4))
+    labels[0, 1] = -100
+    rows = logits.transpose(0, 2, 3, 1).reshape(-1, 5)
+    results = []
+    for x_host, t in ((logits, labels), (rows, labels.reshape(-1))):
+        x = param(x_host, backend)
+        with netcl.Tape() as tape:
+            loss = F.cross_entropy(x, t, label_smoothing=0.1)
+        tape.backward(loss)
+        results.append((host(loss), host(x.grad)))
+    np.testing.assert_allclose(results[0][0], results[1][0], rtol=1e-6)
+    np.testing.assert_allclose(results[0][1].transpose(0, 2, 3, 1).reshape(-1, 5),
+                               results[1][1], rtol=1e-5, atol=1e-7)
+    none = F.cross_entropy(tensor(logits, backend), labels, reduction="none")
+    assert none.shape == (2, 3, 4) and np.all(host(none)[0, 1] == 0)
+
+
+def test_label_smoothing_one_is_the_uniform_target(backend):
+    """label_smoothing=1 replaces every target by the uniform distribution: index and
+    probability targets then give the same loss, -mean over the classes of log_softmax."""
+    logits = np.random.default_rng(3).standard_normal((4, 6)).astype(np.float32)
+    expected = -_log_softmax(logits.astype(np.float64)).mean(axis=1).mean()
+    for target in (np.array([0, 5, 2, 2]), np.eye(6, dtype=np.float32)[[1, 1, 3, 4]]):
+        loss = F.cross_entropy(tensor(logits, backend), target, label_smoothing=1.0)
+        assert host(loss) == pytest.approx(expected, rel=1e-6)
+
+
+def test_probability_target_gets_its_gradient(backend):
+    """A probability target that requires a gradient gets -(1 - e) log_softmax(logits),
+    scaled by the reduction (PyTorch's); a target that does not is left alone, and logits
+    that need none get none."""
+    rng = np.random.default_rng(4)
+    logits = rng.standard_normal((3, 4)).astype(np.float32)
+    probs = _probabilities(rng, (3, 4)).astype(np.float32)
+    x, t = param(logits, backend), param(probs, backend)
+    with netcl.Tape() as tape:
+        loss = F.cross_entropy(x, t, label_smoothing=0.25)
+    tape.backward(loss)
+    np.testing.assert_allclose(host(t.grad), -0.75 * _log_softmax(logits) / 3, rtol=1e-5)
+    constant_logits = netcl.Node(tensor(logits, backend))
+    t = param(probs, backend)
+    with netcl.Tape() as tape:
+        loss = F.cross_entropy(constant_logits, t, reduction="sum")
+    tape.backward(loss)
+    np.testing.assert_allclose(host(t.grad), -_log_softmax(logits), rtol=1e-5)
+    assert constant_logits.grad is None
+
+
+def test_binary_cross_entropy_with_logits_is_stable(backend):
+    """PyTorch's stable formula: no overflow at large |x|, exact at x = 0; pos_weight (C,)
+    weighs the positive term of each class of (N, C)."""
+    x = tensor(np.array([[100.0, -100.0, 0.0]], np.float32), backend)
+    t = np.array([[0.0, 1.0, 0.5]], np.float32)
+    loss = host(F.binary_cross_entropy_with_logits(x, t, reduction="none"))
+    np.testing.assert_allclose(loss, [[100.0, 100.0, math.log(2)]], rtol=1e-6)
+    weighted = F.binary_cross_entropy_with_logits(x, np.ones((1, 3), np.float32), reduction="none",
+                                                  pos_weight=np.array([1.0, 3.0, 2.0], np.float32))
+    np.testing.assert_allclose(host(weighted), [[0.0, 300.0, 2 * math.log(2)]], atol=1e-6)
+
+
+@pytest.mark.parametrize("shape", [(0, 3), (2, 3, 0), (0, 3, 2)])
+def test_losses_over_zero_size_inputs(backend, shape):
+    """Nothing to average (no samples, or no positions d1): "mean" is NaN and "sum" 0, as
+    PyTorch; gradients keep the shape."""
+    target_shape = shape[:1] + shape[2:]
+    calls = [lambda x, r: F.binary_cross_entropy_with_logits(x, np.zeros(shape), reduction=r),
+             lambda x, r: F.cross_entropy(x, np.zeros(target_shape, np.int64), reduction=r),
+             lambda x, r: F.cross_entropy(x, np.zeros(shape), reduction=r),
+             lambda x, r: F.nll_loss(x, np.zeros(target_shape, np.int64), reduction=r)]
+    for call in calls:
+        for reduction, expected in (("mean", np.nan), ("sum", 0.0)):
+            x = param(np.zeros(shape), backend)
+            with netcl.Tape() as tape:
+                loss = call(x, reduction)
+            tape.backward(loss)
+            assert loss.shape == () and np.array_equal(host(loss), expected, equal_nan=True)
+            assert host(x.grad).shape == shape
+
+
+def test_binary_cross_entropy_weights_broadcast_as_pytorch(backend):
+    """weight and pos_weight broadcast to the input's shape, from any axis (here (C, 1) over
+    (N, C, L), which the kernels cannot repeat by themselves); they never grow it."""
+    rng = np.random.default_rng(5)
+    x, t = rng.standard_normal((2, 3, 4)), rng.uniform(size=(2, 3, 4))
+    weight, pos_weight = rng.uniform(0.5, 2, (3, 1)), rng.uniform(0.5, 2, (2, 1, 4))
+    loss = F.binary_cross_entropy_with_logits(tensor(x, backend), t, weight=weight,
+                                              reduction="none", pos_weight=pos_weight)
+    np.testing.assert_allclose(host(loss), _bce_with_logits_ref(x, t, weight, pos_weight, "none"),
+                               rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("call, error, words", [
+    (lambda x: F.cross_entropy(x, np.array([0, 1]), label_smoothing=1.5), ValueError,
+     ["cross_entropy", "label_smoothing", "1.5"]),
+    (lambda x: F.cross_entropy(x, np.array([0, 1]), label_smoothing=-0.1), ValueError,
+     ["cross_entropy", "label_smoothing", "-0.1"]),
+    (lambda x: F.cross_entropy(x, np.array([0, 1]), label_smoothing=math.nan), ValueError,
+     ["cross_entropy", "label_smoothing", "nan"]),
+    (lambda x: F.cross_entropy(x, np.array([0, 1]), label_smoothing="0.1"), ValueError,
+     ["cross_entropy", "label_smoothing", "'0.1'"]),
+    (lambda x: F.cross_entropy(x, np.array([0, 1]), ignore_index=1.0), TypeError,
+     ["cross_entropy", "ignore_index", "1.0"]),
+    (lambda x: F.cross_entropy(x, np.full((2, 3), 1 / 3), ignore_index=0), ValueError,
+     ["cross_entropy", "ignore_index=0", "probability"]),
+    (lambda x: F.cross_entropy(x, np.array([0, 3])), ValueError, ["cross_entropy", "label 3"]),
+    (lambda x: F.cross_entropy(x, np.array([0, 1]), reduction="avg"), ValueError,
+     ["cross_entropy", "reduction", "'avg'"]),
+    (lambda x: F.cross_entropy(x.reshape(2, 3, 1), np.zeros((2, 3), np.int64)), ValueError,
+     ["cross_entropy", "(2, 3)", "(2, 1)"]),
+    (lambda x: F.cross_entropy(x.reshape(2, 1, 3), np.full((2, 3, 1), 0.5)), ValueError,
+     ["cross_entropy", "(2, 3, 1)", "(2, 1, 3)"]),
+    (lambda x: F.cross_entropy(tensor(np.float32(1), x.device), np.array(0)), ValueError,
+     ["cross_entropy", "logits", "()"]),
+    (lambda x: F.nll_loss(x, np.full((2, 3), 1 / 3)), ValueError, ["nll_loss", "class indices"]),
+    (lambda x: F.nll_loss(x, np.array([0, -1])), ValueError, ["nll_loss", "label -1"]),
+    (lambda x: F.nll_loss(x, np.array([0, 1, 2])), ValueError, ["nll_loss", "(3,)", "(2,)"]),
+    (lambda x: F.nll_loss(x, np.array([0, 1]), ignore_index=None), TypeError,
+     ["nll_loss", "ignore_index", "None"]),
+    (lambda x: F.binary_cross_entropy_with_logits(x, np.zeros((3, 2))), ValueError,
+     ["binary_cross_entropy_with_logits", "target", "(3, 2)", "(2, 3)"]),
+    (lambda x: F.binary_cross_entropy_with_logits(x, np.zeros((2, 3)), weight=np.ones(2)),
+     ValueError, ["binary_cross_entropy_with_logits", "weight", "(2,)", "(2, 3)"]),
+    (lambda x: F.binary_cross_entropy_with_logits(x, np.zeros((2, 3)),
+                                                  pos_weight=np.ones((1, 2, 3))),
+     ValueError, ["binary_cross_entropy_with_logits", "pos_weight", "(1, 2, 3)"]),
+    (lambda x: F.binary_cross_entropy_with_logits(x, np.zeros((2, 3)), reduction=None),
+     ValueError, ["binary_cross_entropy_with_logits", "reduction", "None"]),
+])
+def test_loss_arguments_are_checked(backend, call, error, words):
+    x = param(np.zeros((2, 3)), backend)
+    launches = backend.launches
+    with raises_naming(error, *words):
+        call(x)
+    assert backend.launches == launches
+
+
+def test_loss_weights_are_constants(backend):
+    """PyTorch defines no gradient for weight or pos_weight and refuses one that requires it;
+    outside a Tape nothing is recorded, so a Parameter is just its value there."""
+    x, weight = param(np.zeros((2, 3)), backend), param(np.ones(3), backend)
+    for name in ("weight", "pos_weight"):
+        with netcl.Tape(), raises_naming(ValueError, "binary_cross_entropy_with_logits", name,
+                                         "gradient"):
+            F.binary_cross_entropy_with_logits(x, np.zeros((2, 3)), **{name: weight})
+        loss = F.binary_cross_entropy_with_logits(x, np.zeros((2, 3)), **{name: weight})
+        assert host(loss) == pytest.approx(math.log(2), rel=1e-6)
+
+
+def test_new_loss_names():
+    assert netcl.nll_loss is F.nll_loss and netcl.nn.functional.nll_loss is F.nll_loss
+    assert netcl.binary_cross_entropy_with_logits is F.binary_cross_entropy_with_logits
+
+
+def test_grouped_conv2d_is_one_conv2d_per_group(device):
+    """groups=G is G ordinary convolutions side by side, each on its C/G channels with its
+    K/G filters (depthwise when G = C); dilation spreads the taps, as the definition says."""
+    rng = np.random.default_rng(6)
+    for groups, dilation in ((2, 1), (4, (2, 1))):
+        x = rng.standard_normal((2, 4, 7, 6)).astype(np.float32)
+        w = rng.standard_normal((2 * groups, 4 // groups, 3, 3)).astype(np.float32)
+        whole = host(F.conv2d(tensor(x, device), w, padding=1, dilation=dilation, groups=groups))
+        per = len(w) // groups
+        parts = [host(F.conv2d(tensor(x[:, g * (4 // groups):(g + 1) * (4 // groups)], device),
+                               w[g * per:(g + 1) * per], padding=1, dilation=dilation))
+                 for g in range(groups)]
+        np.testing.assert_allclose(whole, np.concatenate(parts, axis=1), rtol=1e-5, atol=1e-5)
+
+
+def test_grouped_dilated_conv2d_in_im2col_chunks(opencl, monkeypatch):
+    """A batch split into im2col chunks gives what the whole batch gives, grouped and dilated."""
+    rng = np.random.default_rng(7)
+    arrays = [rng.standard_normal(s).astype(np.float32) for s in ((5, 4, 7, 6), (6, 2, 3, 2), (6,))]
+    op = lambda x, w, b: F.conv2d(x, w, b, stride=(1, 2), padding=2, dilation=(2, 3), groups=2)
+    g = rng.standard_normal(op(*arrays).shape).astype(np.float32)
+    launches = opencl.launches
+    whole = run_op(op, arrays, g, opencl)
+    whole_launches, launches = opencl.launches - launches, opencl.launches
+    # two samples' columns per chunk: C*R*S rows of OH*OW float32 values each
+    monkeypatch.setattr(netcl, "_IM2COL_BYTES", 2 * (4 * 3 * 2) * (7 * 4) * 4)
+    chunked = run_op(op, arrays, g, opencl)
+    assert opencl.launches - launches > whole_launches  # three chunks really ran
+    for got, want in zip([chunked[0]] + chunked[1], [whole[0]] + whole[1]):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_grouped_dilated_conv2d_of_an_empty_batch(device):
+    x = param(np.zeros((0, 4, 5, 5)), device)
+    w = param(np.ones((6, 2, 2, 2)), device)
+    with netcl.Tape() as tape:
+        out = F.conv2d(x, w, stride=1, padding=1, dilation=3, groups=2)
+    assert out.shape == (0, 6, 4, 4)
+    tape.backward(out, grad=np.zeros(out.shape, np.float32))
+    assert host(x.grad).shape == (0, 4, 5, 5)
+    np.testing.assert_array_equal(host(w.grad), np.zeros((6, 2, 2, 2)))
+
+
+@pytest.mark.parametrize("gemm", ["packed", "tiled"])
+@pytest.mark.usefixtures("portable_half")
+def test_autocast_grouped_dilated_conv2d_is_the_float32_result_rounded(opencl, monkeypatch,
+                                                                        gemm):
+    """Under autocast a grouped, dilated conv2d writes float16 storage: the float32 result on
+    the same values, rounded once; its gradients are the float32 ones."""
+    monkeypatch.setattr(opencl, "gemm", gemm)
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((2, 6, 8, 7)).astype(np.float16)
+    weights = [rng.standard_normal((9, 2, 3, 3)) / 5, rng.standard_normal(9)]
+    results = {}
+    for enabled, dtype in ((False, np.float32), (True, np.float16)):
+        leaves = [param(x, opencl, dtype)] + [param(w, opencl) for w in weights]
+        with netcl.Tape() as tape, netcl.autocast(enabled=enabled):
+            out = F.conv2d(*leaves, stride=(2, 1), padding=2, dilation=(2, 1), groups=3)
+        seed = np.random.default_rng(1).standard_normal(out.shape).astype(np.float16)
+        tape.backward(out, grad=seed.astype(np.float32))
+        results[enabled] = host(out), [host(p.grad) for p in leaves]
+    (single, grads32), (half, grads16) = results[False], results[True]
+    assert half.dtype == np.float16
+    np.testing.assert_array_equal(half, single.astype(np.float16))
+    for g16, g32 in zip(grads16, grads32):
+        np.testing.assert_array_equal(g16, g32)
+
+
+@pytest.mark.parametrize("call, words", [
+    (lambda t: F.conv2d(t(2, 4, 5, 5), t(3, 2, 3, 3), groups=2),
+     ["conv2d", "3 filters", "groups=2"]),
+    (lambda t: F.conv2d(t(2, 3, 5, 5), t(4, 2, 3, 3), groups=2),
+     ["conv2d", "3 channels", "expects 4", "groups=2"]),
+    (lambda t: F.conv2d(t(2, 4, 5, 5), t(4, 4, 3, 3), groups=2),
+     ["conv2d", "4 channels", "expects 8"]),
+    (lambda t: F.conv2d(t(2, 4, 5, 5), t(4, 2, 3, 3), groups=0), ["conv2d", "groups", "0"]),
+    (lambda t: F.conv2d(t(2, 4, 5, 5), t(4, 2, 3, 3), groups=2.0), ["conv2d", "groups", "2.0"]),
+    (lambda t: F.conv2d(t(2, 4, 5, 5), t(4, 4, 3, 3), groups=True), ["conv2d", "groups", "True"]),
+    (lambda t: F.conv2d(t(2, 4, 5, 5), t(4, 4, 3, 3), dilation=0), ["conv2d", "dilation", "0"]),
+    (lambda t: F.conv2d(t(2, 4, 5, 5), t(4, 4, 3, 3), dilation=(1, -2)),
+     ["conv2d", "dilation", "-2"]),
+    (lambda t: F.conv2d(t(2, 4, 5, 5), t(4, 4, 3, 3), dilation=3),
+     ["conv2d", "kernel (3, 3)", "dilation (3, 3)", "spans (7, 7)", "padded input (5, 5)"]),
+    (lambda t: nn.Conv2d(3, 4, 3, groups=2), ["Conv2d", "in_ch=3", "groups=2"]),
+    (lambda t: nn.Conv2d(4, 3, 3, groups=2), ["Conv2d", "out_ch=3", "groups=2"]),
+    (lambda t: nn.Conv2d(4, 4, 3, groups=0), ["Conv2d", "groups", "0"]),
+    (lambda t: nn.Conv2d(4, 4, 3, dilation=(0, 1)), ["Conv2d", "dilation", "(0, 1)"]),
+])
+def test_conv2d_groups_and_dilation_are_checked(device, call, words):
+    tensor = lambda *shape: netcl.Tensor.from_host(np.zeros(shape, np.float32), device.queue)
+    launches = device.launches
+    with raises_naming(ValueError, *words):
+        call(tensor)
+    assert device.launches == launches
+
+
+def test_conv2d_module_dilation_and_groups(device):
+    """nn.Conv2d as PyTorch's: weight (out, in / groups, kh, kw), U(+-1/sqrt(fan_in)) with
+    fan_in = in / groups * kh * kw, the attributes, and the functional op underneath."""
+    netcl.manual_seed(0)
+    conv = nn.Conv2d(6, 9, (3, 2), 1, 2, (2, 1), 3, queue=device.queue)  # PyTorch's order
+    assert (conv.dilation, conv.groups, conv.padding) == ((2, 1), 3, (2, 2))
+    state = conv.state_dict()
+    assert list(state) == ["weight", "bias"] and state["weight"].shape == (9, 2, 3, 2)
+    bound = 1 / np.sqrt(2 * 3 * 2)
+    for value in state.values():
+        assert np.abs(value).max() <= bound and np.abs(value).max() > 0.7 * bound
+    x = np.random.default_rng(9).standard_normal((2, 6, 7, 5)).astype(np.float32)
+    out = conv(tensor(x, device))
+    np.testing.assert_array_equal(host(out), host(F.conv2d(x, conv.weight, conv.bias, padding=2,
+                                                           dilation=(2, 1), groups=3)))
+    np.testing.assert_allclose(host(out), _conv2d_ref(x.astype(np.float64), state["weight"],
+                                                      state["bias"], (1, 1), (2, 2), (2, 1), 3),
+                               rtol=1e-5, atol=1e-5)
