@@ -1192,9 +1192,11 @@ def log(x):
 
 
 # --- elementwise, two inputs ---------------------------------------------------------------
-# Operands have the same shape, or one is a scalar, or one's shape is a trailing part of the
-# other's (a bias (D,) against x (N, D)): it then repeats along the leading dimensions, and
-# its gradient is the sum over them.
+# Operands broadcast as in NumPy and PyTorch: shapes align on the right, and along each
+# dimension the two sizes are equal or one is 1, which repeats (a missing leading dimension
+# counts as 1): (N, D) + (D,), (N, D) * (N, 1), (3, 1) - (1, 4) -> (3, 4). A repeated
+# operand's gradient is the output's gradient summed over the dimensions it repeated along.
+# A Python scalar takes the scalar kernels: one launch, no buffer for the constant.
 
 _SCALAR_OPS = {  # kernel name: NumPy reference, for x (op) constant
     "add_scalar": lambda x, c: x + c, "mul_scalar": lambda x, c: x * c,
@@ -1202,39 +1204,95 @@ _SCALAR_OPS = {  # kernel name: NumPy reference, for x (op) constant
     "rdiv_scalar": lambda x, c: c / x,
 }
 _BINARY = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide}
+_BROADCAST_RANK = 8  # groups of dimensions kernels.cl's broadcast_t holds
 
 
-def _broadcast_shape(op, a_shape, b_shape):
-    if a_shape == b_shape or b_shape == a_shape[len(a_shape) - len(b_shape):]:
-        return a_shape
-    if a_shape == b_shape[len(b_shape) - len(a_shape):]:
-        return b_shape
-    raise ValueError(f"{op}: shapes {a_shape} and {b_shape} do not match (same shape, a "
-                     f"scalar, or a trailing-dimension broadcast such as (N, D) and (D,))")
+def _broadcast(op, a_shape, b_shape):
+    """The broadcast shape of a_shape and b_shape, and the output seen as groups of dimensions,
+    each (size, a_repeats, b_repeats), outermost first: adjacent dimensions along which the
+    same operand repeats merge, and size-1 dimensions drop out, so (N, D) + (D,) is
+    [(N, False, True), (D, False, False)] and most broadcasts are 1 to 3 groups."""
+    if a_shape == b_shape:  # the common case, without the loop
+        size = math.prod(a_shape)
+        return tuple(a_shape), [] if size == 1 else [(size, False, False)]
+    ndim = max(len(a_shape), len(b_shape))
+    a_dims = (1,) * (ndim - len(a_shape)) + tuple(a_shape)
+    b_dims = (1,) * (ndim - len(b_shape)) + tuple(b_shape)
+    shape, groups = [], []
+    for axis, (a_size, b_size) in enumerate(zip(a_dims, b_dims)):
+        if a_size != b_size and a_size != 1 and b_size != 1:
+            raise ValueError(f"{op}: shapes {a_shape} and {b_shape} do not broadcast: sizes "
+                             f"{a_size} and {b_size} at dimension {axis} of the output (they "
+                             f"must be equal, or one of them 1)")
+        size = b_size if a_size == 1 else a_size
+        shape.append(size)
+        if size == 1:
+            continue
+        repeats = (a_size == 1, b_size == 1)
+        if groups and groups[-1][1:] == repeats:
+            groups[-1] = (groups[-1][0] * size, *repeats)
+        else:
+            groups.append((size, *repeats))
+    if len(groups) > _BROADCAST_RANK:
+        raise ValueError(f"{op}: shapes {a_shape} and {b_shape} broadcast in {len(groups)} "
+                         f"groups of dimensions (adjacent ones along which the same operand "
+                         f"repeats form one); netcl's kernels index at most {_BROADCAST_RANK}")
+    return tuple(shape), groups
 
 
-def _binary_tensor(name, a, b, shape):
-    if a.dtype != b.dtype:  # float16 against float32 (a gradient, a weight): compute in float32
+def _broadcast_plan(groups):
+    """kernels.cl's broadcast_t for `groups`: their count, then per group its size, a's stride
+    and b's stride in elements (0 along a group the operand repeats), padded to
+    _BROADCAST_RANK. A runtime argument: a new shape is no new compile."""
+    sizes, a_strides, b_strides = ([0] * _BROADCAST_RANK for _ in range(3))
+    a_step = b_step = 1
+    for g in reversed(range(len(groups))):
+        sizes[g], a_repeats, b_repeats = groups[g]
+        a_strides[g], b_strides[g] = 0 if a_repeats else a_step, 0 if b_repeats else b_step
+        a_step *= 1 if a_repeats else sizes[g]
+        b_step *= 1 if b_repeats else sizes[g]
+    return struct.pack(f"{1 + 3 * _BROADCAST_RANK}i", len(groups), *sizes, *a_strides, *b_strides)
+
+
+def _binary_tensor(name, a, b):
+    """out = a (op) b, broadcast. float16 against float32 (a gradient, a weight) computes in
+    float32."""
+    shape, groups = _broadcast(name, a.shape, b.shape)
+    if a.dtype != b.dtype:
         a, b = _float32(a), _float32(b)
     out = _like(a, shape, np.result_type(a.dtype, b.dtype))
     if a.device.backend == "cpu":
         with np.errstate(all="ignore"):
             _BINARY[name](a.data, b.data, out=out.data)
     elif out.size:
-        out.device.launch(f"{name}_fwd", *_grid(out.size), out.size, a.size, b.size,
-                          a.data, b.data, out.data, half=out.dtype == np.float16)
+        half = out.dtype == np.float16
+        if a.size == b.size == out.size:  # out's elements in out's order: no index arithmetic
+            out.device.launch(f"{name}_fwd", *_grid(out.size), out.size, a.data, b.data,
+                              out.data, half=half)
+        else:
+            out.device.launch(f"{name}_bcast", *_grid(out.size), out.size,
+                              _broadcast_plan(groups), a.data, b.data, out.data, half=half)
     return out
 
 
 def _unbroadcast(g, shape):
-    """Sum g over the leading dimensions an operand of `shape` was repeated along."""
-    if g.shape == shape:
-        return g
-    return _sum_axis_tensor(g, 1, g.size // max(math.prod(shape), 1), math.prod(shape)).reshape(shape)
+    """g, shaped like a broadcast output, summed back to an operand of `shape`: over each group
+    of dimensions the operand repeated along (keepdims where it had a 1, as PyTorch's
+    sum_to_size). A bias row (D,) of an (N, D) output is one sum over N."""
+    if g.size == math.prod(shape):
+        return g if g.shape == shape else g.reshape(shape)
+    _, groups = _broadcast("backward", shape, g.shape)
+    sizes = [size for size, _, _ in groups]
+    for axis in reversed(range(len(groups))):
+        if groups[axis][1]:
+            g = _sum_axis_tensor(g, math.prod(sizes[:axis]), sizes[axis],
+                                 math.prod(sizes[axis + 1:]))
+            del sizes[axis]
+    return g.reshape(shape)
 
 
 def _add_tensors(a, b):
-    return _binary_tensor("add", a, b, a.shape)
+    return _binary_tensor("add", a, b)
 
 
 def _scalar_op(kernel, x, constant, grad_scale):
@@ -1250,64 +1308,66 @@ def _scalar_op(kernel, x, constant, grad_scale):
 
 
 def add(a, b):
-    """a + b."""
+    """a + b, broadcast."""
     if _is_scalar(b):
         return _scalar_op("add_scalar", a, b, 1.0)
     if _is_scalar(a):
         return _scalar_op("add_scalar", b, a, 1.0)
     a, b = _nodes("add", a, b)
-    shape = _broadcast_shape("add", a.shape, b.shape)
-    return _record(_binary_tensor("add", a.value, b.value, shape), (a, b),
+    return _record(_binary_tensor("add", a.value, b.value), (a, b),
                    lambda g: (_unbroadcast(g, a.shape), _unbroadcast(g, b.shape)))
 
 
 def sub(a, b):
-    """a - b."""
+    """a - b, broadcast."""
     if _is_scalar(b):
         return _scalar_op("add_scalar", a, -b, 1.0)
     if _is_scalar(a):
         return _scalar_op("rsub_scalar", b, a, -1.0)
     a, b = _nodes("sub", a, b)
-    shape = _broadcast_shape("sub", a.shape, b.shape)
-    return _record(_binary_tensor("sub", a.value, b.value, shape), (a, b),
+    return _record(_binary_tensor("sub", a.value, b.value), (a, b),
                    lambda g: (_unbroadcast(g, a.shape),
-                              _unbroadcast(_unary_tensor("neg", g), b.shape)))
+                              _unary_tensor("neg", _unbroadcast(g, b.shape))))
 
 
 def mul(a, b):
-    """a * b."""
+    """a * b, broadcast."""
     if _is_scalar(b):
         return _scalar_op("mul_scalar", a, b, float(b))
     if _is_scalar(a):
         return _scalar_op("mul_scalar", b, a, float(a))
     a, b = _nodes("mul", a, b)
-    shape = _broadcast_shape("mul", a.shape, b.shape)
-    return _record(_binary_tensor("mul", a.value, b.value, shape), (a, b),
-                   lambda g: (_unbroadcast(_binary_tensor("mul", g, b.value, shape), a.shape),
-                              _unbroadcast(_binary_tensor("mul", g, a.value, shape), b.shape)))
+    return _record(_binary_tensor("mul", a.value, b.value), (a, b),
+                   lambda g: (_unbroadcast(_binary_tensor("mul", g, b.value), a.shape),
+                              _unbroadcast(_binary_tensor("mul", g, a.value), b.shape)))
 
 
 def div(a, b):
-    """a / b."""
+    """a / b, broadcast."""
     if _is_scalar(b):
         return _scalar_op("div_scalar", a, b, 1.0 / float(b) if b else math.copysign(math.inf, b))
     if _is_scalar(a):
         return _scalar_op("rdiv_scalar", b, a, None)
     a, b = _nodes("div", a, b)
-    shape = _broadcast_shape("div", a.shape, b.shape)
 
     def backward(g):
         A, B = (a.value, b.value) if a.dtype == b.dtype else (_float32(a.value), _float32(b.value))
-        grad_a = _binary_tensor("div", g, B, shape)
-        grad_b = _like(g)
+        grad_a = _binary_tensor("div", g, B)
+        grad_b = _like(g)  # d(a/b)/db = -g a / b^2, at the output's shape, then summed back
         if g.device.backend == "cpu":
             with np.errstate(all="ignore"):
                 grad_b.data[...] = -g.data * A.data / (B.data * B.data)
         elif g.size:
-            g.device.launch("div_bwd_b", *_grid(g.size), g.size, A.size, B.size, g.data, A.data,
-                            B.data, grad_b.data, half=A.dtype == np.float16)
+            half = A.dtype == np.float16
+            if A.size == B.size == g.size:
+                g.device.launch("div_bwd_b", *_grid(g.size), g.size, g.data, A.data, B.data,
+                                grad_b.data, half=half)
+            else:
+                plan = _broadcast_plan(_broadcast("div", A.shape, B.shape)[1])
+                g.device.launch("div_bwd_b_bcast", *_grid(g.size), g.size, plan, g.data,
+                                A.data, B.data, grad_b.data, half=half)
         return _unbroadcast(grad_a, a.shape), _unbroadcast(grad_b, b.shape)
-    return _record(_binary_tensor("div", a.value, b.value, shape), (a, b), backward)
+    return _record(_binary_tensor("div", a.value, b.value), (a, b), backward)
 
 
 # --- matrix products -------------------------------------------------------------------------
