@@ -170,6 +170,13 @@ __kernel void div_bwd_b_bcast(const int n, const broadcast_t plan, __global cons
     }
 }
 
+// x (n) int32 -> out (n) act_t: an integer operand promoted to floating point, as PyTorch
+// promotes it (rounding to nearest even beyond 2^24, and to half in the half build).
+__kernel void int_to_act(const int n, __global const int* x, __global act_t* out) {
+    const int i = get_global_id(0);
+    if (i < n) STORE(out, i, (float)x[i]);
+}
+
 // x (rows, cols) -> out (cols, rows), both act_t
 __kernel void transpose2d(const int rows, const int cols, __global const act_t* x,
                           __global act_t* out) {

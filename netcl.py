@@ -964,15 +964,20 @@ def _as_node(op, value, device, dtype=None):
 
 def _nodes(op, *values, numeric=True):
     """Nodes for the operands of `op`, all on one device (arrays and scalars join it).
-    Numeric ops refuse int32 tensors, which hold labels and indices, not values."""
+
+    Numeric ops promote integer operands as PyTorch does: an int32 tensor, like an integer
+    array, takes the dtype of the first floating-point operand, float32 if there is none
+    (_promote_int). Where PyTorch keeps integers (int + int, relu of an int tensor) netcl
+    computes in float32 all the same: it has no integer arithmetic kernels, and both backends
+    must agree. Labels and indices stay int32 for the ops that read them as such (a
+    cross_entropy target, reshape)."""
     device = _devices_of(op, *values)
-    dtype = next((v.dtype for v in values if isinstance(v, (Node, Tensor))), None)
+    dtype = next((v.dtype for v in values if isinstance(v, (Node, Tensor))
+                  and v.dtype.kind == "f"), None)
     nodes = [_as_node(op, v, device, dtype) for v in values]
     if numeric:
-        for node in nodes:
-            if node.dtype.kind != "f":
-                raise ValueError(f"{op}: operand of dtype {node.dtype.name} (shape {node.shape}); "
-                                 f"netcl computes in float32 (labels and indices stay int32)")
+        nodes = [node if node.dtype.kind == "f" else
+                 _promote_int(node, dtype or np.dtype(np.float32)) for node in nodes]
     return nodes
 
 
@@ -1293,6 +1298,18 @@ def _unbroadcast(g, shape):
 
 def _add_tensors(a, b):
     return _binary_tensor("add", a, b)
+
+
+def _promote_int(x, dtype):
+    """The int32 Node x as a constant Node of the float `dtype`, as PyTorch promotes an integer
+    operand (integer tensors have no gradient there either)."""
+    out = _like(x.value, dtype=dtype)
+    if x.device.backend == "cpu":
+        out.data[...] = x.value.data
+    elif out.size:
+        x.device.launch("int_to_act", *_grid(out.size), out.size, x.value.data, out.data,
+                        half=out.dtype == np.float16)
+    return Node(out)
 
 
 def _scalar_op(kernel, x, constant, grad_scale):
