@@ -1286,7 +1286,7 @@ def _unbroadcast(g, shape):
     sum_to_size). A bias row (D,) of an (N, D) output is one sum over N."""
     if g.size == math.prod(shape):
         return g if g.shape == shape else g.reshape(shape)
-    _, groups = _broadcast("backward", shape, g.shape)
+    _, groups = _broadcast("backward", shape, g.shape)  # cannot raise: shape broadcast to g's
     sizes = [size for size, _, _ in groups]
     for axis in reversed(range(len(groups))):
         if groups[axis][1]:
