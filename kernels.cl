@@ -145,44 +145,96 @@ __kernel void clamp_bwd(const int n, const float low, const float high, __global
     }
 }
 
-// --- elementwise, two inputs: out (n) = f(a, b). An operand of fewer elements repeats along
-// the leading dimensions (a bias (cols) against x (rows, cols), or a scalar of size 1).
+// --- elementwise, two inputs: out (n) = f(a, b), the operands broadcast as in NumPy.
 // a, b and out are act_t (netcl.py widens a float16 operand met with a float32 one).
+// NAME_fwd: both operands hold out's n elements in out's order (no index arithmetic).
+// NAME_bcast: broadcast_t maps out's index to each operand's. netcl.py (_broadcast) sees out as
+// groups of adjacent dimensions along which the same operand repeats (a bias row against
+// x (rows, cols) is 2 groups, (rows) and (cols)); an operand's stride is 0 along a group it
+// repeats.
+#define BROADCAST_RANK 8  // netcl.py: _BROADCAST_RANK
+typedef struct {
+    int ndim;                       // groups in use, outermost first
+    int dims[BROADCAST_RANK];       // out's size along each group
+    int a_strides[BROADCAST_RANK];  // a's stride in elements along each group
+    int b_strides[BROADCAST_RANK];
+} broadcast_t;
+
+// The offsets in a (.x) and b (.y) of out's element i: i's index along each group, innermost
+// first, times the operands' strides. Unrolled to BROADCAST_RANK with a guard (a loop to the
+// runtime ndim ran at half speed on PoCL); one division per group, none for the outermost.
+int2 broadcast_offsets(const broadcast_t plan, int i) {
+    int2 offsets = (int2)(0, 0);
+    #pragma unroll
+    for (int d = BROADCAST_RANK - 1; d > 0; --d) {
+        if (d < plan.ndim) {
+            const int outer = i / plan.dims[d];
+            offsets += (i - outer * plan.dims[d]) * (int2)(plan.a_strides[d], plan.b_strides[d]);
+            i = outer;
+        }
+    }
+    return offsets + i * (int2)(plan.a_strides[0], plan.b_strides[0]);  // i < dims[0] here
+}
+
 #define BINARY(NAME, EXPR)                                                              \
-__kernel void NAME(const int n, const int a_size, const int b_size,                     \
-                   __global const act_t* a_, __global const act_t* b_,                  \
-                   __global act_t* out) {                                               \
+__kernel void NAME##_fwd(const int n, __global const act_t* a_, __global const act_t* b_,  \
+                         __global act_t* out) {                                         \
+    const int i = get_global_id(0);                                                     \
+    if (i < n) { const float a = LOAD(a_, i), b = LOAD(b_, i); STORE(out, i, (EXPR)); } \
+}                                                                                       \
+__kernel void NAME##_bcast(const int n, const broadcast_t plan, __global const act_t* a_,  \
+                           __global const act_t* b_, __global act_t* out) {             \
     const int i = get_global_id(0);                                                     \
     if (i < n) {                                                                        \
-        const float a = LOAD(a_, i % a_size), b = LOAD(b_, i % b_size);                 \
+        const int2 at = broadcast_offsets(plan, i);                                     \
+        const float a = LOAD(a_, at.x), b = LOAD(b_, at.y);                             \
         STORE(out, i, (EXPR));                                                          \
     }                                                                                   \
 }
 
-BINARY(add_fwd, a + b)
-BINARY(sub_fwd, a - b)
-BINARY(mul_fwd, a * b)
-BINARY(div_fwd, a / b)
+BINARY(add, a + b)
+BINARY(sub, a - b)
+BINARY(mul, a * b)
+BINARY(div, a / b)
 
-// d(a/b)/db = -g a / b^2, with g (n) full size and a, b (act_t) possibly repeated.
-__kernel void div_bwd_b(const int n, const int a_size, const int b_size, __global const float* g,
-                        __global const act_t* a, __global const act_t* b, __global float* out) {
+// d(a/b)/db = -g a / b^2 at the output's shape: g and out (n) are gradients (float), a and b
+// act_t, of out's shape (div_bwd_b) or broadcast (div_bwd_b_bcast, plan as for div_bcast).
+__kernel void div_bwd_b(const int n, __global const float* g, __global const act_t* a,
+                        __global const act_t* b, __global float* out) {
     const int i = get_global_id(0);
     if (i < n) {
-        const float bv = LOAD(b, i % b_size);
-        out[i] = -g[i] * LOAD(a, i % a_size) / (bv * bv);
+        const float bv = LOAD(b, i);
+        out[i] = -g[i] * LOAD(a, i) / (bv * bv);
     }
 }
 
-// --- maximum, minimum and selection: BINARY kernels, launched like add_fwd.
-BINARY(maximum_fwd, (a > b || isnan(a)) ? a : b)  // NaN on either side gives NaN, as PyTorch
-BINARY(minimum_fwd, (a < b || isnan(a)) ? a : b)
+__kernel void div_bwd_b_bcast(const int n, const broadcast_t plan, __global const float* g,
+                              __global const act_t* a, __global const act_t* b,
+                              __global float* out) {
+    const int i = get_global_id(0);
+    if (i < n) {
+        const int2 at = broadcast_offsets(plan, i);
+        const float bv = LOAD(b, at.y);
+        out[i] = -g[i] * LOAD(a, at.x) / (bv * bv);
+    }
+}
+
+// x (n) int32 -> out (n) act_t: an integer operand promoted to floating point, as PyTorch
+// promotes it (rounding to nearest even beyond 2^24, and to half in the half build).
+__kernel void int_to_act(const int n, __global const int* x, __global act_t* out) {
+    const int i = get_global_id(0);
+    if (i < n) STORE(out, i, (float)x[i]);
+}
+
+// --- maximum, minimum and selection: BINARY kernels, launched like add's.
+BINARY(maximum, (a > b || isnan(a)) ? a : b)  // NaN on either side gives NaN, as PyTorch
+BINARY(minimum, (a < b || isnan(a)) ? a : b)
 // a's share of the gradient of maximum(a, b): 1 where it won, 0 where it lost, half on a tie
-BINARY(max_share_fwd, a < b ? 0.0f : (a == b ? 0.5f : 1.0f))
+BINARY(max_share, a < b ? 0.0f : (a == b ? 0.5f : 1.0f))
 // a is a mask of 1s and 0s: b where it is 1 (pick) or 0 (drop), else -0.0, so that a pick
 // plus a drop is exactly a selection (x + -0.0 == x for every x, -0.0 included)
-BINARY(where_pick_fwd, a != 0.0f ? b : -0.0f)
-BINARY(where_drop_fwd, a != 0.0f ? -0.0f : b)
+BINARY(where_pick, a != 0.0f ? b : -0.0f)
+BINARY(where_drop, a != 0.0f ? -0.0f : b)
 
 // cond (n) int32 -> mask (n) act_t: 1 where cond is nonzero, else 0
 __kernel void nonzero_mask(const int n, __global const int* cond, __global act_t* mask) {

@@ -1023,15 +1023,20 @@ def _as_node(op, value, device, dtype=None):
 
 def _nodes(op, *values, numeric=True):
     """Nodes for the operands of `op`, all on one device (arrays and scalars join it).
-    Numeric ops refuse int32 tensors, which hold labels and indices, not values."""
+
+    Numeric ops promote integer operands as PyTorch does: an int32 tensor, like an integer
+    array, takes the dtype of the first floating-point operand, float32 if there is none
+    (_promote_int). Where PyTorch keeps integers (int + int, relu of an int tensor) netcl
+    computes in float32 all the same: it has no integer arithmetic kernels, and both backends
+    must agree. Labels and indices stay int32 for the ops that read them as such (a
+    cross_entropy target, reshape)."""
     device = _devices_of(op, *values)
-    dtype = next((v.dtype for v in values if isinstance(v, (Node, Tensor))), None)
+    dtype = next((v.dtype for v in values if isinstance(v, (Node, Tensor))
+                  and v.dtype.kind == "f"), None)
     nodes = [_as_node(op, v, device, dtype) for v in values]
     if numeric:
-        for node in nodes:
-            if node.dtype.kind != "f":
-                raise ValueError(f"{op}: operand of dtype {node.dtype.name} (shape {node.shape}); "
-                                 f"netcl computes in float32 (labels and indices stay int32)")
+        nodes = [node if node.dtype.kind == "f" else
+                 _promote_int(node, dtype or np.dtype(np.float32)) for node in nodes]
     return nodes
 
 
@@ -1347,9 +1352,11 @@ def silu(x):
 
 
 # --- elementwise, two inputs ---------------------------------------------------------------
-# Operands have the same shape, or one is a scalar, or one's shape is a trailing part of the
-# other's (a bias (D,) against x (N, D)): it then repeats along the leading dimensions, and
-# its gradient is the sum over them.
+# Operands broadcast as in NumPy and PyTorch: shapes align on the right, and along each
+# dimension the two sizes are equal or one is 1, which repeats (a missing leading dimension
+# counts as 1): (N, D) + (D,), (N, D) * (N, 1), (3, 1) - (1, 4) -> (3, 4). A repeated
+# operand's gradient is the output's gradient summed over the dimensions it repeated along.
+# A Python scalar takes the scalar kernels: one launch, no buffer for the constant.
 
 _SCALAR_OPS = {  # kernel name: NumPy reference, for x (op) constant
     "add_scalar": lambda x, c: x + c, "mul_scalar": lambda x, c: x * c,
@@ -1357,39 +1364,107 @@ _SCALAR_OPS = {  # kernel name: NumPy reference, for x (op) constant
     "rdiv_scalar": lambda x, c: c / x,
 }
 _BINARY = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide}
+_BROADCAST_RANK = 8  # groups of dimensions kernels.cl's broadcast_t holds
 
 
-def _broadcast_shape(op, a_shape, b_shape):
-    if a_shape == b_shape or b_shape == a_shape[len(a_shape) - len(b_shape):]:
-        return a_shape
-    if a_shape == b_shape[len(b_shape) - len(a_shape):]:
-        return b_shape
-    raise ValueError(f"{op}: shapes {a_shape} and {b_shape} do not match (same shape, a "
-                     f"scalar, or a trailing-dimension broadcast such as (N, D) and (D,))")
+def _broadcast(op, a_shape, b_shape):
+    """The broadcast shape of a_shape and b_shape, and the output seen as groups of dimensions,
+    each (size, a_repeats, b_repeats), outermost first: adjacent dimensions along which the
+    same operand repeats merge, and size-1 dimensions drop out, so (N, D) + (D,) is
+    [(N, False, True), (D, False, False)] and most broadcasts are 1 to 3 groups."""
+    if a_shape == b_shape:  # the common case, without the loop
+        size = math.prod(a_shape)
+        return tuple(a_shape), [] if size == 1 else [(size, False, False)]
+    ndim = max(len(a_shape), len(b_shape))
+    a_dims = (1,) * (ndim - len(a_shape)) + tuple(a_shape)
+    b_dims = (1,) * (ndim - len(b_shape)) + tuple(b_shape)
+    shape, groups = [], []
+    for axis, (a_size, b_size) in enumerate(zip(a_dims, b_dims)):
+        if a_size != b_size and a_size != 1 and b_size != 1:
+            raise ValueError(f"{op}: shapes {a_shape} and {b_shape} do not broadcast: sizes "
+                             f"{a_size} and {b_size} at dimension {axis} of the output (they "
+                             f"must be equal, or one of them 1)")
+        size = b_size if a_size == 1 else a_size
+        shape.append(size)
+        if size == 1:
+            continue
+        repeats = (a_size == 1, b_size == 1)
+        if groups and groups[-1][1:] == repeats:
+            groups[-1] = (groups[-1][0] * size, *repeats)
+        else:
+            groups.append((size, *repeats))
+    if len(groups) > _BROADCAST_RANK:
+        raise ValueError(f"{op}: shapes {a_shape} and {b_shape} broadcast in {len(groups)} "
+                         f"groups of dimensions (adjacent ones along which the same operand "
+                         f"repeats form one); netcl's kernels index at most {_BROADCAST_RANK}")
+    return tuple(shape), groups
 
 
-def _binary_tensor(name, a, b, shape):
-    if a.dtype != b.dtype:  # float16 against float32 (a gradient, a weight): compute in float32
+def _broadcast_plan(groups):
+    """kernels.cl's broadcast_t for `groups`: their count, then per group its size, a's stride
+    and b's stride in elements (0 along a group the operand repeats), padded to
+    _BROADCAST_RANK. A runtime argument: a new shape is no new compile."""
+    sizes, a_strides, b_strides = ([0] * _BROADCAST_RANK for _ in range(3))
+    a_step = b_step = 1
+    for g in reversed(range(len(groups))):
+        sizes[g], a_repeats, b_repeats = groups[g]
+        a_strides[g], b_strides[g] = 0 if a_repeats else a_step, 0 if b_repeats else b_step
+        a_step *= 1 if a_repeats else sizes[g]
+        b_step *= 1 if b_repeats else sizes[g]
+    return struct.pack(f"{1 + 3 * _BROADCAST_RANK}i", len(groups), *sizes, *a_strides, *b_strides)
+
+
+def _binary_tensor(name, a, b):
+    """out = a (op) b, broadcast. float16 against float32 (a gradient, a weight) computes in
+    float32."""
+    shape, groups = _broadcast(name, a.shape, b.shape)
+    if a.dtype != b.dtype:
         a, b = _float32(a), _float32(b)
     out = _like(a, shape, np.result_type(a.dtype, b.dtype))
     if a.device.backend == "cpu":
         with np.errstate(all="ignore"):
             _BINARY[name](a.data, b.data, out=out.data)
     elif out.size:
-        out.device.launch(f"{name}_fwd", *_grid(out.size), out.size, a.size, b.size,
-                          a.data, b.data, out.data, half=out.dtype == np.float16)
+        half = out.dtype == np.float16
+        if a.size == b.size == out.size:  # out's elements in out's order: no index arithmetic
+            out.device.launch(f"{name}_fwd", *_grid(out.size), out.size, a.data, b.data,
+                              out.data, half=half)
+        else:
+            out.device.launch(f"{name}_bcast", *_grid(out.size), out.size,
+                              _broadcast_plan(groups), a.data, b.data, out.data, half=half)
     return out
 
 
 def _unbroadcast(g, shape):
-    """Sum g over the leading dimensions an operand of `shape` was repeated along."""
-    if g.shape == shape:
-        return g
-    return _sum_axis_tensor(g, 1, g.size // max(math.prod(shape), 1), math.prod(shape)).reshape(shape)
+    """g, shaped like a broadcast output, summed back to an operand of `shape`: over each group
+    of dimensions the operand repeated along (keepdims where it had a 1, as PyTorch's
+    sum_to_size). A bias row (D,) of an (N, D) output is one sum over N."""
+    if g.size == math.prod(shape):
+        return g if g.shape == shape else g.reshape(shape)
+    _, groups = _broadcast("backward", shape, g.shape)  # cannot raise: shape broadcast to g's
+    sizes = [size for size, _, _ in groups]
+    for axis in reversed(range(len(groups))):
+        if groups[axis][1]:
+            g = _sum_axis_tensor(g, math.prod(sizes[:axis]), sizes[axis],
+                                 math.prod(sizes[axis + 1:]))
+            del sizes[axis]
+    return g.reshape(shape)
 
 
 def _add_tensors(a, b):
-    return _binary_tensor("add", a, b, a.shape)
+    return _binary_tensor("add", a, b)
+
+
+def _promote_int(x, dtype):
+    """The int32 Node x as a constant Node of the float `dtype`, as PyTorch promotes an integer
+    operand (integer tensors have no gradient there either)."""
+    out = _like(x.value, dtype=dtype)
+    if x.device.backend == "cpu":
+        out.data[...] = x.value.data
+    elif out.size:
+        x.device.launch("int_to_act", *_grid(out.size), out.size, x.value.data, out.data,
+                        half=out.dtype == np.float16)
+    return Node(out)
 
 
 def _scalar_op(kernel, x, constant, grad_scale):
@@ -1405,64 +1480,66 @@ def _scalar_op(kernel, x, constant, grad_scale):
 
 
 def add(a, b):
-    """a + b."""
+    """a + b, broadcast."""
     if _is_scalar(b):
         return _scalar_op("add_scalar", a, b, 1.0)
     if _is_scalar(a):
         return _scalar_op("add_scalar", b, a, 1.0)
     a, b = _nodes("add", a, b)
-    shape = _broadcast_shape("add", a.shape, b.shape)
-    return _record(_binary_tensor("add", a.value, b.value, shape), (a, b),
+    return _record(_binary_tensor("add", a.value, b.value), (a, b),
                    lambda g: (_unbroadcast(g, a.shape), _unbroadcast(g, b.shape)))
 
 
 def sub(a, b):
-    """a - b."""
+    """a - b, broadcast."""
     if _is_scalar(b):
         return _scalar_op("add_scalar", a, -b, 1.0)
     if _is_scalar(a):
         return _scalar_op("rsub_scalar", b, a, -1.0)
     a, b = _nodes("sub", a, b)
-    shape = _broadcast_shape("sub", a.shape, b.shape)
-    return _record(_binary_tensor("sub", a.value, b.value, shape), (a, b),
+    return _record(_binary_tensor("sub", a.value, b.value), (a, b),
                    lambda g: (_unbroadcast(g, a.shape),
-                              _unbroadcast(_unary_tensor("neg", g), b.shape)))
+                              _unary_tensor("neg", _unbroadcast(g, b.shape))))
 
 
 def mul(a, b):
-    """a * b."""
+    """a * b, broadcast."""
     if _is_scalar(b):
         return _scalar_op("mul_scalar", a, b, float(b))
     if _is_scalar(a):
         return _scalar_op("mul_scalar", b, a, float(a))
     a, b = _nodes("mul", a, b)
-    shape = _broadcast_shape("mul", a.shape, b.shape)
-    return _record(_binary_tensor("mul", a.value, b.value, shape), (a, b),
-                   lambda g: (_unbroadcast(_binary_tensor("mul", g, b.value, shape), a.shape),
-                              _unbroadcast(_binary_tensor("mul", g, a.value, shape), b.shape)))
+    return _record(_binary_tensor("mul", a.value, b.value), (a, b),
+                   lambda g: (_unbroadcast(_binary_tensor("mul", g, b.value), a.shape),
+                              _unbroadcast(_binary_tensor("mul", g, a.value), b.shape)))
 
 
 def div(a, b):
-    """a / b."""
+    """a / b, broadcast."""
     if _is_scalar(b):
         return _scalar_op("div_scalar", a, b, 1.0 / float(b) if b else math.copysign(math.inf, b))
     if _is_scalar(a):
         return _scalar_op("rdiv_scalar", b, a, None)
     a, b = _nodes("div", a, b)
-    shape = _broadcast_shape("div", a.shape, b.shape)
 
     def backward(g):
         A, B = (a.value, b.value) if a.dtype == b.dtype else (_float32(a.value), _float32(b.value))
-        grad_a = _binary_tensor("div", g, B, shape)
-        grad_b = _like(g)
+        grad_a = _binary_tensor("div", g, B)
+        grad_b = _like(g)  # d(a/b)/db = -g a / b^2, at the output's shape, then summed back
         if g.device.backend == "cpu":
             with np.errstate(all="ignore"):
                 grad_b.data[...] = -g.data * A.data / (B.data * B.data)
         elif g.size:
-            g.device.launch("div_bwd_b", *_grid(g.size), g.size, A.size, B.size, g.data, A.data,
-                            B.data, grad_b.data, half=A.dtype == np.float16)
+            half = A.dtype == np.float16
+            if A.size == B.size == g.size:
+                g.device.launch("div_bwd_b", *_grid(g.size), g.size, g.data, A.data, B.data,
+                                grad_b.data, half=half)
+            else:
+                plan = _broadcast_plan(_broadcast("div", A.shape, B.shape)[1])
+                g.device.launch("div_bwd_b_bcast", *_grid(g.size), g.size, plan, g.data,
+                                A.data, B.data, grad_b.data, half=half)
         return _unbroadcast(grad_a, a.shape), _unbroadcast(grad_b, b.shape)
-    return _record(_binary_tensor("div", a.value, b.value, shape), (a, b), backward)
+    return _record(_binary_tensor("div", a.value, b.value), (a, b), backward)
 
 
 # --- maximum, minimum and selection ----------------------------------------------------------
@@ -1485,7 +1562,7 @@ _BINARY.update(  # NumPy references of the kernels of this sub-section, called l
 
 def _extremum(op, a, b):
     a, b = _nodes(op, a, b)
-    shape = _broadcast_shape(op, a.shape, b.shape)
+    _broadcast(op, a.shape, b.shape)  # shape errors name the op, before anything is queued
     A, B = a.value, b.value
 
     def backward(g):
@@ -1496,10 +1573,10 @@ def _extremum(op, a, b):
         def grad(node, x, y):
             if not node.requires_grad:
                 return None
-            share = _binary_tensor("max_share", x, y, shape)
-            return _unbroadcast(_binary_tensor("mul", g, share, shape), node.shape)
+            share = _binary_tensor("max_share", x, y)
+            return _unbroadcast(_binary_tensor("mul", g, share), node.shape)
         return grad(a, first, second), grad(b, second, first)
-    return _record(_binary_tensor(op, A, B, shape), (a, b), backward)
+    return _record(_binary_tensor(op, A, B), (a, b), backward)
 
 
 def maximum(a, b):
@@ -1547,21 +1624,21 @@ def _where(op, cond, a, b, cond_name):
         a = _as_node(op, a, _devices_of(op, cond))              # result joins mask's device
     a, b = _nodes(op, a, b)
     mask = _mask(op, cond, a.value, cond_name)
-    picked_shape = _broadcast_shape(op, mask.shape, a.shape)
-    dropped_shape = _broadcast_shape(op, mask.shape, b.shape)
-    shape = _broadcast_shape(op, picked_shape, dropped_shape)
+    picked_shape = _broadcast(op, mask.shape, a.shape)[0]
+    dropped_shape = _broadcast(op, mask.shape, b.shape)[0]
+    _broadcast(op, picked_shape, dropped_shape)  # shape errors name the op, before any launch
     # a where the mask is true, b elsewhere, each -0.0 in the other's places, then summed:
     # x + -0.0 is x for every x, NaN, infinities and signed zeros included, so the sum is
     # exactly the selection, and every step broadcasts as the binary ops do.
-    picked = _binary_tensor("where_pick", mask, a.value, picked_shape)
-    dropped = _binary_tensor("where_drop", mask, b.value, dropped_shape)
+    picked = _binary_tensor("where_pick", mask, a.value)
+    dropped = _binary_tensor("where_drop", mask, b.value)
 
     def backward(g):  # the gradient goes to the side each element came from
-        return (_unbroadcast(_binary_tensor("where_pick", mask, g, shape), a.shape)
+        return (_unbroadcast(_binary_tensor("where_pick", mask, g), a.shape)
                 if a.requires_grad else None,
-                _unbroadcast(_binary_tensor("where_drop", mask, g, shape), b.shape)
+                _unbroadcast(_binary_tensor("where_drop", mask, g), b.shape)
                 if b.requires_grad else None)
-    return _record(_binary_tensor("add", picked, dropped, shape), (a, b), backward)
+    return _record(_binary_tensor("add", picked, dropped), (a, b), backward)
 
 
 def where(cond, a, b):

@@ -439,6 +439,16 @@ def _(draw, rng, fd):  # (..., M, K) @ (..., K, N), equal batch dimensions
                                       rng.standard_normal(batch + (k, n))], tol="acc")
 
 
+@case("matmul_broadcast_batch")
+def _(draw, rng, fd):  # batch dimensions that broadcast against each other: (2, 1) and (3,)
+    m, k, n = (_dim(draw, fd, GEMM_DIM) for _ in range(3))
+    outer, inner = draw(st.integers(1, 3)), draw(st.integers(2, 3))
+    a_batch, b_batch = draw(st.sampled_from([((outer, 1), (inner,)), ((1, inner), (outer, 1)),
+                                             ((outer, inner), (1, inner))]))
+    return Case(F.matmul, np.matmul, [rng.standard_normal(a_batch + (m, k)),
+                                      rng.standard_normal(b_batch + (k, n))], tol="acc")
+
+
 @case("matmul_shared_operand")
 def _(draw, rng, fd):  # a batch against one matrix, on either side (its gradient is a sum)
     batch = _batch_dims(draw, fd)
@@ -529,6 +539,38 @@ def _binary_cases(name, functional, operator, ref):
 
 for _name, (_functional, _operator, _ref) in BINARY.items():
     _binary_cases(_name, _functional, _operator, _ref)
+
+
+# Broadcast operands: NumPy's rule is the reference (np.add etc. broadcast as PyTorch does).
+def _broadcast_pair(draw, fd):
+    """Two shapes that broadcast, drawn dimension by dimension of the output (0 to 4 of them):
+    a size (now and then 0) and which operand repeats there (has a 1); then each operand drops
+    up to 2 leading dimensions (a missing dimension counts as 1). Hypothesis favours the first
+    value of sampled_from and the lowest integer: those are broadcasts that matter."""
+    a_shape, b_shape = [], []
+    for _ in range(draw(st.sampled_from([3, 2, 4, 1, 0]))):
+        size = 0 if draw(st.integers(0, 11)) == 11 else draw(
+            st.integers(2, 4) if fd else st.integers(2, 12))
+        repeats = draw(st.sampled_from(["b", "a", "neither", "both"]))
+        a_shape.append(1 if repeats in ("a", "both") else size)
+        b_shape.append(1 if repeats in ("b", "both") else size)
+    return (tuple(a_shape[draw(st.sampled_from([0, 1, 2])):]),
+            tuple(b_shape[draw(st.sampled_from([0, 1, 2])):]))
+
+
+def _broadcast_cases(name, functional, operator, ref):
+    for suffix, fn in (("_broadcast", functional), ("_broadcast_operator", operator)):
+        @case(name + suffix)
+        def _(draw, rng, fd, fn=fn):
+            a_shape, b_shape = _broadcast_pair(draw, fd)
+            # asarray: a 0-d draw is a NumPy scalar, which the finite differences cannot shift
+            return Case(fn, ref, [np.asarray(rng.standard_normal(a_shape)),
+                                  np.asarray(_away_from_zero(rng, b_shape))],
+                        tol="acc")   # a repeated operand's gradient is a sum
+
+
+for _name, (_functional, _operator, _ref) in BINARY.items():
+    _broadcast_cases(_name, _functional, _operator, _ref)
 
 
 UNARY = {
@@ -4009,8 +4051,9 @@ def test_integer_arrays_join_float_operands_as_float(backend):
     pixels = np.arange(8, dtype=np.uint8).reshape(2, 4)
     expected = pixels.astype(np.float64) @ host(layer.weight).T + host(layer.bias)
     np.testing.assert_allclose(host(layer(pixels)), expected, rtol=1e-5)
-    with raises_naming(ValueError, "relu", "int32"):
-        F.relu(netcl.Tensor.from_host(np.arange(3), backend.queue))
+    relu = F.relu(netcl.Tensor.from_host(np.arange(-1, 2), backend.queue))  # int32 promotes
+    assert relu.dtype == np.float32
+    np.testing.assert_array_equal(host(relu), [0.0, 0.0, 1.0])
 
 
 def test_numpy_array_on_the_left_of_an_operator(backend):
@@ -7178,3 +7221,190 @@ def test_conv2d_module_dilation_and_groups(device):
     np.testing.assert_allclose(host(out), _conv2d_ref(x.astype(np.float64), state["weight"],
                                                       state["bias"], (1, 1), (2, 2), (2, 1), 3),
                                rtol=1e-5, atol=1e-5)
+# broadcasting
+# ---------------------------------------------------------------------------------------------
+# add, sub, mul and div broadcast as NumPy and PyTorch do, and integer operands promote to
+# floating point. The gradient references transcribe PyTorch's autograd: derivatives.yaml's
+# formulas at the output's shape, then summed to each operand's shape (sum_to_size).
+
+def _sum_to_size(g, shape):
+    """torch.Tensor.sum_to_size in NumPy: sum over the leading dimensions `shape` lacks, then,
+    keeping them, over those where it has a 1."""
+    g = g.sum(axis=tuple(range(g.ndim - len(shape))))
+    return g.sum(axis=tuple(i for i, size in enumerate(shape) if size == 1), keepdims=True)
+
+
+BINARY_GRADS = {  # derivatives.yaml: d(out)/da and d(out)/db times g
+    "add": lambda a, b, g: (g, g),
+    "sub": lambda a, b, g: (g, -g),
+    "mul": lambda a, b, g: (g * b, g * a),
+    "div": lambda a, b, g: (g / b, -g * a / (b * b)),
+}
+
+BROADCAST_SHAPES = [
+    ((45, 65), (45, 1)), ((5, 3, 14, 16), (5, 1, 14, 1)), ((1, 32, 32, 32), (1, 32, 1, 1)),
+    ((3, 1), (1, 4)), ((1, 4), (3, 1)), ((7,), (2, 3, 7)), ((2, 1, 5), (4, 1)),
+    ((300, 2), (1, 2)), ((3, 1, 1), (3, 100, 7)),              # across work-group boundaries
+    ((), (3, 4)), ((2, 3), ()), ((), ()), ((1,), (2, 3)), ((1, 1, 1), (5,)),   # 0-d and 1s
+    ((0, 3), (3,)), ((2, 0), (2, 1)), ((0, 1), (1, 5)), ((), (0,)), ((4, 0, 2), (1, 1)),
+    ((2, 1, 3, 1, 2, 1, 2, 1), (1, 2, 1, 3, 1, 2, 1, 2)),      # 8 groups, the kernels' most
+]
+
+
+@pytest.mark.parametrize("a_shape, b_shape", BROADCAST_SHAPES)
+def test_broadcast_forward_and_gradients(backend, a_shape, b_shape):
+    rng = np.random.default_rng(len(a_shape) * 10 + len(b_shape))
+    a = np.asarray(rng.standard_normal(a_shape), np.float32)
+    b = np.asarray(_away_from_zero(rng, b_shape), np.float32)
+    shape = np.broadcast_shapes(a_shape, b_shape)
+    g = rng.standard_normal(shape).astype(np.float32)
+    a64, b64, g64 = a.astype(np.float64), b.astype(np.float64), g.astype(np.float64)
+    for name, (functional, _, ref) in BINARY.items():
+        pa, pb = param(a, backend), param(b, backend)
+        with netcl.Tape() as tape:
+            y = functional(pa, pb)
+        tape.backward(y, grad=g)
+        assert y.shape == shape, name
+        np.testing.assert_allclose(host(y), ref(a64, b64), rtol=1e-5, atol=1e-6, err_msg=name)
+        for p, grad in zip((pa, pb), BINARY_GRADS[name](a64, b64, g64)):
+            expected = _sum_to_size(np.broadcast_to(grad, shape), p.shape)
+            assert host(p.grad).shape == p.shape, name
+            np.testing.assert_allclose(host(p.grad), expected, rtol=1e-4, atol=1e-4,
+                                       err_msg=f"{name}: gradient of the {p.shape} operand")
+
+
+@pytest.mark.parametrize("a_shape, b_shape", [((3, 4), (3,)), ((2, 3), (3, 2)),
+                                              ((5, 1, 4), (2, 4, 1)), ((0,), (2,)),
+                                              ((2, 3, 4), (2, 1, 3))])
+def test_broadcast_shape_errors_name_op_and_both_shapes(backend, a_shape, b_shape):
+    a, b = np.ones(a_shape, np.float32), np.ones(b_shape, np.float32)
+    launches = backend.launches
+    for name, (functional, operator, _) in BINARY.items():
+        for call in (lambda: functional(param(a, backend), param(b, backend)),
+                     lambda: operator(param(a, backend), param(b, backend)),
+                     lambda: operator(a, param(b, backend)),      # the reflected operator
+                     lambda: operator(param(a, backend), b)):
+            with raises_naming(ValueError, name, str(a_shape), str(b_shape)):
+                call()
+    assert backend.launches == launches, "a shape error enqueued work"
+
+
+def test_broadcast_of_more_groups_than_the_kernels_index_raises(backend):
+    # 9 alternating groups: both backends refuse, so they never disagree
+    a = param(np.ones((2, 1, 2, 1, 2, 1, 2, 1, 2), np.float32), backend)
+    b = param(np.ones((1, 2, 1, 2, 1, 2, 1, 2, 1), np.float32), backend)
+    with raises_naming(ValueError, "mul", "9 groups", "8"):
+        F.mul(a, b)
+    assert F.mul(a, b.reshape(2, 2, 2, 2)).shape == (2, 1, 2, 1, 2, 2, 2, 2, 2)
+
+
+def test_node_operators_broadcast_both_ways(backend):
+    rng = np.random.default_rng(21)
+    row = rng.standard_normal(3).astype(np.float32)
+    column = _away_from_zero(rng, (4, 1)).astype(np.float32)
+    g = rng.standard_normal((4, 3)).astype(np.float32)
+    r64, c64, g64 = row.astype(np.float64), column.astype(np.float64), g.astype(np.float64)
+    calls = [  # (operator on (row, column), reference, gradient of the row)
+        (lambda r, c: r + c, r64 + c64, g64.sum(0)),
+        (lambda r, c: c - r, c64 - r64, -g64.sum(0)),
+        (lambda r, c: r * c, r64 * c64, (g64 * c64).sum(0)),
+        (lambda r, c: c / r, c64 / r64, (-g64 * c64 / r64 ** 2).sum(0)),
+        (lambda r, c: r / c, r64 / c64, (g64 / c64).sum(0)),
+    ]
+    for column_kind in ("array", "node"):
+        for fn, expected, row_grad in calls:
+            r = param(row, backend)
+            c = column if column_kind == "array" else netcl.Node(tensor(column, backend))
+            with netcl.Tape() as tape:
+                y = fn(r, c)
+            tape.backward(y, grad=g)
+            np.testing.assert_allclose(host(y), expected, rtol=1e-6, atol=1e-6)
+            np.testing.assert_allclose(host(r.grad), row_grad, rtol=1e-5, atol=1e-5)
+
+
+def test_broadcast_keeps_the_common_cases_cheap(opencl, monkeypatch):
+    """Operands of the output's shape take the kernels without index arithmetic; a bias row
+    is one launch forward and one column sum backward, as before broadcasting."""
+    names = []
+    launch = opencl.launch
+    monkeypatch.setattr(opencl, "launch", lambda name, *args, **kw: (names.append(name),
+                                                                   launch(name, *args, **kw)))
+    rng = np.random.default_rng(22)
+    for x_shape, y_shape, forward, backward in [
+            ((8, 5), (8, 5), ["add_fwd"], []), ((1, 8, 5), (8, 5), ["add_fwd"], []),
+            ((8, 5), (5,), ["add_bcast"], ["sum_axis"]),
+            ((8, 5), (8, 1), ["add_bcast"], ["sum_axis"])]:
+        x = param(rng.standard_normal(x_shape), opencl)
+        y = param(rng.standard_normal(y_shape), opencl)
+        names.clear()
+        with netcl.Tape() as tape:
+            out = x + y
+        assert names == forward, (x_shape, y_shape)
+        names.clear()
+        tape.backward(out, grad=np.ones(out.shape, np.float32))
+        assert names == backward, (x_shape, y_shape)
+
+
+def test_broadcast_float16_storage(opencl):
+    """float16 operands broadcast in float16 storage (the float32 result rounded); a float16
+    operand against a float32 one widens, as without broadcasting."""
+    rng = np.random.default_rng(23)
+    a = rng.standard_normal((6, 1, 5)).astype(np.float16)
+    b = (rng.uniform(0.5, 2, (4, 1)) * rng.choice([-1, 1], (4, 1))).astype(np.float16)
+    # backward(grad=array) gives the seed the loss's dtype: the same float16 values for both
+    g = rng.standard_normal((6, 4, 5)).astype(np.float16).astype(np.float32)
+    for name, (functional, _, ref) in BINARY.items():
+        grads = {}
+        for dtype in (np.float16, np.float32):
+            pa, pb = param(a.astype(dtype), opencl, dtype), param(b.astype(dtype), opencl, dtype)
+            with netcl.Tape() as tape:
+                y = functional(pa, pb)
+            tape.backward(y, grad=g)
+            grads[dtype] = host(pa.grad), host(pb.grad)
+            if dtype == np.float16:
+                _assert_rounded_from(host(y), ref(a.astype(np.float64), b.astype(np.float64)),
+                                     name)
+        for half_grad, float_grad in zip(grads[np.float16], grads[np.float32]):
+            assert half_grad.dtype == np.float32
+            np.testing.assert_allclose(half_grad, float_grad, rtol=1e-6, atol=1e-6,
+                                       err_msg=name)
+        mixed = functional(tensor(a, opencl), tensor(b.astype(np.float32), opencl))
+        assert mixed.dtype == np.float32
+        np.testing.assert_array_equal(host(mixed), ref(a.astype(np.float32),
+                                                       b.astype(np.float32)))
+
+
+def test_integer_tensors_promote_to_float(backend):
+    """As PyTorch: an int tensor with a float operand, or under exp and relu, computes in
+    floating point. int with int gives float32 here (PyTorch keeps int; true division is
+    float there too)."""
+    ints_host = np.array([[3, -2, 0, 7]])
+    ints = tensor(ints_host, backend)
+    assert ints.dtype == np.int32
+    floats_host = np.array([[0.5], [-1.5]], np.float32)
+    floats = tensor(floats_host, backend)
+    i64, f64 = ints_host.astype(np.float64), floats_host.astype(np.float64)
+    node = netcl.Node(ints)
+    with np.errstate(divide="ignore", invalid="ignore"):  # x / 0 and 0 / 0 in the references
+        results = [
+            (node + 0.5, i64 + 0.5), (2.0 - node, 2.0 - i64), (F.mul(ints, 0.25), i64 * 0.25),
+            (F.mul(ints, floats), i64 * f64), (F.div(floats, ints), f64 / i64),
+            (F.sub(ints, np.array([1.5])), i64 - 1.5), (node * np.arange(4), i64 * np.arange(4)),
+            (F.exp(ints), np.exp(i64)), (F.relu(ints), np.maximum(i64, 0)),
+            (F.add(ints, ints), 2 * i64), (node / node, i64 / i64), (F.sum(ints), i64.sum()),
+            (F.tanh(node), np.tanh(i64))]
+    for out, expected in results:
+        assert out.dtype == np.float32
+        np.testing.assert_allclose(host(out), expected, rtol=1e-6, atol=1e-7)
+    half = F.add(ints, tensor(np.array([0.25], np.float16), backend))  # int + half -> half
+    assert half.dtype == np.float16
+    np.testing.assert_array_equal(host(half), (i64 + 0.25).astype(np.float16))
+    w = param(floats_host, backend)
+    with netcl.Tape() as tape:
+        loss = (w * ints).sum()                        # the int operand is a constant
+    tape.backward(loss)
+    np.testing.assert_array_equal(host(w.grad), np.full((2, 1), ints_host.sum(), np.float32))
+    labels = tensor(np.array([1, 0]), backend)         # labels stay labels
+    loss = F.cross_entropy(tensor(np.zeros((2, 3)), backend), labels)
+    assert labels.dtype == np.int32
+    assert float(host(loss)) == pytest.approx(math.log(3))
