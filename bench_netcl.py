@@ -254,6 +254,93 @@ def mlp_torch_amp_comparison(sizes, batch):
     return results
 
 
+GPT = dict(vocab_size=65, block_size=64, n_layer=4, n_head=4, n_embd=128, batch_size=32)
+
+
+def gpt_step_netcl(device, amp=False):
+    """(fn, sync, tokens): one training step of examples/gpt_char.py's default model on random
+    characters, AdamW with clipping at 1.0 (and autocast with a loss scaler if amp)."""
+    import os
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "examples"))
+    import gpt_char
+
+    netcl.manual_seed(0)
+    c = GPT
+    model = gpt_char.GPT(c["vocab_size"], c["block_size"], c["n_layer"], c["n_head"],
+                         c["n_embd"], queue=device.queue)
+    _last_model[0] = model
+    opt = netcl.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = netcl.AMPGradScaler(enabled=amp)
+    rng = np.random.default_rng(0)
+    x, y = (rng.integers(0, c["vocab_size"], (c["batch_size"], c["block_size"])).astype(np.int32)
+            for _ in range(2))
+
+    def fn():
+        with netcl.Tape() as tape, netcl.autocast(enabled=amp):
+            loss = gpt_char.loss_of(model, x, y)
+        opt.zero_grad()
+        tape.backward(scaler.scale(loss))
+        scaler.step(opt, max_norm=1.0)
+        scaler.update()
+    return fn, device.finish, c["batch_size"] * c["block_size"]
+
+
+def gpt_step_torch(where, amp=False):
+    """The same model and step in PyTorch eager (nanoGPT's modules), for tokens/s."""
+    nnt, Ft = torch.nn, torch.nn.functional
+    c = GPT
+
+    class Block(nnt.Module):
+        def __init__(self, n_embd, n_head):
+            super().__init__()
+            self.n_head = n_head
+            self.ln_1, self.ln_2 = nnt.LayerNorm(n_embd), nnt.LayerNorm(n_embd)
+            self.c_attn, self.c_proj = nnt.Linear(n_embd, 3 * n_embd), nnt.Linear(n_embd, n_embd)
+            self.mlp = nnt.Sequential(nnt.Linear(n_embd, 4 * n_embd), nnt.GELU(approximate="tanh"),
+                                      nnt.Linear(4 * n_embd, n_embd))
+
+        def forward(self, x):
+            B, T, C = x.shape
+            q, k, v = self.c_attn(self.ln_1(x)).split(C, dim=2)
+            heads = lambda t: t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+            y = Ft.scaled_dot_product_attention(heads(q), heads(k), heads(v), is_causal=True)
+            x = x + self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+            return x + self.mlp(self.ln_2(x))
+
+    class GPTModel(nnt.Module):
+        def __init__(self):
+            super().__init__()
+            self.wte = nnt.Embedding(c["vocab_size"], c["n_embd"])
+            self.wpe = nnt.Embedding(c["block_size"], c["n_embd"])
+            self.h = nnt.Sequential(*[Block(c["n_embd"], c["n_head"]) for _ in range(c["n_layer"])])
+            self.ln_f = nnt.LayerNorm(c["n_embd"])
+            self.lm_head = nnt.Linear(c["n_embd"], c["vocab_size"], bias=False)
+
+        def forward(self, idx):
+            x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+            return self.lm_head(self.ln_f(self.h(x)))
+
+    torch.manual_seed(0)
+    model = GPTModel().to(where)
+    _last_model[0] = model
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler(where, enabled=amp)
+    x, y = (torch.randint(0, c["vocab_size"], (c["batch_size"], c["block_size"]), device=where)
+            for _ in range(2))
+
+    def fn():
+        with torch.autocast(where, dtype=torch.float16, enabled=amp):
+            logits = model(x)
+            loss = Ft.cross_entropy(logits.view(-1, logits.shape[-1]), y.view(-1))
+        opt.zero_grad()
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        scaler.step(opt)
+        scaler.update()
+    return fn, _torch_sync(where), c["batch_size"] * c["block_size"]
+
+
 CONV = dict(N=64, C=32, H=28, W=28, K=64, R=3, S=3, pad=1)
 CONV_FLOPS = 3 * 2 * 64 * 28 * 28 * 64 * 32 * 3 * 3  # forward, dx and dw products (stride 1)
 
@@ -482,6 +569,11 @@ def test_launch_overhead(benchmark, device):
 def test_mlp_small_step_autocast(benchmark, device):
     _bench(benchmark, *mlp_step_netcl(device, *mlp_sizes("small"), amp=True))
 
+def test_gpt_step(benchmark, device):
+    fn, sync, _ = gpt_step_netcl(device)
+    _bench(benchmark, fn, sync)
+
+
 def test_conv2d_step(benchmark, device):
     _bench(benchmark, *conv_netcl(device))
 
@@ -563,6 +655,23 @@ def measure(full=False):
                          {"torch-cuda": f"{1e3 * seconds32:.2f} | {1e3 * seconds16:.2f}"}))
             rows.append((f"torch-cuda: MLP {name} peak, f32 | autocast", "MiB",
                          {"torch-cuda": f"{peak32 / 2 ** 20:.0f} | {peak16 / 2 ** 20:.0f}"}))
+    cells = {}
+    for label, device in DEVICES:  # examples/gpt_char.py's default model
+        fn, sync, tokens = gpt_step_netcl(device)
+        cells[label] = tokens / timeit(fn, sync)
+    for where in torch_places:
+        fn, sync, tokens = gpt_step_torch(where)
+        cells[f"torch-{where}"] = tokens / timeit(fn, sync)
+    rows.append(("GPT char, 4x128, T=64, b=32, train step", "tokens/s", cells))
+    for label, device in DEVICES:  # the same under autocast, where it changes anything
+        if device.backend == "opencl" and device.autocast_half:
+            seconds32, seconds16 = (timeit(*gpt_step_netcl(device, amp)[:2]) for amp in (False, True))
+            rows.append((f"{label}: GPT step, float32 | autocast", "ms",
+                         {label: f"{1e3 * seconds32:.2f} | {1e3 * seconds16:.2f}"}))
+    if "cuda" in torch_places:
+        seconds32, seconds16 = (timeit(*gpt_step_torch("cuda", amp)[:2]) for amp in (False, True))
+        rows.append(("torch-cuda: GPT step, float32 | autocast", "ms",
+                     {"torch-cuda": f"{1e3 * seconds32:.2f} | {1e3 * seconds16:.2f}"}))
     cells = {label: CONV_FLOPS / timeit(*conv_netcl(device)) / 1e9 for label, device in DEVICES}
     cells["numpy"] = CONV_FLOPS / timeit(*conv_numpy()) / 1e9
     for where in torch_places:

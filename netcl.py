@@ -1,6 +1,6 @@
 """netcl — deep-learning training on any OpenCL device, in one file.
 
-netcl trains real models (MLPs, small CNNs) on any OpenCL device — NVIDIA, AMD, Intel and
+netcl trains real models (MLPs, CNNs, small transformers) on any OpenCL device — NVIDIA, AMD, Intel and
 Apple GPUs, or a CPU through PoCL — and on a plain NumPy backend, with the loop people know
 from PyTorch. This file is the whole library; `kernels.cl` beside it holds every kernel, in
 sections that mirror the ones below. Read it top to bottom:
@@ -23,8 +23,8 @@ A training step:
     opt.zero_grad(); tape.backward(loss); opt.step()
     print(loss.value.to_host())
 
-What netcl is not: a general array library (tensors are contiguous, broadcasting is limited
-to what layers need), a graph compiler, or a distributed trainer.
+What netcl is not: a general array library (tensors are contiguous: a permute or a slice is
+a copy), a graph compiler, or a distributed trainer.
 
 Set NETCL_DEBUG=1 to print each kernel build, NETCL_DEBUG=2 to also time every launch.
 """
