@@ -181,7 +181,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", help="a text file (default: Shakespeare's plays)")
     parser.add_argument("--device", default=None, help="cpu, opencl, gpu or auto")
-    parser.add_argument("--steps", type=int, default=500)
+    parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--block-size", type=int, default=64)
     parser.add_argument("--n-layer", type=int, default=4)
