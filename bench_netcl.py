@@ -213,6 +213,23 @@ def mlp_step_numpy(sizes, batch):
     return fn, (lambda: None)
 
 
+def _torch_step(model, opt, where, amp):
+    """PyTorch's AMP recipe as one step(loss_fn): the loss under autocast, the scaled
+    backward, unscale, clip at 1.0, step, update (autocast and scaler off for float32)."""
+    scaler = torch.amp.GradScaler(where, enabled=amp)
+
+    def step(loss_fn):
+        with torch.autocast(where, dtype=torch.float16, enabled=amp):
+            loss = loss_fn()
+        opt.zero_grad()
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        scaler.step(opt)
+        scaler.update()
+    return step
+
+
 def mlp_step_torch(sizes, batch, where, amp=False):
     """PyTorch's step; amp=True: autocast float16 and a GradScaler, as its AMP recipe."""
     torch.manual_seed(0)
@@ -224,19 +241,11 @@ def mlp_step_torch(sizes, batch, where, amp=False):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     x = torch.randn(batch, sizes[0], device=where)
     y = torch.randint(0, sizes[-1], (batch,), device=where)
+    step = _torch_step(model, opt, where, amp)
+    return (lambda: step(lambda: torch.nn.functional.cross_entropy(model(x), y))), \
+        _torch_sync(where)
 
-    scaler = torch.amp.GradScaler(where, enabled=amp)
 
-    def fn():
-        with torch.autocast(where, dtype=torch.float16, enabled=amp):
-            loss = torch.nn.functional.cross_entropy(model(x), y)
-        opt.zero_grad()
-        scaler.scale(loss).backward()
-        scaler.unscale_(opt)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        scaler.step(opt)
-        scaler.update()
-    return fn, _torch_sync(where)
 
 
 def mlp_torch_amp_comparison(sizes, batch):
@@ -324,21 +333,14 @@ def gpt_step_torch(where, amp=False):
     model = GPTModel().to(where)
     _last_model[0] = model
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    scaler = torch.amp.GradScaler(where, enabled=amp)
     x, y = (torch.randint(0, c["vocab_size"], (c["batch_size"], c["block_size"]), device=where)
             for _ in range(2))
+    step = _torch_step(model, opt, where, amp)
 
-    def fn():
-        with torch.autocast(where, dtype=torch.float16, enabled=amp):
-            logits = model(x)
-            loss = Ft.cross_entropy(logits.view(-1, logits.shape[-1]), y.view(-1))
-        opt.zero_grad()
-        scaler.scale(loss).backward()
-        scaler.unscale_(opt)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        scaler.step(opt)
-        scaler.update()
-    return fn, _torch_sync(where), c["batch_size"] * c["block_size"]
+    def loss_fn():
+        logits = model(x)
+        return Ft.cross_entropy(logits.view(-1, logits.shape[-1]), y.view(-1))
+    return (lambda: step(loss_fn)), _torch_sync(where), c["batch_size"] * c["block_size"]
 
 
 CONV = dict(N=64, C=32, H=28, W=28, K=64, R=3, S=3, pad=1)
