@@ -674,46 +674,63 @@ __kernel void tensor_core_probe(__global const uint* A, __global const uint* Bt,
 // eight float8 accumulators and no bounds checks in the loop over K. Packing reads either
 // operand as act_t and writes float, so the inner loop never sees half; C is act_t.
 
-// A (act_t) stored (M, K), or (K, M) when transposed -> Ap (Mp, K) float, rows past M zero.
-// The second dimension of the launch is a batch: matrix j is `batch` elements on in A.
+// A (act_t) stored (M, K), or (K, M) when transposed -> Ap in panels of 4 rows: Ap[p][k][r] =
+// A[4p + r][k] (0 past M), so that a work-item's 4 rows are one contiguous run, read as a
+// float4 per k. The second dimension of the launch is a batch: matrix j is `batch` on in A.
 __kernel void pack_a(const int M, const int K, const int Mp, const int transposed,
                      const int batch, __global const act_t* A, __global float* Ap) {
-    const int i = get_global_id(0), j = get_global_id(1);
-    if (i >= Mp * K) return;
-    const int m = i / K, k = i % K;
+    const int i = get_global_id(0), j = get_global_id(1);  // i: one k of one panel
+    if (i >= Mp / 4 * K) return;
+    const int p = i / K, k = i - p * K;
     A += j * batch;
-    Ap[j * Mp * K + i] = m < M ? (transposed ? LOAD(A, k * M + m) : LOAD(A, m * K + k)) : 0.0f;
+    __global float* out = Ap + j * Mp * K + 4 * i;
+    for (int r = 0; r < 4; ++r) {
+        const int m = 4 * p + r;
+        out[r] = m < M ? (transposed ? LOAD(A, k * M + m) : LOAD(A, m * K + k)) : 0.0f;
+    }
 }
 
-// B (act_t) stored (K, N), or (N, K) when transposed -> Bp (K, Np) float, columns past N zero.
+// B (act_t) stored (K, N), or (N, K) when transposed -> Bp in panels of 16 columns:
+// Bp[p][k][c] = B[k][16p + c] (0 past N), a work-item's columns one contiguous run.
 __kernel void pack_b(const int K, const int N, const int Np, const int transposed,
                      const int batch, __global const act_t* B, __global float* Bp) {
-    const int i = get_global_id(0), j = get_global_id(1);
-    if (i >= K * Np) return;
-    const int k = i / Np, n = i % Np;
+    const int i = get_global_id(0), j = get_global_id(1);  // i: one k of one panel
+    if (i >= Np / 16 * K) return;
+    const int p = i / K, k = i - p * K;
     B += j * batch;
-    Bp[j * K * Np + i] = n < N ? (transposed ? LOAD(B, n * K + k) : LOAD(B, k * N + n)) : 0.0f;
+    __global float* out = Bp + j * K * Np + 16 * i;
+    for (int c = 0; c < 16; ++c) {
+        const int n = 16 * p + c;
+        out[c] = n < N ? (transposed ? LOAD(B, n * K + k) : LOAD(B, k * N + n)) : 0.0f;
+    }
 }
 
-// Ap (Mp, K) @ Bp (K, Np) -> C (M, N) [+ bias (N)]; work-item (j, i) owns rows 4i..4i+3,
-// columns 16j..16j+15. Products are written a*b+c: PoCL turns fma()/mad() into calls.
-// The third dimension is a batch: product z reads Ap and Bp batch_a and batch_b elements on.
-__kernel void gemm_packed(const int M, const int N, const int K, const int Np, const int batch_a,
-                          const int batch_b, const int has_bias, __global const float* Ap,
+// op(A) @ op(B) -> C (M, N) [+ bias (N)]; work-item (j, i) owns rows 4i..4i+3 and columns
+// 16j..16j+15. Ap and Bp are packed panels (above) or, for small products that need no
+// packing, the operands' own rows, as the strides say: element (row 4i + r, k) of Ap is at
+// 4iK + k a_k + r a_r (panels: a_k = 4, a_r = 1; rows: 1, K), and the 16 columns of k in Bp
+// start at 16j b_panel + k b_k (panels: b_panel = K, b_k = 16; rows: 1, Np). With panels the
+// loop over K streams both operands. Products are written a*b+c: PoCL turns fma()/mad()
+// into calls. The third dimension is a batch: product z reads Ap and Bp batch_a and batch_b
+// on.
+__kernel void gemm_packed(const int M, const int N, const int K, const int a_k, const int a_r,
+                          const int b_panel, const int b_k, const int batch_a, const int batch_b,
+                          const int has_bias, __global const float* Ap,
                           __global const float* Bp, __global const float* bias,
                           __global act_t* C) {
     const int col = get_global_id(0) * 16, row = get_global_id(1) * 4, z = get_global_id(2);
-    if (col >= Np || row >= M) return;
+    if (row >= M) return;  // rows past M only pad the last panel
     C += z * M * N;
     __global const float* a = Ap + z * batch_a + row * K;
-    __global const float8* b = (__global const float8*)(Bp + z * batch_b + col);
-    const int b_stride = Np / 8;
+    __global const float* b = Bp + z * batch_b + col * b_panel;
     float8 c00 = 0.0f, c01 = 0.0f, c10 = 0.0f, c11 = 0.0f;
     float8 c20 = 0.0f, c21 = 0.0f, c30 = 0.0f, c31 = 0.0f;
     #pragma unroll 4
     for (int k = 0; k < K; ++k) {
-        const float8 b0 = b[k * b_stride], b1 = b[k * b_stride + 1];
-        const float a0 = a[k], a1 = a[K + k], a2 = a[2 * K + k], a3 = a[3 * K + k];
+        const float8 b0 = *(__global const float8*)(b + k * b_k);
+        const float8 b1 = *(__global const float8*)(b + k * b_k + 8);
+        __global const float* ak = a + k * a_k;
+        const float a0 = ak[0], a1 = ak[a_r], a2 = ak[2 * a_r], a3 = ak[3 * a_r];
         c00 = a0 * b0 + c00; c01 = a0 * b1 + c01;
         c10 = a1 * b0 + c10; c11 = a1 * b1 + c11;
         c20 = a2 * b0 + c20; c21 = a2 * b1 + c21;

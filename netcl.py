@@ -1718,6 +1718,9 @@ def _tensor_core_gemm(a, b, trans_a, trans_b, bias, out):
     return True
 
 
+_PANEL_MACS = 1 << 25  # CPU devices pack both operands into panels from this many M*N*K
+
+
 def _gemm(a, b, trans_a=False, trans_b=False, bias=None, half=False, out=None):
     """C (M, N) = op(a) @ op(b) [+ bias (N)]; op transposes when asked, without a copy.
     Either operand may be a batch (batch, rows, cols) of matrices, the other a matrix all
@@ -1743,26 +1746,31 @@ def _gemm(a, b, trans_a=False, trans_b=False, bias=None, half=False, out=None):
         if bias is not None:
             out.data += bias.data
     elif M and N and batch and a.device.gemm == "packed":
-        # CPU devices: pack op(a) to (Mp, K) and op(b) to (K, Np) unless already in shape.
+        # CPU devices: pack op(a) into panels of 4 rows and op(b) into panels of 16 columns
+        # (kernels.cl: pack_a, pack_b), so the product streams both through the caches.
         # Packing reads float16 storage and writes float32, so it takes any operand's storage
         # and the inner loop reads float only.
         Mp, Np = -(-M // 4) * 4, -(-N // 16) * 16
-        A, B = a, b
         stride_a, stride_b = _batch_strides(a, b, M, K, N)
-        if trans_a or Mp != M or a.dtype == np.float16:
+        # Panels when the product is large enough for streaming them to pay (2-3x at n=1024);
+        # a small one packs only an operand the kernel cannot read as it is (fewer launches).
+        panels = M * N * K >= _PANEL_MACS
+        A, B = a, b
+        a_k, a_r, b_panel, b_k = 1, K, 1, Np  # the operands' own rows
+        if panels or trans_a or Mp != M or a.dtype == np.float16:
             count = a.shape[0] if a.ndim == 3 else 1
             A = _like(a, (count, Mp, K), np.float32)
-            a.device.launch("pack_a", (Mp * K, count), (256, 1), M, K, Mp, int(trans_a),
+            a.device.launch("pack_a", (Mp // 4 * K, count), (256, 1), M, K, Mp, int(trans_a),
                             stride_a, a.data, A.data, half=a.dtype == np.float16)
-            stride_a = Mp * K if a.ndim == 3 else 0
-        if trans_b or Np != N or b.dtype == np.float16:
+            stride_a, a_k, a_r = (Mp * K if a.ndim == 3 else 0), 4, 1
+        if panels or trans_b or Np != N or b.dtype == np.float16:
             count = b.shape[0] if b.ndim == 3 else 1
             B = _like(b, (count, K, Np), np.float32)
-            b.device.launch("pack_b", (K * Np, count), (256, 1), K, N, Np, int(trans_b),
+            b.device.launch("pack_b", (Np // 16 * K, count), (256, 1), K, N, Np, int(trans_b),
                             stride_b, b.data, B.data, half=b.dtype == np.float16)
-            stride_b = K * Np if b.ndim == 3 else 0
-        a.device.launch("gemm_packed", (Np // 16, Mp // 4, batch), (8, 1, 1), M, N, K, Np,
-                        stride_a, stride_b, int(bias is not None), A.data, B.data,
+            stride_b, b_panel, b_k = (K * Np if b.ndim == 3 else 0), K, 16
+        a.device.launch("gemm_packed", (Np // 16, Mp // 4, batch), (8, 1, 1), M, N, K, a_k, a_r,
+                        b_panel, b_k, stride_a, stride_b, int(bias is not None), A.data, B.data,
                         bias.data if bias is not None else None, out.data, half=half)
     elif M and N and batch and not _tensor_core_gemm(a, b, trans_a, trans_b, bias, out):
         # The half build's tiled kernels read float16 where autocast leaves it (kernels.cl):

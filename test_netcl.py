@@ -1671,8 +1671,10 @@ GEMM_FORMS = {"packed": ("packed", None), "tiles64": ("tiled", 10 ** 9),
 
 @pytest.mark.parametrize("form", sorted(GEMM_FORMS))
 @pytest.mark.parametrize("m, k, n", [(1, 1, 1), (5, 0, 3), (70, 129, 33), (130, 17, 129),
-                                     (64, 5000, 100), (7, 4099, 9)])
+                                     (64, 5000, 100), (7, 4099, 9), (130, 300, 900)])
 def test_every_gemm_form_matches_numpy(opencl, monkeypatch, form, m, k, n):
+    """Every layout, with and without bias; (130, 300, 900) is past _PANEL_MACS, where the
+    packed form packs both operands into panels."""
     gemm, units = GEMM_FORMS[form]
     monkeypatch.setattr(opencl, "gemm", gemm)
     if units is not None:
@@ -1688,6 +1690,26 @@ def test_every_gemm_form_matches_numpy(opencl, monkeypatch, form, m, k, n):
             expected = a @ b + (bias if with_bias else 0)
             np.testing.assert_allclose(host(out), expected, rtol=1e-4,
                                        atol=1e-4 * max(1.0, np.abs(expected).max()))
+
+
+@pytest.mark.parametrize("form", sorted(GEMM_FORMS))
+def test_every_gemm_form_takes_a_batch(opencl, monkeypatch, form):
+    """A batch of products past _PANEL_MACS each, against one shared matrix on either side
+    and against a batch, in every layout."""
+    gemm, units = GEMM_FORMS[form]
+    monkeypatch.setattr(opencl, "gemm", gemm)
+    if units is not None:
+        monkeypatch.setattr(opencl, "compute_units", units)
+    rng = np.random.default_rng(3)
+    m, k, n = 130, 300, 900
+    for a_shape, b_shape in (((2, m, k), (2, k, n)), ((m, k), (2, k, n)), ((2, m, k), (k, n))):
+        a, b = rng.standard_normal(a_shape), rng.standard_normal(b_shape)
+        for trans_a, trans_b in ((False, False), (False, True), (True, False)):
+            A = tensor(np.swapaxes(a, -1, -2).copy() if trans_a else a, opencl)
+            B = tensor(np.swapaxes(b, -1, -2).copy() if trans_b else b, opencl)
+            expected = np.matmul(a, b)
+            np.testing.assert_allclose(host(netcl._gemm(A, B, trans_a, trans_b)), expected,
+                                       rtol=1e-4, atol=1e-4 * np.abs(expected).max())
 
 
 @pytest.mark.parametrize("shape, axis", [((4096, 3), 0), ((2, 1536, 5), 1), ((512, 1), 0)])
