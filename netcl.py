@@ -39,6 +39,7 @@ import os
 import signal
 import struct
 import sys
+import threading
 import time
 import traceback
 import types
@@ -2949,32 +2950,79 @@ def _worker_main(dataset, collate_fn, order, batch_size, connection):
             block.close()
 
 
-def _stop_workers(processes, connections, blocks):
-    """Stop worker processes and free their shared memory; safe on a half-started pool.
+@contextlib.contextmanager
+def _ctrl_c_deferred(on_interrupt=None):
+    """Run the body to its end even if Ctrl-C comes meanwhile; then deliver the Ctrl-C.
 
-    A module-level function (not a method) so that the `weakref.finalize` that calls it holds
-    no reference to the pool it cleans up after.
+    For the code that creates or frees workers and shared-memory blocks: a KeyboardInterrupt
+    half-way through would leave a process or a block that no list holds, so that nothing
+    would ever stop or free it. SIGINT's handler is swapped for one that only notes the signal
+    (and calls `on_interrupt`), and the signal is raised again, through the handler it
+    replaced, once the body is done. Python runs signal handlers in the main thread only, so
+    in any other thread nothing can interrupt the body; nor can SIGINT while it is ignored;
+    and a handler set outside Python (None) is left alone, as signal.signal could not put it
+    back.
     """
-    for connection in connections:
-        try:
-            connection.send(None)
-        except OSError:
-            pass  # that worker is already gone
-        connection.close()
-    # A worker stops after the batch it is building; one stuck in user code is terminated.
-    deadline = time.monotonic() + _WORKER_JOIN_SECONDS
-    for process in processes:
-        process.join(max(0.0, deadline - time.monotonic()))
-    for process in processes:
-        if process.is_alive():
+    if threading.current_thread() is not threading.main_thread() \
+            or signal.getsignal(signal.SIGINT) in (None, signal.SIG_IGN):
+        yield
+        return
+    received = []
+
+    def note(signum, frame):
+        received.append(signum)
+        if on_interrupt is not None:
+            on_interrupt()
+
+    previous = signal.signal(signal.SIGINT, note)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if received:
+            signal.raise_signal(signal.SIGINT)
+
+
+def _stop_workers(processes, connections, blocks):
+    """Stop worker processes and free their shared memory; safe on a half-started pool, and
+    safe to call again: each resource leaves its list only once released, so a second call
+    finishes whatever a first one left.
+
+    Ctrl-C is held off meanwhile; one that comes during the stop terminates the workers at
+    once instead of waiting for their current batches. A module-level function (not a method)
+    so that the `weakref.finalize` that calls it holds no reference to the pool it cleans up
+    after.
+    """
+    def terminate_now():
+        for process in processes:
             process.terminate()
-            process.join(1.0)
-        if process.is_alive():
-            process.kill()
-            process.join()
-    for block in blocks:
-        block.close()
-        block.unlink()
+
+    with _ctrl_c_deferred(on_interrupt=terminate_now):
+        while connections:
+            try:
+                connections[-1].send(None)
+            except OSError:
+                pass  # that worker is already gone
+            connections.pop().close()
+        # A worker stops after the batch it is building; one stuck in user code is terminated.
+        deadline = time.monotonic() + _WORKER_JOIN_SECONDS
+        for process in processes:
+            process.join(max(0.0, deadline - time.monotonic()))
+        while processes:
+            process = processes[-1]
+            if process.is_alive():
+                process.terminate()
+                process.join(1.0)
+            if process.is_alive():
+                process.kill()
+                process.join()
+            processes.pop()
+        while blocks:
+            block = blocks[-1]
+            block.close()
+            with contextlib.suppress(FileNotFoundError):  # unlinked by a stop interrupted here
+                block.unlink()
+            blocks.pop()
 
 
 def _new_block(nbytes):
@@ -2999,23 +3047,30 @@ class _WorkerPool:
         self.num_workers = loader.num_workers
         self.depth = loader.prefetch
         self.num_batches = len(loader)
+        # Every worker and block goes into these lists the moment it exists (Ctrl-C is held
+        # off in between), and the lists are what the stop frees.
         self.processes, self.connections, self.blocks = [], [], []
-        self.close = weakref.finalize(self, _stop_workers,
-                                      self.processes, self.connections, self.blocks)
+        # Should close() never run, or a Ctrl-C cut it short, finalizers stop the pool when it
+        # is collected. Two of them: a finalizer runs only once, and a Ctrl-C landing in its
+        # first lines, before Ctrl-C is held off, ends it; the second then does the work, or
+        # finds none left.
+        for _ in range(2):
+            weakref.finalize(self, _stop_workers, self.processes, self.connections, self.blocks)
         try:
             if loader.use_shared_mem:
                 self._create_blocks(loader, order)
             context = multiprocessing.get_context()  # the platform's default start method
             for worker_id in range(self.num_workers):
-                parent_end, child_end = context.Pipe()
-                self.connections.append(parent_end)
-                process = context.Process(
-                    target=_worker_main, name=f"netcl-data-worker-{worker_id}", daemon=True,
-                    args=(loader.dataset, loader.collate_fn, order, loader.batch_size, child_end))
-                process.start()
-                self.processes.append(process)
-                # Only the worker holds its end now, so if it dies the pipe reports EOF at once.
-                child_end.close()
+                with _ctrl_c_deferred():
+                    parent_end, child_end = context.Pipe()
+                    self.connections.append(parent_end)
+                    args = (loader.dataset, loader.collate_fn, order, loader.batch_size, child_end)
+                    process = context.Process(target=_worker_main, args=args, daemon=True,
+                                              name=f"netcl-data-worker-{worker_id}")
+                    process.start()
+                    self.processes.append(process)
+                    # Only the worker holds its end now, so if it dies the pipe reports EOF.
+                    child_end.close()
             for batch_no in range(min(self.num_workers * self.depth, self.num_batches)):
                 self._send_task(batch_no)
         except BaseException:
@@ -3033,8 +3088,9 @@ class _WorkerPool:
         layout = _shared_layout(first)
         if layout is None:
             return  # not a tuple of plain arrays: batches travel pickled
-        for _ in range(self.num_workers * self.depth):
-            self.blocks.append(_new_block(max(layout[1], 1)))
+        with _ctrl_c_deferred():
+            for _ in range(self.num_workers * self.depth):
+                self.blocks.append(_new_block(max(layout[1], 1)))
 
     def _block_index(self, batch_no):
         worker_id = batch_no % self.num_workers
@@ -3095,10 +3151,15 @@ class _WorkerPool:
 
     def _grow_block(self, index, nbytes):
         """Replace a block too small for a batch; the worker attaches the new one by name."""
-        old = self.blocks[index]
-        self.blocks[index] = _new_block(nbytes)
-        old.close()
-        old.unlink()
+        with _ctrl_c_deferred():
+            old = self.blocks[index]
+            self.blocks[index] = _new_block(nbytes)
+            old.close()
+            old.unlink()
+
+    def close(self):
+        """Stop the workers and free the shared memory; calling it again does nothing."""
+        _stop_workers(self.processes, self.connections, self.blocks)
 
 
 def _check_int(name, value, minimum):
@@ -3128,6 +3189,13 @@ class DataLoader:
 
     `len(loader)` is the number of batches per epoch. With a given seed the batches, and their
     order, are the same for any `num_workers` and `use_shared_mem`.
+
+    Workers never outlive an epoch: when it ends, breaks, raises or is interrupted
+    by Ctrl-C (at any moment, even while workers start or stop, even twice), the workers are
+    stopped and their shared memory freed before the exception reaches the caller, or when
+    the iterator is dropped. A KeyboardInterrupt that comes while workers start or stop is
+    held until that is done, then raised; one during the stop also ends the wait for the
+    workers' current batches.
     """
 
     def __init__(self, dataset, batch_size=1, shuffle=True, num_workers=0, use_shared_mem=False,
@@ -3176,6 +3244,7 @@ class DataLoader:
         else:
             # Start the workers now, so they build batches while the caller gets ready.
             batches = self._batches_from_workers(_WorkerPool(self, order))
+            next(batches)  # into its `try`, so that even dropped unstarted it stops the workers
         return batches if self.device is None else self._device_batches(batches)
 
     def _epoch_order(self, epoch):
@@ -3190,9 +3259,11 @@ class DataLoader:
             yield _build_batch(self.dataset, indices, self.collate_fn)
 
     def _batches_from_workers(self, pool):
-        # `finally` runs when the loop ends, breaks (the generator is closed) or raises; if
-        # the generator is never started, the pool's weakref.finalize stops the workers.
+        # `finally` runs when the loop ends, breaks or raises, or when the generator is
+        # dropped (it is closed then); should that stop be cut short, the pool's finalizers
+        # finish it.
         try:
+            yield  # __iter__ runs the generator to here
             for batch_no in range(len(self)):
                 yield pool.take(batch_no)
         finally:

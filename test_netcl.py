@@ -3871,3 +3871,194 @@ def test_bad_numeric_arguments_raise_value_error(backend):
         F.leaky_relu(x, "0.1")
     with raises_naming(ValueError, "init_scale"):
         netcl.AMPGradScaler(init_scale="big")
+
+
+# ---------------------------------------------------------------------------------------------
+# reliability: data: interrupts, shared memory, prefetch and timeout
+# ---------------------------------------------------------------------------------------------
+
+def _leftovers(pid):
+    """What a process still holds of the DataLoader's: its child processes (but for
+    multiprocessing's resource tracker, a helper that lives as long as the process does) and
+    its shared-memory blocks."""
+    children = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as stat, open(f"/proc/{entry}/cmdline", "rb") as cmdline:
+                parent, command = int(stat.read().rsplit(")", 1)[1].split()[1]), cmdline.read()
+        except (OSError, ValueError, IndexError):
+            continue  # it exited meanwhile
+        if parent == pid and b"resource_tracker" not in command:
+            children.append(int(entry))
+    return children, sorted(_shm_names(f"netcl_{pid}_"))
+
+
+def _assert_nothing_left(pid, timeout):
+    deadline = time.monotonic() + timeout
+    while any(_leftovers(pid)):
+        if time.monotonic() > deadline:
+            children, blocks = _leftovers(pid)
+            pytest.fail(f"{timeout} s after the loader was dropped, {len(children)} worker(s) "
+                        f"{children} and {len(blocks)} shared-memory block(s) {blocks} are left")
+        time.sleep(0.05)
+
+
+def _script(body):
+    """A Python program that imports this netcl and runs `body`."""
+    return f"import sys\nsys.path[:0] = {sys.path!r}\nimport {nc.__name__} as nc\n" + body
+
+
+def _start(body, tmp_path, **popen_kwargs):
+    """Run `_script(body)` with pipes to its stdin and stdout; returns the process and a
+    function that reads what it wrote to stderr, for failure messages."""
+    stderr_path = tmp_path / "stderr.txt"
+    with open(stderr_path, "w") as stderr:
+        child = subprocess.Popen([sys.executable, "-c", _script(body)], text=True, stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, stderr=stderr, **popen_kwargs)
+    return child, lambda: stderr_path.read_text()[-4000:]
+
+
+_INTERRUPTED_AT_MOMENTS = """
+import os, time
+import numpy as np
+
+class StuckDataset:
+    # In a worker, samples from `stuck_from` on take 20 s: a worker stuck in user code. In this
+    # process, sample 0 (the first batch, which sizes the shared-memory blocks) may announce
+    # the start-up, so that the parent's Ctrl-C comes while blocks are made and workers start.
+    def __init__(self, stuck_from, announce):
+        self.stuck_from, self.announce, self.parent_pid = stuck_from, announce, os.getpid()
+    def __len__(self):
+        return 64
+    def __getitem__(self, index):
+        if os.getpid() != self.parent_pid:
+            if index >= self.stuck_from:
+                time.sleep(20)
+        elif self.announce and index == 0:
+            print("now", flush=True)
+        return np.full(3, index, np.float32), index
+
+def start_up(loader):
+    next(iter(loader))
+
+def stop_wait(loader):
+    iterator = iter(loader)
+    next(iterator)
+    print("now", flush=True)
+    iterator.close()  # waits for the workers, stuck in batches 1 to 3
+
+def waiting_for_a_batch(loader):
+    iterator = iter(loader)
+    next(iterator)
+    print("now", flush=True)
+    next(iterator)  # batch 1 never comes
+
+for action, stuck_from in ((start_up, 0), (stop_wait, 2), (waiting_for_a_batch, 2)):
+    loader = nc.DataLoader(StuckDataset(stuck_from, action is start_up), batch_size=2,
+                           shuffle=False, num_workers=2, use_shared_mem=True)
+    try:
+        action(loader)
+        outcome = "not interrupted"
+    except KeyboardInterrupt:
+        outcome = "interrupted"
+    del loader
+    print(outcome, flush=True)
+    sys.stdin.readline()  # the parent looks for leftovers meanwhile
+"""
+
+
+def test_interrupts_at_start_up_and_during_the_stop_leave_nothing_behind(tmp_path):
+    # Ctrl-C while workers start; one Ctrl-C while the stop waits for stuck workers; two, one
+    # second apart, the second landing in the stop the first one began.
+    child, errors = _start(_INTERRUPTED_AT_MOMENTS, tmp_path)
+    try:
+        with _deadline(60):
+            for delays in ([0.0], [0.5], [0.3, 1.0]):
+                assert child.stdout.readline() == "now\n", errors()
+                for delay in delays:
+                    time.sleep(delay)
+                    child.send_signal(signal.SIGINT)
+                # The Ctrl-C reached the caller, once the cleanup was done.
+                assert child.stdout.readline() == "interrupted\n", errors()
+                _assert_nothing_left(child.pid, timeout=3.0)
+                child.stdin.write("\n")
+                child.stdin.flush()
+        assert child.wait(10) == 0
+    finally:
+        child.kill()
+        child.wait()
+
+
+_INTERRUPTED_AT_RANDOM = """
+import os, random, select, signal, time
+import numpy as np
+
+class SleepyDataset:
+    def __len__(self):
+        return 16
+    def __getitem__(self, index):
+        time.sleep(0.001)
+        return np.full(3, index, np.float32), index
+
+# Ctrl-C raises KeyboardInterrupt only inside a round, so that none escapes this program's own
+# loop: the rounds are what is under test.
+armed = False
+def interrupt(signum, frame):
+    if armed:
+        raise KeyboardInterrupt
+signal.signal(signal.SIGINT, interrupt)
+
+rng, rounds, interrupted = random.Random(0), 0, 0
+print("ready", flush=True)
+while not select.select([sys.stdin], [], [], 0)[0]:
+    rounds += 1
+    batches = rng.randrange(6)  # 5: the whole epoch; fewer: drop the iterator after that many
+    try:
+        armed = True
+        loader = nc.DataLoader(SleepyDataset(), batch_size=4, num_workers=2, use_shared_mem=True)
+        if batches == 5:
+            for batch in loader:
+                pass
+        else:
+            iterator = iter(loader)
+            for _ in range(batches):
+                next(iterator)
+            iterator = None
+    except KeyboardInterrupt:
+        interrupted += 1
+    finally:
+        armed = False
+loader = iterator = batch = None
+print(rounds, interrupted, flush=True)
+sys.stdin.readline()
+sys.stdin.readline()  # the parent looks for leftovers meanwhile
+"""
+
+
+def test_many_random_interrupts_leave_nothing_behind(tmp_path):
+    child, errors = _start(_INTERRUPTED_AT_RANDOM, tmp_path, start_new_session=True)
+    rng = np.random.default_rng(0)
+    try:
+        with _deadline(60):
+            assert child.stdout.readline() == "ready\n", errors()
+            end = time.monotonic() + 3.0
+            while time.monotonic() < end:
+                time.sleep(rng.uniform(0.0, 0.03))
+                os.killpg(child.pid, signal.SIGINT)  # as Ctrl-C: to the consumer and its workers
+            assert child.poll() is None, errors()
+            child.stdin.write("stop\n")
+            child.stdin.flush()
+            line = child.stdout.readline()
+            assert line, errors()
+            rounds, interrupted = map(int, line.split())
+            assert interrupted >= 20 and rounds > interrupted  # interrupts came, and rounds ended
+            _assert_nothing_left(child.pid, timeout=3.0)
+            child.stdin.write("\n")
+            child.stdin.flush()
+        assert child.wait(10) == 0
+    finally:
+        child.kill()
+        child.wait()
+
