@@ -2814,6 +2814,11 @@ class AMPGradScaler:
 
 # How long stopping waits for workers to finish their current batch before it terminates them.
 _WORKER_JOIN_SECONDS = 2.0
+# Bounds on what runs ahead. PyTorch's prefetch_factor has none, but here each batch in flight
+# may hold a shared-memory block (two file descriptors), so a huge prefetch would only fail
+# later with "Too many open files"; and `prefetch` tasks must fit a worker's pipe unread.
+_MAX_PREFETCH = 64
+_MAX_BATCHES_IN_FLIGHT = 1024  # num_workers * prefetch
 # Each field inside a shared-memory block starts on a 64-byte boundary (a cache line).
 _FIELD_ALIGN = 64
 
@@ -3102,10 +3107,11 @@ class _WorkerPool:
         try:
             self.connections[worker_id].send((batch_no, block_name))
         except OSError:
-            raise self._death(worker_id) from None
+            raise self._death(worker_id, batch_no) from None
 
-    def _receive(self, worker_id):
-        """The next message from a worker; RuntimeError if the worker died instead."""
+    def _receive(self, worker_id, batch_no):
+        """Worker `worker_id`'s message with batch `batch_no`; RuntimeError if the worker died
+        instead."""
         connection, process = self.connections[worker_id], self.processes[worker_id]
         # Waiting on the process sentinel as well as the pipe means a killed worker wakes us
         # up: no polling loop, and no hang.
@@ -3115,19 +3121,30 @@ class _WorkerPool:
                 return connection.recv()
             except (EOFError, ConnectionResetError):
                 pass  # the worker died, maybe mid-message or with our tasks unread
-        raise self._death(worker_id)
+        raise self._death(worker_id, batch_no)
 
-    def _death(self, worker_id):
-        """The error for a worker that exited without being asked to."""
+    def _death(self, worker_id, batch_no):
+        """The error for a worker that exited without being asked to, on its way to `batch_no`."""
         process = self.processes[worker_id]
         process.join(1.0)
-        return RuntimeError(f"DataLoader worker {worker_id} (pid {process.pid}) exited "
-                            f"unexpectedly with exit code {process.exitcode}")
+        message = (f"DataLoader worker {worker_id} (pid {process.pid}) exited unexpectedly "
+                   f"with exit code {process.exitcode}")
+        sigbus = getattr(signal, "SIGBUS", None)  # POSIX only
+        if self.blocks and sigbus is not None and process.exitcode == -sigbus:
+            # tmpfs gives a block its pages only when they are first written, so a full
+            # /dev/shm shows as SIGBUS in the worker writing the batch, not as an error.
+            block = self.blocks[self._block_index(batch_no)]
+            message += (f" (SIGBUS): shared memory ran out: /dev/shm had no room left for a "
+                        f"batch's block of {block.size} bytes ({len(self.blocks)} blocks, one "
+                        f"per batch in flight). Pass use_shared_mem=False, use fewer "
+                        f"num_workers or a smaller prefetch, or make /dev/shm larger (in "
+                        f"Docker: --shm-size)")
+        return RuntimeError(message)
 
     def take(self, batch_no):
         """Batch `batch_no` as host arrays; then ask its worker for the batch `depth` rounds on."""
         worker_id = batch_no % self.num_workers
-        kind, payload = self._receive(worker_id)
+        kind, payload = self._receive(worker_id, batch_no)
         if kind == "error":
             raise RuntimeError(f"DataLoader worker {worker_id} failed on batch {batch_no}:\n"
                                f"{payload}")
@@ -3181,10 +3198,12 @@ class DataLoader:
         (under the "spawn" and "forkserver" start methods, dataset and collate_fn are pickled
         to them).
     use_shared_mem: with workers, batches come back through reused shared-memory blocks
-        instead of pickles.
+        instead of pickles (in /dev/shm; a worker that finds it full dies of SIGBUS, and the
+        error then says so).
     seed: base seed of the shuffle; None draws one from `manual_seed`'s stream.
     collate_fn: `collate_fn(list of sample tuples) -> batch`; the default stacks each field.
-    prefetch: batches in flight per worker, and batches uploaded ahead to the device.
+    prefetch: batches in flight per worker, and batches uploaded ahead to the device; at most
+        64, and num_workers * prefetch at most 1024.
     device_queue: a device queue; iteration then yields `GpuBatch`es (see `bind_queue`).
 
     `len(loader)` is the number of batches per epoch. With a given seed the batches, and their
@@ -3208,6 +3227,12 @@ class DataLoader:
         self.batch_size = _check_int("batch_size", batch_size, 1)
         self.num_workers = _check_int("num_workers", num_workers, 0)
         self.prefetch = _check_int("prefetch", prefetch, 1)
+        if self.prefetch > _MAX_PREFETCH:
+            raise ValueError(f"DataLoader: prefetch must be <= {_MAX_PREFETCH}, got {prefetch!r}")
+        if self.num_workers * self.prefetch > _MAX_BATCHES_IN_FLIGHT:
+            raise ValueError(f"DataLoader: num_workers * prefetch (batches in flight) must be "
+                             f"<= {_MAX_BATCHES_IN_FLIGHT}, got {self.num_workers} * "
+                             f"{self.prefetch} = {self.num_workers * self.prefetch}")
         if collate_fn is not None and not callable(collate_fn):
             raise ValueError(f"DataLoader: collate_fn must be callable, got {collate_fn!r}")
         self.dataset = dataset

@@ -4062,3 +4062,55 @@ def test_many_random_interrupts_leave_nothing_behind(tmp_path):
         child.kill()
         child.wait()
 
+
+class SignalledDataset(SampleDataset):
+    """A worker that touches `bad_index` dies of `signum` (SIGBUS: what writing to a shared
+    memory block does when /dev/shm has no room left for its pages)."""
+
+    def __init__(self, n, bad_index, signum):
+        super().__init__(n)
+        self.bad_index, self.signum, self.parent_pid = bad_index, signum, os.getpid()
+
+    def __getitem__(self, index):
+        if index == self.bad_index and os.getpid() != self.parent_pid:
+            import faulthandler
+            import resource
+            faulthandler.disable()  # no traceback dump, and
+            resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # no core file: only the death
+            os.kill(os.getpid(), self.signum)
+        return super().__getitem__(index)
+
+
+def test_worker_killed_by_sigbus_says_shared_memory_ran_out():
+    shm_before = _shm_names()
+    # Batches of 4 samples: x (4, 2, 3) float32, y (4,) int64, extra (4,) int16, each field
+    # rounded up to 64 bytes: 128 + 64 + 64 bytes a block.
+    loader = nc.DataLoader(SignalledDataset(40, 13, signal.SIGBUS), batch_size=4, shuffle=False,
+                           num_workers=2, use_shared_mem=True)
+    with _deadline(30), raises_naming(RuntimeError, "worker 1", "exit code -7", "SIGBUS", "/dev/shm",
+                                      "256 bytes", "use_shared_mem=False", "prefetch"):
+        list(loader)
+    del loader
+    _assert_clean(shm_before)
+    # Without shared memory a SIGBUS is only what it is.
+    loader = nc.DataLoader(SignalledDataset(40, 13, signal.SIGBUS), batch_size=4, shuffle=False,
+                           num_workers=2)
+    with _deadline(30), pytest.raises(RuntimeError, match="exit code -7") as caught:
+        list(loader)
+    assert "/dev/shm" not in str(caught.value)
+
+
+@pytest.mark.parametrize("kwargs, needles", [
+    ({"prefetch": 65}, ("prefetch", "65", "64")),
+    ({"prefetch": 10**9}, ("prefetch", str(10**9), "64")),
+    ({"num_workers": 17, "prefetch": 64}, ("num_workers * prefetch", "1088", "1024")),
+    ({"num_workers": 2000}, ("num_workers * prefetch", "4000", "1024")),
+])
+def test_prefetch_and_batches_in_flight_are_bounded(kwargs, needles):
+    # Each batch in flight holds a shared-memory block (two file descriptors): 10**9 of them
+    # used to fail with "Too many open files".
+    with raises_naming(ValueError, "DataLoader", *needles):
+        nc.DataLoader(nc.ArrayDataset(*_samples(10)), **kwargs)
+    for fine in ({"prefetch": 64}, {"num_workers": 16, "prefetch": 64}, {"num_workers": 512}):
+        nc.DataLoader(nc.ArrayDataset(*_samples(10)), **fine)  # built, not iterated
+
