@@ -3052,6 +3052,7 @@ class _WorkerPool:
         self.num_workers = loader.num_workers
         self.depth = loader.prefetch
         self.num_batches = len(loader)
+        self.timeout = loader.timeout or None  # 0: wait for a batch as long as it takes
         # Every worker and block goes into these lists the moment it exists (Ctrl-C is held
         # off in between), and the lists are what the stop frees.
         self.processes, self.connections, self.blocks = [], [], []
@@ -3111,11 +3112,14 @@ class _WorkerPool:
 
     def _receive(self, worker_id, batch_no):
         """Worker `worker_id`'s message with batch `batch_no`; RuntimeError if the worker died
-        instead."""
+        instead, or if the DataLoader's timeout passed first."""
         connection, process = self.connections[worker_id], self.processes[worker_id]
         # Waiting on the process sentinel as well as the pipe means a killed worker wakes us
         # up: no polling loop, and no hang.
-        multiprocessing.connection.wait([connection, process.sentinel])
+        if not multiprocessing.connection.wait([connection, process.sentinel], self.timeout):
+            raise RuntimeError(f"DataLoader timed out after {self.timeout:g} seconds waiting "
+                               f"for batch {batch_no} from worker {worker_id} (pid "
+                               f"{process.pid}); the epoch's workers are stopped")
         if connection.poll():
             try:
                 return connection.recv()
@@ -3205,11 +3209,13 @@ class DataLoader:
     prefetch: batches in flight per worker, and batches uploaded ahead to the device; at most
         64, and num_workers * prefetch at most 1024.
     device_queue: a device queue; iteration then yields `GpuBatch`es (see `bind_queue`).
+    timeout: seconds to wait for a worker's batch before raising RuntimeError; 0 (PyTorch's
+        default) waits forever. Only for num_workers > 0, as in PyTorch.
 
     `len(loader)` is the number of batches per epoch. With a given seed the batches, and their
     order, are the same for any `num_workers` and `use_shared_mem`.
 
-    Workers never outlive an epoch: when it ends, breaks, raises or is interrupted
+    Workers never outlive an epoch: when it ends, breaks, raises, times out or is interrupted
     by Ctrl-C (at any moment, even while workers start or stop, even twice), the workers are
     stopped and their shared memory freed before the exception reaches the caller, or when
     the iterator is dropped. A KeyboardInterrupt that comes while workers start or stop is
@@ -3218,7 +3224,8 @@ class DataLoader:
     """
 
     def __init__(self, dataset, batch_size=1, shuffle=True, num_workers=0, use_shared_mem=False,
-                 drop_last=False, seed=None, collate_fn=None, prefetch=2, device_queue=None):
+                 drop_last=False, seed=None, collate_fn=None, prefetch=2, device_queue=None,
+                 timeout=0):
         if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
             raise ValueError(f"DataLoader: dataset must have __len__ and __getitem__, "
                              f"got {type(dataset).__name__}")
@@ -3233,6 +3240,13 @@ class DataLoader:
             raise ValueError(f"DataLoader: num_workers * prefetch (batches in flight) must be "
                              f"<= {_MAX_BATCHES_IN_FLIGHT}, got {self.num_workers} * "
                              f"{self.prefetch} = {self.num_workers * self.prefetch}")
+        if not _is_scalar(timeout) or not math.isfinite(timeout) or timeout < 0:
+            raise ValueError(f"DataLoader: timeout must be a finite number of seconds >= 0 "
+                             f"(0 waits forever), got {timeout!r}")
+        if timeout and not self.num_workers:
+            raise ValueError(f"DataLoader: timeout={timeout!r} needs num_workers > 0: it bounds "
+                             f"the wait for a worker's batch (as in PyTorch)")
+        self.timeout = float(timeout)
         if collate_fn is not None and not callable(collate_fn):
             raise ValueError(f"DataLoader: collate_fn must be callable, got {collate_fn!r}")
         self.dataset = dataset

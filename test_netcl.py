@@ -4114,3 +4114,47 @@ def test_prefetch_and_batches_in_flight_are_bounded(kwargs, needles):
     for fine in ({"prefetch": 64}, {"num_workers": 16, "prefetch": 64}, {"num_workers": 512}):
         nc.DataLoader(nc.ArrayDataset(*_samples(10)), **fine)  # built, not iterated
 
+
+class HangingDataset(SampleDataset):
+    """In a worker, samples from `hang_from` on never come (a stuck network read, say)."""
+
+    def __init__(self, n, hang_from):
+        super().__init__(n)
+        self.hang_from, self.parent_pid = hang_from, os.getpid()
+
+    def __getitem__(self, index):
+        if index >= self.hang_from and os.getpid() != self.parent_pid:
+            time.sleep(60)
+        return super().__getitem__(index)
+
+
+@pytest.mark.parametrize("use_shared_mem", [False, True])
+def test_timeout_raises_on_a_hung_worker_and_leaves_no_worker(use_shared_mem):
+    shm_before = _shm_names()
+    loader = nc.DataLoader(HangingDataset(40, hang_from=8), batch_size=4, shuffle=False, num_workers=2,
+                           use_shared_mem=use_shared_mem, timeout=0.5)
+    batches = []
+    start = time.monotonic()
+    with _deadline(30), raises_naming(RuntimeError, "DataLoader timed out after 0.5 seconds", "batch 2"):
+        for batch in loader:
+            batches.append(batch)
+    assert _ids(batches) == list(range(8))  # the batches before the hang all came
+    assert time.monotonic() - start < 10
+    del loader, batch
+    _assert_clean(shm_before)
+
+
+def test_bad_timeouts_are_rejected():
+    dataset = nc.ArrayDataset(*_samples(10))
+    for bad in (-1, -0.5):
+        with raises_naming(ValueError, "timeout", str(bad)):
+            nc.DataLoader(dataset, num_workers=2, timeout=bad)
+    for bad in ("1", None, True, float("nan"), float("inf"), [1]):
+        with raises_naming((TypeError, ValueError), "timeout", repr(bad)):
+            nc.DataLoader(dataset, num_workers=2, timeout=bad)
+    # As PyTorch, a timeout is for waiting on workers: without them it is an error.
+    with raises_naming(ValueError, "timeout", "num_workers"):
+        nc.DataLoader(dataset, timeout=1.0)
+    for fine in (0, 2, 2.5, np.float64(0.25)):
+        nc.DataLoader(dataset, num_workers=2, timeout=fine)
+    nc.DataLoader(dataset, timeout=0)
