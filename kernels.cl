@@ -719,7 +719,7 @@ __kernel void gemm_packed(const int M, const int N, const int K, const int a_k, 
                           __global const float* Bp, __global const float* bias,
                           __global act_t* C) {
     const int col = get_global_id(0) * 16, row = get_global_id(1) * 4, z = get_global_id(2);
-    if (row >= M) return;  // rows past M only pad the last panel
+    if (col >= N || row >= M) return;  // the launch rounds up; and past M, only padding
     C += z * M * N;
     __global const float* a = Ap + z * batch_a + row * K;
     __global const float* b = Bp + z * batch_b + col * b_panel;

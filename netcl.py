@@ -5167,6 +5167,11 @@ class AMPGradScaler:
 
 # How long stopping waits for workers to finish their current batch before it terminates them.
 _WORKER_JOIN_SECONDS = 2.0
+# Bounds on what runs ahead. PyTorch's prefetch_factor has none, but here each batch in flight
+# may hold a shared-memory block (two file descriptors), so a huge prefetch would only fail
+# later with "Too many open files"; and `prefetch` tasks must fit a worker's pipe unread.
+_MAX_PREFETCH = 64
+_MAX_BATCHES_IN_FLIGHT = 1024  # num_workers * prefetch
 # Each field inside a shared-memory block starts on a 64-byte boundary (a cache line).
 _FIELD_ALIGN = 64
 
@@ -5303,32 +5308,79 @@ def _worker_main(dataset, collate_fn, order, batch_size, connection):
             block.close()
 
 
-def _stop_workers(processes, connections, blocks):
-    """Stop worker processes and free their shared memory; safe on a half-started pool.
+@contextlib.contextmanager
+def _ctrl_c_deferred(on_interrupt=None):
+    """Run the body to its end even if Ctrl-C comes meanwhile; then deliver the Ctrl-C.
 
-    A module-level function (not a method) so that the `weakref.finalize` that calls it holds
-    no reference to the pool it cleans up after.
+    For the code that creates or frees workers and shared-memory blocks: a KeyboardInterrupt
+    half-way through would leave a process or a block that no list holds, so that nothing
+    would ever stop or free it. SIGINT's handler is swapped for one that only notes the signal
+    (and calls `on_interrupt`), and the signal is raised again, through the handler it
+    replaced, once the body is done. Python runs signal handlers in the main thread only, so
+    in any other thread nothing can interrupt the body; nor can SIGINT while it is ignored;
+    and a handler set outside Python (None) is left alone, as signal.signal could not put it
+    back.
     """
-    for connection in connections:
-        try:
-            connection.send(None)
-        except OSError:
-            pass  # that worker is already gone
-        connection.close()
-    # A worker stops after the batch it is building; one stuck in user code is terminated.
-    deadline = time.monotonic() + _WORKER_JOIN_SECONDS
-    for process in processes:
-        process.join(max(0.0, deadline - time.monotonic()))
-    for process in processes:
-        if process.is_alive():
+    if threading.current_thread() is not threading.main_thread() \
+            or signal.getsignal(signal.SIGINT) in (None, signal.SIG_IGN):
+        yield
+        return
+    received = []
+
+    def note(signum, frame):
+        received.append(signum)
+        if on_interrupt is not None:
+            on_interrupt()
+
+    previous = signal.signal(signal.SIGINT, note)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if received:
+            signal.raise_signal(signal.SIGINT)
+
+
+def _stop_workers(processes, connections, blocks):
+    """Stop worker processes and free their shared memory; safe on a half-started pool, and
+    safe to call again: each resource leaves its list only once released, so a second call
+    finishes whatever a first one left.
+
+    Ctrl-C is held off meanwhile; one that comes during the stop terminates the workers at
+    once instead of waiting for their current batches. A module-level function (not a method)
+    so that the `weakref.finalize` that calls it holds no reference to the pool it cleans up
+    after.
+    """
+    def terminate_now():
+        for process in processes:
             process.terminate()
-            process.join(1.0)
-        if process.is_alive():
-            process.kill()
-            process.join()
-    for block in blocks:
-        block.close()
-        block.unlink()
+
+    with _ctrl_c_deferred(on_interrupt=terminate_now):
+        while connections:
+            try:
+                connections[-1].send(None)
+            except OSError:
+                pass  # that worker is already gone
+            connections.pop().close()
+        # A worker stops after the batch it is building; one stuck in user code is terminated.
+        deadline = time.monotonic() + _WORKER_JOIN_SECONDS
+        for process in processes:
+            process.join(max(0.0, deadline - time.monotonic()))
+        while processes:
+            process = processes[-1]
+            if process.is_alive():
+                process.terminate()
+                process.join(1.0)
+            if process.is_alive():
+                process.kill()
+                process.join()
+            processes.pop()
+        while blocks:
+            block = blocks[-1]
+            block.close()
+            with contextlib.suppress(FileNotFoundError):  # unlinked by a stop interrupted here
+                block.unlink()
+            blocks.pop()
 
 
 def _new_block(nbytes):
@@ -5353,23 +5405,31 @@ class _WorkerPool:
         self.num_workers = loader.num_workers
         self.depth = loader.prefetch
         self.num_batches = len(loader)
+        self.timeout = loader.timeout or None  # 0: wait for a batch as long as it takes
+        # Every worker and block goes into these lists the moment it exists (Ctrl-C is held
+        # off in between), and the lists are what the stop frees.
         self.processes, self.connections, self.blocks = [], [], []
-        self.close = weakref.finalize(self, _stop_workers,
-                                      self.processes, self.connections, self.blocks)
+        # Should close() never run, or a Ctrl-C cut it short, finalizers stop the pool when it
+        # is collected. Two of them: a finalizer runs only once, and a Ctrl-C landing in its
+        # first lines, before Ctrl-C is held off, ends it; the second then does the work, or
+        # finds none left.
+        for _ in range(2):
+            weakref.finalize(self, _stop_workers, self.processes, self.connections, self.blocks)
         try:
             if loader.use_shared_mem:
                 self._create_blocks(loader, order)
             context = multiprocessing.get_context()  # the platform's default start method
             for worker_id in range(self.num_workers):
-                parent_end, child_end = context.Pipe()
-                self.connections.append(parent_end)
-                process = context.Process(
-                    target=_worker_main, name=f"netcl-data-worker-{worker_id}", daemon=True,
-                    args=(loader.dataset, loader.collate_fn, order, loader.batch_size, child_end))
-                process.start()
-                self.processes.append(process)
-                # Only the worker holds its end now, so if it dies the pipe reports EOF at once.
-                child_end.close()
+                with _ctrl_c_deferred():
+                    parent_end, child_end = context.Pipe()
+                    self.connections.append(parent_end)
+                    args = (loader.dataset, loader.collate_fn, order, loader.batch_size, child_end)
+                    process = context.Process(target=_worker_main, args=args, daemon=True,
+                                              name=f"netcl-data-worker-{worker_id}")
+                    process.start()
+                    self.processes.append(process)
+                    # Only the worker holds its end now, so if it dies the pipe reports EOF.
+                    child_end.close()
             for batch_no in range(min(self.num_workers * self.depth, self.num_batches)):
                 self._send_task(batch_no)
         except BaseException:
@@ -5387,8 +5447,9 @@ class _WorkerPool:
         layout = _shared_layout(first)
         if layout is None:
             return  # not a tuple of plain arrays: batches travel pickled
-        for _ in range(self.num_workers * self.depth):
-            self.blocks.append(_new_block(max(layout[1], 1)))
+        with _ctrl_c_deferred():
+            for _ in range(self.num_workers * self.depth):
+                self.blocks.append(_new_block(max(layout[1], 1)))
 
     def _block_index(self, batch_no):
         worker_id = batch_no % self.num_workers
@@ -5400,32 +5461,47 @@ class _WorkerPool:
         try:
             self.connections[worker_id].send((batch_no, block_name))
         except OSError:
-            raise self._death(worker_id) from None
+            raise self._death(worker_id, batch_no) from None
 
-    def _receive(self, worker_id):
-        """The next message from a worker; RuntimeError if the worker died instead."""
+    def _receive(self, worker_id, batch_no):
+        """Worker `worker_id`'s message with batch `batch_no`; RuntimeError if the worker died
+        instead, or if the DataLoader's timeout passed first."""
         connection, process = self.connections[worker_id], self.processes[worker_id]
         # Waiting on the process sentinel as well as the pipe means a killed worker wakes us
         # up: no polling loop, and no hang.
-        multiprocessing.connection.wait([connection, process.sentinel])
+        if not multiprocessing.connection.wait([connection, process.sentinel], self.timeout):
+            raise RuntimeError(f"DataLoader timed out after {self.timeout:g} seconds waiting "
+                               f"for batch {batch_no} from worker {worker_id} (pid "
+                               f"{process.pid}); the epoch's workers are stopped")
         if connection.poll():
             try:
                 return connection.recv()
             except (EOFError, ConnectionResetError):
                 pass  # the worker died, maybe mid-message or with our tasks unread
-        raise self._death(worker_id)
+        raise self._death(worker_id, batch_no)
 
-    def _death(self, worker_id):
-        """The error for a worker that exited without being asked to."""
+    def _death(self, worker_id, batch_no):
+        """The error for a worker that exited without being asked to, on its way to `batch_no`."""
         process = self.processes[worker_id]
         process.join(1.0)
-        return RuntimeError(f"DataLoader worker {worker_id} (pid {process.pid}) exited "
-                            f"unexpectedly with exit code {process.exitcode}")
+        message = (f"DataLoader worker {worker_id} (pid {process.pid}) exited unexpectedly "
+                   f"with exit code {process.exitcode}")
+        sigbus = getattr(signal, "SIGBUS", None)  # POSIX only
+        if self.blocks and sigbus is not None and process.exitcode == -sigbus:
+            # tmpfs gives a block its pages only when they are first written, so a full
+            # /dev/shm shows as SIGBUS in the worker writing the batch, not as an error.
+            block = self.blocks[self._block_index(batch_no)]
+            message += (f" (SIGBUS): shared memory ran out: /dev/shm had no room left for a "
+                        f"batch's block of {block.size} bytes ({len(self.blocks)} blocks, one "
+                        f"per batch in flight). Pass use_shared_mem=False, use fewer "
+                        f"num_workers or a smaller prefetch, or make /dev/shm larger (in "
+                        f"Docker: --shm-size)")
+        return RuntimeError(message)
 
     def take(self, batch_no):
         """Batch `batch_no` as host arrays; then ask its worker for the batch `depth` rounds on."""
         worker_id = batch_no % self.num_workers
-        kind, payload = self._receive(worker_id)
+        kind, payload = self._receive(worker_id, batch_no)
         if kind == "error":
             raise RuntimeError(f"DataLoader worker {worker_id} failed on batch {batch_no}:\n"
                                f"{payload}")
@@ -5449,10 +5525,15 @@ class _WorkerPool:
 
     def _grow_block(self, index, nbytes):
         """Replace a block too small for a batch; the worker attaches the new one by name."""
-        old = self.blocks[index]
-        self.blocks[index] = _new_block(nbytes)
-        old.close()
-        old.unlink()
+        with _ctrl_c_deferred():
+            old = self.blocks[index]
+            self.blocks[index] = _new_block(nbytes)
+            old.close()
+            old.unlink()
+
+    def close(self):
+        """Stop the workers and free the shared memory; calling it again does nothing."""
+        _stop_workers(self.processes, self.connections, self.blocks)
 
 
 def _check_int(name, value, minimum):
@@ -5474,18 +5555,30 @@ class DataLoader:
         (under the "spawn" and "forkserver" start methods, dataset and collate_fn are pickled
         to them).
     use_shared_mem: with workers, batches come back through reused shared-memory blocks
-        instead of pickles.
+        instead of pickles (in /dev/shm; a worker that finds it full dies of SIGBUS, and the
+        error then says so).
     seed: base seed of the shuffle; None draws one from `manual_seed`'s stream.
     collate_fn: `collate_fn(list of sample tuples) -> batch`; the default stacks each field.
-    prefetch: batches in flight per worker, and batches uploaded ahead to the device.
+    prefetch: batches in flight per worker, and batches uploaded ahead to the device; at most
+        64, and num_workers * prefetch at most 1024.
     device_queue: a device queue; iteration then yields `GpuBatch`es (see `bind_queue`).
+    timeout: seconds to wait for a worker's batch before raising RuntimeError; 0 (PyTorch's
+        default) waits forever. Only for num_workers > 0, as in PyTorch.
 
     `len(loader)` is the number of batches per epoch. With a given seed the batches, and their
     order, are the same for any `num_workers` and `use_shared_mem`.
+
+    Workers never outlive an epoch: when it ends, breaks, raises, times out or is interrupted
+    by Ctrl-C (at any moment, even while workers start or stop, even twice), the workers are
+    stopped and their shared memory freed before the exception reaches the caller, or when
+    the iterator is dropped. A KeyboardInterrupt that comes while workers start or stop is
+    held until that is done, then raised; one during the stop also ends the wait for the
+    workers' current batches.
     """
 
     def __init__(self, dataset, batch_size=1, shuffle=True, num_workers=0, use_shared_mem=False,
-                 drop_last=False, seed=None, collate_fn=None, prefetch=2, device_queue=None):
+                 drop_last=False, seed=None, collate_fn=None, prefetch=2, device_queue=None,
+                 timeout=0):
         if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
             raise ValueError(f"DataLoader: dataset must have __len__ and __getitem__, "
                              f"got {type(dataset).__name__}")
@@ -5494,6 +5587,19 @@ class DataLoader:
         self.batch_size = _check_int("batch_size", batch_size, 1)
         self.num_workers = _check_int("num_workers", num_workers, 0)
         self.prefetch = _check_int("prefetch", prefetch, 1)
+        if self.prefetch > _MAX_PREFETCH:
+            raise ValueError(f"DataLoader: prefetch must be <= {_MAX_PREFETCH}, got {prefetch!r}")
+        if self.num_workers * self.prefetch > _MAX_BATCHES_IN_FLIGHT:
+            raise ValueError(f"DataLoader: num_workers * prefetch (batches in flight) must be "
+                             f"<= {_MAX_BATCHES_IN_FLIGHT}, got {self.num_workers} * "
+                             f"{self.prefetch} = {self.num_workers * self.prefetch}")
+        if not _is_scalar(timeout) or not math.isfinite(timeout) or timeout < 0:
+            raise ValueError(f"DataLoader: timeout must be a finite number of seconds >= 0 "
+                             f"(0 waits forever), got {timeout!r}")
+        if timeout and not self.num_workers:
+            raise ValueError(f"DataLoader: timeout={timeout!r} needs num_workers > 0: it bounds "
+                             f"the wait for a worker's batch (as in PyTorch)")
+        self.timeout = float(timeout)
         if collate_fn is not None and not callable(collate_fn):
             raise ValueError(f"DataLoader: collate_fn must be callable, got {collate_fn!r}")
         self.dataset = dataset
@@ -5530,6 +5636,7 @@ class DataLoader:
         else:
             # Start the workers now, so they build batches while the caller gets ready.
             batches = self._batches_from_workers(_WorkerPool(self, order))
+            next(batches)  # into its `try`, so that even dropped unstarted it stops the workers
         return batches if self.device is None else self._device_batches(batches)
 
     def _epoch_order(self, epoch):
@@ -5544,9 +5651,11 @@ class DataLoader:
             yield _build_batch(self.dataset, indices, self.collate_fn)
 
     def _batches_from_workers(self, pool):
-        # `finally` runs when the loop ends, breaks (the generator is closed) or raises; if
-        # the generator is never started, the pool's weakref.finalize stops the workers.
+        # `finally` runs when the loop ends, breaks or raises, or when the generator is
+        # dropped (it is closed then); should that stop be cut short, the pool's finalizers
+        # finish it.
         try:
+            yield  # __iter__ runs the generator to here
             for batch_no in range(len(self)):
                 yield pool.take(batch_no)
         finally:

@@ -7430,3 +7430,287 @@ def test_integer_tensors_promote_to_float(backend):
     loss = F.cross_entropy(tensor(np.zeros((2, 3)), backend), labels)
     assert labels.dtype == np.int32
     assert float(host(loss)) == pytest.approx(math.log(3))
+# reliability: data: interrupts, shared memory, prefetch and timeout
+# ---------------------------------------------------------------------------------------------
+
+def _leftovers(pid):
+    """What a process still holds of the DataLoader's: its child processes (but for
+    multiprocessing's resource tracker, a helper that lives as long as the process does) and
+    its shared-memory blocks."""
+    children = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as stat, open(f"/proc/{entry}/cmdline", "rb") as cmdline:
+                parent, command = int(stat.read().rsplit(")", 1)[1].split()[1]), cmdline.read()
+        except (OSError, ValueError, IndexError):
+            continue  # it exited meanwhile
+        if parent == pid and b"resource_tracker" not in command:
+            children.append(int(entry))
+    return children, sorted(_shm_names(f"netcl_{pid}_"))
+
+
+def _assert_nothing_left(pid, timeout):
+    deadline = time.monotonic() + timeout
+    while any(_leftovers(pid)):
+        if time.monotonic() > deadline:
+            children, blocks = _leftovers(pid)
+            pytest.fail(f"{timeout} s after the loader was dropped, {len(children)} worker(s) "
+                        f"{children} and {len(blocks)} shared-memory block(s) {blocks} are left")
+        time.sleep(0.05)
+
+
+def _script(body):
+    """A Python program that imports this netcl and runs `body`."""
+    return f"import sys\nsys.path[:0] = {sys.path!r}\nimport {nc.__name__} as nc\n" + body
+
+
+def _start(body, tmp_path, **popen_kwargs):
+    """Run `_script(body)` with pipes to its stdin and stdout; returns the process and a
+    function that reads what it wrote to stderr, for failure messages."""
+    stderr_path = tmp_path / "stderr.txt"
+    with open(stderr_path, "w") as stderr:
+        child = subprocess.Popen([sys.executable, "-c", _script(body)], text=True, stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, stderr=stderr, **popen_kwargs)
+    return child, lambda: stderr_path.read_text()[-4000:]
+
+
+_INTERRUPTED_AT_MOMENTS = """
+import os, time
+import numpy as np
+
+class StuckDataset:
+    # In a worker, samples from `stuck_from` on take 20 s: a worker stuck in user code. In this
+    # process, sample 0 (the first batch, which sizes the shared-memory blocks) may announce
+    # the start-up, so that the parent's Ctrl-C comes while blocks are made and workers start.
+    def __init__(self, stuck_from, announce):
+        self.stuck_from, self.announce, self.parent_pid = stuck_from, announce, os.getpid()
+    def __len__(self):
+        return 64
+    def __getitem__(self, index):
+        if os.getpid() != self.parent_pid:
+            if index >= self.stuck_from:
+                time.sleep(20)
+        elif self.announce and index == 0:
+            print("now", flush=True)
+        return np.full(3, index, np.float32), index
+
+def start_up(loader):
+    next(iter(loader))
+
+def stop_wait(loader):
+    iterator = iter(loader)
+    next(iterator)
+    print("now", flush=True)
+    iterator.close()  # waits for the workers, stuck in batches 1 to 3
+
+def waiting_for_a_batch(loader):
+    iterator = iter(loader)
+    next(iterator)
+    print("now", flush=True)
+    next(iterator)  # batch 1 never comes
+
+for action, stuck_from in ((start_up, 0), (stop_wait, 2), (waiting_for_a_batch, 2)):
+    loader = nc.DataLoader(StuckDataset(stuck_from, action is start_up), batch_size=2,
+                           shuffle=False, num_workers=2, use_shared_mem=True)
+    try:
+        action(loader)
+        outcome = "not interrupted"
+    except KeyboardInterrupt:
+        outcome = "interrupted"
+    del loader
+    print(outcome, flush=True)
+    sys.stdin.readline()  # the parent looks for leftovers meanwhile
+"""
+
+
+def test_interrupts_at_start_up_and_during_the_stop_leave_nothing_behind(tmp_path):
+    # Ctrl-C while workers start; one Ctrl-C while the stop waits for stuck workers; two, one
+    # second apart, the second landing in the stop the first one began.
+    child, errors = _start(_INTERRUPTED_AT_MOMENTS, tmp_path)
+    try:
+        with _deadline(60):
+            for delays in ([0.0], [0.5], [0.3, 1.0]):
+                assert child.stdout.readline() == "now\n", errors()
+                for delay in delays:
+                    time.sleep(delay)
+                    child.send_signal(signal.SIGINT)
+                # The Ctrl-C reached the caller, once the cleanup was done.
+                assert child.stdout.readline() == "interrupted\n", errors()
+                _assert_nothing_left(child.pid, timeout=3.0)
+                child.stdin.write("\n")
+                child.stdin.flush()
+        assert child.wait(10) == 0
+    finally:
+        child.kill()
+        child.wait()
+
+
+_INTERRUPTED_AT_RANDOM = """
+import os, random, select, signal, time
+import numpy as np
+
+class SleepyDataset:
+    def __len__(self):
+        return 16
+    def __getitem__(self, index):
+        time.sleep(0.001)
+        return np.full(3, index, np.float32), index
+
+# Ctrl-C raises KeyboardInterrupt only inside a round, so that none escapes this program's own
+# loop: the rounds are what is under test.
+armed = False
+def interrupt(signum, frame):
+    if armed:
+        raise KeyboardInterrupt
+signal.signal(signal.SIGINT, interrupt)
+
+rng, rounds, interrupted = random.Random(0), 0, 0
+print("ready", flush=True)
+while not select.select([sys.stdin], [], [], 0)[0]:
+    rounds += 1
+    batches = rng.randrange(6)  # 5: the whole epoch; fewer: drop the iterator after that many
+    try:
+        armed = True
+        loader = nc.DataLoader(SleepyDataset(), batch_size=4, num_workers=2, use_shared_mem=True)
+        if batches == 5:
+            for batch in loader:
+                pass
+        else:
+            iterator = iter(loader)
+            for _ in range(batches):
+                next(iterator)
+            iterator = None
+    except KeyboardInterrupt:
+        interrupted += 1
+    finally:
+        armed = False
+loader = iterator = batch = None
+print(rounds, interrupted, flush=True)
+sys.stdin.readline()
+sys.stdin.readline()  # the parent looks for leftovers meanwhile
+"""
+
+
+def test_many_random_interrupts_leave_nothing_behind(tmp_path):
+    child, errors = _start(_INTERRUPTED_AT_RANDOM, tmp_path, start_new_session=True)
+    rng = np.random.default_rng(0)
+    try:
+        with _deadline(60):
+            assert child.stdout.readline() == "ready\n", errors()
+            end = time.monotonic() + 3.0
+            while time.monotonic() < end:
+                time.sleep(rng.uniform(0.0, 0.03))
+                os.killpg(child.pid, signal.SIGINT)  # as Ctrl-C: to the consumer and its workers
+            assert child.poll() is None, errors()
+            child.stdin.write("stop\n")
+            child.stdin.flush()
+            line = child.stdout.readline()
+            assert line, errors()
+            rounds, interrupted = map(int, line.split())
+            assert interrupted >= 20 and rounds > interrupted  # interrupts came, and rounds ended
+            _assert_nothing_left(child.pid, timeout=3.0)
+            child.stdin.write("\n")
+            child.stdin.flush()
+        assert child.wait(10) == 0
+    finally:
+        child.kill()
+        child.wait()
+
+
+class SignalledDataset(SampleDataset):
+    """A worker that touches `bad_index` dies of `signum` (SIGBUS: what writing to a shared
+    memory block does when /dev/shm has no room left for its pages)."""
+
+    def __init__(self, n, bad_index, signum):
+        super().__init__(n)
+        self.bad_index, self.signum, self.parent_pid = bad_index, signum, os.getpid()
+
+    def __getitem__(self, index):
+        if index == self.bad_index and os.getpid() != self.parent_pid:
+            import faulthandler
+            import resource
+            faulthandler.disable()  # no traceback dump, and
+            resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # no core file: only the death
+            os.kill(os.getpid(), self.signum)
+        return super().__getitem__(index)
+
+
+def test_worker_killed_by_sigbus_says_shared_memory_ran_out():
+    shm_before = _shm_names()
+    # Batches of 4 samples: x (4, 2, 3) float32, y (4,) int64, extra (4,) int16, each field
+    # rounded up to 64 bytes: 128 + 64 + 64 bytes a block.
+    loader = nc.DataLoader(SignalledDataset(40, 13, signal.SIGBUS), batch_size=4, shuffle=False,
+                           num_workers=2, use_shared_mem=True)
+    with _deadline(30), raises_naming(RuntimeError, "worker 1", "exit code -7", "SIGBUS", "/dev/shm",
+                                      "256 bytes", "use_shared_mem=False", "prefetch"):
+        list(loader)
+    del loader
+    _assert_clean(shm_before)
+    # Without shared memory a SIGBUS is only what it is.
+    loader = nc.DataLoader(SignalledDataset(40, 13, signal.SIGBUS), batch_size=4, shuffle=False,
+                           num_workers=2)
+    with _deadline(30), pytest.raises(RuntimeError, match="exit code -7") as caught:
+        list(loader)
+    assert "/dev/shm" not in str(caught.value)
+
+
+@pytest.mark.parametrize("kwargs, needles", [
+    ({"prefetch": 65}, ("prefetch", "65", "64")),
+    ({"prefetch": 10**9}, ("prefetch", str(10**9), "64")),
+    ({"num_workers": 17, "prefetch": 64}, ("num_workers * prefetch", "1088", "1024")),
+    ({"num_workers": 2000}, ("num_workers * prefetch", "4000", "1024")),
+])
+def test_prefetch_and_batches_in_flight_are_bounded(kwargs, needles):
+    # Each batch in flight holds a shared-memory block (two file descriptors): 10**9 of them
+    # used to fail with "Too many open files".
+    with raises_naming(ValueError, "DataLoader", *needles):
+        nc.DataLoader(nc.ArrayDataset(*_samples(10)), **kwargs)
+    for fine in ({"prefetch": 64}, {"num_workers": 16, "prefetch": 64}, {"num_workers": 512}):
+        nc.DataLoader(nc.ArrayDataset(*_samples(10)), **fine)  # built, not iterated
+
+
+class HangingDataset(SampleDataset):
+    """In a worker, samples from `hang_from` on never come (a stuck network read, say)."""
+
+    def __init__(self, n, hang_from):
+        super().__init__(n)
+        self.hang_from, self.parent_pid = hang_from, os.getpid()
+
+    def __getitem__(self, index):
+        if index >= self.hang_from and os.getpid() != self.parent_pid:
+            time.sleep(60)
+        return super().__getitem__(index)
+
+
+@pytest.mark.parametrize("use_shared_mem", [False, True])
+def test_timeout_raises_on_a_hung_worker_and_leaves_no_worker(use_shared_mem):
+    shm_before = _shm_names()
+    loader = nc.DataLoader(HangingDataset(40, hang_from=8), batch_size=4, shuffle=False, num_workers=2,
+                           use_shared_mem=use_shared_mem, timeout=0.5)
+    batches = []
+    start = time.monotonic()
+    with _deadline(30), raises_naming(RuntimeError, "DataLoader timed out after 0.5 seconds", "batch 2"):
+        for batch in loader:
+            batches.append(batch)
+    assert _ids(batches) == list(range(8))  # the batches before the hang all came
+    assert time.monotonic() - start < 10
+    del loader, batch
+    _assert_clean(shm_before)
+
+
+def test_bad_timeouts_are_rejected():
+    dataset = nc.ArrayDataset(*_samples(10))
+    for bad in (-1, -0.5):
+        with raises_naming(ValueError, "timeout", str(bad)):
+            nc.DataLoader(dataset, num_workers=2, timeout=bad)
+    for bad in ("1", None, True, float("nan"), float("inf"), [1]):
+        with raises_naming((TypeError, ValueError), "timeout", repr(bad)):
+            nc.DataLoader(dataset, num_workers=2, timeout=bad)
+    # As PyTorch, a timeout is for waiting on workers: without them it is an error.
+    with raises_naming(ValueError, "timeout", "num_workers"):
+        nc.DataLoader(dataset, timeout=1.0)
+    for fine in (0, 2, 2.5, np.float64(0.25)):
+        nc.DataLoader(dataset, num_workers=2, timeout=fine)
+    nc.DataLoader(dataset, timeout=0)
