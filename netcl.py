@@ -2272,8 +2272,8 @@ def _host_index(op, index, x, d, negative):
         device_index = index
     else:
         host = np.asarray(index)
-        if isinstance(index, list) and not index:  # x[[]] picks nothing; NumPy reads [] as float
-            host = host.astype(np.int64)
+        if isinstance(index, list) and host.size == 0:  # x[[]], x[[[], []]] pick nothing:
+            host = host.astype(np.int64)                 # NumPy reads empty lists as floats
         if host.dtype.kind not in "iu":
             raise IndexError(f"{op}: indices must be integers, got dtype {host.dtype}")
     bad = host[(host < (-size if negative else 0)) | (host >= size)]
@@ -5373,7 +5373,9 @@ def _stop_workers(processes, connections, blocks):
                 process.join(1.0)
             if process.is_alive():
                 process.kill()
-                process.join()
+                # Bounded too: a killed process the kernel cannot reap (stuck in a driver)
+                # must not hang the caller; multiprocessing reaps it when it can.
+                process.join(_WORKER_JOIN_SECONDS)
             processes.pop()
         while blocks:
             block = blocks[-1]
