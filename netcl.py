@@ -4335,8 +4335,8 @@ class Optimizer:
 
     @lr.setter
     def lr(self, value):
-        # Checked here as in the constructor: a string would fail only inside a kernel launch,
-        # and a negative rate would climb the loss.
+        """Checked as in the constructor: a string would fail only inside a kernel launch,
+        and a negative rate would climb the loss."""
         _check_hyperparameter("learning rate", value, name="lr")
         self._lr = float(value)
 
