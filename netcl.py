@@ -246,7 +246,7 @@ class Device:
     def launch(self, name, global_size, local_size, *args, half=False):
         """Enqueue kernel `name`; global sizes are rounded up to multiples of the local size.
         half=True runs the float16-storage build: the buffers the kernel marks act_t are halfs."""
-        global_size = tuple(-(-g // l) * l for g, l in zip(global_size, local_size))
+        global_size = tuple(map(_round_up, global_size, local_size))
         kernels = self._half_program() if half else self._kernels
         with self._lock:  # another thread's set_args must not land between ours and the enqueue
             kernels[name](self.queue, global_size, local_size, *args)
@@ -262,6 +262,10 @@ class Device:
 
 
 _CL_SCALARS = {"int": np.int32, "uint": np.uint32, "float": np.float32}
+
+
+def _round_up(n, multiple):
+    return -(-n // multiple) * multiple
 
 
 def _kernel_source():
@@ -421,7 +425,11 @@ class BufferPool:
             raise TypeError(f"BufferPool.alloc: nbytes must be an int, got {nbytes!r}")
         if nbytes < 0:
             raise ValueError(f"BufferPool.alloc: nbytes must be >= 0, got {nbytes}")
-        size = _bucket(int(nbytes))
+        return self._take(int(nbytes))
+
+    def _take(self, nbytes):
+        """alloc without the argument checks, for Tensor._alloc (nbytes is an int >= 0)."""
+        size = _bucket(nbytes)
         with self._lock:
             free = self._cached[size]
             if free:
@@ -485,7 +493,7 @@ def _buffer_bytes(buffer):
 # A Tensor is a shape and a dtype over pooled memory: an ndarray view of a pooled byte buffer
 # on the NumPy backend, a pyopencl.Buffer on OpenCL. Tensors are always C-contiguous, so a
 # reshape is a view that keeps its base alive. When the last reference to a Tensor goes, its
-# buffer returns to the pool at once (reference counting triggers the weakref.finalize).
+# buffer returns to the pool at once (reference counting calls Tensor.__del__).
 
 _DTYPES = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(np.int32))
 
@@ -493,9 +501,10 @@ _DTYPES = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(np.int32))
 class Tensor:
     """Device memory with a shape and a dtype (float32, float16 storage, or int32)."""
 
-    __slots__ = ("device", "shape", "dtype", "data", "_base", "_labels", "__weakref__")
+    __slots__ = ("device", "shape", "dtype", "data", "_base", "_labels", "_pooled", "__weakref__")
 
     def __init__(self, device, shape, dtype, data, base=None):
+        self._pooled = None  # the pool buffer this tensor owns, if any: released in __del__
         self.device = device
         self.shape = tuple(shape)
         self.dtype = np.dtype(dtype)
@@ -514,11 +523,17 @@ class Tensor:
     def _alloc(device, shape, dtype):
         """Tensor.empty without the argument checks, for the ops' own outputs."""
         nbytes = math.prod(shape) * dtype.itemsize
-        buffer = device.pool.alloc(nbytes)
+        buffer = device.pool._take(nbytes)
         data = buffer[:nbytes].view(dtype).reshape(shape) if device.backend == "cpu" else buffer
         tensor = Tensor(device, shape, dtype, data)
-        weakref.finalize(tensor, device.pool.release, buffer).atexit = False
+        tensor._pooled = buffer
         return tensor
+
+    def __del__(self):
+        # A method, not a weakref.finalize per tensor: a training step makes hundreds of
+        # tensors, and registering a finalizer costs more than the rest of the allocation.
+        if self._pooled is not None:
+            self.device.pool.release(self._pooled)
 
     @staticmethod
     def from_host(array, queue=None, dtype=None):
@@ -635,6 +650,9 @@ def _check_dtype(dtype, device):
 
 
 def _resolve_shape(op, old_shape, shape):
+    if type(shape) is tuple and all(type(s) is int and s >= 0 for s in shape) \
+            and math.prod(shape) == math.prod(old_shape):
+        return shape  # the usual case, checked in one pass: ops reshape on every step
     shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
     if not all(isinstance(s, (int, np.integer)) and not isinstance(s, bool) for s in shape):
         raise ValueError(f"{op}: shape must be integers, got {shape}")
@@ -784,6 +802,10 @@ class Node:
     def chunk(self, chunks, dim=0):
         """`chunks` pieces along `dim`: see functional.chunk."""
         return chunk(self, chunks, dim)
+
+    def unbind(self, dim=0):
+        """The slices along `dim`: see functional.unbind."""
+        return unbind(self, dim)
 
     def __getitem__(self, key):
         """x[key]: ints, slices with a positive step, `...`, None, or one integer array
@@ -1030,6 +1052,11 @@ def _nodes(op, *values, numeric=True):
     computes in float32 all the same: it has no integer arithmetic kernels, and both backends
     must agree. Labels and indices stay int32 for the ops that read them as such (a
     cross_entropy target, reshape)."""
+    if all(isinstance(v, Node) for v in values):  # the usual case: nothing to convert or move
+        device = values[0].value.device
+        if all(v.value.device is device and (not numeric or v.value.dtype.kind == "f")
+               for v in values):
+            return list(values)
     device = _devices_of(op, *values)
     dtype = next((v.dtype for v in values if isinstance(v, (Node, Tensor))
                   and v.dtype.kind == "f"), None)
@@ -2171,30 +2198,83 @@ def stack(tensors, dim=0):
 
 
 def _pieces(x, d, sizes):
-    """x cut along dimension d into pieces of `sizes` rows: a tuple of Nodes (copies)."""
+    """x cut along dimension d into pieces of `sizes` rows: a tuple of Nodes. Along the
+    leading dimension the pieces are views, as PyTorch's (no copy; on OpenCL where the
+    device lets a sub-buffer start at every piece), else copies."""
     starts = np.cumsum([0] + list(sizes)).tolist()
-    values = []
-    for start, rows in zip(starts, sizes):
-        values.append(_like(x.value, x.shape[:d] + (rows,) + x.shape[d + 1:]))
-        _copy_rows(x.value, values[-1], d, rows, src_at=(start, 1))
+    X = x.value
+    if d == 0 and _row_views_allowed(X, starts[1:-1]):
+        values = [_row_view(X, start, rows) for start, rows in zip(starts, sizes)]
+    else:
+        values = []
+        for start, rows in zip(starts, sizes):
+            values.append(_like(X, x.shape[:d] + (rows,) + x.shape[d + 1:]))
+            _copy_rows(X, values[-1], d, rows, src_at=(start, 1))
     # A node has one gradient, so the pieces' gradients meet in one buffer of x's shape, held
     # by a hidden node between x and the pieces: the first piece whose backward runs makes it
-    # (zeros: a piece that gets no gradient contributes none) and hands it to the hidden node;
-    # later pieces copy their gradients into its rows in place. The hidden node was recorded
-    # before the pieces, so its backward, which passes the buffer on to x, runs after theirs.
-    whole = _record(x.value, (x,), lambda g: (g,))
-    buffer = []
+    # and hands it to the hidden node; every piece copies its gradient into its own rows.
+    # The hidden node was recorded before the pieces, so its backward runs after theirs: it
+    # zeroes the rows of the pieces that got no gradient, then passes the buffer on to x.
+    buffer, placed = [], set()
 
-    def place(start, rows):
+    def zero_the_rest(g):
+        for i in sorted(set(range(len(sizes))) - placed):
+            _zero_rows(g, d, starts[i], sizes[i])
+        return (g,)
+    whole = _record(X, (x,), zero_the_rest)
+
+    def place(i):
         def backward(g):
             first = not buffer
             if first:
-                buffer.append(_fill(x.shape, 0.0, g))
-            _copy_rows(g, buffer[0], d, rows, dst_at=(start, 1))
+                buffer.append(_like(g, x.shape))
+            _copy_rows(g, buffer[0], d, sizes[i], dst_at=(starts[i], 1))
+            placed.add(i)
             return (buffer[0] if first else None,)
         return backward
-    return tuple(_record(value, (whole,), place(start, rows))
-                 for value, start, rows in zip(values, starts, sizes))
+    return tuple(_record(value, (whole,), place(i)) for i, value in enumerate(values))
+
+
+def _row_views_allowed(x, starts):
+    """Whether views of x's leading rows may begin at each of `starts`: always on NumPy; on
+    OpenCL when x owns its buffer (a sub-buffer of a sub-buffer is not allowed) and each start
+    falls on the device's sub-buffer alignment (mem_base_addr_align, in bits)."""
+    if x.device.backend == "cpu":
+        return True
+    owner = x._base or x
+    if owner._pooled is None or x.data is not owner.data:
+        return False
+    row_bytes = math.prod(x.shape[1:]) * x.dtype.itemsize
+    align = x.device.cl_device.mem_base_addr_align // 8
+    return all(start * row_bytes % align == 0 for start in starts)
+
+
+def _row_view(x, start, rows):
+    """Rows start .. start + rows of x along its leading dimension, as a view (see
+    _row_views_allowed); an empty piece gets a buffer of its own (a sub-buffer may not be
+    empty)."""
+    shape = (rows,) + x.shape[1:]
+    if not math.prod(shape):
+        return _like(x, shape)
+    if x.device.backend == "cpu":
+        return Tensor(x.device, shape, x.dtype, x.data[start:start + rows], base=x._base or x)
+    row_bytes = math.prod(x.shape[1:]) * x.dtype.itemsize
+    data = x.data.get_sub_region(start * row_bytes, rows * row_bytes)
+    return Tensor(x.device, shape, x.dtype, data, base=x._base or x)
+
+
+def _zero_rows(x, d, start, rows):
+    """Set rows start .. start + rows of x along dimension d to zero, in place."""
+    if x.device.backend == "cpu":
+        x.data[(slice(None),) * d + (slice(start, start + rows),)] = 0
+    elif d == 0 and rows:  # contiguous bytes
+        row_bytes = math.prod(x.shape[1:]) * x.dtype.itemsize
+        if row_bytes:
+            cl.enqueue_fill_buffer(x.device.queue, x.data, np.zeros((), x.dtype),
+                                   start * row_bytes, rows * row_bytes)
+    else:
+        zeros = _fill(x.shape[:d] + (rows,) + x.shape[d + 1:], 0.0, x)
+        _copy_rows(zeros, x, d, rows, dst_at=(start, 1))
 
 
 def _cut_dim(op, x, dim):
@@ -2239,6 +2319,15 @@ def chunk(x, chunks, dim=0):
     d = _cut_dim("chunk", x, dim)
     size = x.shape[d]
     return _pieces(x, d, [0] * chunks) if size == 0 else split(x, -(-size // chunks), d)
+
+
+def unbind(x, dim=0):
+    """x's slices along `dim`, that dimension removed, as torch.unbind: a tuple of x.shape[dim]
+    Nodes (views along the leading dimension, as split's pieces)."""
+    (x,) = _nodes("unbind", x, numeric=False)
+    d = _cut_dim("unbind", x, dim)
+    shape = x.shape[:d] + x.shape[d + 1:]
+    return tuple(reshape(piece, shape) for piece in _pieces(x, d, [1] * x.shape[d]))
 
 
 def _slice(x, d, start, step, rows):
@@ -6114,7 +6203,7 @@ functional = _alias(
     batch_norm=batch_norm, embedding=embedding,
     scaled_dot_product_attention=scaled_dot_product_attention,
     permute=permute, squeeze=squeeze, unsqueeze=unsqueeze, cat=cat, stack=stack, split=split,
-    chunk=chunk, index_select=index_select,
+    chunk=chunk, unbind=unbind, index_select=index_select,
     nll_loss=nll_loss, binary_cross_entropy_with_logits=binary_cross_entropy_with_logits)
 autograd = _alias("autograd", Node=Node, Parameter=Parameter, Tape=Tape, no_grad=no_grad)
 nn = _alias("nn", Module=Module, Linear=Linear, ReLU=ReLU, Tanh=Tanh, Sigmoid=Sigmoid,

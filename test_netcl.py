@@ -1254,6 +1254,19 @@ def _(draw, rng, fd):
                 [_standard_normal(rng, shape)])
 
 
+@case("unbind")
+def _(draw, rng, fd):  # some slices only: the others' gradients are zeros
+    shape = list(_shape_op_shape(draw, fd, 1, 3))
+    dim = _dim_of(draw, len(shape))
+    d = dim % len(shape)
+    shape[d] = shape[d] or 2  # (an empty dimension has no slices: see the explicit test)
+    chosen = draw(st.lists(st.integers(0, shape[d] - 1), min_size=1, max_size=3, unique=True))
+    unbind = (lambda x: x.unbind(dim)) if draw(st.booleans()) else (lambda x: F.unbind(x, dim))
+    return Case(lambda x: F.stack([unbind(x)[k] * float(k + 1) for k in chosen], 0),
+                lambda x: np.stack([np.take(x, k, axis=d) * float(k + 1) for k in chosen], 0),
+                [_standard_normal(rng, tuple(shape))])
+
+
 def _basic_index(draw, size):
     """One entry of a basic index for a dimension of `size`: an int, a slice, or `:`."""
     kind = draw(st.sampled_from(["int", "slice", "colon"] if size else ["slice", "colon"]))
@@ -7714,3 +7727,41 @@ def test_bad_timeouts_are_rejected():
     for fine in (0, 2, 2.5, np.float64(0.25)):
         nc.DataLoader(dataset, num_workers=2, timeout=fine)
     nc.DataLoader(dataset, timeout=0)
+
+
+def test_leading_dimension_pieces_are_views_where_the_device_allows(opencl):
+    """split/unbind along dimension 0 make no copy when every piece starts on the device's
+    sub-buffer alignment (the pieces share x's memory, as PyTorch's views), and copy when one
+    does not; both give the same values and gradients."""
+    align = opencl.cl_device.mem_base_addr_align // 8  # bytes
+    row = align // 4  # float32 elements in one aligned row
+    for rows_per_piece, cols, views in ((2, row, True), (1, row + 1, False)):
+        host_rows = np.arange(3 * rows_per_piece * cols, dtype=np.float32).reshape(-1, cols)
+        x = param(host_rows, opencl)
+        with netcl.Tape() as tape:
+            before = opencl.launches
+            pieces = F.split(x, rows_per_piece, 0)
+            made = opencl.launches - before
+            loss = (pieces[0] * 1.0 + pieces[2] * 3.0).sum()
+        assert (made == 0) == views, (rows_per_piece, cols, made)
+        tape.backward(loss)
+        for k, piece in enumerate(pieces):
+            np.testing.assert_array_equal(piece.value.to_host(),
+                                          host_rows[k * rows_per_piece:(k + 1) * rows_per_piece])
+        expected = np.repeat(np.array([1.0, 0.0, 3.0], np.float32), rows_per_piece)
+        np.testing.assert_array_equal(x.grad.to_host(),
+                                      np.broadcast_to(expected[:, None], host_rows.shape))
+
+
+def test_unbind_matches_torch_and_checks_its_argument(backend):
+    x = np.arange(24, dtype=np.float32).reshape(2, 3, 4)
+    for dim in (0, 1, -1):
+        pieces = F.unbind(tensor(x, backend), dim)
+        assert len(pieces) == x.shape[dim]
+        for k, piece in enumerate(pieces):  # torch.unbind: the slices, the dimension removed
+            np.testing.assert_array_equal(piece.value.to_host(), np.take(x, k, axis=dim))
+    assert F.unbind(tensor(np.zeros((2, 0)), backend), 1) == ()
+    with pytest.raises(ValueError, match="unbind"):
+        F.unbind(tensor(np.float32(1.0), backend))
+    with raises_naming(ValueError, "unbind", "3"):
+        F.unbind(tensor(x, backend), 3)

@@ -51,11 +51,10 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x):                                        # x (B, T, C)
         B, T, C = x.shape
-        q, k, v = F.split(self.c_attn(x), C, dim=2)              # each (B, T, C)
-        heads = lambda t: F.transpose(t.reshape(B, T, self.n_head, C // self.n_head), 1, 2)
+        qkv = self.c_attn(x).reshape(B, T, 3, self.n_head, C // self.n_head)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)           # each (B, nh, T, hs)
         y = F.scaled_dot_product_attention(                      # (B, nh, T, hs)
-            heads(q), heads(k), heads(v), is_causal=True,
-            dropout_p=self.dropout if self.training else 0.0)
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
         y = F.transpose(y, 1, 2).reshape(B, T, C)                # heads side by side again
         return self.resid_dropout(self.c_proj(y))
 
