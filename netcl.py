@@ -30,8 +30,10 @@ Set NETCL_DEBUG=1 to print each kernel build, NETCL_DEBUG=2 to also time every l
 """
 import builtins
 import contextlib
+import csv
 import gzip
 import inspect
+import json
 import math
 import multiprocessing
 import multiprocessing.connection
@@ -4226,26 +4228,109 @@ class Embedding(Module):
         return embedding(idx, self.weight)
 
 
+# A state that is not a flat dict of arrays (an optimizer's, a training checkpoint) is stored
+# flattened: each leaf is one array under its dotted path ("optimizer.state.3.exp_avg"; Python
+# numbers and strings as 0-d arrays), and one more entry, _TREE_KEY, holds a JSON skeleton of
+# the nesting: {"dict": [[key, node], ...]}, {"list": [...]}, {"tuple": [...]}, null for None,
+# or {"array"|"int"|"float"|"bool"|"str": dotted path} for a leaf. JSON, unlike a pickle,
+# cannot run code, and the skeleton brings back what the dots cannot say: a dict keyed by
+# ints from a list, a model's "0.weight" from a nested dict, a float from a 0-d array.
+_TREE_KEY = "__netcl_tree__"
+_LEAF_KINDS = {bool: "bool", int: "int", float: "float", str: "str"}
+
+
+def _is_array_like(value):
+    return isinstance(value, (np.ndarray, np.generic, Tensor, Node))
+
+
+def _flatten_state(value, path, arrays):
+    """Add `value`'s leaves to `arrays` under dotted paths; return its skeleton."""
+    if isinstance(value, dict):
+        for key in value:
+            if not isinstance(key, (str, int)) or isinstance(key, bool):
+                raise ValueError(f"save: key {key!r} in {path or 'the state'} must be a str or "
+                                 f"an int")
+        return {"dict": [[key, _flatten_state(item, f"{path}.{key}" if path else str(key),
+                                              arrays)] for key, item in value.items()]}
+    if isinstance(value, (list, tuple)):
+        items = [_flatten_state(item, f"{path}.{i}" if path else str(i), arrays)
+                 for i, item in enumerate(value)]
+        return {"tuple" if isinstance(value, tuple) else "list": items}
+    if value is None:
+        return None
+    kind = "array" if _is_array_like(value) else _LEAF_KINDS.get(type(value))
+    if kind is None:
+        raise ValueError(f"save: {path!r} is a {type(value).__name__}; a state holds arrays, "
+                         f"numbers, strings, None, and dicts and lists of them")
+    _add_array(arrays, path, value)
+    return {kind: path}
+
+
+def _add_array(arrays, key, value):
+    if isinstance(value, Node):
+        value = value.value
+    array = value.to_host() if isinstance(value, Tensor) else np.asarray(value)
+    if array.dtype.hasobject:
+        raise ValueError(f"save: {key!r} is not a numeric array (dtype {array.dtype})")
+    if str(key) in arrays:  # the archive's names are strings: one would replace the other
+        raise ValueError(f"save: two entries are both {str(key)!r} as strings; an archive can "
+                         f"hold only one of them")
+    arrays[str(key)] = array
+
+
+def _unflatten_state(node, archive, path):
+    """Rebuild what _flatten_state saw from its skeleton and the archive's arrays."""
+    if node is None:
+        return None
+    if isinstance(node, dict) and len(node) == 1:
+        (kind, content), = node.items()
+        if kind == "dict" and isinstance(content, list) and all(
+                isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], (str, int))
+                for pair in content):
+            return {key: _unflatten_state(item, archive, path) for key, item in content}
+        if kind in ("list", "tuple") and isinstance(content, list):
+            items = [_unflatten_state(item, archive, path) for item in content]
+            return items if kind == "list" else tuple(items)
+        if kind in ("array", *_LEAF_KINDS.values()) and isinstance(content, str):
+            if content not in archive.files or content == _TREE_KEY:
+                raise ValueError(f"load: {path} names an entry {content!r} it does not hold")
+            array = archive[content]
+            if kind == "array":
+                return array
+            if array.ndim != 0 or array.dtype.kind not in {"bool": "b", "int": "iu", "float": "f",
+                                                           "str": "U"}[kind]:
+                raise ValueError(f"load: {path}: entry {content!r} is not a {kind} (dtype "
+                                 f"{array.dtype}, shape {array.shape})")
+            return {"bool": bool, "int": int, "float": float, "str": str}[kind](array[()])
+    raise ValueError(f"load: {path} has a malformed structure entry ({str(node)[:80]})")
+
+
 def save(state, path):
-    """Write a dict of arrays (or Tensors/Nodes) to exactly `path` as .npz (no pickles).
+    """Write `state` to exactly `path` as .npz (no pickles).
+
+    state: a dict of arrays (or Tensors/Nodes), as a model's state_dict, stored as it is; or
+    any nesting of dicts (str or int keys), lists and tuples over arrays, Python numbers,
+    strings and None, as an optimizer's or a scheduler's state_dict, stored flattened under
+    dotted keys, so that load() returns it as it was (Python numbers as Python numbers).
 
     The archive is written to a temporary file beside `path`, flushed to disk, then renamed
     onto it: a full disk, a write error or a Ctrl-C leaves the previous file intact and no
     temporary behind. A new file gets the permissions open() would give it; an existing one
     keeps its own. A failure raises OSError naming `path`.
     """
+    if not isinstance(state, dict):
+        raise ValueError(f"save: state must be a dict, got {type(state).__name__}")
     arrays = {}
-    for key, value in state.items():
-        if isinstance(value, Node):
-            value = value.value
-        array = value.to_host() if isinstance(value, Tensor) else np.asarray(value)
-        if array.dtype.hasobject:
-            raise ValueError(f"save: {key!r} is not a numeric array (dtype {array.dtype})")
-        if str(key) in arrays:  # the archive's names are strings: one would replace the other
-            first = next(k for k in state if str(k) == str(key))
-            raise ValueError(f"save: keys {first!r} and {key!r} are both {str(key)!r} as "
-                             f"strings; an archive can hold only one of them")
-        arrays[str(key)] = array
+    if all(_is_array_like(value) for value in state.values()):
+        for key, value in state.items():
+            if str(key) in arrays:
+                first = next(k for k in state if str(k) == str(key))
+                raise ValueError(f"save: keys {first!r} and {key!r} are both {str(key)!r} as "
+                                 f"strings; an archive can hold only one of them")
+            _add_array(arrays, key, value)
+    else:
+        skeleton = _flatten_state(state, "", arrays)
+        _add_array(arrays, _TREE_KEY, json.dumps(skeleton))
     path = os.fspath(path)
     target = os.path.realpath(path)  # through a symlink, as open() would write
     directory = os.path.dirname(target)
@@ -4281,9 +4366,10 @@ def save(state, path):
 
 
 def load(path):
-    """Read a .npz written by save(): a dict of NumPy arrays. Never unpickles, so a file from
-    a stranger cannot run code. A file that is no such archive (a .npy, a truncated or damaged
-    .npz, one holding pickled objects) raises ValueError naming it; a missing one, OSError."""
+    """Read a .npz written by save(): a dict of NumPy arrays, or the nested state that was
+    saved. Never unpickles, so a file from a stranger cannot run code. A file that is no such
+    archive (a .npy, a truncated or damaged .npz, one holding pickled objects, a malformed
+    structure entry) raises ValueError naming it; a missing one, OSError."""
     path = os.fspath(path)
     with open(path, "rb") as file:
         magic = file.peek(4)[:4]
@@ -4292,7 +4378,16 @@ def load(path):
                              f"{magic!r}, not a zip file's b'PK')")
         try:
             with np.load(file, allow_pickle=False) as archive:
-                return {key: archive[key] for key in archive.files}
+                if _TREE_KEY not in archive.files:
+                    return {key: archive[key] for key in archive.files}
+                try:
+                    skeleton = json.loads(str(archive[_TREE_KEY][()]))
+                    state = _unflatten_state(skeleton, archive, path)
+                except RecursionError:
+                    raise ValueError(f"load: {path} nests its structure too deeply") from None
+                if not isinstance(state, dict):
+                    raise ValueError(f"load: {path} has a malformed structure entry")
+                return state
         except (ValueError, EOFError, zipfile.BadZipFile, zlib.error) as error:
             raise ValueError(f"load: {path} is not a readable netcl .npz archive "
                              f"({error})") from error

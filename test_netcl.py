@@ -7714,3 +7714,55 @@ def test_bad_timeouts_are_rejected():
     for fine in (0, 2, 2.5, np.float64(0.25)):
         nc.DataLoader(dataset, num_workers=2, timeout=fine)
     nc.DataLoader(dataset, timeout=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# training loop: resume, schedules, early stopping, progress, History
+# ---------------------------------------------------------------------------------------------
+
+def test_save_and_load_nested_state_as_it_was(backend, tmp_path):
+    netcl.manual_seed(3)
+    model = nn.Sequential(nn.Linear(3, 4, queue=backend.queue), nn.ReLU(),
+                          nn.Linear(4, 2, queue=backend.queue))
+    for opt in (netcl.AdamW(model.parameters(), lr=0.01),
+                netcl.SGD(model.parameters(), lr=0.1, momentum=0.9)):
+        with netcl.Tape() as tape:
+            loss = F.sum(model(tensor(np.ones((2, 3)), backend)))
+        tape.backward(loss)
+        opt.step()
+        state = opt.state_dict()
+        netcl.save(state, tmp_path / "opt.npz")
+        loaded = netcl.load(tmp_path / "opt.npz")
+        assert str(loaded) == str(state)  # types too: int keys, tuples, Python numbers
+        fresh = type(opt)(model.parameters(), lr=0.5)
+        fresh.load_state_dict(loaded)
+        assert str(fresh.state_dict()) == str(state)
+    keys = set(np.load(tmp_path / "opt.npz").files)
+    assert "state.0.momentum_buffer" in keys and "param_groups.0.lr" in keys
+    nested = {"model": model.state_dict(), "misc": [1, 2.5, True, None, "min", (3, -1.0)],
+              "empty": {}, 7: {"x": np.arange(3)}}
+    netcl.save(nested, tmp_path / "nested.npz")
+    loaded = netcl.load(tmp_path / "nested.npz")
+    assert list(loaded) == ["model", "misc", "empty", 7]
+    assert loaded["misc"] == [1, 2.5, True, None, "min", (3, -1.0)]
+    assert [type(v) for v in loaded["misc"][:3]] == [int, float, bool]
+    assert list(loaded["model"]) == ["0.weight", "0.bias", "2.weight", "2.bias"]  # dots kept
+    _same_arrays(loaded["model"], model.state_dict())
+    np.testing.assert_array_equal(loaded[7]["x"], np.arange(3))
+    # a flat dict of arrays stays the format it always was
+    netcl.save(model.state_dict(), tmp_path / "flat.npz")
+    assert set(np.load(tmp_path / "flat.npz").files) == set(model.state_dict())
+
+
+def test_save_rejects_what_a_state_cannot_hold_and_load_a_forged_structure(tmp_path):
+    path = tmp_path / "bad.npz"
+    for state, needle in (({"a": {"b": object()}}, "a.b"), ({"a": [{(1, 2): 3}]}, "(1, 2)"),
+                          ([np.zeros(2)], "dict")):
+        with raises_naming(ValueError, "save", needle):
+            netcl.save(state, path)
+        assert not path.exists()
+    for forged in ('{"dict": [["w", {"array": "missing"}]]}', '{"eval": "os.system"}',
+                   '{"dict": [["w", {"int": "w"}]]}', "[1, 2", '{"list": []}'):
+        np.savez(path, w=np.zeros(3), __netcl_tree__=np.array(forged))
+        with raises_naming(ValueError, "load", str(path)):
+            netcl.load(path)
