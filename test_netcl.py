@@ -8001,3 +8001,163 @@ def test_the_best_checkpoint_follows_the_monitored_value(backend, tmp_path, monk
     trainer.fit(_batches(x, y, 10), _batches(x, y, 10), epochs=4, monitor=monitor,
                 checkpoint=tmp_path / "best.npz")
     assert [n + 1 for n in saves] == saved_epochs
+
+
+@pytest.mark.parametrize("out_shape", [(1,), ()])
+def test_fit_trains_a_regression_without_accuracy(backend, capsys, out_shape):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((48, 4)).astype(np.float32)
+    y = (x @ np.array([1.0, -2.0, 0.5, 3.0], np.float32))[:, None]
+    y = y.reshape((48,) + out_shape)
+    netcl.manual_seed(0)
+    linear = nn.Linear(4, 1, queue=backend.queue)
+    model = linear if out_shape else (lambda xb: F.reshape(linear(xb), (-1,)))
+    trainer = netcl.Trainer(model, netcl.SGD(linear.parameters(), lr=0.05),
+                            device_queue=backend.queue, loss_fn=F.mse_loss)
+    history = trainer.fit(_batches(x, y, 16), _batches(x, y, 24), epochs=5)
+    for record in history:
+        assert set(record) == {"epoch", "loss", "val_loss", "samples_per_s", "seconds"}
+    assert history[-1]["val_loss"] < history[0]["val_loss"]
+    assert set(trainer.evaluate(_batches(x, y, 24))) == {"loss"}
+    out = capsys.readouterr().out
+    assert "accuracy" not in out and out.count("val_loss") == 5
+    with raises_naming(ValueError, "val_accuracy", "regression"):
+        trainer.fit(_batches(x, y, 16), _batches(x, y, 24), monitor="val_accuracy")
+    # The default monitor of a regression is val_loss: a rising one stops it.
+    rising = iter([1.0, 2.0, 3.0, 4.0])
+    trainer._evaluate = lambda *a: {"loss": next(rising)}
+    assert len(trainer.fit(_batches(x, y, 16), _batches(x, y, 24), epochs=4, patience=2)) == 3
+
+
+def test_fit_names_per_sample_data_and_an_exhausted_loader(backend):
+    x, y = _blobs(n=12)
+    model = _trainer_model(backend)
+    trainer = netcl.Trainer(model, netcl.SGD(model.parameters(), lr=0.1),
+                            device_queue=backend.queue)
+    samples = [(x[i], int(y[i])) for i in range(12)]
+    for run in (trainer.fit, trainer.evaluate):
+        with raises_naming(ValueError, "one sample", "(8,)", "DataLoader"):
+            run(samples)
+    trainer.fit(netcl.DataLoader(samples, batch_size=4))  # what the message says works
+    generator = (batch for batch in _batches(x, y, 4))
+    with raises_naming(ValueError, "train_loader", "no batches in epoch 2", "generator"):
+        trainer.fit(generator, epochs=3)
+    with raises_naming(ValueError, "train_loader", "no batches in epoch 1"):
+        trainer.fit([], epochs=1)
+    with raises_naming(ValueError, "val_loader", "no batches in epoch 1"):
+        trainer.fit(_batches(x, y, 4), [], epochs=1)
+    with raises_naming(ValueError, "evaluate", "no batches"):
+        trainer.evaluate([])
+
+
+def test_history_to_csv_round_trips(tmp_path):
+    import csv
+    history = netcl.History([
+        {"epoch": 1, "loss": 0.5, "accuracy": 0.25, "val_loss": None, "val_accuracy": None,
+         "samples_per_s": 100.0, "seconds": 0.5},
+        {"epoch": 2, "loss": 0.25, "accuracy": 0.5, "val_loss": 0.125, "val_accuracy": 0.75,
+         "samples_per_s": 200.0, "seconds": 0.25}])
+    history.to_csv(tmp_path / "history.csv")
+    with open(tmp_path / "history.csv", newline="") as file:
+        rows = list(csv.DictReader(file))
+    assert list(rows[0]) == list(history[0])
+    for row, record in zip(rows, history):
+        assert {k: None if v == "" else float(v) for k, v in row.items()} == record
+
+
+def test_history_plot_needs_matplotlib_or_writes_a_png(tmp_path, monkeypatch):
+    history = netcl.History([{"epoch": e, "loss": 1 / e, "accuracy": 0.5, "val_loss": None,
+                              "val_accuracy": None, "samples_per_s": 1.0, "seconds": 1.0}
+                             for e in (1, 2)])
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        history.plot(tmp_path / "history.png")
+        assert (tmp_path / "history.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    import builtins
+    real_import = builtins.__import__
+
+    def no_matplotlib(name, *args, **kwargs):
+        if name.split(".")[0] == "matplotlib":
+            raise ImportError(f"No module named {name!r}")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    with raises_naming(ImportError, "pip install matplotlib"):
+        history.plot(tmp_path / "none.png")
+    assert not (tmp_path / "none.png").exists()
+
+
+_PTY_FIT = """
+import numpy as np, netcl
+from netcl import nn
+dev = netcl.manager.default({backend!r})
+rng = np.random.default_rng(0)
+x = rng.standard_normal((64, 8)).astype(np.float32)
+y = rng.integers(0, 3, 64)
+netcl.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 3, queue=dev.queue))
+trainer = netcl.Trainer(model, netcl.SGD(model.parameters(), lr=0.1), device_queue=dev.queue,
+                        metrics_stride=1)
+val = netcl.DataLoader(netcl.ArrayDataset(x, y), batch_size=8, shuffle=False)
+trainer.fit(netcl.DataLoader(netcl.ArrayDataset(x, y), batch_size=8, seed=0), val, epochs=2)
+"""
+
+
+def _terminal_lines(data):
+    """What a terminal shows for `data`: \\r returns to the line's start, \\033[K erases to
+    its end, \\n starts a new line."""
+    lines, line, column = [], [], 0
+    i = 0
+    while i < len(data):
+        if data.startswith("\x1b[K", i):
+            del line[column:]
+            i += 3
+            continue
+        char = data[i]
+        if char == "\r":
+            column = 0
+        elif char == "\n":
+            lines.append("".join(line))
+            line, column = [], 0
+        else:
+            line[column:column + 1] = [char]
+            column += 1
+        i += 1
+    if line:
+        lines.append("".join(line))
+    return lines
+
+
+def test_fit_progress_on_a_terminal_leaves_only_the_epoch_lines(backend, tmp_path):
+    import pty  # noqa: F401 (POSIX only: the test needs a pseudo-terminal)
+    script = tmp_path / "fit.py"
+    script.write_text(_PTY_FIT.format(backend=backend.backend))
+    leader, follower = os.openpty()
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.abspath(netcl.__file__)))
+    process = subprocess.Popen([sys.executable, str(script)], stdout=follower,
+                               stderr=subprocess.PIPE, env=env)
+    os.close(follower)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(leader, 4096)
+        except OSError:  # the child closed the terminal
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(leader)
+    stderr = process.communicate(timeout=120)[1]
+    assert process.returncode == 0, stderr.decode()
+    raw = b"".join(chunks).decode()
+    lines = [line for line in _terminal_lines(raw)  # without netcl's device notices
+             if line.strip() and not line.startswith("netcl:")]
+    assert len(lines) == 2, lines
+    for epoch, line in enumerate(lines, 1):
+        assert line.startswith(f"epoch {epoch}/2  loss ") and "val_accuracy" in line
+    assert "evaluate:" not in raw
+    assert "epoch 1/2 [" in raw and "8/8" in raw and "ETA" in raw  # the bar names its epoch
+    assert "epoch 2/2 validating..." in raw
