@@ -6273,17 +6273,19 @@ class Trainer:
 
     def _start_loop(self, train_loader, scheduler, monitor):
         """Set where the loop starts: after a loaded checkpoint's epoch, or at epoch 1."""
-        state, self._loaded = self._loaded, None
+        state = self._loaded
+        if state is not None and state["scheduler"] is not None and scheduler is None:
+            raise ValueError("fit: the checkpoint holds a scheduler's state; pass the same kind "
+                             "of scheduler as fit(scheduler=...) to resume it")
+        if state is not None and None not in (state["monitor"], monitor) \
+                and monitor != state["monitor"]:
+            raise ValueError(f"fit: the checkpoint's best value is of {state['monitor']!r}, "
+                             f"not monitor={monitor!r}")
+        self._loaded = None
         self._train_loader, self._scheduler, self._monitor = train_loader, scheduler, monitor
         self.epoch, self._best, self._bad_epochs = 0, None, 0
         if state is None:
             return
-        if state["scheduler"] is not None and scheduler is None:
-            raise ValueError("fit: the checkpoint holds a scheduler's state; pass the same kind "
-                             "of scheduler as fit(scheduler=...) to resume it")
-        if state["monitor"] is not None and monitor is not None and monitor != state["monitor"]:
-            raise ValueError(f"fit: the checkpoint's best value is of {state['monitor']!r}, "
-                             f"not monitor={monitor!r}")
         if scheduler is not None and state["scheduler"] is not None:
             scheduler.load_state_dict(state["scheduler"])
         if isinstance(train_loader, DataLoader) and state["loader_epoch"] is not None:
