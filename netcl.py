@@ -6027,9 +6027,11 @@ class History(list):
 
 
 class Trainer:
-    """fit()/evaluate() for classifiers: `Trainer(model, optimizer, grad_clip=1.0).fit(loader)`.
+    """fit()/evaluate() for classifiers (and regressions, see fit):
+    `Trainer(model, optimizer, grad_clip=1.0).fit(loader)`.
 
-    model: any callable mapping an input Node to logits (N, C). optimizer: a netcl optimizer.
+    model: any callable mapping an input Node to logits (N, C) (a regression's output: any
+    shape its loss takes). optimizer: a netcl optimizer.
     device_queue: the queue batches are uploaded to (default: manager.default()'s).
     mixed_precision: forward under autocast with an AMPGradScaler (off on the NumPy backend).
     grad_clip: global-norm clipping each step, fused into optimizer.step(max_norm=...) when the
