@@ -30,8 +30,10 @@ Set NETCL_DEBUG=1 to print each kernel build, NETCL_DEBUG=2 to also time every l
 """
 import builtins
 import contextlib
+import csv
 import gzip
 import inspect
+import json
 import math
 import multiprocessing
 import multiprocessing.connection
@@ -4315,26 +4317,109 @@ class Embedding(Module):
         return embedding(idx, self.weight)
 
 
+# A state that is not a flat dict of arrays (an optimizer's, a training checkpoint) is stored
+# flattened: each leaf is one array under its dotted path ("optimizer.state.3.exp_avg"; Python
+# numbers and strings as 0-d arrays), and one more entry, _TREE_KEY, holds a JSON skeleton of
+# the nesting: {"dict": [[key, node], ...]}, {"list": [...]}, {"tuple": [...]}, null for None,
+# or {"array"|"int"|"float"|"bool"|"str": dotted path} for a leaf. JSON, unlike a pickle,
+# cannot run code, and the skeleton brings back what the dots cannot say: a dict keyed by
+# ints from a list, a model's "0.weight" from a nested dict, a float from a 0-d array.
+_TREE_KEY = "__netcl_tree__"
+_LEAF_KINDS = {bool: "bool", int: "int", float: "float", str: "str"}
+
+
+def _is_array_like(value):
+    return isinstance(value, (np.ndarray, np.generic, Tensor, Node))
+
+
+def _flatten_state(value, path, arrays):
+    """Add `value`'s leaves to `arrays` under dotted paths; return its skeleton."""
+    if isinstance(value, dict):
+        for key in value:
+            if not isinstance(key, (str, int)) or isinstance(key, bool):
+                raise ValueError(f"save: key {key!r} in {path or 'the state'} must be a str or "
+                                 f"an int")
+        return {"dict": [[key, _flatten_state(item, f"{path}.{key}" if path else str(key),
+                                              arrays)] for key, item in value.items()]}
+    if isinstance(value, (list, tuple)):
+        items = [_flatten_state(item, f"{path}.{i}" if path else str(i), arrays)
+                 for i, item in enumerate(value)]
+        return {"tuple" if isinstance(value, tuple) else "list": items}
+    if value is None:
+        return None
+    kind = "array" if _is_array_like(value) else _LEAF_KINDS.get(type(value))
+    if kind is None:
+        raise ValueError(f"save: {path!r} is a {type(value).__name__}; a state holds arrays, "
+                         f"numbers, strings, None, and dicts and lists of them")
+    _add_array(arrays, path, value)
+    return {kind: path}
+
+
+def _add_array(arrays, key, value):
+    if isinstance(value, Node):
+        value = value.value
+    array = value.to_host() if isinstance(value, Tensor) else np.asarray(value)
+    if array.dtype.hasobject:
+        raise ValueError(f"save: {key!r} is not a numeric array (dtype {array.dtype})")
+    if str(key) in arrays:  # the archive's names are strings: one would replace the other
+        raise ValueError(f"save: two entries are both {str(key)!r} as strings; an archive can "
+                         f"hold only one of them")
+    arrays[str(key)] = array
+
+
+def _unflatten_state(node, archive, path):
+    """Rebuild what _flatten_state saw from its skeleton and the archive's arrays."""
+    if node is None:
+        return None
+    if isinstance(node, dict) and len(node) == 1:
+        (kind, content), = node.items()
+        if kind == "dict" and isinstance(content, list) and all(
+                isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], (str, int))
+                for pair in content):
+            return {key: _unflatten_state(item, archive, path) for key, item in content}
+        if kind in ("list", "tuple") and isinstance(content, list):
+            items = [_unflatten_state(item, archive, path) for item in content]
+            return items if kind == "list" else tuple(items)
+        if kind in ("array", *_LEAF_KINDS.values()) and isinstance(content, str):
+            if content not in archive.files or content == _TREE_KEY:
+                raise ValueError(f"load: {path} names an entry {content!r} it does not hold")
+            array = archive[content]
+            if kind == "array":
+                return array
+            if array.ndim != 0 or array.dtype.kind not in {"bool": "b", "int": "iu", "float": "f",
+                                                           "str": "U"}[kind]:
+                raise ValueError(f"load: {path}: entry {content!r} is not a {kind} (dtype "
+                                 f"{array.dtype}, shape {array.shape})")
+            return {"bool": bool, "int": int, "float": float, "str": str}[kind](array[()])
+    raise ValueError(f"load: {path} has a malformed structure entry ({str(node)[:80]})")
+
+
 def save(state, path):
-    """Write a dict of arrays (or Tensors/Nodes) to exactly `path` as .npz (no pickles).
+    """Write `state` to exactly `path` as .npz (no pickles).
+
+    state: a dict of arrays (or Tensors/Nodes), as a model's state_dict, stored as it is; or
+    any nesting of dicts (str or int keys), lists and tuples over arrays, Python numbers,
+    strings and None, as an optimizer's or a scheduler's state_dict, stored flattened under
+    dotted keys, so that load() returns it as it was (Python numbers as Python numbers).
 
     The archive is written to a temporary file beside `path`, flushed to disk, then renamed
     onto it: a full disk, a write error or a Ctrl-C leaves the previous file intact and no
     temporary behind. A new file gets the permissions open() would give it; an existing one
     keeps its own. A failure raises OSError naming `path`.
     """
+    if not isinstance(state, dict):
+        raise ValueError(f"save: state must be a dict, got {type(state).__name__}")
     arrays = {}
-    for key, value in state.items():
-        if isinstance(value, Node):
-            value = value.value
-        array = value.to_host() if isinstance(value, Tensor) else np.asarray(value)
-        if array.dtype.hasobject:
-            raise ValueError(f"save: {key!r} is not a numeric array (dtype {array.dtype})")
-        if str(key) in arrays:  # the archive's names are strings: one would replace the other
-            first = next(k for k in state if str(k) == str(key))
-            raise ValueError(f"save: keys {first!r} and {key!r} are both {str(key)!r} as "
-                             f"strings; an archive can hold only one of them")
-        arrays[str(key)] = array
+    if all(_is_array_like(value) for value in state.values()):
+        for key, value in state.items():
+            if str(key) in arrays:
+                first = next(k for k in state if str(k) == str(key))
+                raise ValueError(f"save: keys {first!r} and {key!r} are both {str(key)!r} as "
+                                 f"strings; an archive can hold only one of them")
+            _add_array(arrays, key, value)
+    else:
+        skeleton = _flatten_state(state, "", arrays)
+        _add_array(arrays, _TREE_KEY, json.dumps(skeleton))
     path = os.fspath(path)
     target = os.path.realpath(path)  # through a symlink, as open() would write
     directory = os.path.dirname(target)
@@ -4370,9 +4455,10 @@ def save(state, path):
 
 
 def load(path):
-    """Read a .npz written by save(): a dict of NumPy arrays. Never unpickles, so a file from
-    a stranger cannot run code. A file that is no such archive (a .npy, a truncated or damaged
-    .npz, one holding pickled objects) raises ValueError naming it; a missing one, OSError."""
+    """Read a .npz written by save(): a dict of NumPy arrays, or the nested state that was
+    saved. Never unpickles, so a file from a stranger cannot run code. A file that is no such
+    archive (a .npy, a truncated or damaged .npz, one holding pickled objects, a malformed
+    structure entry) raises ValueError naming it; a missing one, OSError."""
     path = os.fspath(path)
     with open(path, "rb") as file:
         magic = file.peek(4)[:4]
@@ -4381,7 +4467,16 @@ def load(path):
                              f"{magic!r}, not a zip file's b'PK')")
         try:
             with np.load(file, allow_pickle=False) as archive:
-                return {key: archive[key] for key in archive.files}
+                if _TREE_KEY not in archive.files:
+                    return {key: archive[key] for key in archive.files}
+                try:
+                    skeleton = json.loads(str(archive[_TREE_KEY][()]))
+                    state = _unflatten_state(skeleton, archive, path)
+                except RecursionError:
+                    raise ValueError(f"load: {path} nests its structure too deeply") from None
+                if not isinstance(state, dict):
+                    raise ValueError(f"load: {path} has a malformed structure entry")
+                return state
         except (ValueError, EOFError, zipfile.BadZipFile, zlib.error) as error:
             raise ValueError(f"load: {path} is not a readable netcl .npz archive "
                              f"({error})") from error
@@ -4922,6 +5017,8 @@ class WarmupCosine:
     step(). Call step() after optimizer.step(), as with PyTorch's schedulers.
     """
 
+    step_every = "batch"  # Trainer.fit calls step() after every optimizer step
+
     def __init__(self, optimizer, warmup_steps, total_steps, min_lr=0.0):
         for name, value, least in (("warmup_steps", warmup_steps, 0),
                                    ("total_steps", total_steps, 1)):
@@ -4965,6 +5062,123 @@ class WarmupCosine:
         self.warmup_steps, self.total_steps = int(state["warmup_steps"]), int(state["total_steps"])
         self.last_step = int(state["last_step"])
         self.optimizer.lr = self.lr_at(self.last_step)
+
+
+def _check_schedule_int(where, name, value, least):
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < least:
+        raise ValueError(f"{where}: {name} must be an integer >= {least}, got {value!r}")
+    return int(value)
+
+
+class StepLR:
+    """PyTorch's StepLR (torch/optim/lr_scheduler.py): every step_size-th call of step()
+    multiplies the optimizer's lr by gamma, so lr = initial lr * gamma ** (epoch // step_size)
+    while nothing else changes it. Like PyTorch's step() it scales the lr the optimizer has
+    (get_lr's chained form), not a closed form: the same floats as PyTorch, and a change made
+    from outside is kept. Call step() once per epoch, after that epoch's optimizer steps."""
+
+    step_every = "epoch"
+
+    def __init__(self, optimizer, step_size, gamma=0.1):  # PyTorch default gamma
+        self.step_size = _check_schedule_int("StepLR", "step_size", step_size, 1)
+        if not _is_scalar(gamma) or not math.isfinite(gamma) or gamma < 0:
+            raise ValueError(f"StepLR: gamma must be a finite number >= 0, got {gamma!r}")
+        self.optimizer, self.gamma = optimizer, float(gamma)
+        self.last_epoch = 0  # PyTorch's constructor takes its first step: -1 becomes 0
+
+    def step(self):
+        """Count one epoch; at each multiple of step_size, lr *= gamma."""
+        self.last_epoch += 1
+        if self.last_epoch % self.step_size == 0:
+            self.optimizer.lr = self.optimizer.lr * self.gamma
+
+    def state_dict(self):
+        return {"step_size": self.step_size, "gamma": self.gamma, "last_epoch": self.last_epoch,
+                "lr": self.optimizer.lr}
+
+    def load_state_dict(self, state):
+        """Restore state_dict()'s output, the optimizer's lr with it."""
+        step_size = _check_schedule_int("StepLR.load_state_dict", "step_size",
+                                        state["step_size"], 1)
+        last_epoch = _check_schedule_int("StepLR.load_state_dict", "last_epoch",
+                                         state["last_epoch"], 0)
+        self.optimizer.lr = state["lr"]
+        self.step_size, self.gamma, self.last_epoch = step_size, float(state["gamma"]), last_epoch
+
+
+class ReduceLROnPlateau:
+    """PyTorch's ReduceLROnPlateau, with its defaults: step(metric) once per epoch; after more
+    than `patience` epochs in a row without improvement, lr = max(lr * factor, min_lr) (a
+    change smaller than eps is skipped), then `cooldown` epochs in which bad epochs are not
+    counted. Improvement, with best the best metric so far:
+        mode "min", threshold_mode "rel": metric < best * (1 - threshold)
+        mode "min", threshold_mode "abs": metric < best - threshold
+        mode "max": metric > best * (1 + threshold), or metric > best + threshold.
+    A NaN metric is never an improvement."""
+
+    step_every = "epoch"
+
+    def __init__(self, optimizer, mode="min", factor=0.1, patience=10, threshold=1e-4,
+                 threshold_mode="rel", cooldown=0, min_lr=0, eps=1e-8):
+        if mode not in ("min", "max"):
+            raise ValueError(f"ReduceLROnPlateau: mode must be 'min' or 'max', got {mode!r}")
+        if threshold_mode not in ("rel", "abs"):
+            raise ValueError(f"ReduceLROnPlateau: threshold_mode must be 'rel' or 'abs', got "
+                             f"{threshold_mode!r}")
+        if not _is_scalar(factor) or not 0 <= factor < 1:  # PyTorch: "Factor should be < 1.0."
+            raise ValueError(f"ReduceLROnPlateau: factor must be in [0, 1), got {factor!r}")
+        for name, value in (("threshold", threshold), ("min_lr", min_lr), ("eps", eps)):
+            if not _is_scalar(value) or not value >= 0:
+                raise ValueError(f"ReduceLROnPlateau: {name} must be a number >= 0, got {value!r}")
+        self.optimizer, self.mode, self.threshold_mode = optimizer, mode, threshold_mode
+        self.factor, self.threshold = float(factor), float(threshold)
+        self.min_lr, self.eps = float(min_lr), float(eps)
+        self.patience = _check_schedule_int("ReduceLROnPlateau", "patience", patience, 0)
+        self.cooldown = _check_schedule_int("ReduceLROnPlateau", "cooldown", cooldown, 0)
+        self.best = math.inf if mode == "min" else -math.inf
+        self.num_bad_epochs, self.cooldown_counter, self.last_epoch = 0, 0, 0
+
+    def is_better(self, metric, best):
+        """Whether `metric` improves on `best` by more than the threshold."""
+        if self.mode == "min":
+            return metric < (best * (1.0 - self.threshold) if self.threshold_mode == "rel"
+                             else best - self.threshold)
+        return metric > (best * (self.threshold + 1.0) if self.threshold_mode == "rel"
+                         else best + self.threshold)
+
+    def step(self, metric):
+        """Count one epoch whose monitored value is `metric`; reduce the lr on a plateau."""
+        current = float(metric)
+        self.last_epoch += 1
+        if self.is_better(current, self.best):
+            self.best, self.num_bad_epochs = current, 0
+        else:
+            self.num_bad_epochs += 1
+        if self.cooldown_counter > 0:
+            self.cooldown_counter -= 1
+            self.num_bad_epochs = 0  # bad epochs in cooldown do not count
+        if self.num_bad_epochs > self.patience:
+            old_lr = self.optimizer.lr
+            new_lr = max(old_lr * self.factor, self.min_lr)
+            if old_lr - new_lr > self.eps:
+                self.optimizer.lr = new_lr
+            self.cooldown_counter, self.num_bad_epochs = self.cooldown, 0
+
+    def state_dict(self):
+        return {key: getattr(self, key) for key in (
+            "mode", "factor", "patience", "threshold", "threshold_mode", "cooldown", "min_lr",
+            "eps", "best", "num_bad_epochs", "cooldown_counter", "last_epoch")}
+
+    def load_state_dict(self, state):
+        """Restore state_dict()'s output, checked as the constructor checks."""
+        checked = ReduceLROnPlateau(self.optimizer, *(state[key] for key in (
+            "mode", "factor", "patience", "threshold", "threshold_mode", "cooldown", "min_lr",
+            "eps")))
+        for key in ("num_bad_epochs", "cooldown_counter", "last_epoch"):
+            setattr(checked, key, _check_schedule_int("ReduceLROnPlateau.load_state_dict", key,
+                                                      state[key], 0))
+        checked.best = float(state["best"])
+        self.__dict__.update(checked.__dict__)
 
 
 # ============================================================================ mixed precision
@@ -5862,13 +6076,51 @@ def _read_at_most(stream, limit):
 
 class History(list):
     """What fit() returns: one dict per epoch (epoch, loss, accuracy, [val_loss, val_accuracy,]
-    samples_per_s, seconds)."""
+    samples_per_s, seconds). The accuracy keys exist only for a classifier (see fit); val_*
+    are None in an epoch without validation."""
+
+    def to_csv(self, path):
+        """Write one row per epoch, a column per key (in order of first appearance), None as
+        an empty cell."""
+        columns = list(dict.fromkeys(key for record in self for key in record))
+        with open(path, "w", newline="") as file:
+            writer = csv.DictWriter(file, columns)
+            writer.writeheader()
+            writer.writerows({key: "" if value is None else value for key, value in record.items()}
+                             for record in self)
+
+    def plot(self, path):
+        """Write a PNG to `path`: loss (and val_loss) per epoch, and beside it accuracy (and
+        val_accuracy) for a classifier. Needs matplotlib, which netcl does not depend on."""
+        try:  # imported here: matplotlib is optional, and slow to import
+            from matplotlib.backends.backend_agg import FigureCanvasAgg
+            from matplotlib.figure import Figure
+        except ImportError as error:
+            raise ImportError("History.plot needs matplotlib: pip install matplotlib") from error
+        panels = [keys for keys in (("loss", "val_loss"), ("accuracy", "val_accuracy"))
+                  if any(record.get(keys[0]) is not None for record in self)]
+        # A Figure on its own Agg canvas: no pyplot, so no window and no global backend change.
+        figure = Figure(figsize=(5 * max(len(panels), 1), 3.5))
+        FigureCanvasAgg(figure)
+        for i, keys in enumerate(panels):
+            axes = figure.add_subplot(1, len(panels), i + 1)
+            for key in keys:
+                points = [(r["epoch"], r[key]) for r in self if r.get(key) is not None]
+                if points:
+                    axes.plot(*zip(*points), marker="o", label=key)
+            axes.set_xlabel("epoch")
+            axes.set_title(keys[0])
+            axes.legend()
+        figure.tight_layout()
+        figure.savefig(path, format="png")
 
 
 class Trainer:
-    """fit()/evaluate() for classifiers: `Trainer(model, optimizer, grad_clip=1.0).fit(loader)`.
+    """fit()/evaluate() for classifiers (and regressions, see fit):
+    `Trainer(model, optimizer, grad_clip=1.0).fit(loader)`.
 
-    model: any callable mapping an input Node to logits (N, C). optimizer: a netcl optimizer.
+    model: any callable mapping an input Node to logits (N, C) (a regression's output: any
+    shape its loss takes). optimizer: a netcl optimizer.
     device_queue: the queue batches are uploaded to (default: manager.default()'s).
     mixed_precision: forward under autocast with an AMPGradScaler (off on the NumPy backend).
     grad_clip: global-norm clipping each step, fused into optimizer.step(max_norm=...) when the
@@ -5905,15 +6157,21 @@ class Trainer:
         self._fused_clip = "max_norm" in inspect.signature(optimizer.step).parameters
         self._in_flight = deque()  # one marker event per queued step (OpenCL)
         self._loss_sum = None      # device scalar: the epoch's summed batch losses
+        # Where the loop stands, for save_checkpoint: epochs done in the last fit, its best
+        # monitored value and epochs since it improved; what load_checkpoint left for fit.
+        self.epoch, self._best, self._bad_epochs, self._monitor = 0, None, 0, None
+        self._train_loader = self._scheduler = self._loaded = None
 
     # --- the step ---------------------------------------------------------------------------
-    def _train_step(self, step, x, target, labels, loss_fn):
+    def _train_step(self, step, x, target, labels, loss_fn, classify):
         """One step. Returns (metrics, logits): metrics is (loss, logits) as host values on
-        metrics steps, else None; logits is this step's output Node."""
+        metrics steps (logits None for a regression), else None; logits is this step's
+        output Node."""
         # 1. Enqueue the forward (returns as soon as the kernels are queued).
         with Tape() as tape, self._autocast():
             logits = self.model(x)
-            _check_labels(labels, _as_value(logits).shape)
+            if classify:
+                _check_labels(labels, _as_value(logits).shape)
             loss = loss_fn(logits, target)
         # 2. Drain: wait, interruptibly, for old steps only, so memory stays bounded.
         self._drain(self.MAX_IN_FLIGHT)
@@ -5923,7 +6181,8 @@ class Trainer:
             if self.device.backend == "opencl":  # wait for this forward, interruptibly
                 self._drain(0)
                 _wait_interruptibly(cl.enqueue_marker(self.device.queue))
-            metrics = float(loss.value.to_host()), _as_value(logits).to_host()
+            metrics = (float(loss.value.to_host()),
+                       _as_value(logits).to_host() if classify else None)
             if not math.isfinite(metrics[0]):  # before its backward and step: nothing applied
                 raise RuntimeError(f"non-finite loss at step {step}")
         # The epoch's loss is summed on the device, weighted by batch size: exact, no sync.
@@ -5963,82 +6222,237 @@ class Trainer:
 
     # --- fit / evaluate ---------------------------------------------------------------------
     def fit(self, train_loader, val_loader=None, epochs=1, loss_fn=None, log_every=1,
-            checkpoint=None):
-        """Train for `epochs` epochs, printing a line per epoch, and validate with evaluate()
-        every `log_every` epochs; return the History. A batch of no samples raises ValueError.
+            checkpoint=None, scheduler=None, monitor=None, patience=None, resume=None,
+            training_checkpoint=None):
+        """Train up to epoch `epochs`, printing a line per epoch, validating every `log_every`
+        epochs when val_loader is given; return the History.
 
-        checkpoint: a path where the model's state_dict is saved after each validation that
-        improves on the best accuracy so far (the first validation always saves).
+        A classifier (loss cross_entropy or nll_loss, or a loss of your own with integer
+        labels: class indices (N,) or one-hot (N, C)) gets accuracy and val_accuracy; anything
+        else (mse_loss, binary_cross_entropy_with_logits, float targets) is a regression: only
+        the losses, and no accuracy keys in the History.
+
+        monitor: what "better" means: "val_accuracy" or "val_loss" (higher accuracy, lower
+            loss), or "accuracy"/"loss" of the training set. Default: val_accuracy for a
+            classifier, else val_loss; the training set's when there is no val_loader. It is
+            read in each epoch that has it (every log_every-th with validation).
+        checkpoint: a path where the model's state_dict is saved whenever the monitored value
+            is strictly better than before (the first always saves).
+        patience: stop after this many monitored epochs in a row without a strictly better
+            value (Keras' EarlyStopping); None never stops early.
+        scheduler: a learning-rate schedule, stepped as it says (`step_every`): WarmupCosine
+            after every batch, StepLR after every epoch, ReduceLROnPlateau after every
+            monitored epoch with the monitored value; a schedule of your own with step() and
+            no step_every, after every epoch (PyTorch's convention).
+        training_checkpoint: a path where save_checkpoint() writes the whole training state
+            after every epoch, for resume.
+        resume: a path written by save_checkpoint(): load it (load_checkpoint) and carry on
+            after its last epoch. As Keras' initial_epoch, `epochs` is the last epoch number:
+            fit(epochs=4, resume=after_2) runs epochs 3 and 4, and their History.
+
+        A batch of no samples, a loader that yields no batches in an epoch (a generator is
+        used up after its first pass), and per-sample (x, y) tuples raise ValueError.
         """
-        if not isinstance(epochs, (int, np.integer)) or isinstance(epochs, bool) or epochs < 0:
-            raise ValueError(f"fit: epochs must be a non-negative integer, got {epochs!r}")
-        if not isinstance(log_every, (int, np.integer)) or isinstance(log_every, bool) or log_every < 1:
-            raise ValueError(f"fit: log_every must be a positive integer, got {log_every!r}")
+        for name, value, least in (("epochs", epochs, 0), ("log_every", log_every, 1)):
+            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < least:
+                raise ValueError(f"fit: {name} must be an integer >= {least}, got {value!r}")
+        if patience is not None and (not isinstance(patience, (int, np.integer))
+                                     or isinstance(patience, bool) or patience < 1):
+            raise ValueError(f"fit: patience must be a positive integer or None, got {patience!r}")
+        if monitor not in (None, "val_loss", "val_accuracy", "loss", "accuracy"):
+            raise ValueError(f"fit: monitor must be 'val_loss', 'val_accuracy', 'loss', "
+                             f"'accuracy' or None, got {monitor!r}")
+        if monitor in ("val_loss", "val_accuracy") and val_loader is None:
+            raise ValueError(f"fit: monitor={monitor!r} needs a val_loader")
         if checkpoint is not None and not callable(getattr(self.model, "state_dict", None)):
             raise ValueError("fit: checkpoint needs a model with state_dict()")
+        if scheduler is not None and not callable(getattr(scheduler, "step", None)):
+            raise ValueError(f"fit: scheduler must have a step() method, got {scheduler!r}")
+        step_every = getattr(scheduler, "step_every", "epoch")
+        if step_every not in ("batch", "epoch"):
+            raise ValueError(f"fit: scheduler.step_every must be 'batch' or 'epoch', got "
+                             f"{step_every!r}")
         loss_fn = loss_fn or self.loss_fn or cross_entropy
-        history, best_accuracy, step = History(), None, 0
-        total_steps = None
-        try:
-            total_steps = epochs * len(train_loader)
-        except TypeError:
-            pass
-        progress = _Progress(total_steps) if sys.stdout.isatty() else None
-        for epoch in range(1, epochs + 1):
+        if resume is not None:
+            self.load_checkpoint(resume)
+        self._start_loop(train_loader, scheduler, monitor)
+        history, step, classify = History(), 0, None
+        batches = len(train_loader) if hasattr(train_loader, "__len__") else None
+        progress = _Progress(epochs, batches) if sys.stdout.isatty() else None
+        for epoch in range(self.epoch + 1, epochs + 1):
+            # --- one pass over the training set ---
             _set_mode(self.model, True)
             started = time.perf_counter()
-            samples, seen, correct = 0, 0, 0
+            samples, seen, correct, batch_no = 0, 0, 0, 0
             self._loss_sum = None
             last = None
-            for batch in train_loader:
+            for batch_no, batch in enumerate(train_loader, 1):
                 x, target, labels = self._prepare(batch)
-                metrics, last_logits = self._train_step(step, x, target, labels, loss_fn)
+                if classify is None:  # decided once, from the first batch
+                    classify = _is_classification(loss_fn, labels)
+                    maximize = self._resolve_monitor(classify, val_loader is not None, scheduler)
+                metrics, last_logits = self._train_step(step, x, target, labels, loss_fn, classify)
+                if step_every == "batch":
+                    scheduler.step()
                 last = (last_logits, labels)
                 batch_size = x.shape[0]
                 samples += batch_size
                 if metrics is not None:
                     loss_value, logits = metrics
                     seen += batch_size
-                    correct += int((logits.argmax(1) == _class_indices(_host_labels(labels))).sum())
+                    if classify:
+                        correct += int((logits.argmax(1)
+                                        == _class_indices(_host_labels(labels))).sum())
                     if progress:
-                        progress.update(step + 1, loss_value, samples / (time.perf_counter() - started))
+                        progress.update(epoch, batch_no, loss_value,
+                                        samples / (time.perf_counter() - started))
                 step += 1
+            if batch_no == 0:
+                raise ValueError(_no_batches("train_loader", epoch))
             self._drain(0)
-            if seen == 0 and last is not None:  # no metrics step this epoch: sample its last
+            if seen == 0 and classify:  # no metrics step this epoch: sample its last batch
                 seen = len(last[1])
                 correct = int((_as_value(last[0]).to_host().argmax(1)
                                == _class_indices(_host_labels(last[1]))).sum())
             last = None
             # One read per epoch, which also waits for the epoch's last step.
-            loss_sum = float(self._loss_sum.to_host()) if self._loss_sum is not None else math.nan
+            loss_sum = float(self._loss_sum.to_host())
             seconds = time.perf_counter() - started
-            # loss: every step's, weighted by batch size; accuracy: sampled at metrics steps.
-            record = {"epoch": epoch, "loss": loss_sum / samples if samples else math.nan,
-                      "accuracy": correct / seen if seen else math.nan}
+            # --- the epoch's record: loss of every step, weighted by batch size; accuracy
+            # sampled at metrics steps; validation every log_every epochs ---
+            record = {"epoch": epoch, "loss": loss_sum / samples}
+            if classify:
+                record["accuracy"] = correct / seen
             if val_loader is not None:
-                record["val_loss"] = record["val_accuracy"] = None
+                record["val_loss"] = None
+                if classify:
+                    record["val_accuracy"] = None
                 if epoch % log_every == 0:
-                    result = self.evaluate(val_loader, loss_fn)
-                    record["val_loss"], record["val_accuracy"] = result["loss"], result["accuracy"]
-                    if checkpoint is not None and (best_accuracy is None
-                                                   or result["accuracy"] > best_accuracy):
-                        best_accuracy = result["accuracy"]
-                        save(self.model.state_dict(), checkpoint)
+                    if progress:
+                        progress.validating(epoch)
+                    result = self._evaluate(val_loader, loss_fn, classify,
+                                            _no_batches("val_loader", epoch))
+                    record.update({f"val_{key}": value for key, value in result.items()})
             record["samples_per_s"] = samples / seconds if seconds > 0 else math.nan
             record["seconds"] = seconds
             history.append(record)
+            # --- what the monitored value decides: best checkpoint, plateau, early stop ---
+            value = record.get(self._monitor)
+            if value is not None:
+                if self._best is None or (value > self._best if maximize else value < self._best):
+                    self._best, self._bad_epochs = value, 0
+                    if checkpoint is not None:
+                        save(self.model.state_dict(), checkpoint)
+                else:
+                    self._bad_epochs += 1
+                if isinstance(scheduler, ReduceLROnPlateau):
+                    scheduler.step(value)
+            if step_every == "epoch" and scheduler is not None \
+                    and not isinstance(scheduler, ReduceLROnPlateau):
+                scheduler.step()
+            self.epoch = epoch
+            if training_checkpoint is not None:
+                self.save_checkpoint(training_checkpoint)
             if progress:
                 progress.clear()
             print(_epoch_line(record, epochs))
+            if patience is not None and self._bad_epochs >= patience:
+                print(f"early stopping: {self._monitor} has not improved on {self._best:.4f} "
+                      f"for {self._bad_epochs} epochs")
+                break
         return history
 
+    def _start_loop(self, train_loader, scheduler, monitor):
+        """Set where the loop starts: after a loaded checkpoint's epoch, or at epoch 1."""
+        state = self._loaded
+        if state is not None and state["scheduler"] is not None and scheduler is None:
+            raise ValueError("fit: the checkpoint holds a scheduler's state; pass the same kind "
+                             "of scheduler as fit(scheduler=...) to resume it")
+        if state is not None and None not in (state["monitor"], monitor) \
+                and monitor != state["monitor"]:
+            raise ValueError(f"fit: the checkpoint's best value is of {state['monitor']!r}, "
+                             f"not monitor={monitor!r}")
+        self._loaded = None
+        self._train_loader, self._scheduler, self._monitor = train_loader, scheduler, monitor
+        self.epoch, self._best, self._bad_epochs = 0, None, 0
+        if state is None:
+            return
+        if scheduler is not None and state["scheduler"] is not None:
+            scheduler.load_state_dict(state["scheduler"])
+        if isinstance(train_loader, DataLoader) and state["loader_epoch"] is not None:
+            train_loader.epoch = state["loader_epoch"]  # its shuffle goes on from there
+        _generator[0] = state["random"]
+        self.epoch, self._best, self._bad_epochs = state["epoch"], state["best"], state["bad_epochs"]
+        self._monitor = monitor or state["monitor"]
+
+    def _resolve_monitor(self, classify, has_val, scheduler):
+        """Fill in the default monitor for this task and check it; True if higher is better."""
+        default = "accuracy" if classify else "loss"
+        self._monitor = self._monitor or (f"val_{default}" if has_val else default)
+        maximize = self._monitor.endswith("accuracy")
+        if maximize and not classify:
+            raise ValueError(f"fit: monitor={self._monitor!r}, but this is a regression (no "
+                             f"accuracy is measured); monitor a loss")
+        if isinstance(scheduler, ReduceLROnPlateau) and (scheduler.mode == "max") != maximize:
+            raise ValueError(f"fit: ReduceLROnPlateau(mode={scheduler.mode!r}) would treat "
+                             f"{self._monitor} the wrong way round; use mode="
+                             f"{'max' if maximize else 'min'!r}")
+        return maximize
+
+    def save_checkpoint(self, path):
+        """Write the whole training state to `path` (netcl.save's .npz, no pickles): model,
+        optimizer (moments, step count), scaler, the last fit's scheduler, the epochs done,
+        the best monitored value and epochs without improvement, the train DataLoader's epoch
+        (its shuffle order) and netcl's random stream (dropout), so that fit(resume=path)
+        continues as if it had never stopped."""
+        for what, owner in (("model", self.model), ("optimizer", self.optimizer)):
+            if not callable(getattr(owner, "state_dict", None)):
+                raise ValueError(f"Trainer.save_checkpoint: the {what} has no state_dict()")
+        loader = self._train_loader
+        save({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+              "scaler": None if self.scaler is None else self.scaler.state_dict(),
+              "scheduler": None if self._scheduler is None else self._scheduler.state_dict(),
+              "trainer": {"epoch": self.epoch, "monitor": self._monitor, "best": self._best,
+                          "bad_epochs": self._bad_epochs,
+                          "loader_epoch": loader.epoch if isinstance(loader, DataLoader) else None,
+                          # PCG64's state holds 128-bit integers: kept as JSON text
+                          "random": json.dumps(_rng().bit_generator.state)}}, path)
+
+    def load_checkpoint(self, path):
+        """Read a file of save_checkpoint(): the model, optimizer and scaler are restored now;
+        the epoch, the early-stopping state, the scheduler's state, the DataLoader's epoch
+        and the random stream are taken up by the next fit()."""
+        state = load(path)
+        loop = state.get("trainer")
+        if not isinstance(loop, dict) or not {"model", "optimizer"} <= set(state):
+            raise ValueError(f"Trainer.load_checkpoint: {os.fspath(path)} is not a training "
+                             f"checkpoint (a state_dict saved by fit(checkpoint=...) loads with "
+                             f"model.load_state_dict(netcl.load(path)))")
+        try:
+            random = np.random.default_rng()
+            random.bit_generator.state = json.loads(loop["random"])
+            epoch, bad_epochs = int(loop["epoch"]), int(loop["bad_epochs"])
+        except (KeyError, TypeError, ValueError) as error:
+            raise ValueError(f"Trainer.load_checkpoint: {os.fspath(path)} has a damaged "
+                             f"'trainer' entry ({error!r})") from error
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.scaler is not None and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+        self._loaded = {"epoch": epoch, "bad_epochs": bad_epochs, "best": loop.get("best"),
+                        "monitor": loop.get("monitor"), "loader_epoch": loop.get("loader_epoch"),
+                        "scheduler": state.get("scheduler"), "random": random}
+
     def evaluate(self, data_loader, loss_fn=None):
-        """One pass in eval mode without gradients: {"loss": mean per sample, "accuracy"}."""
-        result = self._evaluate(data_loader, loss_fn or self.loss_fn or cross_entropy)
-        print(f"evaluate: loss {result['loss']:.4f}, accuracy {result['accuracy']:.4f}")
+        """One pass in eval mode without gradients: {"loss": mean per sample, "accuracy"}
+        (no accuracy for a regression, as in fit)."""
+        result = self._evaluate(data_loader, loss_fn or self.loss_fn or cross_entropy, None,
+                                "evaluate: data_loader yielded no batches")
+        print("evaluate: " + ", ".join(f"{key} {value:.4f}" for key, value in result.items()))
         return result
 
-    def _evaluate(self, data_loader, loss_fn):
+    def _evaluate(self, data_loader, loss_fn, classify, empty_message):
+        """The pass of evaluate(), silent; classify None decides it from the first batch."""
         was_training = getattr(self.model, "training", None)
         _set_mode(self.model, False)
         total, loss_sum, correct = 0, 0.0, 0
@@ -6046,19 +6460,25 @@ class Trainer:
             with no_grad(), self._autocast():
                 for batch in data_loader:
                     x, target, labels = self._prepare(batch)
+                    if classify is None:
+                        classify = _is_classification(loss_fn, labels)
                     logits = self.model(x)
-                    _check_labels(labels, _as_value(logits).shape)
+                    if classify:
+                        _check_labels(labels, _as_value(logits).shape)
                     loss = loss_fn(logits, target)
                     n = x.shape[0]
                     loss_sum += float(loss.value.to_host()) * n
-                    correct += int((_as_value(logits).to_host().argmax(1)
-                                    == _class_indices(_host_labels(labels))).sum())
+                    if classify:
+                        correct += int((_as_value(logits).to_host().argmax(1)
+                                        == _class_indices(_host_labels(labels))).sum())
                     total += n
         finally:
             if was_training is not None:
                 _set_mode(self.model, was_training)
-        return {"loss": loss_sum / total if total else math.nan,
-                "accuracy": correct / total if total else math.nan}
+        if total == 0:
+            raise ValueError(empty_message)
+        return {"loss": loss_sum / total, "accuracy": correct / total} if classify \
+            else {"loss": loss_sum / total}
 
     def _prepare(self, batch):
         """(input Node, target for the loss, labels) from a batch (xb, yb, *extra). labels is
@@ -6069,6 +6489,12 @@ class Trainer:
             raise ValueError(f"Trainer: a batch must be a tuple (xb, yb, *extra), got "
                              f"{type(batch).__name__}")
         xb, yb = batch[0], batch[1]
+        shapes = [v.shape if isinstance(v, (Node, Tensor)) else np.shape(v) for v in (xb, yb)]
+        if () in shapes:  # one (x, y) pair, as iterating over a list of samples gives
+            raise ValueError(f"Trainer: a batch (xb, yb) has xb of shape {shapes[0]} and yb of "
+                             f"shape {shapes[1]}: this looks like one sample, not a batch; "
+                             f"wrap the samples in a DataLoader, e.g. DataLoader(samples, "
+                             f"batch_size=32) or DataLoader(ArrayDataset(x, y), batch_size=32)")
         if isinstance(batch, GpuBatch):
             labels = batch.host[1]
         elif isinstance(yb, (Tensor, Node)):
@@ -6137,6 +6563,22 @@ def _class_indices(labels):
     return labels.argmax(1) if labels.ndim == 2 else labels
 
 
+def _is_classification(loss_fn, labels):
+    """Whether fit and evaluate measure accuracy: the loss takes classes, or a loss of one's
+    own gets integer labels (class indices or one-hot rows)."""
+    if loss_fn in (cross_entropy, nll_loss):
+        return True
+    if loss_fn in (mse_loss, binary_cross_entropy_with_logits):
+        return False
+    return np.dtype(labels.dtype).kind in "biu"
+
+
+def _no_batches(loader, epoch):
+    return (f"fit: {loader} yielded no batches in epoch {epoch}; it must yield batches every "
+            f"epoch (a generator is used up after one pass: pass a DataLoader or a list of "
+            f"batches instead)")
+
+
 def _wait_interruptibly(event):
     """Wait for an OpenCL event by polling, so KeyboardInterrupt is delivered meanwhile."""
     spins = 0
@@ -6146,36 +6588,46 @@ def _wait_interruptibly(event):
 
 
 def _epoch_line(record, epochs):
-    parts = [f"epoch {record['epoch']}/{epochs}", f"loss {record['loss']:.4f}",
-             f"accuracy {record['accuracy']:.4f}"]
-    if record.get("val_loss") is not None:
-        parts += [f"val_loss {record['val_loss']:.4f}", f"val_accuracy {record['val_accuracy']:.4f}"]
+    parts = [f"epoch {record['epoch']}/{epochs}"]
+    parts += [f"{key} {record[key]:.4f}" for key in ("loss", "accuracy", "val_loss", "val_accuracy")
+              if record.get(key) is not None]
     parts += [f"{record['samples_per_s']:.0f} samples/s", f"{record['seconds']:.2f} s"]
     return "  ".join(parts)
 
 
 class _Progress:
-    """A one-line progress bar for terminals, redrawn at metrics steps."""
+    """A one-line progress bar for terminals, per epoch, redrawn at metrics steps:
+    `epoch 2/5 [=====>   ] 120/469 loss 0.3120 5400 samples/s ETA 15s`."""
 
-    def __init__(self, total):
-        self.total, self.started = total, time.perf_counter()
+    def __init__(self, epochs, batches):
+        self.epochs, self.batches = epochs, batches  # batches per epoch, None if unknown
+        self.epoch, self.started = None, time.perf_counter()
 
-    def update(self, step, loss, samples_per_s):
-        """Redraw the bar for `step` with the latest loss and throughput."""
-        elapsed = time.perf_counter() - self.started
-        if self.total:
-            done = min(step / self.total, 1.0)
+    def update(self, epoch, batch_no, loss, samples_per_s):
+        """Redraw the bar after batch `batch_no` (from 1) of `epoch`."""
+        if epoch != self.epoch:
+            self.epoch, self.started = epoch, time.perf_counter()
+        text = f"epoch {epoch}/{self.epochs} "
+        if self.batches:
+            done = min(batch_no / self.batches, 1.0)
             bar = "=" * int(24 * done) + ">" + " " * (24 - int(24 * done))
-            eta = elapsed / done - elapsed if done else 0.0
-            text = f"[{bar}] {step}/{self.total} loss {loss:.4f} {samples_per_s:.0f} samples/s ETA {eta:.0f}s"
+            elapsed = time.perf_counter() - self.started
+            text += (f"[{bar}] {batch_no}/{self.batches} loss {loss:.4f} {samples_per_s:.0f} "
+                     f"samples/s ETA {elapsed / done - elapsed:.0f}s")
         else:
-            text = f"step {step} loss {loss:.4f} {samples_per_s:.0f} samples/s"
-        sys.stdout.write("\r" + text + "\033[K")
-        sys.stdout.flush()
+            text += f"step {batch_no} loss {loss:.4f} {samples_per_s:.0f} samples/s"
+        self._show(text)
+
+    def validating(self, epoch):
+        """Say so while validation runs, rather than leave a bar that seems frozen."""
+        self._show(f"epoch {epoch}/{self.epochs} validating...")
 
     def clear(self):
         """Erase the bar, so the epoch's line prints in its place."""
-        sys.stdout.write("\r\033[K")
+        self._show("")
+
+    def _show(self, text):
+        sys.stdout.write("\r" + text + "\033[K")
         sys.stdout.flush()
 
 
@@ -6213,7 +6665,10 @@ nn = _alias("nn", Module=Module, Linear=Linear, ReLU=ReLU, Tanh=Tanh, Sigmoid=Si
 sys.modules[f"{__name__}.nn.functional"] = functional  # import netcl.nn.functional as F
 optim = _alias("optim", Optimizer=Optimizer, SGD=SGD, Adam=Adam, AdamW=AdamW,
                clip_grad_norm=clip_grad_norm, clip_grad_norm_=clip_grad_norm_,
-               WarmupCosine=WarmupCosine, AMPGradScaler=AMPGradScaler)
+               WarmupCosine=WarmupCosine, StepLR=StepLR, ReduceLROnPlateau=ReduceLROnPlateau,
+               AMPGradScaler=AMPGradScaler)
+optim.lr_scheduler = _alias("optim.lr_scheduler", StepLR=StepLR,
+                            ReduceLROnPlateau=ReduceLROnPlateau, WarmupCosine=WarmupCosine)
 amp = _alias("amp", autocast=autocast, AMPGradScaler=AMPGradScaler)
 data = _alias("data", DataLoader=DataLoader, ArrayDataset=ArrayDataset, GpuBatch=GpuBatch,
               load_idx=load_idx)

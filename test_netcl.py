@@ -3897,7 +3897,7 @@ def test_trainer_checkpoint_saves_only_on_improvement(backend, tmp_path, monkeyp
     model = _trainer_model(backend)
     trainer = netcl.Trainer(model, netcl.SGD(model.parameters(), lr=0.01), device_queue=backend.queue)
     scripted = iter([0.5, 0.4, 0.6, 0.6, 0.7])
-    monkeypatch.setattr(trainer, "evaluate", lambda *a: {"loss": 1.0, "accuracy": next(scripted)})
+    monkeypatch.setattr(trainer, "_evaluate", lambda *a: {"loss": 1.0, "accuracy": next(scripted)})
     saved = []
     real_save = netcl.save
     monkeypatch.setattr(netcl, "save", lambda state, path: saved.append(
@@ -4051,8 +4051,8 @@ def test_trainer_accuracy_exists_for_every_epoch_and_log_every_sets_validation(b
     trainer = netcl.Trainer(model, netcl.AdamW(model.parameters(), lr=1e-2),
                             device_queue=backend.queue)  # metrics_stride 10 > 2 steps an epoch
     calls = []
-    real_evaluate = trainer.evaluate
-    monkeypatch.setattr(trainer, "evaluate", lambda *a: calls.append(1) or real_evaluate(*a))
+    real_evaluate = trainer._evaluate
+    monkeypatch.setattr(trainer, "_evaluate", lambda *a: calls.append(1) or real_evaluate(*a))
     history = trainer.fit(_batches(x, y, 20), _batches(x, y, 40), epochs=5, log_every=2)
     assert all(0.0 <= h["accuracy"] <= 1.0 for h in history)
     assert len(calls) == 2  # epochs 2 and 4
@@ -5137,7 +5137,7 @@ def test_fit_checkpoint_that_fails_to_save_names_it_and_keeps_the_best(backend, 
     model = _trainer_model(backend)
     trainer = netcl.Trainer(model, netcl.SGD(model.parameters(), lr=0.1), device_queue=backend.queue)
     scripted = iter([0.5, 0.6])
-    monkeypatch.setattr(trainer, "evaluate", lambda *a: {"loss": 1.0, "accuracy": next(scripted)})
+    monkeypatch.setattr(trainer, "_evaluate", lambda *a: {"loss": 1.0, "accuracy": next(scripted)})
     real_savez, saved = np.savez, []
 
     def savez_fails_the_second_time(file, **arrays):
@@ -7765,3 +7765,448 @@ def test_unbind_matches_torch_and_checks_its_argument(backend):
         F.unbind(tensor(np.float32(1.0), backend))
     with raises_naming(ValueError, "unbind", "3"):
         F.unbind(tensor(x, backend), 3)
+# ---------------------------------------------------------------------------------------------
+# training loop: resume, schedules, early stopping, progress, History
+# ---------------------------------------------------------------------------------------------
+
+def test_save_and_load_nested_state_as_it_was(backend, tmp_path):
+    netcl.manual_seed(3)
+    model = nn.Sequential(nn.Linear(3, 4, queue=backend.queue), nn.ReLU(),
+                          nn.Linear(4, 2, queue=backend.queue))
+    for opt in (netcl.AdamW(model.parameters(), lr=0.01),
+                netcl.SGD(model.parameters(), lr=0.1, momentum=0.9)):
+        with netcl.Tape() as tape:
+            loss = F.sum(model(tensor(np.ones((2, 3)), backend)))
+        tape.backward(loss)
+        opt.step()
+        state = opt.state_dict()
+        netcl.save(state, tmp_path / "opt.npz")
+        loaded = netcl.load(tmp_path / "opt.npz")
+        assert str(loaded) == str(state)  # types too: int keys, tuples, Python numbers
+        fresh = type(opt)(model.parameters(), lr=0.5)
+        fresh.load_state_dict(loaded)
+        assert str(fresh.state_dict()) == str(state)
+    keys = set(np.load(tmp_path / "opt.npz").files)
+    assert "state.0.momentum_buffer" in keys and "param_groups.0.lr" in keys
+    nested = {"model": model.state_dict(), "misc": [1, 2.5, True, None, "min", (3, -1.0)],
+              "empty": {}, 7: {"x": np.arange(3)}}
+    netcl.save(nested, tmp_path / "nested.npz")
+    loaded = netcl.load(tmp_path / "nested.npz")
+    assert list(loaded) == ["model", "misc", "empty", 7]
+    assert loaded["misc"] == [1, 2.5, True, None, "min", (3, -1.0)]
+    assert [type(v) for v in loaded["misc"][:3]] == [int, float, bool]
+    assert list(loaded["model"]) == ["0.weight", "0.bias", "2.weight", "2.bias"]  # dots kept
+    _same_arrays(loaded["model"], model.state_dict())
+    np.testing.assert_array_equal(loaded[7]["x"], np.arange(3))
+    # a flat dict of arrays stays the format it always was
+    netcl.save(model.state_dict(), tmp_path / "flat.npz")
+    assert set(np.load(tmp_path / "flat.npz").files) == set(model.state_dict())
+
+
+def test_save_rejects_what_a_state_cannot_hold_and_load_a_forged_structure(tmp_path):
+    path = tmp_path / "bad.npz"
+    for state, needle in (({"a": {"b": object()}}, "a.b"), ({"a": [{(1, 2): 3}]}, "(1, 2)"),
+                          ([np.zeros(2)], "dict")):
+        with raises_naming(ValueError, "save", needle):
+            netcl.save(state, path)
+        assert not path.exists()
+    for forged in ('{"dict": [["w", {"array": "missing"}]]}', '{"eval": "os.system"}',
+                   '{"dict": [["w", {"int": "w"}]]}', "[1, 2", '{"list": []}'):
+        np.savez(path, w=np.zeros(3), __netcl_tree__=np.array(forged))
+        with raises_naming(ValueError, "load", str(path)):
+            netcl.load(path)
+
+
+def _resume_run(dev, epochs, tmp_path, resume=None, training_checkpoint=None, mixed=False):
+    """A fresh model, optimizer, StepLR and seeded DataLoader (the same seeds every time),
+    trained to `epochs` with a Dropout, so the random stream matters too."""
+    x, y = _blobs(n=64)
+    netcl.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16, queue=dev.queue), nn.ReLU(), nn.Dropout(0.2),
+                          nn.Linear(16, 3, queue=dev.queue))
+    opt = netcl.AdamW(model.parameters(), lr=1e-2)
+    loader = netcl.DataLoader(netcl.ArrayDataset(x, y), batch_size=16)
+    trainer = netcl.Trainer(model, opt, device_queue=dev.queue, grad_clip=1.0, metrics_stride=1,
+                            mixed_precision=mixed)
+    history = trainer.fit(loader, _batches(x, y, 32), epochs=epochs, resume=resume,
+                          scheduler=netcl.StepLR(opt, step_size=1, gamma=0.5),
+                          training_checkpoint=training_checkpoint)
+    return trainer, history
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_fit_resume_continues_exactly(backend, tmp_path, capsys, mixed):
+    whole, whole_history = _resume_run(backend, 4, tmp_path, mixed=mixed)
+    ckpt = tmp_path / "train.npz"
+    first, _ = _resume_run(backend, 2, tmp_path, training_checkpoint=ckpt, mixed=mixed)
+    first.save_checkpoint(tmp_path / "manual.npz")
+    saved = netcl.load(ckpt)
+    assert str(netcl.load(tmp_path / "manual.npz")) == str(saved)
+    assert saved["trainer"]["epoch"] == 2 and saved["trainer"]["loader_epoch"] == 2
+    assert saved["scheduler"]["last_epoch"] == 2 and saved["optimizer"]["state"][0]["step"] == 8
+    assert "optimizer.state.0.exp_avg" in np.load(ckpt).files
+    resumed, history = _resume_run(backend, 4, tmp_path, resume=ckpt, mixed=mixed)
+    assert [h["epoch"] for h in history] == [3, 4]  # `epochs` is the last epoch's number
+    for a, b in zip(whole_history[2:], history):
+        for key in ("loss", "accuracy", "val_loss", "val_accuracy"):
+            assert a[key] == b[key], key
+    # The same kernels in the same order: exactly equal parameters, moments and lr.
+    _same_arrays(resumed.model.state_dict(), whole.model.state_dict())
+    assert str(resumed.optimizer.state_dict()) == str(whole.optimizer.state_dict())
+    # A Trainer that loads the checkpoint itself, then fits, continues the same way.
+    again, _ = _resume_run(backend, 2, tmp_path)
+    again.load_checkpoint(ckpt)
+    _same_arrays(again.model.state_dict(), first.model.state_dict())
+    assert "epoch 3/4" in capsys.readouterr().out
+
+
+def test_resume_needs_a_training_checkpoint_and_its_scheduler(cpu, tmp_path):
+    x, y = _blobs(n=32)
+    model = _trainer_model(cpu)
+    opt = netcl.SGD(model.parameters(), lr=0.1)
+    trainer = netcl.Trainer(model, opt, device_queue=cpu.queue)
+    trainer.fit(_batches(x, y, 16), epochs=1, scheduler=netcl.StepLR(opt, 1),
+                training_checkpoint=tmp_path / "run.npz", checkpoint=tmp_path / "best.npz")
+    with raises_naming(ValueError, "best.npz", "not a training checkpoint"):
+        trainer.fit(_batches(x, y, 16), epochs=2, resume=tmp_path / "best.npz")
+    with raises_naming(ValueError, "scheduler"):
+        trainer.fit(_batches(x, y, 16), epochs=2, resume=tmp_path / "run.npz")
+    with raises_naming(ValueError, "monitor", "'loss'"):
+        trainer.fit(_batches(x, y, 16), epochs=2, resume=tmp_path / "run.npz", monitor="loss",
+                    scheduler=netcl.StepLR(opt, 1))
+    assert trainer.fit(_batches(x, y, 16), epochs=1, resume=tmp_path / "run.npz",
+                       scheduler=netcl.StepLR(opt, 1)) == []  # epoch 1 is done already
+
+
+def _step_lr_reference(lrs_before, step_size, gamma, epochs):
+    """PyTorch's StepLR.get_lr, chained: at each non-zero multiple of step_size, lr * gamma."""
+    lr, out = lrs_before, []
+    for last_epoch in range(1, epochs + 1):
+        if last_epoch % step_size == 0:
+            lr = lr * gamma
+        out.append(lr)
+    return out
+
+
+def _plateau_reference(metrics, lr, mode, factor, patience, threshold, threshold_mode, cooldown,
+                       min_lr, eps):
+    """PyTorch's ReduceLROnPlateau.step, transcribed: the lr after each step(metric)."""
+    best = math.inf if mode == "min" else -math.inf
+    bad = cooldown_counter = 0
+    out = []
+    for current in metrics:
+        if mode == "min" and threshold_mode == "rel":
+            better = current < best * (1.0 - threshold)
+        elif mode == "min":
+            better = current < best - threshold
+        elif threshold_mode == "rel":
+            better = current > best * (threshold + 1.0)
+        else:
+            better = current > best + threshold
+        if better:
+            best, bad = current, 0
+        else:
+            bad += 1
+        if cooldown_counter > 0:
+            cooldown_counter -= 1
+            bad = 0
+        if bad > patience:
+            new_lr = max(lr * factor, min_lr)
+            if lr - new_lr > eps:
+                lr = new_lr
+            cooldown_counter, bad = cooldown, 0
+        out.append(lr)
+    return out
+
+
+@settings(max_examples=30, deadline=None)
+@given(step_size=st.integers(1, 5), gamma=st.floats(0.05, 1.0),
+       metrics=st.lists(st.sampled_from([1.0, 0.9, 0.8999, 0.5, 0.7, 2.0, math.nan]),
+                        min_size=1, max_size=30),
+       mode=st.sampled_from(["min", "max"]), threshold_mode=st.sampled_from(["rel", "abs"]),
+       patience=st.integers(0, 3), cooldown=st.integers(0, 2),
+       threshold=st.sampled_from([0.0, 1e-4, 0.05]), min_lr=st.sampled_from([0.0, 0.004]))
+def test_step_lr_and_reduce_lr_on_plateau_follow_pytorch(step_size, gamma, metrics, mode,
+                                                         threshold_mode, patience, cooldown,
+                                                         threshold, min_lr):
+    cpu = netcl.manager.default("cpu")
+    opt = netcl.SGD([param(np.zeros(2), cpu)], lr=0.1)
+    schedule = netcl.StepLR(opt, step_size, gamma)
+    lrs = []
+    for _ in range(12):
+        schedule.step()
+        lrs.append(opt.lr)
+    assert lrs == _step_lr_reference(0.1, step_size, gamma, 12)
+    opt.lr = 0.1
+    kwargs = dict(mode=mode, factor=0.5, patience=patience, threshold=threshold,
+                  threshold_mode=threshold_mode, cooldown=cooldown, min_lr=min_lr, eps=1e-8)
+    plateau = netcl.optim.lr_scheduler.ReduceLROnPlateau(opt, **kwargs)
+    lrs = []
+    for i, metric in enumerate(metrics):
+        plateau.step(metric)
+        lrs.append(opt.lr)
+        if i == len(metrics) // 2:  # a fresh schedule from the state continues the same
+            opt.lr, state = opt.lr, plateau.state_dict()
+            plateau = netcl.ReduceLROnPlateau(opt)
+            plateau.load_state_dict(state)
+    assert lrs == _plateau_reference(metrics, 0.1, **kwargs)
+    moved = netcl.StepLR(netcl.SGD(opt.params, lr=0.3), step_size, gamma)
+    moved.load_state_dict(schedule.state_dict())
+    assert moved.optimizer.lr == schedule.optimizer.lr and moved.last_epoch == 12
+
+
+@pytest.mark.parametrize("make, needle", [
+    (lambda opt: netcl.StepLR(opt, 0), "step_size"), (lambda opt: netcl.StepLR(opt, 2.0), "step_size"),
+    (lambda opt: netcl.StepLR(opt, 2, gamma=-1), "gamma"),
+    (lambda opt: netcl.ReduceLROnPlateau(opt, mode="up"), "mode"),
+    (lambda opt: netcl.ReduceLROnPlateau(opt, factor=1.0), "factor"),
+    (lambda opt: netcl.ReduceLROnPlateau(opt, threshold_mode="x"), "threshold_mode"),
+    (lambda opt: netcl.ReduceLROnPlateau(opt, patience=-1), "patience"),
+    (lambda opt: netcl.ReduceLROnPlateau(opt, min_lr=-1), "min_lr")])
+def test_schedules_validate_their_arguments(cpu, make, needle):
+    with raises_naming(ValueError, needle):
+        make(netcl.SGD([param(np.zeros(2), cpu)], lr=0.1))
+
+
+class _LrSpy(netcl.SGD):
+    """SGD that records the lr of every step it takes."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.seen = []
+
+    def step(self):
+        self.seen.append(self.lr)
+        super().step()
+
+
+def test_fit_steps_each_schedule_when_it_says(backend, monkeypatch):
+    x, y = _blobs(n=48)
+    batches = _batches(x, y, 16)  # 3 steps an epoch
+    model = _trainer_model(backend)
+    opt = _LrSpy(model.parameters(), lr=0.1)
+    trainer = netcl.Trainer(model, opt, device_queue=backend.queue)
+    schedule = netcl.WarmupCosine(opt, warmup_steps=2, total_steps=9)  # per batch
+    trainer.fit(batches, epochs=3, scheduler=schedule)
+    assert opt.seen == [schedule.lr_at(s) for s in range(9)]
+    opt.seen, opt.lr = [], 0.1
+    trainer.fit(batches, epochs=4, scheduler=netcl.StepLR(opt, step_size=2, gamma=0.5))
+    assert opt.seen == [0.1] * 6 + [0.05] * 6  # per epoch
+    # ReduceLROnPlateau: once per validated epoch, with the monitored value.
+    scripted = iter([1.0, 1.0, 0.5, 0.6, 0.6, 0.6])
+    monkeypatch.setattr(trainer, "_evaluate", lambda *a: {"loss": next(scripted), "accuracy": 0.5})
+    opt.seen, opt.lr = [], 0.1
+    trainer.fit(batches, batches, epochs=6, monitor="val_loss",
+                scheduler=netcl.ReduceLROnPlateau(opt, patience=1, factor=0.5))
+    expected = _plateau_reference([1.0, 1.0, 0.5, 0.6, 0.6, 0.6], 0.1, "min", 0.5, 1, 1e-4,
+                                  "rel", 0, 0, 1e-8)
+    assert opt.seen == [lr for lr in [0.1] + expected[:-1] for _ in range(3)]
+    with raises_naming(ValueError, "ReduceLROnPlateau", "mode='max'"):
+        trainer.fit(batches, batches, epochs=1, scheduler=netcl.ReduceLROnPlateau(opt))
+
+
+def test_fit_stops_early_on_a_plateau_and_resumes_the_count(backend, tmp_path, capsys):
+    x, y = _blobs(n=32)
+    batches = _batches(x, y, 16)
+    model = _trainer_model(backend)
+    trainer = netcl.Trainer(model, netcl.SGD(model.parameters(), lr=0.0),  # a plateau
+                            device_queue=backend.queue)
+    history = trainer.fit(batches, epochs=10, patience=2, monitor="loss")
+    assert [h["epoch"] for h in history] == [1, 2, 3]  # best at 1, none better at 2 and 3
+    assert "early stopping" in capsys.readouterr().out
+    assert len(trainer.fit(batches, epochs=10, patience=3)) == 4  # default monitor: accuracy
+    # The count survives a checkpoint: 1 epoch, then a resume stops at the same epoch 3.
+    trainer.fit(batches, epochs=1, patience=2, training_checkpoint=tmp_path / "run.npz")
+    resumed = trainer.fit(batches, epochs=10, patience=2, resume=tmp_path / "run.npz")
+    assert [h["epoch"] for h in resumed] == [2, 3]
+    with raises_naming(ValueError, "patience"):
+        trainer.fit(batches, patience=0)
+    with raises_naming(ValueError, "monitor", "val_loader"):
+        trainer.fit(batches, monitor="val_loss")
+    with raises_naming(ValueError, "monitor", "'best'"):
+        trainer.fit(batches, monitor="best")
+
+
+@pytest.mark.parametrize("scores, monitor, saved_epochs", [
+    ([(0.5, 1.0), (0.6, 1.2), (0.6, 0.8), (0.7, 0.9)], None, [1, 2, 4]),  # val_accuracy
+    ([(0.5, 1.0), (0.6, 1.2), (0.6, 0.8), (0.7, 0.9)], "val_loss", [1, 3])])
+def test_the_best_checkpoint_follows_the_monitored_value(backend, tmp_path, monkeypatch, scores,
+                                                         monitor, saved_epochs):
+    x, y = _blobs(n=20)
+    model = _trainer_model(backend)
+    trainer = netcl.Trainer(model, netcl.SGD(model.parameters(), lr=0.01),
+                            device_queue=backend.queue)
+    scripted = iter(scores)
+    epochs_run = []
+    monkeypatch.setattr(trainer, "_evaluate", lambda *a: dict(
+        zip(("accuracy", "loss"), next(scripted))))
+    saves = []
+    real_save = netcl.save
+    monkeypatch.setattr(netcl, "save", lambda state, path: saves.append(len(epochs_run))
+                        or real_save(state, path))
+    real_fit_epoch_line = netcl._epoch_line
+    monkeypatch.setattr(netcl, "_epoch_line", lambda record, epochs: epochs_run.append(1)
+                        or real_fit_epoch_line(record, epochs))
+    trainer.fit(_batches(x, y, 10), _batches(x, y, 10), epochs=4, monitor=monitor,
+                checkpoint=tmp_path / "best.npz")
+    assert [n + 1 for n in saves] == saved_epochs
+
+
+@pytest.mark.parametrize("out_shape", [(1,), ()])
+def test_fit_trains_a_regression_without_accuracy(backend, capsys, out_shape):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((48, 4)).astype(np.float32)
+    y = (x @ np.array([1.0, -2.0, 0.5, 3.0], np.float32))[:, None]
+    y = y.reshape((48,) + out_shape)
+    netcl.manual_seed(0)
+    linear = nn.Linear(4, 1, queue=backend.queue)
+    model = linear if out_shape else (lambda xb: F.reshape(linear(xb), (-1,)))
+    trainer = netcl.Trainer(model, netcl.SGD(linear.parameters(), lr=0.05),
+                            device_queue=backend.queue, loss_fn=F.mse_loss)
+    history = trainer.fit(_batches(x, y, 16), _batches(x, y, 24), epochs=5)
+    for record in history:
+        assert set(record) == {"epoch", "loss", "val_loss", "samples_per_s", "seconds"}
+    assert history[-1]["val_loss"] < history[0]["val_loss"]
+    assert set(trainer.evaluate(_batches(x, y, 24))) == {"loss"}
+    out = capsys.readouterr().out
+    assert "accuracy" not in out and out.count("val_loss") == 5
+    with raises_naming(ValueError, "val_accuracy", "regression"):
+        trainer.fit(_batches(x, y, 16), _batches(x, y, 24), monitor="val_accuracy")
+    # The default monitor of a regression is val_loss: a rising one stops it.
+    rising = iter([1.0, 2.0, 3.0, 4.0])
+    trainer._evaluate = lambda *a: {"loss": next(rising)}
+    assert len(trainer.fit(_batches(x, y, 16), _batches(x, y, 24), epochs=4, patience=2)) == 3
+
+
+def test_fit_names_per_sample_data_and_an_exhausted_loader(backend):
+    x, y = _blobs(n=12)
+    model = _trainer_model(backend)
+    trainer = netcl.Trainer(model, netcl.SGD(model.parameters(), lr=0.1),
+                            device_queue=backend.queue)
+    samples = [(x[i], int(y[i])) for i in range(12)]
+    for run in (trainer.fit, trainer.evaluate):
+        with raises_naming(ValueError, "one sample", "(8,)", "DataLoader"):
+            run(samples)
+    trainer.fit(netcl.DataLoader(samples, batch_size=4))  # what the message says works
+    generator = (batch for batch in _batches(x, y, 4))
+    with raises_naming(ValueError, "train_loader", "no batches in epoch 2", "generator"):
+        trainer.fit(generator, epochs=3)
+    with raises_naming(ValueError, "train_loader", "no batches in epoch 1"):
+        trainer.fit([], epochs=1)
+    with raises_naming(ValueError, "val_loader", "no batches in epoch 1"):
+        trainer.fit(_batches(x, y, 4), [], epochs=1)
+    with raises_naming(ValueError, "evaluate", "no batches"):
+        trainer.evaluate([])
+
+
+def test_history_to_csv_round_trips(tmp_path):
+    import csv
+    history = netcl.History([
+        {"epoch": 1, "loss": 0.5, "accuracy": 0.25, "val_loss": None, "val_accuracy": None,
+         "samples_per_s": 100.0, "seconds": 0.5},
+        {"epoch": 2, "loss": 0.25, "accuracy": 0.5, "val_loss": 0.125, "val_accuracy": 0.75,
+         "samples_per_s": 200.0, "seconds": 0.25}])
+    history.to_csv(tmp_path / "history.csv")
+    with open(tmp_path / "history.csv", newline="") as file:
+        rows = list(csv.DictReader(file))
+    assert list(rows[0]) == list(history[0])
+    for row, record in zip(rows, history):
+        assert {k: None if v == "" else float(v) for k, v in row.items()} == record
+
+
+def test_history_plot_needs_matplotlib_or_writes_a_png(tmp_path, monkeypatch):
+    history = netcl.History([{"epoch": e, "loss": 1 / e, "accuracy": 0.5, "val_loss": None,
+                              "val_accuracy": None, "samples_per_s": 1.0, "seconds": 1.0}
+                             for e in (1, 2)])
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        history.plot(tmp_path / "history.png")
+        assert (tmp_path / "history.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    import builtins
+    real_import = builtins.__import__
+
+    def no_matplotlib(name, *args, **kwargs):
+        if name.split(".")[0] == "matplotlib":
+            raise ImportError(f"No module named {name!r}")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    with raises_naming(ImportError, "pip install matplotlib"):
+        history.plot(tmp_path / "none.png")
+    assert not (tmp_path / "none.png").exists()
+
+
+_PTY_FIT = """
+import numpy as np, netcl
+from netcl import nn
+dev = netcl.manager.default({backend!r})
+rng = np.random.default_rng(0)
+x = rng.standard_normal((64, 8)).astype(np.float32)
+y = rng.integers(0, 3, 64)
+netcl.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 3, queue=dev.queue))
+trainer = netcl.Trainer(model, netcl.SGD(model.parameters(), lr=0.1), device_queue=dev.queue,
+                        metrics_stride=1)
+val = netcl.DataLoader(netcl.ArrayDataset(x, y), batch_size=8, shuffle=False)
+trainer.fit(netcl.DataLoader(netcl.ArrayDataset(x, y), batch_size=8, seed=0), val, epochs=2)
+"""
+
+
+def _terminal_lines(data):
+    """What a terminal shows for `data`: \\r returns to the line's start, \\033[K erases to
+    its end, \\n starts a new line."""
+    lines, line, column = [], [], 0
+    i = 0
+    while i < len(data):
+        if data.startswith("\x1b[K", i):
+            del line[column:]
+            i += 3
+            continue
+        char = data[i]
+        if char == "\r":
+            column = 0
+        elif char == "\n":
+            lines.append("".join(line))
+            line, column = [], 0
+        else:
+            line[column:column + 1] = [char]
+            column += 1
+        i += 1
+    if line:
+        lines.append("".join(line))
+    return lines
+
+
+def test_fit_progress_on_a_terminal_leaves_only_the_epoch_lines(backend, tmp_path):
+    import pty  # noqa: F401 (POSIX only: the test needs a pseudo-terminal)
+    script = tmp_path / "fit.py"
+    script.write_text(_PTY_FIT.format(backend=backend.backend))
+    leader, follower = os.openpty()
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.abspath(netcl.__file__)))
+    process = subprocess.Popen([sys.executable, str(script)], stdout=follower,
+                               stderr=subprocess.PIPE, env=env)
+    os.close(follower)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(leader, 4096)
+        except OSError:  # the child closed the terminal
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(leader)
+    stderr = process.communicate(timeout=120)[1]
+    assert process.returncode == 0, stderr.decode()
+    raw = b"".join(chunks).decode()
+    lines = [line for line in _terminal_lines(raw)  # without netcl's device notices
+             if line.strip() and not line.startswith("netcl:")]
+    assert len(lines) == 2, lines
+    for epoch, line in enumerate(lines, 1):
+        assert line.startswith(f"epoch {epoch}/2  loss ") and "val_accuracy" in line
+    assert "evaluate:" not in raw
+    assert "epoch 1/2 [" in raw and "8/8" in raw and "ETA" in raw  # the bar names its epoch
+    assert "epoch 2/2 validating..." in raw
