@@ -8185,7 +8185,8 @@ def test_fit_progress_on_a_terminal_leaves_only_the_epoch_lines(backend, tmp_pat
     script = tmp_path / "fit.py"
     script.write_text(_PTY_FIT.format(backend=backend.backend))
     leader, follower = os.openpty()
-    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.abspath(netcl.__file__)))
+    here = os.path.dirname(os.path.abspath(netcl.__file__))  # ahead of what the path held
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")])))
     process = subprocess.Popen([sys.executable, str(script)], stdout=follower,
                                stderr=subprocess.PIPE, env=env)
     os.close(follower)
