@@ -7714,3 +7714,205 @@ def test_bad_timeouts_are_rejected():
     for fine in (0, 2, 2.5, np.float64(0.25)):
         nc.DataLoader(dataset, num_workers=2, timeout=fine)
     nc.DataLoader(dataset, timeout=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# devices, model printing, examples: .to(), manager.set_default, the Trainer's device,
+# the device notice, kernel builds outside the first epoch, print(model), running examples
+# ---------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def chosen_default():
+    """manager.set_default, undone after the test (the rest of the suite uses the usual
+    NETCL_DEVICE-or-auto default)."""
+    yield netcl.manager.set_default
+    netcl.manager.set_default(None)
+
+
+def _other(backend):
+    """The other backend's Device: where a test's objects start before they are moved."""
+    return _get_device("opencl" if backend.backend == "cpu" else "cpu")
+
+
+def test_set_default_device_is_used_wherever_no_queue_is_given(backend, chosen_default, monkeypatch):
+    assert chosen_default(backend.backend) is backend
+    assert netcl.manager.default() is backend
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    assert netcl.Tensor.from_host(x).device is backend
+    assert netcl.Tensor.empty((2,)).device is backend
+    assert netcl.Parameter(x).device is backend
+    assert netcl.Node(x).device is backend
+    layers = [nn.Linear(3, 2), nn.Conv2d(1, 2, 3), nn.LayerNorm(3), nn.BatchNorm1d(3), nn.Embedding(4, 2)]
+    assert all(p.device is backend for layer in layers for p in layer.parameters())
+    assert layers[3].running_mean.device is backend
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+    trainer = netcl.Trainer(lambda x: model(x), netcl.optim.SGD(model.parameters(), lr=0.1))
+    assert trainer.device is backend  # a model without parameters(): the default device
+    # A Device given works too; None goes back to NETCL_DEVICE, else auto.
+    assert chosen_default(backend) is backend
+    monkeypatch.setenv("NETCL_DEVICE", "cpu")
+    assert chosen_default(None) is netcl.manager.default("cpu")
+    assert netcl.Tensor.from_host(x).device.backend == "cpu"
+
+
+def test_set_default_wins_over_netcl_device_and_default_kind_leaves_it(opencl, chosen_default, monkeypatch):
+    monkeypatch.setenv("NETCL_DEVICE", "cpu")
+    # Asking manager.default for a device does not make it the default (existing callers).
+    assert netcl.manager.default("opencl") is opencl
+    assert netcl.manager.default().backend == "cpu"
+    assert chosen_default("opencl") is opencl
+    assert netcl.manager.default() is opencl  # code's choice wins over the environment
+    assert netcl.manager.default("cpu").backend == "cpu"  # an explicit argument wins over both
+    with raises_naming(ValueError, "nonsense"):
+        chosen_default("nonsense")
+    assert netcl.manager.default() is opencl  # a rejected choice changes nothing
+
+
+def test_module_to_moves_parameters_and_buffers_in_place(backend):
+    source = _other(backend)
+    netcl.manual_seed(3)
+    q = source.queue
+    model = nn.Sequential(nn.Linear(5, 4, queue=q), nn.BatchNorm1d(4, queue=q), nn.ReLU(),
+                          nn.Linear(4, 3, queue=q))
+    x = np.random.default_rng(0).standard_normal((6, 5)).astype(np.float32)
+    with netcl.Tape() as tape:  # trains the batch norm's running statistics once
+        loss = F.cross_entropy(model(tensor(x, source)), np.array([0, 1, 2, 0, 1, 2]))
+    tape.backward(loss)
+    params = dict(model.named_parameters())
+    before = {name: host(p) for name, p in params.items()}
+    grads = {name: host(p.grad) for name, p in params.items()}
+    stats = model[1].running_mean.to_host(), model[1].running_var.to_host()
+    model.eval()
+    expected = host(model(tensor(x, source)))
+
+    assert model.to(backend.backend) is model
+    assert dict(model.named_parameters()) == params  # the same Parameter objects
+    for name, p in params.items():
+        assert p.device is backend and p.grad.device is backend, name
+        np.testing.assert_array_equal(host(p), before[name], err_msg=name)
+        np.testing.assert_array_equal(host(p.grad), grads[name], err_msg=name)
+    assert model[1].running_mean.device is backend and model[1].running_var.device is backend
+    np.testing.assert_array_equal(model[1].running_mean.to_host(), stats[0])
+    np.testing.assert_array_equal(model[1].running_var.to_host(), stats[1])
+    assert isinstance(model[1].num_batches_tracked, np.ndarray)  # a host counter stays one
+    assert model[1]._buffers["running_mean"] is model[1].running_mean
+    np.testing.assert_allclose(host(model(tensor(x, backend))), expected, rtol=1e-5, atol=1e-5)
+    assert model.to(backend) is model  # already there: nothing changes
+    with raises_naming(ValueError, "Sequential.to", "device"):
+        model.to(None)
+    with raises_naming(ValueError, "Sequential.to", "nonsense"):
+        model.to("nonsense")
+
+
+def test_tensor_to_and_node_to(backend):
+    source = _other(backend)
+    values = np.array([[1.0, -2.0, 3.0]], np.float32)
+    t = tensor(values, source)
+    assert t.to(source) is t and t.to(source.queue) is t
+    moved = t.to(backend)
+    assert moved.device is backend and moved.dtype == np.float32
+    np.testing.assert_array_equal(moved.to_host(), values)
+    half = tensor(values, source, np.float16).to(backend)
+    assert half.dtype == np.float16
+    labels = tensor(np.array([2, 0, 1]), source).to(backend)
+    assert labels.dtype == np.int32
+    np.testing.assert_array_equal(labels.to_host(), [2, 0, 1])
+    if backend.backend == "opencl":  # label tensors keep the host copy the Trainer checks
+        np.testing.assert_array_equal(labels._labels, [2, 0, 1])
+    with raises_naming(ValueError, "Tensor.to", "nonsense"):
+        t.to("nonsense")
+    # Node.to: a new node there; inside a Tape the gradient comes back to the source device.
+    w = netcl.Parameter(tensor(values, source))
+    assert w.to(source) is w
+    with netcl.Tape() as tape:
+        on_backend = w.to(backend)
+        loss = (on_backend * on_backend).sum()
+    assert on_backend.device is backend and not isinstance(on_backend, netcl.Parameter)
+    tape.backward(loss)
+    assert w.grad.device is source
+    np.testing.assert_allclose(host(w.grad), 2 * values)
+
+
+def test_module_to_after_adam_raises_until_the_optimizer_is_gone(backend):
+    source = _other(backend)
+    model = nn.Sequential(nn.Linear(3, 2, queue=source.queue))
+    opt = netcl.optim.AdamW(model.parameters(), lr=0.1)
+    with raises_naming(ValueError, "'0.weight'", "AdamW", "before creating the optimizer"):
+        model.to(backend)
+    assert all(p.device is source for p in model.parameters())  # nothing moved
+    del opt
+    gc.collect()
+    model.to(backend)
+    opt = netcl.optim.AdamW(model.parameters(), lr=0.1)
+    before = host(model[0].weight)
+    x = tensor(np.ones((4, 3), np.float32), backend)
+    with netcl.Tape() as tape:
+        loss = F.cross_entropy(model(x), np.array([0, 1, 0, 1]))
+    opt.zero_grad()
+    tape.backward(loss)
+    opt.step()
+    assert model[0].weight.device is backend
+    assert not np.array_equal(host(model[0].weight), before)
+
+
+def test_sgd_follows_a_moved_model_until_it_has_momentum(backend):
+    source = _other(backend)
+    model = nn.Sequential(nn.Linear(3, 2, queue=source.queue))
+    opt = netcl.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x = np.ones((4, 3), np.float32)
+
+    def step(dev):
+        with netcl.Tape() as tape:
+            loss = F.cross_entropy(model(tensor(x, dev)), np.array([0, 1, 0, 1]))
+        opt.zero_grad()
+        tape.backward(loss)
+        opt.step()
+
+    model.to(backend)  # before the first step: SGD holds the same Parameters
+    before = host(model[0].weight)
+    step(backend)
+    assert not np.array_equal(host(model[0].weight), before)
+    model.to(source)  # now its momentum buffers are on `backend`
+    with raises_naming(ValueError, "SGD.step", "momentum", "before creating the optimizer"):
+        step(source)
+
+
+def test_trainer_takes_its_device_from_the_model(backend, chosen_default):
+    chosen_default(_other(backend))  # the default is elsewhere: only the model says `backend`
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((32, 4)).astype(np.float32)
+    y = (x[:, 0] > 0).astype(np.int64)
+    model = nn.Sequential(nn.Linear(4, 8, queue=backend.queue), nn.ReLU(),
+                          nn.Linear(8, 2, queue=backend.queue))
+    trainer = netcl.Trainer(model, netcl.optim.SGD(model.parameters(), lr=0.1))
+    assert trainer.device is backend
+    history = trainer.fit(netcl.DataLoader(netcl.ArrayDataset(x, y), batch_size=8, seed=0))
+    assert math.isfinite(history[0]["loss"])
+
+
+def test_trainer_device_errors_name_the_devices(opencl, cpu):
+    model = nn.Sequential(nn.Linear(4, 8, queue=opencl.queue), nn.ReLU(), nn.Linear(8, 2, queue=cpu.queue))
+    opt = netcl.optim.SGD(model.parameters(), lr=0.1)
+    with raises_naming(ValueError, "Trainer", "'0.weight'", "'2.weight'", opencl.name, "NumPy", ".to("):
+        netcl.Trainer(model, opt)
+    model[2].to(opencl)
+    with raises_naming(ValueError, "Trainer", "device_queue", opencl.name, "NumPy", ".to("):
+        netcl.Trainer(model, opt, device_queue=cpu.queue)
+    assert netcl.Trainer(model, opt, device_queue=opencl.queue).device is opencl
+    assert netcl.Trainer(model, opt, device_queue="opencl").device is opencl
+
+
+def test_mixed_device_errors_say_how_to_fix_them(opencl, cpu):
+    fix = (".to(device)", "queue=device.queue")
+    x = tensor(np.ones((2, 3), np.float32), cpu)
+    w = param(np.ones((4, 3), np.float32), opencl)
+    with raises_naming(ValueError, "linear", "different devices", "NumPy", opencl.name, *fix):
+        F.linear(x, w)
+    cond = tensor(np.array([1, 0, 1]), cpu)
+    a = tensor(np.ones(3, np.float32), opencl)
+    with raises_naming(ValueError, "where", "different devices", *fix):
+        F.where(cond, a, a)
+    with netcl.Tape() as tape:
+        loss = (w * w).sum()
+    with raises_naming(ValueError, "backward", "different devices", *fix):
+        tape.backward(loss, grad=tensor(np.ones((), np.float32), cpu))
