@@ -7916,3 +7916,50 @@ def test_mixed_device_errors_say_how_to_fix_them(opencl, cpu):
         loss = (w * w).sum()
     with raises_naming(ValueError, "backward", "different devices", *fix):
         tape.backward(loss, grad=tensor(np.ones((), np.float32), cpu))
+
+
+def _netcl_env(**extra):
+    """The environment of a subprocess that imports this netcl.py, not an installed one."""
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.abspath(netcl.__file__)), **extra)
+    env.pop("NETCL_DEVICE", None)
+    return env
+
+
+def test_device_notice_is_plain_words(opencl):
+    import pyopencl as cl
+    if opencl.cl_device.type & (cl.device_type.GPU | cl.device_type.ACCELERATOR):
+        pytest.skip("the notice is printed for a CPU OpenCL device only")
+    result = subprocess.run([sys.executable, "-c", "import netcl; netcl.manager.default('opencl')"],
+                            env=_netcl_env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert (f"netcl: no OpenCL GPU found; using OpenCL CPU device "
+            f"'{opencl.cl_device.name.strip()}' ({opencl.cl_device.platform.name.strip()})"
+            in result.stderr), result.stderr
+    assert "ALL" not in result.stderr  # not the type bitfield's string
+
+
+def _digits_batches(n=64):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((n, 64)).astype(np.float32)
+    return netcl.DataLoader(netcl.ArrayDataset(x, rng.integers(0, 10, n)), batch_size=16, seed=0)
+
+
+@pytest.mark.parametrize("mixed_precision", [False, True])
+def test_no_kernel_build_during_the_first_epoch(opencl, monkeypatch, mixed_precision):
+    """kernels.cl is built when the Device is created, and the float16-storage build (made on
+    first use) when a mixed-precision Trainer is: the first epoch's samples/s measures
+    training, not the compiler."""
+    import pyopencl as cl
+    queue = cl.CommandQueue(cl.Context([opencl.cl_device]))  # a fresh Device: nothing built yet
+    model = _digits_mlp(netcl.Tensor.empty((1,), queue=queue).device)
+    device = model[0].weight.device
+    assert device is not opencl and device.builds == 1 and device.build_seconds > 0
+    # A device where autocast stores float16 (half arithmetic) without tensor cores.
+    monkeypatch.setattr(device, "_tensor_cores", False)
+    monkeypatch.setattr(device, "_has_fp16", True)
+    trainer = netcl.Trainer(model, netcl.optim.AdamW(model.parameters()),
+                            mixed_precision=mixed_precision)
+    built = device.builds, device.build_seconds
+    assert built[0] == (2 if mixed_precision else 1)
+    trainer.fit(_digits_batches())
+    assert (device.builds, device.build_seconds) == built
