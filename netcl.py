@@ -4036,6 +4036,34 @@ class Module:
             if isinstance(entry, Parameter):
                 entry._half_stale = True  # its optimizer's float16 copy is out of date
 
+    # --- printing: PyTorch's layout, then the parameter count ---------------------------------
+    def extra_repr(self):
+        """This module's own settings, for repr(), as PyTorch's extra_repr; subclasses with
+        arguments return them ("in_features=784, out_features=128, bias=True")."""
+        return ""
+
+    def __repr__(self):
+        """PyTorch's layout: `Name(extra)`, or one line per setting and per sub-module,
+        `(name): repr`, indented by two spaces."""
+        extra = self.extra_repr()
+        lines = extra.split("\n") if extra else []
+        children = [f"({name}): " + repr(module).replace("\n", "\n  ")
+                    for name, module in self._modules.items()]
+        if len(lines) == 1 and not children:
+            return f"{type(self).__name__}({lines[0]})"
+        body = "".join("\n  " + line for line in lines + children)
+        return f"{type(self).__name__}({body}\n)" if body else f"{type(self).__name__}()"
+
+    def __str__(self):
+        """What print(model) shows: repr() and a last line with num_parameters() (PyTorch
+        prints no count; Keras' summary does, in these words)."""
+        return f"{self!r}\nTotal params: {self.num_parameters():,}"
+
+    def num_parameters(self):
+        """The number of parameter values, a Parameter shared by two modules counted once."""
+        unique = {id(p): p for p in self.parameters()}
+        return builtins.sum(p.value.size for p in unique.values())
+
 
 def _check_buffer(name, value):
     """A buffer's value: a Tensor, a host NumPy array, or None (TypeError otherwise, as
@@ -4081,6 +4109,10 @@ class Linear(Module):
         """x (..., in_features) -> (..., out_features)."""
         return linear(x, self.weight, self.bias)
 
+    def extra_repr(self):
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}")
+
 
 class Conv2d(Module):
     """2-D convolution over (N, C, H, W) input, weight (out_channels, in_channels / groups,
@@ -4113,6 +4145,18 @@ class Conv2d(Module):
         return conv2d(x, self.weight, self.bias, self.stride, self.padding, self.dilation,
                       self.groups)
 
+    def extra_repr(self):
+        """PyTorch's: the defaults of padding, dilation, groups and bias left out."""
+        text = (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, "
+                f"stride={self.stride}")
+        if self.padding != (0, 0):
+            text += f", padding={self.padding}"
+        if self.dilation != (1, 1):
+            text += f", dilation={self.dilation}"
+        if self.groups != 1:
+            text += f", groups={self.groups}"
+        return text + (", bias=False" if self.bias is None else "")
+
 
 class MaxPool2d(Module):
     """max_pool2d as a module; stride defaults to kernel_size, padding (-inf) to 0."""
@@ -4126,6 +4170,11 @@ class MaxPool2d(Module):
     def forward(self, x):
         """x (N, C, H, W) -> (N, C, OH, OW)."""
         return max_pool2d(x, self.kernel_size, self.stride, self.padding)
+
+    def extra_repr(self):
+        # PyTorch's string: netcl's pooling is PyTorch's with dilation 1 and ceil_mode off.
+        return (f"kernel_size={self.kernel_size}, stride={self.stride}, padding={self.padding}, "
+                f"dilation=1, ceil_mode=False")
 
 
 class ReLU(Module):
@@ -4165,6 +4214,9 @@ class GELU(Module):
         """Apply gelu."""
         return gelu(x, self.approximate)
 
+    def extra_repr(self):
+        return f"approximate={self.approximate!r}"
+
 
 class Dropout(Module):
     """Dropout with probability p while training; the identity in eval mode."""
@@ -4179,6 +4231,9 @@ class Dropout(Module):
         """Apply dropout when training."""
         return dropout(x, self.p, self.training)
 
+    def extra_repr(self):
+        return f"p={self.p}, inplace=False"  # PyTorch's string; netcl never drops in place
+
 
 class Flatten(Module):
     """Flatten dimensions start_dim..end_dim (keeps the batch dimension by default)."""
@@ -4190,6 +4245,9 @@ class Flatten(Module):
     def forward(self, x):
         """Apply flatten."""
         return flatten(x, self.start_dim, self.end_dim)
+
+    def extra_repr(self):
+        return f"start_dim={self.start_dim}, end_dim={self.end_dim}"
 
 
 class Sequential(Module):
@@ -4244,6 +4302,10 @@ class LayerNorm(Module):
         """x (..., *normalized_shape) -> the same shape."""
         return layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
 
+    def extra_repr(self):
+        return (f"{self.normalized_shape}, eps={self.eps}, "
+                f"elementwise_affine={self.elementwise_affine}, bias={self.bias is not None}")
+
 
 class _BatchNorm(Module):
     """BatchNorm1d and BatchNorm2d: batch_norm with PyTorch's parameters and buffers.
@@ -4296,6 +4358,12 @@ class _BatchNorm(Module):
             self.num_batches_tracked[...] = batches
         return out
 
+    def extra_repr(self):
+        # PyTorch's string; its bias=False (a weight without a bias) netcl does not offer
+        return (f"{self.num_features}, eps={self.eps}, momentum={self.momentum}, "
+                f"affine={self.affine}, bias={self.affine}, "
+                f"track_running_stats={self.track_running_stats}")
+
 
 class BatchNorm1d(_BatchNorm):
     """Batch normalisation of (N, C) or (N, C, L) input, per channel C."""
@@ -4323,6 +4391,9 @@ class Embedding(Module):
     def forward(self, idx):
         """idx (...) integers in [0, num_embeddings) -> (..., embedding_dim)."""
         return embedding(idx, self.weight)
+
+    def extra_repr(self):
+        return f"{self.num_embeddings}, {self.embedding_dim}"
 
 
 def save(state, path):

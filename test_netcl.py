@@ -7963,3 +7963,78 @@ def test_no_kernel_build_during_the_first_epoch(opencl, monkeypatch, mixed_preci
     assert built[0] == (2 if mixed_precision else 1)
     trainer.fit(_digits_batches())
     assert (device.builds, device.build_seconds) == built
+
+
+# PyTorch 2's print() of the same modules (torch.nn, CPU), character for character.
+TORCH_MODEL_REPR = """\
+Sequential(
+  (0): Conv2d(1, 16, kernel_size=(3, 3), stride=(1, 1), padding=(1, 1))
+  (1): ReLU()
+  (2): MaxPool2d(kernel_size=2, stride=2, padding=0, dilation=1, ceil_mode=False)
+  (3): Conv2d(16, 32, kernel_size=(3, 5), stride=(2, 2), dilation=(2, 2), groups=2, bias=False)
+  (4): MaxPool2d(kernel_size=3, stride=1, padding=1, dilation=1, ceil_mode=False)
+  (5): Flatten(start_dim=1, end_dim=-1)
+  (6): Linear(in_features=10, out_features=5, bias=False)
+  (7): Dropout(p=0.25, inplace=False)
+  (8): GELU(approximate='none')
+  (9): GELU(approximate='tanh')
+  (10): Tanh()
+  (11): Sigmoid()
+  (12): LayerNorm((5,), eps=1e-05, elementwise_affine=True, bias=True)
+  (13): LayerNorm((4, 5), eps=1e-06, elementwise_affine=False, bias=False)
+  (14): LayerNorm((5,), eps=1e-05, elementwise_affine=True, bias=False)
+  (15): BatchNorm1d(16, eps=1e-05, momentum=0.1, affine=True, bias=True, track_running_stats=True)
+  (16): BatchNorm2d(8, eps=1e-05, momentum=None, affine=False, bias=False, track_running_stats=False)
+  (17): Embedding(10, 3)
+  (18): Sequential(
+    (0): Linear(in_features=2, out_features=2, bias=True)
+    (1): ReLU()
+  )
+  (19): Sequential()
+  (20): Flatten(start_dim=0, end_dim=2)
+)"""
+
+
+def _printed_model():
+    return nn.Sequential(
+        nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(16, 32, (3, 5), stride=2, dilation=2, groups=2, bias=False),
+        nn.MaxPool2d(3, stride=1, padding=1), nn.Flatten(), nn.Linear(10, 5, bias=False),
+        nn.Dropout(0.25), nn.GELU(), nn.GELU(approximate="tanh"), nn.Tanh(), nn.Sigmoid(),
+        nn.LayerNorm(5), nn.LayerNorm((4, 5), eps=1e-6, elementwise_affine=False),
+        nn.LayerNorm(5, bias=False), nn.BatchNorm1d(16),
+        nn.BatchNorm2d(8, momentum=None, affine=False, track_running_stats=False),
+        nn.Embedding(10, 3), nn.Sequential(nn.Linear(2, 2), nn.ReLU()), nn.Sequential(),
+        nn.Flatten(0, 2))
+
+
+def test_repr_of_a_model_is_pytorchs():
+    model = _printed_model()
+    assert repr(model) == TORCH_MODEL_REPR
+    assert repr(nn.Linear(784, 128)) == "Linear(in_features=784, out_features=128, bias=True)"
+    assert repr(nn.MaxPool2d((2, 3))) == ("MaxPool2d(kernel_size=(2, 3), stride=(2, 3), padding=0, "
+                                         "dilation=1, ceil_mode=False)")
+
+    class Net(nn.Module):  # a user's module: attribute names, sub-modules indented
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(2, 3)
+            self.block = nn.Sequential(nn.ReLU())
+
+        def forward(self, x):
+            return self.block(self.fc(x))
+
+    assert repr(Net()) == ("Net(\n  (fc): Linear(in_features=2, out_features=3, bias=True)\n"
+                           "  (block): Sequential(\n    (0): ReLU()\n  )\n)")
+
+
+def test_print_model_adds_the_parameter_count(capsys):
+    model = nn.Sequential(nn.Linear(784, 128), nn.ReLU(), nn.Linear(128, 10))
+    assert model.num_parameters() == 784 * 128 + 128 + 128 * 10 + 10
+    print(model)
+    assert capsys.readouterr().out == repr(model) + "\nTotal params: 101,770\n"
+    shared = nn.Linear(3, 3)
+    assert nn.Sequential(shared, nn.ReLU(), shared).num_parameters() == 12  # counted once
+    batch_norm = nn.BatchNorm1d(4)  # its running statistics are buffers, not parameters
+    assert batch_norm.num_parameters() == 8
+    assert nn.ReLU().num_parameters() == 0
