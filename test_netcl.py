@@ -8038,3 +8038,87 @@ def test_print_model_adds_the_parameter_count(capsys):
     batch_norm = nn.BatchNorm1d(4)  # its running statistics are buffers, not parameters
     assert batch_norm.num_parameters() == 8
     assert nn.ReLU().num_parameters() == 0
+
+
+EXAMPLES = pathlib.Path(__file__).resolve().parent / "examples"
+
+
+def _checkout_copy(root):
+    """netcl.py, kernels.cl and examples/ copied to `root`, netcl.py saying where it was
+    imported from: what a fresh clone is, with nothing installed from it."""
+    import shutil
+    here = pathlib.Path(netcl.__file__).resolve().parent
+    (root / "examples").mkdir(parents=True)
+    source = (here / "netcl.py").read_text(encoding="utf-8")
+    (root / "netcl.py").write_text(source + "\nprint('netcl imported from', __file__, file=sys.stderr)\n",
+                                   encoding="utf-8")
+    shutil.copy(here / "kernels.cl", root / "kernels.cl")
+    for example in EXAMPLES.glob("*.py"):
+        shutil.copy(example, root / "examples" / example.name)
+    return root
+
+
+def _run_example(tmp_path, name, *args):
+    """Run examples/`name` of a checkout copy from another directory, on the NumPy backend;
+    assert it used the copy's netcl.py (not an installed netcl) and return its stdout."""
+    checkout = _checkout_copy(tmp_path / "checkout")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    env = dict(os.environ, NETCL_DEVICE="cpu", PYTHONNOUSERSITE="1")
+    env.pop("PYTHONPATH", None)
+    result = subprocess.run([sys.executable, str(checkout / "examples" / name), *args],
+                            cwd=elsewhere, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"netcl imported from {checkout / 'netcl.py'}" in result.stderr, result.stderr
+    return result.stdout
+
+
+def test_mnist_example_runs_from_a_checkout(tmp_path):
+    out = _run_example(tmp_path, "mnist_mlp.py", "--epochs", "1",
+                       "--checkpoint", str(tmp_path / "best.npz"))
+    assert "test accuracy: Tape loop" in out and (tmp_path / "best.npz").exists()
+
+
+def test_gpt_example_runs_from_a_checkout(tmp_path):
+    text = tmp_path / "text.txt"
+    text.write_text("to be or not to be, that is the question.\n" * 20, encoding="utf-8")
+    out = _run_example(tmp_path, "gpt_char.py", "--data", str(text), "--steps", "2",
+                       "--eval-interval", "1", "--n-layer", "1", "--n-head", "2",
+                       "--n-embd", "16", "--block-size", "8", "--batch-size", "4")
+    assert "tokens/s" in out and " parameters" in out
+
+
+def _mnist_example():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("mnist_mlp_example", EXAMPLES / "mnist_mlp.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _write_idx(path, array):
+    """An IDX file of uint8 `array` (gzipped if the name ends in .gz)."""
+    header = bytes([0, 0, 0x08, array.ndim]) + b"".join(d.to_bytes(4, "big") for d in array.shape)
+    opener = gzip.open if path.name.endswith(".gz") else open
+    with opener(path, "wb") as f:
+        f.write(header + array.astype(np.uint8).tobytes())
+
+
+@pytest.mark.parametrize("sep, gz", [("-", ""), (".", ""), ("-", ".gz"), (".", ".gz")])
+def test_mnist_example_reads_both_idx_name_styles(tmp_path, sep, gz):
+    rng = np.random.default_rng(0)
+    files = {"train-images": rng.integers(0, 256, (3, 28, 28)), "train-labels": np.array([1, 2, 3]),
+             "t10k-images": rng.integers(0, 256, (2, 28, 28)), "t10k-labels": np.array([4, 5])}
+    for stem, array in files.items():
+        _write_idx(tmp_path / f"{stem}{sep}idx{array.ndim}-ubyte{gz}", array)
+    x_train, y_train, x_test, y_test = _mnist_example().load_mnist(str(tmp_path))
+    np.testing.assert_allclose(x_train, files["train-images"].reshape(3, 784) / 255.0)
+    np.testing.assert_allclose(x_test, files["t10k-images"].reshape(2, 784) / 255.0)
+    np.testing.assert_array_equal(y_train, [1, 2, 3])
+    np.testing.assert_array_equal(y_test, [4, 5])
+
+
+def test_mnist_example_names_the_files_it_tried(tmp_path):
+    with raises_naming(FileNotFoundError, str(tmp_path), "train-images-idx3-ubyte",
+                       "train-images.idx3-ubyte", "train-images.idx3-ubyte.gz"):
+        _mnist_example().load_mnist(str(tmp_path))
