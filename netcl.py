@@ -281,9 +281,9 @@ def _kernel_source():
 
 
 _devices = {}           # cache key -> Device: the same request returns the same Device
-_chosen_default = [None]  # the Device manager.set_default chose (None: NETCL_DEVICE, else auto)
 _devices_by_queue = {}  # id of an OpenCL queue -> its Device
 _devices_lock = threading.Lock()  # two threads asking at once still get one Device
+_chosen_default = [None]  # the Device manager.set_default chose (None: NETCL_DEVICE, else auto)
 
 
 def _opencl_devices():
@@ -410,9 +410,9 @@ def _target_device(where, device):
 
 
 def _set_default_device(device):
-    """Make `device` the default from now on, as torch.set_default_device: what Tensors,
-    Parameters and modules created without queue=, DataLoader batches and a Trainer without
-    device_queue= use. `device` is what manager.default takes (a Device, "cpu", "gpu",
+    """Make `device` the default from now on, as torch.set_default_device: where Tensors,
+    Parameters and modules created without queue= go, and a Trainer whose model has no
+    parameters trains. `device` is what manager.default takes (a Device, "cpu", "gpu",
     "opencl", "opencl:P:D", "auto") or a queue; it wins over NETCL_DEVICE. None forgets the
     choice (NETCL_DEVICE decides again). Returns the Device that is now the default."""
     _chosen_default[0] = None if device is None else _device_of(device)
@@ -628,13 +628,12 @@ class Tensor:
     def to(self, device):
         """This tensor on `device` (a Device, a queue, or "cpu", "opencl", ... as
         manager.default takes): self if it is there already, else a copy there, as
-        torch.Tensor.to. The dtype is kept; int32 labels keep their host copy. A copy from an
-        OpenCL device waits for the work that writes this tensor."""
+        torch.Tensor.to. The dtype is kept, and int32 labels get a host copy on OpenCL as
+        from_host gives them. A copy from an OpenCL device waits for the work that writes
+        this tensor (read back, not taken from a host copy: the device may have changed it)."""
         device = _target_device("Tensor.to", device)
         if device is self.device:
             return self
-        if self._labels is not None:  # the host copy is these contents: no read back
-            return Tensor.from_host(self._labels, device.queue, self.dtype)
         return Tensor.from_host(self.to_host(), device.queue, self.dtype)
 
     def __repr__(self):
@@ -6206,9 +6205,10 @@ def _trainer_device(model, device_queue):
         return _default_device() if first is None else first[1]
     device = _device_of(device_queue)
     if first is not None and first[1] is not device:
-        raise ValueError(f"Trainer: device_queue is {device.backend} ({device.name})'s, but the "
-                         f"model's parameters are on {first[1].backend} ({first[1].name}); "
-                         f"move the model with model.to(device), or leave device_queue out")
+        raise ValueError(f"Trainer: device_queue belongs to {device.backend} ({device.name}), "
+                         f"but the model's parameters are on {first[1].backend} "
+                         f"({first[1].name}); move the model with model.to(device), or leave "
+                         f"device_queue out")
     return device
 
 
