@@ -8122,3 +8122,16 @@ def test_mnist_example_names_the_files_it_tried(tmp_path):
     with raises_naming(FileNotFoundError, str(tmp_path), "train-images-idx3-ubyte",
                        "train-images.idx3-ubyte", "train-images.idx3-ubyte.gz"):
         _mnist_example().load_mnist(str(tmp_path))
+
+
+def test_tensor_to_copies_what_the_device_holds_not_a_host_copy(opencl, cpu):
+    """An int32 tensor written from the host keeps that host copy, but the device may change
+    it later (Adam's step count counts on the device): .to() copies the current contents."""
+    model = nn.Linear(2, 2, queue=opencl.queue)
+    opt = netcl.optim.AdamW(model.parameters())
+    with netcl.Tape() as tape:
+        loss = (model(tensor(np.ones((1, 2), np.float32), opencl)) ** 2).sum()
+    tape.backward(loss)
+    opt.step()
+    np.testing.assert_array_equal(opt._step_count.to(cpu).to_host(), [1])
+    np.testing.assert_array_equal(opt._step_count.to(cpu).to(opencl)._labels, [1])
