@@ -91,7 +91,8 @@ class Device:
 
     `.backend` is "opencl" or "cpu", `.queue` its (in-order) queue, `.pool` its BufferPool,
     `.name` a human-readable name. `.launches` and `.syncs` count kernel launches and
-    host-device synchronisations (for tests and benchmarks: syncs are what cost).
+    host-device synchronisations (for tests and benchmarks: syncs are what cost); `.builds`
+    and `.build_seconds` count the builds of kernels.cl and the time they took.
     """
 
     def __init__(self, backend, name, queue=None, cl_device=None):
@@ -99,6 +100,8 @@ class Device:
         self.name = name
         self.launches = 0
         self.syncs = 0
+        self.builds = 0
+        self.build_seconds = 0.0
         self._lock = threading.Lock()  # launches, counters, uploads, the float16 build
         self._kernels = {}          # kernels.cl built for float32 activations
         self._half_kernels = None   # built for float16 storage, on the first call that needs it
@@ -239,6 +242,8 @@ class Device:
             kernel.set_scalar_arg_dtypes([_CL_SCALARS.get(kernel.get_arg_info(
                 i, cl.kernel_arg_info.TYPE_NAME)) for i in range(kernel.num_args)])
             kernels[kernel.function_name] = kernel
+        self.builds += 1
+        self.build_seconds += time.perf_counter() - started
         if DEBUG:
             print(f"netcl: built {len(kernels)} kernels ({'float16' if half else 'float32'} "
                   f"activations) for {self.name} in {time.perf_counter() - started:.2f} s",
@@ -284,6 +289,7 @@ def _kernel_source():
 _devices = {}           # cache key -> Device: the same request returns the same Device
 _devices_by_queue = {}  # id of an OpenCL queue -> its Device
 _devices_lock = threading.Lock()  # two threads asking at once still get one Device
+_chosen_default = [None]  # the Device manager.set_default chose (None: NETCL_DEVICE, else auto)
 
 
 def _opencl_devices():
@@ -327,11 +333,15 @@ def _opencl_device(platform_index, device_index, cl_device):
 def _default_device(device=None):
     """The Device for `device`: "cpu", "gpu"/"opencl", "opencl:P:D", or None/"auto".
 
-    None reads the environment variable NETCL_DEVICE (same values); an explicit argument wins.
-    "auto" is an OpenCL GPU if there is one, otherwise the NumPy backend.
+    None is the device manager.set_default chose, if it chose one; otherwise the environment
+    variable NETCL_DEVICE decides (same values). An explicit argument wins over both, and
+    asking for a device here does not make it the default. "auto" is an OpenCL GPU if there
+    is one, otherwise the NumPy backend.
     """
     if isinstance(device, Device):
         return device
+    if device is None and _chosen_default[0] is not None:
+        return _chosen_default[0]
     request = device if device is not None else (os.environ.get("NETCL_DEVICE") or "auto")
     if not isinstance(request, str):
         raise ValueError(f"device must be a string such as 'cpu', 'gpu', 'opencl', 'auto' or "
@@ -353,8 +363,7 @@ def _default_device(device=None):
                           1 if d[2].type & cl.device_type.ACCELERATOR else 2)
         best = min(found, key=rank)
         if rank(best) and ("opencl", best[0], best[1]) not in _devices:
-            print(f"netcl: no OpenCL GPU found, using {best[2].name.strip()} "
-                  f"({cl.device_type.to_string(best[2].type)})", file=sys.stderr)
+            print(f"netcl: no OpenCL GPU found; using {_describe(best[2])}", file=sys.stderr)
         return _opencl_device(*best)
     parts = request.split(":")
     if len(parts) == 3 and parts[0] == "opencl" and parts[1].isdigit() and parts[2].isdigit():
@@ -372,9 +381,10 @@ def _default_device(device=None):
 
 
 def _device_of(queue=None):
-    """The Device that owns `queue` (None: the default device; a Device is itself)."""
-    if queue is None:
-        return _default_device()
+    """The Device that owns `queue` (None: the default device; a Device is itself; a string
+    such as "opencl" is resolved as manager.default resolves it)."""
+    if queue is None or isinstance(queue, str):
+        return _default_device(queue)
     if isinstance(queue, Device):
         return queue
     if isinstance(queue, _CpuQueue):
@@ -392,6 +402,36 @@ def _device_of(queue=None):
                 device = Device("opencl", queue.device.name.strip(), queue, queue.device)
                 _devices_by_queue[id(queue)] = device
     return device
+
+
+def _target_device(where, device):
+    """The Device a `.to(device)` names; ValueError naming `where` for anything else."""
+    if device is None:
+        raise ValueError(f"{where}: device must be a Device, a queue, or 'cpu', 'gpu', "
+                         f"'opencl', 'auto' or 'opencl:P:D', got None")
+    try:
+        return _device_of(device)
+    except ValueError as error:
+        raise ValueError(f"{where}: {error}") from None
+
+
+def _set_default_device(device):
+    """Make `device` the default from now on, as torch.set_default_device: where Tensors,
+    Parameters and modules created without queue= go, and a Trainer whose model has no
+    parameters trains. `device` is what manager.default takes (a Device, "cpu", "gpu",
+    "opencl", "opencl:P:D", "auto") or a queue; it wins over NETCL_DEVICE. None forgets the
+    choice (NETCL_DEVICE decides again). Returns the Device that is now the default."""
+    _chosen_default[0] = None if device is None else _device_of(device)
+    return _default_device()
+
+
+def _describe(cl_device):
+    """A device in plain words for notices: "OpenCL CPU device 'name' (platform)"."""
+    # From the type's flags: PoCL reports its CPU device as "ALL | CPU".
+    kind = ("GPU " if cl_device.type & cl.device_type.GPU else
+            "accelerator " if cl_device.type & cl.device_type.ACCELERATOR else
+            "CPU " if cl_device.type & cl.device_type.CPU else "")
+    return f"OpenCL {kind}device '{cl_device.name.strip()}' ({cl_device.platform.name.strip()})"
 
 
 # ============================================================================ BufferPool
@@ -601,6 +641,17 @@ class Tensor:
         shape = _resolve_shape("reshape", self.shape, shape)
         data = self.data.reshape(shape) if self.device.backend == "cpu" else self.data
         return Tensor(self.device, shape, self.dtype, data, base=self._base or self)
+
+    def to(self, device):
+        """This tensor on `device` (a Device, a queue, or "cpu", "opencl", ... as
+        manager.default takes): self if it is there already, else a copy there, as
+        torch.Tensor.to. The dtype is kept, and int32 labels get a host copy on OpenCL as
+        from_host gives them. A copy from an OpenCL device waits for the work that writes
+        this tensor (read back, not taken from a host copy: the device may have changed it)."""
+        device = _target_device("Tensor.to", device)
+        if device is self.device:
+            return self
+        return Tensor.from_host(self.to_host(), device.queue, self.dtype)
 
     def __repr__(self):
         return f"Tensor(shape={self.shape}, dtype={self.dtype.name}, device={self.device.name!r})"
@@ -814,6 +865,16 @@ class Node:
         indexing the leading dimension (see _index)."""
         return _index(self, key)
 
+    def to(self, device):
+        """This node's value on `device`, as torch.Tensor.to: self if it is there already,
+        else a new Node (inside a Tape its gradient flows back to this device). A Parameter
+        gives a plain Node too, as in PyTorch; Module.to moves parameters in place."""
+        device = _target_device("Node.to", device)
+        if device is self.device:
+            return self
+        source = self.device
+        return _record(self.value.to(device), (self,), lambda g: (g.to(source),))
+
 
 class Parameter(Node):
     """A trainable leaf: a Node with requires_grad=True.
@@ -1010,11 +1071,18 @@ def _rng():
     return _generator[0]
 
 
+def _different_devices(op, *devices):
+    """The ValueError for operands on different devices, saying how to bring them together."""
+    names = ", ".join(f"{d.backend} ({d.name})" for d in devices)
+    return ValueError(f"{op}: operands are on different devices: {names}; move them to one "
+                      f"device with .to(device) (model.to(device) moves a model), or create "
+                      f"them there with queue=device.queue or manager.set_default(device)")
+
+
 def _devices_of(op, *values):
     devices = {id(v.device): v.device for v in values if isinstance(v, (Node, Tensor))}
     if len(devices) > 1:
-        names = ", ".join(f"{d.backend} ({d.name})" for d in devices.values())
-        raise ValueError(f"{op}: operands are on different devices: {names}")
+        raise _different_devices(op, *devices.values())
     return next(iter(devices.values()), None) or _default_device()
 
 
@@ -1025,8 +1093,7 @@ def _as_tensor(op, value, like):
         value = value.value
     if isinstance(value, Tensor):
         if value.device is not like.device:
-            raise ValueError(f"operands are on different devices: {value.device.backend} and "
-                             f"{like.device.backend}")
+            raise _different_devices(op, value.device, like.device)
         return value
     array = _real_array(op, value)
     dtype = like.dtype if like.dtype.kind == "f" else None
@@ -1632,8 +1699,7 @@ def _mask(op, cond, like, name):
             raise TypeError(f"{op}: {name} must hold bools or integers (an int32 Tensor), "
                             f"got a {cond.dtype.name} Tensor of shape {cond.shape}")
         if cond.device is not like.device:
-            raise ValueError(f"{op}: operands are on different devices: {cond.device.backend} "
-                             f"({cond.device.name}) and {like.device.backend} ({like.device.name})")
+            raise _different_devices(op, cond.device, like.device)
         mask = _like(cond, dtype=like.dtype)
         if cond.device.backend == "cpu":
             mask.data[...] = cond.data != 0
@@ -3990,6 +4056,38 @@ class Module:
         """Set evaluation mode (dropout off)."""
         return self.train(False)
 
+    def to(self, device):
+        """Move every parameter (its gradient too) and every Tensor buffer (a BatchNorm's
+        running statistics) to `device`, in place, and return self, as torch.nn.Module.to.
+        `device`: a Device, a queue, or "cpu", "opencl", ... as manager.default takes.
+
+        As PyTorch advises, move the model before creating its optimizer: Adam and AdamW
+        hold their parameters in flat buffers on the device, so moving parameters that a
+        live Adam holds raises ValueError (nothing is moved then). SGD keeps the same
+        Parameters and follows them, until it has momentum buffers on the old device."""
+        device = _target_device(f"{type(self).__name__}.to", device)
+        for name, param in self.named_parameters():
+            owner = param._flat[0].owner() if param._flat is not None else None
+            if owner is not None and param.device is not device:
+                raise ValueError(f"{type(self).__name__}.to: parameter {name!r} lives in the "
+                                 f"flat buffers of its {type(owner).__name__} optimizer on "
+                                 f"{param.device.name}; call .to(device) before creating the "
+                                 f"optimizer")
+        self._move_to(device)
+        return self
+
+    def _move_to(self, device):
+        for param in self._parameters.values():
+            if param.device is not device:
+                param.value = param.value.to(device)
+                param.grad = None if param.grad is None else param.grad.to(device)
+                param._grad_home = param._flat = None  # out of a dropped optimizer's buffers
+        for name, buffer in self._buffers.items():
+            if isinstance(buffer, Tensor):  # host arrays (num_batches_tracked) stay
+                setattr(self, name, buffer.to(device))
+        for module in self._modules.values():
+            module._move_to(device)
+
     def state_dict(self):
         """An ordered dict of NumPy copies of every parameter and buffer, under PyTorch's
         names and in its order."""
@@ -4027,6 +4125,34 @@ class Module:
                 _write(entry.value if isinstance(entry, Node) else entry, arrays[name])
             if isinstance(entry, Parameter):
                 entry._half_stale = True  # its optimizer's float16 copy is out of date
+
+    # --- printing: PyTorch's layout, then the parameter count ---------------------------------
+    def extra_repr(self):
+        """This module's own settings, for repr(), as PyTorch's extra_repr; subclasses with
+        arguments return them ("in_features=784, out_features=128, bias=True")."""
+        return ""
+
+    def __repr__(self):
+        """PyTorch's layout: `Name(extra)`, or one line per setting and per sub-module,
+        `(name): repr`, indented by two spaces."""
+        extra = self.extra_repr()
+        lines = extra.split("\n") if extra else []
+        children = [f"({name}): " + repr(module).replace("\n", "\n  ")
+                    for name, module in self._modules.items()]
+        if len(lines) == 1 and not children:
+            return f"{type(self).__name__}({lines[0]})"
+        body = "".join("\n  " + line for line in lines + children)
+        return f"{type(self).__name__}({body}\n)" if body else f"{type(self).__name__}()"
+
+    def __str__(self):
+        """What print(model) shows: repr() and a last line with num_parameters() (PyTorch
+        prints no count; Keras' summary does, in these words)."""
+        return f"{self!r}\nTotal params: {self.num_parameters():,}"
+
+    def num_parameters(self):
+        """The number of parameter values, a Parameter shared by two modules counted once."""
+        unique = {id(p): p for p in self.parameters()}
+        return builtins.sum(p.value.size for p in unique.values())
 
 
 def _check_buffer(name, value):
@@ -4073,6 +4199,10 @@ class Linear(Module):
         """x (..., in_features) -> (..., out_features)."""
         return linear(x, self.weight, self.bias)
 
+    def extra_repr(self):
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}")
+
 
 class Conv2d(Module):
     """2-D convolution over (N, C, H, W) input, weight (out_channels, in_channels / groups,
@@ -4105,6 +4235,18 @@ class Conv2d(Module):
         return conv2d(x, self.weight, self.bias, self.stride, self.padding, self.dilation,
                       self.groups)
 
+    def extra_repr(self):
+        """PyTorch's: the defaults of padding, dilation, groups and bias left out."""
+        text = (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, "
+                f"stride={self.stride}")
+        if self.padding != (0, 0):
+            text += f", padding={self.padding}"
+        if self.dilation != (1, 1):
+            text += f", dilation={self.dilation}"
+        if self.groups != 1:
+            text += f", groups={self.groups}"
+        return text + (", bias=False" if self.bias is None else "")
+
 
 class MaxPool2d(Module):
     """max_pool2d as a module; stride defaults to kernel_size, padding (-inf) to 0."""
@@ -4118,6 +4260,11 @@ class MaxPool2d(Module):
     def forward(self, x):
         """x (N, C, H, W) -> (N, C, OH, OW)."""
         return max_pool2d(x, self.kernel_size, self.stride, self.padding)
+
+    def extra_repr(self):
+        # PyTorch's string: netcl's pooling is PyTorch's with dilation 1 and ceil_mode off.
+        return (f"kernel_size={self.kernel_size}, stride={self.stride}, padding={self.padding}, "
+                f"dilation=1, ceil_mode=False")
 
 
 class ReLU(Module):
@@ -4157,6 +4304,9 @@ class GELU(Module):
         """Apply gelu."""
         return gelu(x, self.approximate)
 
+    def extra_repr(self):
+        return f"approximate={self.approximate!r}"
+
 
 class Dropout(Module):
     """Dropout with probability p while training; the identity in eval mode."""
@@ -4171,6 +4321,9 @@ class Dropout(Module):
         """Apply dropout when training."""
         return dropout(x, self.p, self.training)
 
+    def extra_repr(self):
+        return f"p={self.p}, inplace=False"  # PyTorch's string; netcl never drops in place
+
 
 class Flatten(Module):
     """Flatten dimensions start_dim..end_dim (keeps the batch dimension by default)."""
@@ -4182,6 +4335,9 @@ class Flatten(Module):
     def forward(self, x):
         """Apply flatten."""
         return flatten(x, self.start_dim, self.end_dim)
+
+    def extra_repr(self):
+        return f"start_dim={self.start_dim}, end_dim={self.end_dim}"
 
 
 class Sequential(Module):
@@ -4236,6 +4392,10 @@ class LayerNorm(Module):
         """x (..., *normalized_shape) -> the same shape."""
         return layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
 
+    def extra_repr(self):
+        return (f"{self.normalized_shape}, eps={self.eps}, "
+                f"elementwise_affine={self.elementwise_affine}, bias={self.bias is not None}")
+
 
 class _BatchNorm(Module):
     """BatchNorm1d and BatchNorm2d: batch_norm with PyTorch's parameters and buffers.
@@ -4288,6 +4448,12 @@ class _BatchNorm(Module):
             self.num_batches_tracked[...] = batches
         return out
 
+    def extra_repr(self):
+        # PyTorch's string; its bias=False (a weight without a bias) netcl does not offer
+        return (f"{self.num_features}, eps={self.eps}, momentum={self.momentum}, "
+                f"affine={self.affine}, bias={self.affine}, "
+                f"track_running_stats={self.track_running_stats}")
+
 
 class BatchNorm1d(_BatchNorm):
     """Batch normalisation of (N, C) or (N, C, L) input, per channel C."""
@@ -4315,6 +4481,9 @@ class Embedding(Module):
     def forward(self, idx):
         """idx (...) integers in [0, num_embeddings) -> (..., embedding_dim)."""
         return embedding(idx, self.weight)
+
+    def extra_repr(self):
+        return f"{self.num_embeddings}, {self.embedding_dim}"
 
 
 # A state that is not a flat dict of arrays (an optimizer's, a training checkpoint) is stored
@@ -4580,6 +4749,11 @@ class SGD(Optimizer):
                 self.momentum_buffers[i] = _fill(p.shape, 0.0, p.value)
             buf = self.momentum_buffers[i]
             P, G = p.value, p.grad
+            if buf is not None and buf.device is not P.device:
+                raise ValueError(f"SGD.step: parameter {i} is on {P.device.name}, its momentum "
+                                 f"buffer on {buf.device.name}: the model was moved after this "
+                                 f"optimizer's first step; call .to(device) before creating "
+                                 f"the optimizer")
             if P.device.backend == "cpu":
                 d = G.data + self.weight_decay * P.data
                 if self.momentum:
@@ -4772,6 +4946,7 @@ class _FlatBuffers:
         self.exp_avg_views = self._views(self.exp_avg)
         self.exp_avg_sq_views = self._views(self.exp_avg_sq)
         self.params_half = self.half_views = None  # see half_copies
+        self.owner = lambda: None  # the optimizer using these buffers (a weakref), if any
         for index, (p, value, home) in enumerate(zip(params, self.param_views, self.grad_views)):
             p.value = _copy(p.value, out=value)
             if isinstance(p, Parameter):  # a plain Node leaf has no home: its grads stay apart
@@ -4823,6 +4998,7 @@ class Adam(Optimizer):
                 raise ValueError(f"{name}: parameter {i} is {p.dtype}; only float32 "
                                  f"parameters are supported")
         self._flat = _FlatBuffers(self.params)
+        self._flat.owner = weakref.ref(self)  # while this optimizer lives, Module.to refuses
         self._step_count = Tensor.from_host(np.zeros(1, np.int32), device.queue)  # t
         self._scalars = Tensor.empty((4,), np.float32, device.queue)  # see _prepare
 
@@ -6121,7 +6297,8 @@ class Trainer:
 
     model: any callable mapping an input Node to logits (N, C) (a regression's output: any
     shape its loss takes). optimizer: a netcl optimizer.
-    device_queue: the queue batches are uploaded to (default: manager.default()'s).
+    device_queue: the queue batches are uploaded to; by default the device of the model's
+        parameters (manager.default()'s for a model without any).
     mixed_precision: forward under autocast with an AMPGradScaler (off on the NumPy backend).
     grad_clip: global-norm clipping each step, fused into optimizer.step(max_norm=...) when the
     optimizer's step accepts it. loss_fn: default loss (cross_entropy). metrics_stride: read
@@ -6144,7 +6321,7 @@ class Trainer:
                 or metrics_stride < 1:
             raise ValueError(f"Trainer: metrics_stride must be a positive integer, got {metrics_stride!r}")
         self.model, self.optimizer = model, optimizer
-        self.device = _device_of(device_queue)
+        self.device = _trainer_device(model, device_queue)
         self.grad_clip = None if grad_clip is None else float(grad_clip)
         self.loss_fn = loss_fn
         self.metrics_stride = int(metrics_stride)
@@ -6153,6 +6330,8 @@ class Trainer:
             mixed_precision = False
         self.mixed_precision = bool(mixed_precision)
         self.scaler = AMPGradScaler() if self.mixed_precision else None
+        if self.mixed_precision and self.device.autocast_half:
+            self.device._half_program()  # built now: the first epoch's samples/s stays honest
         # Checked once: does this optimizer clip inside its own step?
         self._fused_clip = "max_norm" in inspect.signature(optimizer.step).parameters
         self._in_flight = deque()  # one marker event per queued step (OpenCL)
@@ -6523,6 +6702,31 @@ class Trainer:
         return x, target, labels
 
 
+def _trainer_device(model, device_queue):
+    """The Trainer's device: device_queue's, else the one the model's parameters are on (the
+    default device for a model without any). Parameters on two devices, or on another device
+    than device_queue, raise ValueError naming them: the first step would fail otherwise."""
+    named = model.named_parameters() if callable(getattr(model, "named_parameters", None)) else ()
+    first = None
+    for name, param in named:
+        if first is None:
+            first = name, param.device
+        elif param.device is not first[1]:
+            raise ValueError(f"Trainer: the model's parameters are on different devices: "
+                             f"{first[0]!r} on {first[1].backend} ({first[1].name}), {name!r} "
+                             f"on {param.device.backend} ({param.device.name}); move the model "
+                             f"to one device with model.to(device)")
+    if device_queue is None:
+        return _default_device() if first is None else first[1]
+    device = _device_of(device_queue)
+    if first is not None and first[1] is not device:
+        raise ValueError(f"Trainer: device_queue belongs to {device.backend} ({device.name}), "
+                         f"but the model's parameters are on {first[1].backend} "
+                         f"({first[1].name}); move the model with model.to(device), or leave "
+                         f"device_queue out")
+    return device
+
+
 def _as_value(x):
     return x.value if isinstance(x, Node) else x
 
@@ -6642,7 +6846,8 @@ def _alias(name, **members):
     return module
 
 
-manager = _alias("manager", default=_default_device, Device=Device)
+manager = _alias("manager", default=_default_device, set_default=_set_default_device,
+                 Device=Device)
 functional = _alias(
     "functional", matmul=matmul, linear=linear, add=add, sub=sub, mul=mul, div=div, neg=neg,
     relu=relu, leaky_relu=leaky_relu, sigmoid=sigmoid, tanh=tanh, gelu=gelu, exp=exp, log=log,

@@ -8211,3 +8211,422 @@ def test_fit_progress_on_a_terminal_leaves_only_the_epoch_lines(backend, tmp_pat
     assert "evaluate:" not in raw
     assert "epoch 1/2 [" in raw and "8/8" in raw and "ETA" in raw  # the bar names its epoch
     assert "epoch 2/2 validating..." in raw
+# ---------------------------------------------------------------------------------------------
+# devices, model printing, examples: .to(), manager.set_default, the Trainer's device,
+# the device notice, kernel builds outside the first epoch, print(model), running examples
+# ---------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def chosen_default():
+    """manager.set_default, undone after the test (the rest of the suite uses the usual
+    NETCL_DEVICE-or-auto default)."""
+    yield netcl.manager.set_default
+    netcl.manager.set_default(None)
+
+
+def _other(backend):
+    """The other backend's Device: where a test's objects start before they are moved."""
+    return _get_device("opencl" if backend.backend == "cpu" else "cpu")
+
+
+def test_set_default_device_is_used_wherever_no_queue_is_given(backend, chosen_default, monkeypatch):
+    assert chosen_default(backend.backend) is backend
+    assert netcl.manager.default() is backend
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    assert netcl.Tensor.from_host(x).device is backend
+    assert netcl.Tensor.empty((2,)).device is backend
+    assert netcl.Parameter(x).device is backend
+    assert netcl.Node(x).device is backend
+    layers = [nn.Linear(3, 2), nn.Conv2d(1, 2, 3), nn.LayerNorm(3), nn.BatchNorm1d(3), nn.Embedding(4, 2)]
+    assert all(p.device is backend for layer in layers for p in layer.parameters())
+    assert layers[3].running_mean.device is backend
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+    trainer = netcl.Trainer(lambda x: model(x), netcl.optim.SGD(model.parameters(), lr=0.1))
+    assert trainer.device is backend  # a model without parameters(): the default device
+    # A Device given works too; None goes back to NETCL_DEVICE, else auto.
+    assert chosen_default(backend) is backend
+    monkeypatch.setenv("NETCL_DEVICE", "cpu")
+    assert chosen_default(None) is netcl.manager.default("cpu")
+    assert netcl.Tensor.from_host(x).device.backend == "cpu"
+
+
+def test_set_default_wins_over_netcl_device_and_default_kind_leaves_it(opencl, chosen_default, monkeypatch):
+    monkeypatch.setenv("NETCL_DEVICE", "cpu")
+    # Asking manager.default for a device does not make it the default (existing callers).
+    assert netcl.manager.default("opencl") is opencl
+    assert netcl.manager.default().backend == "cpu"
+    assert chosen_default("opencl") is opencl
+    assert netcl.manager.default() is opencl  # code's choice wins over the environment
+    assert netcl.manager.default("cpu").backend == "cpu"  # an explicit argument wins over both
+    with raises_naming(ValueError, "nonsense"):
+        chosen_default("nonsense")
+    assert netcl.manager.default() is opencl  # a rejected choice changes nothing
+
+
+def test_module_to_moves_parameters_and_buffers_in_place(backend):
+    source = _other(backend)
+    netcl.manual_seed(3)
+    q = source.queue
+    model = nn.Sequential(nn.Linear(5, 4, queue=q), nn.BatchNorm1d(4, queue=q), nn.ReLU(),
+                          nn.Linear(4, 3, queue=q))
+    x = np.random.default_rng(0).standard_normal((6, 5)).astype(np.float32)
+    with netcl.Tape() as tape:  # trains the batch norm's running statistics once
+        loss = F.cross_entropy(model(tensor(x, source)), np.array([0, 1, 2, 0, 1, 2]))
+    tape.backward(loss)
+    params = dict(model.named_parameters())
+    before = {name: host(p) for name, p in params.items()}
+    grads = {name: host(p.grad) for name, p in params.items()}
+    stats = model[1].running_mean.to_host(), model[1].running_var.to_host()
+    model.eval()
+    expected = host(model(tensor(x, source)))
+
+    assert model.to(backend.backend) is model
+    assert dict(model.named_parameters()) == params  # the same Parameter objects
+    for name, p in params.items():
+        assert p.device is backend and p.grad.device is backend, name
+        np.testing.assert_array_equal(host(p), before[name], err_msg=name)
+        np.testing.assert_array_equal(host(p.grad), grads[name], err_msg=name)
+    assert model[1].running_mean.device is backend and model[1].running_var.device is backend
+    np.testing.assert_array_equal(model[1].running_mean.to_host(), stats[0])
+    np.testing.assert_array_equal(model[1].running_var.to_host(), stats[1])
+    assert isinstance(model[1].num_batches_tracked, np.ndarray)  # a host counter stays one
+    assert model[1]._buffers["running_mean"] is model[1].running_mean
+    np.testing.assert_allclose(host(model(tensor(x, backend))), expected, rtol=1e-5, atol=1e-5)
+    assert model.to(backend) is model  # already there: nothing changes
+    with raises_naming(ValueError, "Sequential.to", "device"):
+        model.to(None)
+    with raises_naming(ValueError, "Sequential.to", "nonsense"):
+        model.to("nonsense")
+
+
+def test_tensor_to_and_node_to(backend):
+    source = _other(backend)
+    values = np.array([[1.0, -2.0, 3.0]], np.float32)
+    t = tensor(values, source)
+    assert t.to(source) is t and t.to(source.queue) is t
+    moved = t.to(backend)
+    assert moved.device is backend and moved.dtype == np.float32
+    np.testing.assert_array_equal(moved.to_host(), values)
+    half = tensor(values, source, np.float16).to(backend)
+    assert half.dtype == np.float16
+    labels = tensor(np.array([2, 0, 1]), source).to(backend)
+    assert labels.dtype == np.int32
+    np.testing.assert_array_equal(labels.to_host(), [2, 0, 1])
+    if backend.backend == "opencl":  # label tensors keep the host copy the Trainer checks
+        np.testing.assert_array_equal(labels._labels, [2, 0, 1])
+    with raises_naming(ValueError, "Tensor.to", "nonsense"):
+        t.to("nonsense")
+    # Node.to: a new node there; inside a Tape the gradient comes back to the source device.
+    w = netcl.Parameter(tensor(values, source))
+    assert w.to(source) is w
+    with netcl.Tape() as tape:
+        on_backend = w.to(backend)
+        loss = (on_backend * on_backend).sum()
+    assert on_backend.device is backend and not isinstance(on_backend, netcl.Parameter)
+    tape.backward(loss)
+    assert w.grad.device is source
+    np.testing.assert_allclose(host(w.grad), 2 * values)
+
+
+def test_module_to_after_adam_raises_until_the_optimizer_is_gone(backend):
+    source = _other(backend)
+    model = nn.Sequential(nn.Linear(3, 2, queue=source.queue))
+    opt = netcl.optim.AdamW(model.parameters(), lr=0.1)
+    with raises_naming(ValueError, "'0.weight'", "AdamW", "before creating the optimizer"):
+        model.to(backend)
+    assert all(p.device is source for p in model.parameters())  # nothing moved
+    del opt
+    gc.collect()
+    model.to(backend)
+    opt = netcl.optim.AdamW(model.parameters(), lr=0.1)
+    before = host(model[0].weight)
+    x = tensor(np.ones((4, 3), np.float32), backend)
+    with netcl.Tape() as tape:
+        loss = F.cross_entropy(model(x), np.array([0, 1, 0, 1]))
+    opt.zero_grad()
+    tape.backward(loss)
+    opt.step()
+    assert model[0].weight.device is backend
+    assert not np.array_equal(host(model[0].weight), before)
+
+
+def test_sgd_follows_a_moved_model_until_it_has_momentum(backend):
+    source = _other(backend)
+    model = nn.Sequential(nn.Linear(3, 2, queue=source.queue))
+    opt = netcl.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x = np.ones((4, 3), np.float32)
+
+    def step(dev):
+        with netcl.Tape() as tape:
+            loss = F.cross_entropy(model(tensor(x, dev)), np.array([0, 1, 0, 1]))
+        opt.zero_grad()
+        tape.backward(loss)
+        opt.step()
+
+    model.to(backend)  # before the first step: SGD holds the same Parameters
+    before = host(model[0].weight)
+    step(backend)
+    assert not np.array_equal(host(model[0].weight), before)
+    model.to(source)  # now its momentum buffers are on `backend`
+    with raises_naming(ValueError, "SGD.step", "momentum", "before creating the optimizer"):
+        step(source)
+
+
+def test_trainer_takes_its_device_from_the_model(backend, chosen_default):
+    chosen_default(_other(backend))  # the default is elsewhere: only the model says `backend`
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((32, 4)).astype(np.float32)
+    y = (x[:, 0] > 0).astype(np.int64)
+    model = nn.Sequential(nn.Linear(4, 8, queue=backend.queue), nn.ReLU(),
+                          nn.Linear(8, 2, queue=backend.queue))
+    trainer = netcl.Trainer(model, netcl.optim.SGD(model.parameters(), lr=0.1))
+    assert trainer.device is backend
+    history = trainer.fit(netcl.DataLoader(netcl.ArrayDataset(x, y), batch_size=8, seed=0))
+    assert math.isfinite(history[0]["loss"])
+
+
+def test_trainer_device_errors_name_the_devices(opencl, cpu):
+    model = nn.Sequential(nn.Linear(4, 8, queue=opencl.queue), nn.ReLU(), nn.Linear(8, 2, queue=cpu.queue))
+    opt = netcl.optim.SGD(model.parameters(), lr=0.1)
+    with raises_naming(ValueError, "Trainer", "'0.weight'", "'2.weight'", opencl.name, "NumPy", ".to("):
+        netcl.Trainer(model, opt)
+    model[2].to(opencl)
+    with raises_naming(ValueError, "Trainer", "device_queue", opencl.name, "NumPy", ".to("):
+        netcl.Trainer(model, opt, device_queue=cpu.queue)
+    assert netcl.Trainer(model, opt, device_queue=opencl.queue).device is opencl
+    assert netcl.Trainer(model, opt, device_queue="opencl").device is opencl
+
+
+def test_mixed_device_errors_say_how_to_fix_them(opencl, cpu):
+    fix = (".to(device)", "queue=device.queue")
+    x = tensor(np.ones((2, 3), np.float32), cpu)
+    w = param(np.ones((4, 3), np.float32), opencl)
+    with raises_naming(ValueError, "linear", "different devices", "NumPy", opencl.name, *fix):
+        F.linear(x, w)
+    cond = tensor(np.array([1, 0, 1]), cpu)
+    a = tensor(np.ones(3, np.float32), opencl)
+    with raises_naming(ValueError, "where", "different devices", *fix):
+        F.where(cond, a, a)
+    with netcl.Tape() as tape:
+        loss = (w * w).sum()
+    with raises_naming(ValueError, "backward", "different devices", *fix):
+        tape.backward(loss, grad=tensor(np.ones((), np.float32), cpu))
+
+
+def _netcl_env(**extra):
+    """The environment of a subprocess that imports this netcl.py, not an installed one."""
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.abspath(netcl.__file__)), **extra)
+    env.pop("NETCL_DEVICE", None)
+    return env
+
+
+def test_device_notice_is_plain_words(opencl):
+    import pyopencl as cl
+    if opencl.cl_device.type & (cl.device_type.GPU | cl.device_type.ACCELERATOR):
+        pytest.skip("the notice is printed for a CPU OpenCL device only")
+    result = subprocess.run([sys.executable, "-c", "import netcl; netcl.manager.default('opencl')"],
+                            env=_netcl_env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert (f"netcl: no OpenCL GPU found; using OpenCL CPU device "
+            f"'{opencl.cl_device.name.strip()}' ({opencl.cl_device.platform.name.strip()})"
+            in result.stderr), result.stderr
+    assert "ALL" not in result.stderr  # not the type bitfield's string
+
+
+def _digits_batches(n=64):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((n, 64)).astype(np.float32)
+    return netcl.DataLoader(netcl.ArrayDataset(x, rng.integers(0, 10, n)), batch_size=16, seed=0)
+
+
+@pytest.mark.parametrize("mixed_precision", [False, True])
+def test_no_kernel_build_during_the_first_epoch(opencl, monkeypatch, mixed_precision):
+    """kernels.cl is built when the Device is created, and the float16-storage build (made on
+    first use) when a mixed-precision Trainer is: the first epoch's samples/s measures
+    training, not the compiler."""
+    import pyopencl as cl
+    queue = cl.CommandQueue(cl.Context([opencl.cl_device]))  # a fresh Device: nothing built yet
+    model = _digits_mlp(netcl.Tensor.empty((1,), queue=queue).device)
+    device = model[0].weight.device
+    assert device is not opencl and device.builds == 1 and device.build_seconds > 0
+    # A device where autocast stores float16 (half arithmetic) without tensor cores.
+    monkeypatch.setattr(device, "_tensor_cores", False)
+    monkeypatch.setattr(device, "_has_fp16", True)
+    trainer = netcl.Trainer(model, netcl.optim.AdamW(model.parameters()),
+                            mixed_precision=mixed_precision)
+    built = device.builds, device.build_seconds
+    assert built[0] == (2 if mixed_precision else 1)
+    trainer.fit(_digits_batches())
+    assert (device.builds, device.build_seconds) == built
+
+
+# PyTorch 2's print() of the same modules (torch.nn, CPU), character for character.
+TORCH_MODEL_REPR = """\
+Sequential(
+  (0): Conv2d(1, 16, kernel_size=(3, 3), stride=(1, 1), padding=(1, 1))
+  (1): ReLU()
+  (2): MaxPool2d(kernel_size=2, stride=2, padding=0, dilation=1, ceil_mode=False)
+  (3): Conv2d(16, 32, kernel_size=(3, 5), stride=(2, 2), dilation=(2, 2), groups=2, bias=False)
+  (4): MaxPool2d(kernel_size=3, stride=1, padding=1, dilation=1, ceil_mode=False)
+  (5): Flatten(start_dim=1, end_dim=-1)
+  (6): Linear(in_features=10, out_features=5, bias=False)
+  (7): Dropout(p=0.25, inplace=False)
+  (8): GELU(approximate='none')
+  (9): GELU(approximate='tanh')
+  (10): Tanh()
+  (11): Sigmoid()
+  (12): LayerNorm((5,), eps=1e-05, elementwise_affine=True, bias=True)
+  (13): LayerNorm((4, 5), eps=1e-06, elementwise_affine=False, bias=False)
+  (14): LayerNorm((5,), eps=1e-05, elementwise_affine=True, bias=False)
+  (15): BatchNorm1d(16, eps=1e-05, momentum=0.1, affine=True, bias=True, track_running_stats=True)
+  (16): BatchNorm2d(8, eps=1e-05, momentum=None, affine=False, bias=False, track_running_stats=False)
+  (17): Embedding(10, 3)
+  (18): Sequential(
+    (0): Linear(in_features=2, out_features=2, bias=True)
+    (1): ReLU()
+  )
+  (19): Sequential()
+  (20): Flatten(start_dim=0, end_dim=2)
+)"""
+
+
+def _printed_model():
+    return nn.Sequential(
+        nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(16, 32, (3, 5), stride=2, dilation=2, groups=2, bias=False),
+        nn.MaxPool2d(3, stride=1, padding=1), nn.Flatten(), nn.Linear(10, 5, bias=False),
+        nn.Dropout(0.25), nn.GELU(), nn.GELU(approximate="tanh"), nn.Tanh(), nn.Sigmoid(),
+        nn.LayerNorm(5), nn.LayerNorm((4, 5), eps=1e-6, elementwise_affine=False),
+        nn.LayerNorm(5, bias=False), nn.BatchNorm1d(16),
+        nn.BatchNorm2d(8, momentum=None, affine=False, track_running_stats=False),
+        nn.Embedding(10, 3), nn.Sequential(nn.Linear(2, 2), nn.ReLU()), nn.Sequential(),
+        nn.Flatten(0, 2))
+
+
+def test_repr_of_a_model_is_pytorchs():
+    model = _printed_model()
+    assert repr(model) == TORCH_MODEL_REPR
+    assert repr(nn.Linear(784, 128)) == "Linear(in_features=784, out_features=128, bias=True)"
+    assert repr(nn.MaxPool2d((2, 3))) == ("MaxPool2d(kernel_size=(2, 3), stride=(2, 3), padding=0, "
+                                         "dilation=1, ceil_mode=False)")
+
+    class Net(nn.Module):  # a user's module: attribute names, sub-modules indented
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(2, 3)
+            self.block = nn.Sequential(nn.ReLU())
+
+        def forward(self, x):
+            return self.block(self.fc(x))
+
+    assert repr(Net()) == ("Net(\n  (fc): Linear(in_features=2, out_features=3, bias=True)\n"
+                           "  (block): Sequential(\n    (0): ReLU()\n  )\n)")
+
+
+def test_print_model_adds_the_parameter_count(capsys):
+    model = nn.Sequential(nn.Linear(784, 128), nn.ReLU(), nn.Linear(128, 10))
+    assert model.num_parameters() == 784 * 128 + 128 + 128 * 10 + 10
+    print(model)
+    assert capsys.readouterr().out == repr(model) + "\nTotal params: 101,770\n"
+    shared = nn.Linear(3, 3)
+    assert nn.Sequential(shared, nn.ReLU(), shared).num_parameters() == 12  # counted once
+    batch_norm = nn.BatchNorm1d(4)  # its running statistics are buffers, not parameters
+    assert batch_norm.num_parameters() == 8
+    assert nn.ReLU().num_parameters() == 0
+
+
+EXAMPLES = pathlib.Path(__file__).resolve().parent / "examples"
+
+
+def _checkout_copy(root):
+    """netcl.py, kernels.cl and examples/ copied to `root`, netcl.py saying where it was
+    imported from: what a fresh clone is, with nothing installed from it."""
+    import shutil
+    here = pathlib.Path(netcl.__file__).resolve().parent
+    (root / "examples").mkdir(parents=True)
+    source = (here / "netcl.py").read_text(encoding="utf-8")
+    (root / "netcl.py").write_text(source + "\nprint('netcl imported from', __file__, file=sys.stderr)\n",
+                                   encoding="utf-8")
+    shutil.copy(here / "kernels.cl", root / "kernels.cl")
+    for example in EXAMPLES.glob("*.py"):
+        shutil.copy(example, root / "examples" / example.name)
+    return root
+
+
+def _run_example(tmp_path, name, *args):
+    """Run examples/`name` of a checkout copy from another directory, on the NumPy backend;
+    assert it used the copy's netcl.py (not an installed netcl) and return its stdout."""
+    checkout = _checkout_copy(tmp_path / "checkout")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    env = dict(os.environ, NETCL_DEVICE="cpu", PYTHONNOUSERSITE="1")
+    env.pop("PYTHONPATH", None)
+    result = subprocess.run([sys.executable, str(checkout / "examples" / name), *args],
+                            cwd=elsewhere, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"netcl imported from {checkout / 'netcl.py'}" in result.stderr, result.stderr
+    return result.stdout
+
+
+def test_mnist_example_runs_from_a_checkout(tmp_path):
+    out = _run_example(tmp_path, "mnist_mlp.py", "--epochs", "1",
+                       "--checkpoint", str(tmp_path / "best.npz"))
+    assert "test accuracy: Tape loop" in out and (tmp_path / "best.npz").exists()
+
+
+def test_gpt_example_runs_from_a_checkout(tmp_path):
+    text = tmp_path / "text.txt"
+    text.write_text("to be or not to be, that is the question.\n" * 20, encoding="utf-8")
+    out = _run_example(tmp_path, "gpt_char.py", "--data", str(text), "--steps", "2",
+                       "--eval-interval", "1", "--n-layer", "1", "--n-head", "2",
+                       "--n-embd", "16", "--block-size", "8", "--batch-size", "4")
+    assert "tokens/s" in out and " parameters" in out
+
+
+def _mnist_example():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("mnist_mlp_example", EXAMPLES / "mnist_mlp.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _write_idx(path, array):
+    """An IDX file of uint8 `array` (gzipped if the name ends in .gz)."""
+    header = bytes([0, 0, 0x08, array.ndim]) + b"".join(d.to_bytes(4, "big") for d in array.shape)
+    opener = gzip.open if path.name.endswith(".gz") else open
+    with opener(path, "wb") as f:
+        f.write(header + array.astype(np.uint8).tobytes())
+
+
+@pytest.mark.parametrize("sep, gz", [("-", ""), (".", ""), ("-", ".gz"), (".", ".gz")])
+def test_mnist_example_reads_both_idx_name_styles(tmp_path, sep, gz):
+    rng = np.random.default_rng(0)
+    files = {"train-images": rng.integers(0, 256, (3, 28, 28)), "train-labels": np.array([1, 2, 3]),
+             "t10k-images": rng.integers(0, 256, (2, 28, 28)), "t10k-labels": np.array([4, 5])}
+    for stem, array in files.items():
+        _write_idx(tmp_path / f"{stem}{sep}idx{array.ndim}-ubyte{gz}", array)
+    x_train, y_train, x_test, y_test = _mnist_example().load_mnist(str(tmp_path))
+    np.testing.assert_allclose(x_train, files["train-images"].reshape(3, 784) / 255.0)
+    np.testing.assert_allclose(x_test, files["t10k-images"].reshape(2, 784) / 255.0)
+    np.testing.assert_array_equal(y_train, [1, 2, 3])
+    np.testing.assert_array_equal(y_test, [4, 5])
+
+
+def test_mnist_example_names_the_files_it_tried(tmp_path):
+    with raises_naming(FileNotFoundError, str(tmp_path), "train-images-idx3-ubyte",
+                       "train-images.idx3-ubyte", "train-images.idx3-ubyte.gz"):
+        _mnist_example().load_mnist(str(tmp_path))
+
+
+def test_tensor_to_copies_what_the_device_holds_not_a_host_copy(opencl, cpu):
+    """An int32 tensor written from the host keeps that host copy, but the device may change
+    it later (Adam's step count counts on the device): .to() copies the current contents."""
+    model = nn.Linear(2, 2, queue=opencl.queue)
+    opt = netcl.optim.AdamW(model.parameters())
+    with netcl.Tape() as tape:
+        loss = (model(tensor(np.ones((1, 2), np.float32), opencl)) ** 2).sum()
+    tape.backward(loss)
+    opt.step()
+    np.testing.assert_array_equal(opt._step_count.to(cpu).to_host(), [1])
+    np.testing.assert_array_equal(opt._step_count.to(cpu).to(opencl)._labels, [1])

@@ -17,6 +17,9 @@ trains on any text file instead.
     python examples/gpt_char.py --device cpu --steps 300
     python examples/gpt_char.py --device opencl --mixed-precision --steps 2000
     python examples/gpt_char.py --data mytext.txt
+
+It runs from a checkout without installing netcl: the netcl.py one directory up comes first
+on the path.
 """
 
 import argparse
@@ -30,7 +33,7 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import netcl  # noqa: E402  (the checkout's netcl when run from it, else the installed one)
 from netcl import functional as F, nn  # noqa: E402
 
@@ -207,7 +210,7 @@ def main(argv=None):
     rng = np.random.default_rng(args.seed)
     model = GPT(len(vocab), args.block_size, args.n_layer, args.n_head, args.n_embd,
                 args.dropout, queue=device.queue)
-    print(f"{sum(p.value.size for p in model.parameters()):,} parameters")
+    print(f"{model.num_parameters():,} parameters")
     opt = netcl.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
     schedule = netcl.optim.WarmupCosine(opt, warmup_steps=args.steps // 10,
                                         total_steps=args.steps, min_lr=args.lr / 10)

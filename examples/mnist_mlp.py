@@ -15,41 +15,49 @@ epoch's weights saved to a checkpoint, then reports the test accuracy of that ch
 By default it uses the 8x8 handwritten digits that scikit-learn ships (1797 images, a
 64-128-10 network, about 97-99% test accuracy in a few seconds). Give `--data DIR` with the
 four MNIST IDX files (`train-images-idx3-ubyte`, `train-labels-idx1-ubyte`,
-`t10k-images-idx3-ubyte`, `t10k-labels-idx1-ubyte`, each optionally `.gz`) to train a
-784-256-10 network on MNIST instead. `--model cnn` trains a small convolutional network
+`t10k-images-idx3-ubyte`, `t10k-labels-idx1-ubyte`, or with a dot before `idx`, as in
+`train-images.idx3-ubyte`; each optionally `.gz`) to train a 784-256-10 network on MNIST
+instead. `--model cnn` trains a small convolutional network
 (conv-relu-pool twice, then a linear classifier) on the same images, seen as 1 x side x side.
 
     python examples/mnist_mlp.py                    # NETCL_DEVICE or auto
     python examples/mnist_mlp.py --device opencl    # any OpenCL device, PoCL too
     python examples/mnist_mlp.py --model cnn        # the small CNN (about 99%)
     python examples/mnist_mlp.py --data ~/mnist --epochs 5
+
+It runs from a checkout without installing netcl: the netcl.py one directory up comes first
+on the path (scikit-learn is in the `examples` extra).
 """
 
 import argparse
 import math
 import os
+import sys
 import time
 
 import numpy as np
 
-import netcl
-from netcl.data.dataloader import DataLoader
-from netcl.optim import AdamW
-from netcl.trainer import Trainer
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import netcl  # noqa: E402  (the checkout's netcl when run from it, else the installed one)
+from netcl.data.dataloader import DataLoader  # noqa: E402
+from netcl.optim import AdamW  # noqa: E402
+from netcl.trainer import Trainer  # noqa: E402
 
 
 def load_mnist(directory):
     """The four MNIST IDX files -> (x_train, y_train, x_test, y_test), pixels in [0, 1]."""
-    def read(name):
-        for candidate in (name, name + ".gz"):
-            path = os.path.join(directory, candidate)
+    def read(stem, idx):  # e.g. "train-images", "idx3"
+        # LeCun's names have a dash before idx, many copies a dot; either may be gzipped.
+        names = [f"{stem}{sep}{idx}-ubyte{gz}" for sep in ("-", ".") for gz in ("", ".gz")]
+        for name in names:
+            path = os.path.join(directory, name)
             if os.path.exists(path):
                 return netcl.load_idx(path)
-        raise FileNotFoundError(f"{name}[.gz] not found in {directory}")
+        raise FileNotFoundError(f"no MNIST file {stem} in {directory}; tried {', '.join(names)}")
 
-    x_train = read("train-images-idx3-ubyte").reshape(-1, 28 * 28) / 255.0
-    x_test = read("t10k-images-idx3-ubyte").reshape(-1, 28 * 28) / 255.0
-    return x_train, read("train-labels-idx1-ubyte"), x_test, read("t10k-labels-idx1-ubyte")
+    x_train = read("train-images", "idx3").reshape(-1, 28 * 28) / 255.0
+    x_test = read("t10k-images", "idx3").reshape(-1, 28 * 28) / 255.0
+    return x_train, read("train-labels", "idx1"), x_test, read("t10k-labels", "idx1")
 
 
 def load_digits(seed):
