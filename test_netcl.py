@@ -7991,7 +7991,8 @@ def test_dataloader_shards_split_every_epoch_among_ranks(n, world, batch_size, d
         order = [int(xb[0]) for xb, _ in whole]
         shards = [[int(i) for xb, _ in loader for i in xb] for loader in loaders]
         for loader, shard in zip(loaders, shards):
-            assert len(loader) == (per_rank // batch_size if drop_last else -(-per_rank // batch_size))
+            batches = per_rank // batch_size if drop_last else -(-per_rank // batch_size)
+            assert len(loader) == batches
             assert len(shard) == (len(loader) * batch_size if drop_last else per_rank)
         # DistributedSampler's rule, from the single-process order of the same seed.
         padded = (order * world)[:per_rank * world]
