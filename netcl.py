@@ -5577,7 +5577,8 @@ class DataLoader:
         cuts it down instead), and rank r takes the samples at r, r + world_size, ... So the
         shards are disjoint, and their union is every sample once, plus fewer than
         world_size repeats without drop_last. None: both from netcl.distributed.init()
-        (before it, one rank of one: every sample). With no seed, rank 0's is broadcast.
+        (before it, one rank of one: every sample). With no seed, rank 0's is broadcast:
+        every rank must then create the loader.
 
     `len(loader)` is the number of batches per epoch (of this rank's share). With a given
     seed the batches, and their order, are the same for any `num_workers` and `use_shared_mem`.
@@ -5949,7 +5950,9 @@ class DistributedOptimizer:
             _cast(flat.params, np.float16, out=flat.params_half)
 
     def __getattr__(self, name):  # anything not defined here is the wrapped optimizer's
-        return getattr(self.__dict__["optimizer"], name)
+        if name == "optimizer":  # not set yet (a half-built object): no recursion
+            raise AttributeError(name)
+        return getattr(self.optimizer, name)
 
     @property
     def lr(self):

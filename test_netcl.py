@@ -7998,9 +7998,11 @@ def test_dataloader_shards_split_every_epoch_among_ranks(n, world, batch_size, d
         padded = (order * world)[:per_rank * world]
         for r, shard in enumerate(shards):
             assert shard == padded[r::world][:len(shard)]
-        if not drop_last:  # every sample, once, plus fewer than `world` repeats of the first
-            union = [i for shard in shards for i in shard]
-            assert sorted(union) == sorted(order + order[:per_rank * world - n])
+        union = [i for shard in shards for i in shard]
+        if not drop_last:  # every sample, plus fewer than `world` repeats from the start
+            assert sorted(union) == sorted(padded) and set(union) == set(range(n))
+        else:  # disjoint shards
+            assert len(set(union)) == len(union)
 
 
 def test_dataloader_shard_arguments_are_checked():
