@@ -6,7 +6,7 @@ from PyTorch. This file is the whole library; `kernels.cl` beside it holds every
 sections that mirror the ones below. Read it top to bottom:
 
     device & kernels -> BufferPool -> Tensor -> autograd (Node, Tape) -> operations
-    -> nn modules -> optimizers -> mixed precision -> data -> Trainer
+    -> nn modules -> optimizers -> mixed precision -> data -> distributed -> Trainer
     -> the import aliases (netcl.nn, netcl.optim, netcl.trainer, ...)
 
 A training step:
@@ -24,7 +24,7 @@ A training step:
     print(loss.value.to_host())
 
 What netcl is not: a general array library (tensors are contiguous: a permute or a slice is
-a copy), a graph compiler, or a distributed trainer.
+a copy), a graph compiler, or a model-parallel trainer (it has data parallelism over MPI).
 
 Set NETCL_DEBUG=1 to print each kernel build, NETCL_DEBUG=2 to also time every launch.
 """
@@ -290,6 +290,9 @@ _devices = {}           # cache key -> Device: the same request returns the same
 _devices_by_queue = {}  # id of an OpenCL queue -> its Device
 _devices_lock = threading.Lock()  # two threads asking at once still get one Device
 _chosen_default = [None]  # the Device manager.set_default chose (None: NETCL_DEVICE, else auto)
+# This process's index among the data-parallel ranks on its host (set by distributed.init()):
+# of several equally good devices, rank r takes device r % count, so each GPU gets one rank.
+_local_rank = 0
 
 
 def _opencl_devices():
@@ -354,7 +357,7 @@ def _default_device(device=None):
         return _devices["cpu"]
     if request == "auto":
         gpus = [d for d in _opencl_devices() if d[2].type & cl.device_type.GPU]
-        return _opencl_device(*gpus[0]) if gpus else _default_device("cpu")
+        return _opencl_device(*gpus[_local_rank % len(gpus)]) if gpus else _default_device("cpu")
     if request in ("gpu", "opencl"):
         found = _opencl_devices()
         if not found:
@@ -362,6 +365,8 @@ def _default_device(device=None):
         rank = lambda d: (0 if d[2].type & cl.device_type.GPU else
                           1 if d[2].type & cl.device_type.ACCELERATOR else 2)
         best = min(found, key=rank)
+        peers = [d for d in found if rank(d) == rank(best)]
+        best = peers[_local_rank % len(peers)]
         if rank(best) and ("opencl", best[0], best[1]) not in _devices:
             print(f"netcl: no OpenCL GPU found; using {_describe(best[2])}", file=sys.stderr)
         return _opencl_device(*best)
@@ -6045,9 +6050,17 @@ class DataLoader:
     device_queue: a device queue; iteration then yields `GpuBatch`es (see `bind_queue`).
     timeout: seconds to wait for a worker's batch before raising RuntimeError; 0 (PyTorch's
         default) waits forever. Only for num_workers > 0, as in PyTorch.
+    rank, world_size: load only this rank's share of every epoch, as PyTorch's
+        DistributedSampler: the epoch's order (the same on every rank, from the same seed) is
+        padded to a multiple of world_size by repeating its first samples (drop_last=True
+        cuts it down instead), and rank r takes the samples at r, r + world_size, ... So the
+        shards are disjoint, and their union is every sample once, plus fewer than
+        world_size repeats without drop_last. None: both from netcl.distributed.init()
+        (before it, one rank of one: every sample). With no seed, rank 0's is broadcast:
+        every rank must then create the loader.
 
-    `len(loader)` is the number of batches per epoch. With a given seed the batches, and their
-    order, are the same for any `num_workers` and `use_shared_mem`.
+    `len(loader)` is the number of batches per epoch (of this rank's share). With a given
+    seed the batches, and their order, are the same for any `num_workers` and `use_shared_mem`.
 
     Workers never outlive an epoch: when it ends, breaks, raises, times out or is interrupted
     by Ctrl-C (at any moment, even while workers start or stop, even twice), the workers are
@@ -6059,7 +6072,7 @@ class DataLoader:
 
     def __init__(self, dataset, batch_size=1, shuffle=True, num_workers=0, use_shared_mem=False,
                  drop_last=False, seed=None, collate_fn=None, prefetch=2, device_queue=None,
-                 timeout=0):
+                 timeout=0, rank=None, world_size=None):
         if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
             raise ValueError(f"DataLoader: dataset must have __len__ and __getitem__, "
                              f"got {type(dataset).__name__}")
@@ -6088,7 +6101,10 @@ class DataLoader:
         self.use_shared_mem = bool(use_shared_mem)
         self.drop_last = bool(drop_last)
         self.collate_fn = collate_fn
-        self.seed = int(_rng().integers(2**63)) if seed is None else _check_int("seed", seed, 0)
+        if seed is not None:
+            seed = _check_int("seed", seed, 0)
+        # (see distributed, below: sharding and agreeing on a seed)
+        self.rank, self.world_size, self.seed = _loader_shard(rank, world_size, seed, self.shuffle)
         self.epoch = 0
         self.bind_queue(device_queue)
 
@@ -6105,8 +6121,13 @@ class DataLoader:
 
     def __len__(self):
         if self.drop_last:
-            return len(self.dataset) // self.batch_size
-        return -(-len(self.dataset) // self.batch_size)
+            return self._samples_per_rank() // self.batch_size
+        return -(-self._samples_per_rank() // self.batch_size)
+
+    def _samples_per_rank(self):
+        if self.drop_last:
+            return len(self.dataset) // self.world_size
+        return -(-len(self.dataset) // self.world_size)
 
     def __iter__(self):
         """One epoch of batches; each call to iter() is the next epoch."""
@@ -6121,10 +6142,15 @@ class DataLoader:
         return batches if self.device is None else self._device_batches(batches)
 
     def _epoch_order(self, epoch):
-        """The epoch's sample order: a permutation seeded by (seed, epoch), or 0..N-1."""
-        if not self.shuffle:
-            return np.arange(len(self.dataset))
-        return np.random.default_rng([self.seed, epoch]).permutation(len(self.dataset))
+        """The epoch's sample order: a permutation seeded by (seed, epoch), or 0..N-1; then
+        this rank's share of it (np.resize pads cyclically or cuts, as DistributedSampler)."""
+        n = len(self.dataset)
+        order = np.random.default_rng([self.seed, epoch]).permutation(n) if self.shuffle \
+            else np.arange(n)
+        if self.world_size == 1:
+            return order
+        padded = np.resize(order, self._samples_per_rank() * self.world_size)
+        return padded[self.rank::self.world_size]
 
     def _batches_here(self, order):
         for batch_no in range(len(self)):
@@ -6242,6 +6268,318 @@ def _read_at_most(stream, limit):
     return data
 
 
+# ============================================================================ distributed
+# Data-parallel training over MPI, as PyTorch's DistributedDataParallel: `mpiexec -n N python
+# train.py` starts N processes (ranks), one per device, each holding the whole model. Every
+# rank trains on its own share of each epoch (the DataLoader shards itself), and before each
+# update the gradients are averaged over the ranks, so every rank applies the same update to
+# the same parameters and they stay identical. A training script adds:
+#
+#     netcl.distributed.init()                                # first: it picks this rank's device
+#     opt = netcl.distributed.DistributedOptimizer(AdamW(model.parameters()))
+#     loader = DataLoader(train_set, batch_size=B)            # B per rank: N * B per step
+#
+# (Trainer wraps its optimizer itself.) The average is one MPI all-reduce per step: of Adam's
+# and AdamW's flat gradient buffer, or of all of SGD's gradients packed into one host buffer.
+# It runs before clipping and the update, so the fused clip sees the global norm, and before
+# AMPGradScaler's inf check, so an inf on one rank (a sum spreads it) skips the step on every
+# rank. DDP overlaps buckets of the all-reduce with the rest of backward; here it is one
+# collective after backward, because MPI wheels are not GPU-aware: OpenCL gradients go
+# through host memory, and the copy down has to wait for backward to finish anyway.
+# mpi4py is imported by init() alone: a program that never calls it never needs MPI.
+
+_mpi = None  # after init(): (mpi4py's MPI module, MPI.COMM_WORLD)
+# What the collectives cost, for stats(): counts by kind, and the seconds inside MPI.
+_comm_stats = {"gradient_allreduces": 0, "gradient_bytes": 0, "gradient_seconds": 0.0,
+               "metric_allreduces": 0, "broadcasts": 0}
+
+
+def init():
+    """Join the MPI job this process was started in (`mpiexec -n N python script.py`): learn
+    this process's rank and the world size, pick its device, and make an uncaught exception
+    on any rank end the whole job. Without mpiexec the job is one rank. A second call does
+    nothing.
+
+    Call it before manager.default(): of several GPUs on a host, local rank r takes GPU
+    r % count (NETCL_DEVICE, or an explicit device, still wins). An exception that reaches
+    the top of any rank prints that rank's traceback, then MPI_Abort ends every rank: the
+    others never hang in a collective waiting for it.
+    """
+    global _mpi, _local_rank
+    if _mpi is not None:
+        return
+    try:
+        from mpi4py import MPI
+    except ImportError as err:
+        raise ImportError("netcl.distributed.init needs mpi4py and an MPI library: python -m "
+                          "pip install mpi4py mpich (netcl's 'mpi' extra)") from err
+    comm = MPI.COMM_WORLD
+    host_ranks = comm.Split_type(MPI.COMM_TYPE_SHARED)  # the ranks sharing this host's memory
+    _local_rank = host_ranks.Get_rank()
+    host_ranks.Free()
+    _mpi = (MPI, comm)
+    previous_hook = sys.excepthook
+
+    def abort_job(kind, value, tb):
+        previous_hook(kind, value, tb)  # this rank's traceback first
+        print(f"netcl.distributed: rank {comm.Get_rank()} of {comm.Get_size()} failed; "
+              f"aborting the job", file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        comm.Abort(1)
+
+    sys.excepthook = abort_job
+
+
+def is_initialized():
+    """Whether init() has been called (PyTorch's torch.distributed.is_initialized)."""
+    return _mpi is not None
+
+
+def rank():
+    """This process's rank in [0, world_size()); 0 before init(), so one script runs both ways."""
+    return 0 if _mpi is None else _mpi[1].Get_rank()
+
+
+def world_size():
+    """The number of ranks; 1 before init()."""
+    return 1 if _mpi is None else _mpi[1].Get_size()
+
+
+def is_main():
+    """Whether this is rank 0: the one that prints and writes checkpoints."""
+    return rank() == 0
+
+
+def stats():
+    """What the collectives have cost since the process started: counts of gradient
+    all-reduces (one per step), their bytes and the seconds spent inside them (in MPI: host
+    staging not included, and a rank that waits for a slower one waits here), metric
+    all-reduces (Trainer: one per epoch and one per evaluation) and broadcasts (parameters,
+    seeds: at start)."""
+    return dict(_comm_stats)
+
+
+def broadcast_parameters(params, root=0):
+    """Overwrite the values on every rank with rank `root`'s, in one broadcast, so that all
+    ranks start identical (DDP does it when it wraps a model). `params`: a Module (its
+    parameters and its buffers, running statistics included) or an iterable of Parameters,
+    Tensors and host arrays. Does nothing with one rank."""
+    if isinstance(params, Module):
+        values = [p.value for p in params.parameters()] + [b for _, b in params.named_buffers()]
+    else:
+        values = [p.value if isinstance(p, Node) else p for p in params]
+    for i, value in enumerate(values):
+        if not isinstance(value, (Tensor, np.ndarray)):
+            raise TypeError(f"broadcast_parameters: item {i} is {type(value).__name__}, not a "
+                            f"Parameter, Tensor or NumPy array")
+    if isinstance(root, bool) or not isinstance(root, (int, np.integer)) \
+            or not 0 <= root < world_size():
+        raise ValueError(f"broadcast_parameters: root must be a rank in [0, {world_size()}), "
+                         f"got {root!r}")
+    if world_size() == 1 or not values:
+        return
+    # float64 holds every float32 and every integer count exactly: one message for all dtypes.
+    offsets = np.cumsum([0] + [value.size for value in values])
+    packed = np.empty(offsets[-1], np.float64)
+    here = rank() == root
+    if here:
+        for value, start, end in zip(values, offsets, offsets[1:]):
+            packed[start:end] = (value.to_host() if isinstance(value, Tensor) else value).ravel()
+    _mpi[1].Bcast(packed, root=root)
+    _comm_stats["broadcasts"] += 1
+    if not here:
+        for value, start, end in zip(values, offsets, offsets[1:]):
+            if isinstance(value, Tensor):
+                _write(value, packed[start:end].reshape(value.shape))
+            else:
+                value[...] = packed[start:end].reshape(value.shape)
+
+
+class DistributedOptimizer:
+    """An optimizer whose step first averages the gradients over all ranks (Horovod's
+    DistributedOptimizer; DDP does the same from hooks in backward):
+
+        opt = DistributedOptimizer(AdamW(model.parameters(), lr=3e-3))
+        with Tape() as tape:
+            loss = cross_entropy(model(x), y)
+        opt.zero_grad(); tape.backward(loss); opt.step(max_norm=1.0)
+
+    Wrapping broadcasts rank 0's parameters, so every rank starts from them. step(max_norm)
+    averages the gradients (one all-reduce; see stats()), then clips them to max_norm if
+    given (inside the update for Adam and AdamW, by clip_grad_norm otherwise), then steps.
+    AMPGradScaler's unscale_ and step average first as well. synchronize() averages at once,
+    for work on the gradients between backward and step (Horovod's habit); the step after it
+    does not average again. zero_grad, lr, params, state_dict and the rest are the wrapped
+    optimizer's. Every rank must step the same parameters: each all-reduce must match.
+    Before init(), or with one rank, it only passes calls through.
+    """
+
+    def __init__(self, optimizer):
+        if isinstance(optimizer, DistributedOptimizer) or not isinstance(optimizer, Optimizer):
+            raise TypeError(f"DistributedOptimizer: optimizer must be a netcl optimizer "
+                            f"(SGD, Adam, AdamW), got {type(optimizer).__name__}")
+        self.optimizer = optimizer
+        self._fused_clip = "max_norm" in inspect.signature(optimizer.step).parameters
+        self._synchronized = False
+        self._staging = np.empty(0, np.float32)  # host copy of the gradients, reused each step
+        broadcast_parameters(optimizer.params)
+        flat = getattr(optimizer, "_flat", None)
+        if flat is not None and flat.params_half is not None:  # keep the float16 copy equal
+            _cast(flat.params, np.float16, out=flat.params_half)
+
+    def __getattr__(self, name):  # anything not defined here is the wrapped optimizer's
+        if name == "optimizer":  # not set yet (a half-built object): no recursion
+            raise AttributeError(name)
+        return getattr(self.optimizer, name)
+
+    @property
+    def lr(self):
+        """The wrapped optimizer's learning rate (a schedule sets it through the wrapper)."""
+        return self.optimizer.lr
+
+    @lr.setter
+    def lr(self, value):
+        self.optimizer.lr = value
+
+    # AMPGradScaler.step hands an optimizer that skips on the device its inf flag this way.
+    @property
+    def _skips_on_device(self):
+        return self.optimizer._skips_on_device
+
+    @property
+    def _found_inf(self):
+        return self.optimizer._found_inf
+
+    @_found_inf.setter
+    def _found_inf(self, flag):
+        self.optimizer._found_inf = flag
+
+    def zero_grad(self):
+        """The wrapped optimizer's zero_grad; the next gradients are averaged again."""
+        self._synchronized = False
+        self.optimizer.zero_grad()
+
+    def _grads(self):
+        """The averaged gradients (AMPGradScaler.unscale_ reads them through this)."""
+        self.synchronize()
+        return self.optimizer._grads()
+
+    def synchronize(self):
+        """Average the gradients over the ranks now, in place: one all-reduce of all of them.
+        Does nothing if they are already averaged since the last step, or with one rank."""
+        if self._synchronized or world_size() == 1:
+            return
+        grads = self.optimizer._grads()
+        if grads:
+            self._average(grads)
+        self._synchronized = True
+
+    def step(self, max_norm=None):
+        """Average the gradients (unless synchronize() already did), clip them to max_norm's
+        global 2-norm if given, and update the parameters."""
+        if max_norm is not None:
+            _check_max_norm("DistributedOptimizer.step", max_norm)
+        self.synchronize()
+        self._synchronized = False
+        if max_norm is None:
+            return self.optimizer.step()
+        if self._fused_clip:
+            return self.optimizer.step(max_norm=max_norm)
+        clip_grad_norm(self.optimizer.params, max_norm)
+        return self.optimizer.step()
+
+    def _average(self, grads):
+        """grads (tensors of one device) <- their mean over the ranks."""
+        MPI, comm = _mpi
+        device = _devices_of("DistributedOptimizer.step", *grads)
+        for g in grads:
+            if g.dtype != np.float32:
+                raise ValueError(f"DistributedOptimizer.step: gradients must be float32, got "
+                                 f"{g.dtype} of shape {g.shape}")
+        total = builtins.sum(g.size for g in grads)
+        offsets = np.cumsum([0] + [g.size for g in grads])
+        pieces = list(zip(grads, offsets, offsets[1:]))
+        if device.backend == "cpu" and len(grads) == 1:
+            host = grads[0].data.reshape(-1)  # the flat gradient buffer itself: no staging
+        else:
+            if self._staging.size != total:
+                self._staging = np.empty(total, np.float32)
+            host = self._staging
+            if device.backend == "cpu":
+                for g, start, end in pieces:
+                    host[start:end] = g.data.ravel()
+            else:
+                # Down to the host: the one wait the step needs (for backward to finish).
+                copies = [cl.enqueue_copy(device.queue, host[start:end], g.data, is_blocking=False)
+                          for g, start, end in pieces if g.size]
+                device._count_sync()
+                if copies:
+                    cl.wait_for_events(copies)
+        started = time.perf_counter()
+        comm.Allreduce(MPI.IN_PLACE, host, op=MPI.SUM)
+        _comm_stats["gradient_seconds"] += time.perf_counter() - started
+        _comm_stats["gradient_allreduces"] += 1
+        _comm_stats["gradient_bytes"] += host.nbytes
+        np.divide(host, comm.Get_size(), out=host)  # the mean, as DDP's
+        if host is self._staging:
+            for g, start, end in pieces:
+                if device.backend == "cpu":
+                    g.data[...] = host[start:end].reshape(g.shape)
+                elif g.size:
+                    # Queued, not waited for: the next step's copy down into the same host
+                    # buffer is queued after it, and the host writes the buffer only then.
+                    device.upload(g.data, host[start:end])
+
+
+def _sum_over_ranks(*numbers):
+    """The sums over all ranks of a few numbers, in one small all-reduce (the numbers
+    themselves with one rank). Integers stay integers."""
+    if world_size() == 1:
+        return numbers
+    MPI, comm = _mpi
+    totals = np.array(numbers, np.float64)
+    comm.Allreduce(MPI.IN_PLACE, totals, op=MPI.SUM)
+    _comm_stats["metric_allreduces"] += 1
+    return tuple(type(n)(t) if isinstance(n, (int, np.integer)) else float(t)
+                 for n, t in zip(numbers, totals))
+
+
+def _loader_shard(shard, shards, seed, shuffle):
+    """DataLoader's (rank, world_size, seed) from its arguments (rank=shard, world_size=shards):
+    None takes both from init() (one process of one before it); with more than one rank, a
+    shuffle needs the same seed on every rank, so a missing one becomes rank 0's, broadcast."""
+    if (shard is None) != (shards is None):
+        raise ValueError(f"DataLoader: give both rank and world_size or neither, got "
+                         f"rank={shard!r}, world_size={shards!r}")
+    if shard is None:
+        shard, shards = rank(), world_size()
+    shards = _check_int("world_size", shards, 1)
+    shard = _check_int("rank", shard, 0)
+    if shard >= shards:
+        raise ValueError(f"DataLoader: rank must be in [0, world_size={shards}), got {shard}")
+    if seed is None:
+        seed = int(_rng().integers(2**63))
+        if shuffle and shards > 1:
+            if _mpi is None:
+                raise ValueError("DataLoader: a shuffled shard (world_size > 1) needs a seed "
+                                 "that every rank shares, or netcl.distributed.init() to "
+                                 "agree on one")
+            seed = _mpi[1].bcast(seed, root=0)
+            _comm_stats["broadcasts"] += 1
+    return shard, shards, seed
+
+
+def _data_parallel(model, optimizer):
+    """Trainer's set-up after init(): every rank starts from rank 0's model, buffers included,
+    and steps through a DistributedOptimizer."""
+    if isinstance(model, Module):
+        broadcast_parameters(model)
+    if isinstance(optimizer, DistributedOptimizer):
+        return optimizer
+    return DistributedOptimizer(optimizer)
+
+
 # ============================================================================ Trainer
 # A small wrapper around the explicit Tape loop for classification. Its step is the async
 # pipeline of the wiki page: enqueue the forward; drain (wait, interruptibly, only for steps
@@ -6320,12 +6658,14 @@ class Trainer:
         if not isinstance(metrics_stride, (int, np.integer)) or isinstance(metrics_stride, bool) \
                 or metrics_stride < 1:
             raise ValueError(f"Trainer: metrics_stride must be a positive integer, got {metrics_stride!r}")
+        if is_initialized():  # data-parallel: rank 0's model everywhere, gradients averaged
+            optimizer = _data_parallel(model, optimizer)
         self.model, self.optimizer = model, optimizer
         self.device = _trainer_device(model, device_queue)
         self.grad_clip = None if grad_clip is None else float(grad_clip)
         self.loss_fn = loss_fn
         self.metrics_stride = int(metrics_stride)
-        if mixed_precision and self.device.backend == "cpu":
+        if mixed_precision and self.device.backend == "cpu" and is_main():
             print("netcl: mixed precision has no effect on the NumPy backend; training in float32")
             mixed_precision = False
         self.mixed_precision = bool(mixed_precision)
@@ -6457,7 +6797,7 @@ class Trainer:
         self._start_loop(train_loader, scheduler, monitor)
         history, step, classify = History(), 0, None
         batches = len(train_loader) if hasattr(train_loader, "__len__") else None
-        progress = _Progress(epochs, batches) if sys.stdout.isatty() else None
+        progress = _Progress(epochs, batches) if sys.stdout.isatty() and is_main() else None
         for epoch in range(self.epoch + 1, epochs + 1):
             # --- one pass over the training set ---
             _set_mode(self.model, True)
@@ -6496,6 +6836,8 @@ class Trainer:
             last = None
             # One read per epoch, which also waits for the epoch's last step.
             loss_sum = float(self._loss_sum.to_host())
+            # Data-parallel: the whole job's epoch, in one small all-reduce (nothing with one rank).
+            loss_sum, samples, correct, seen = _sum_over_ranks(loss_sum, samples, correct, seen)
             seconds = time.perf_counter() - started
             # --- the epoch's record: loss of every step, weighted by batch size; accuracy
             # sampled at metrics steps; validation every log_every epochs ---
@@ -6520,7 +6862,7 @@ class Trainer:
             if value is not None:
                 if self._best is None or (value > self._best if maximize else value < self._best):
                     self._best, self._bad_epochs = value, 0
-                    if checkpoint is not None:
+                    if checkpoint is not None and is_main():  # the ranks' models are identical
                         save(self.model.state_dict(), checkpoint)
                 else:
                     self._bad_epochs += 1
@@ -6530,14 +6872,16 @@ class Trainer:
                     and not isinstance(scheduler, ReduceLROnPlateau):
                 scheduler.step()
             self.epoch = epoch
-            if training_checkpoint is not None:
+            if training_checkpoint is not None and is_main():
                 self.save_checkpoint(training_checkpoint)
             if progress:
                 progress.clear()
-            print(_epoch_line(record, epochs))
+            if is_main():
+                print(_epoch_line(record, epochs))
             if patience is not None and self._bad_epochs >= patience:
-                print(f"early stopping: {self._monitor} has not improved on {self._best:.4f} "
-                      f"for {self._bad_epochs} epochs")
+                if is_main():
+                    print(f"early stopping: {self._monitor} has not improved on {self._best:.4f} "
+                          f"for {self._bad_epochs} epochs")
                 break
         return history
 
@@ -6627,7 +6971,8 @@ class Trainer:
         (no accuracy for a regression, as in fit)."""
         result = self._evaluate(data_loader, loss_fn or self.loss_fn or cross_entropy, None,
                                 "evaluate: data_loader yielded no batches")
-        print("evaluate: " + ", ".join(f"{key} {value:.4f}" for key, value in result.items()))
+        if is_main():
+            print("evaluate: " + ", ".join(f"{key} {value:.4f}" for key, value in result.items()))
         return result
 
     def _evaluate(self, data_loader, loss_fn, classify, empty_message):
@@ -6654,6 +6999,7 @@ class Trainer:
         finally:
             if was_training is not None:
                 _set_mode(self.model, was_training)
+        total, loss_sum, correct = _sum_over_ranks(total, loss_sum, correct)  # every rank's shard
         if total == 0:
             raise ValueError(empty_message)
         return {"loss": loss_sum / total, "accuracy": correct / total} if classify \
@@ -6879,6 +7225,10 @@ data = _alias("data", DataLoader=DataLoader, ArrayDataset=ArrayDataset, GpuBatch
               load_idx=load_idx)
 data.dataloader = _alias("data.dataloader", DataLoader=DataLoader)
 trainer = _alias("trainer", Trainer=Trainer, History=History)
+distributed = _alias("distributed", init=init, is_initialized=is_initialized, rank=rank,
+                     world_size=world_size, is_main=is_main, stats=stats,
+                     broadcast_parameters=broadcast_parameters,
+                     DistributedOptimizer=DistributedOptimizer)
 # Flat names for the reductions too (netcl.sum, netcl.mean), bound last so that nothing in
 # this file ever calls them by mistake for Python's built-in sum.
 globals().update(sum=reduce_sum, mean=reduce_mean)

@@ -24,6 +24,7 @@ instead. `--model cnn` trains a small convolutional network
     python examples/mnist_mlp.py --device opencl    # any OpenCL device, PoCL too
     python examples/mnist_mlp.py --model cnn        # the small CNN (about 99%)
     python examples/mnist_mlp.py --data ~/mnist --epochs 5
+    mpiexec -n 2 python examples/mnist_mlp.py --distributed   # data-parallel, 2 ranks
 
 It runs from a checkout without installing netcl: the netcl.py one directory up comes first
 on the path (scikit-learn is in the `examples` extra).
@@ -105,11 +106,15 @@ def train_with_tape(args, device, data):
     # The model lives on the device: its parameters are created on device.queue.
     model = build_model(args.model, args.pixels, device.queue)
     opt = netcl.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    if args.distributed:  # gradients averaged over the ranks before each step
+        opt = netcl.distributed.DistributedOptimizer(opt)
 
     rng = np.random.default_rng(args.seed)
     for epoch in range(1, args.epochs + 1):
         started = time.perf_counter()
         order = rng.permutation(len(x_train))  # a new shuffle every epoch
+        # This rank's share (all of it in one process); the same seed, the same permutation.
+        order = order[netcl.distributed.rank()::netcl.distributed.world_size()]
         losses = []
         for start in range(0, len(order), args.batch_size):
             batch = order[start:start + args.batch_size]
@@ -151,7 +156,9 @@ def train_with_trainer(args, device, data):
     print(f"best validation accuracy {best['val_accuracy']:.2%} at epoch {best['epoch']}, "
           f"saved to {args.checkpoint}")
 
-    model.load_state_dict(netcl.load(args.checkpoint))  # the best epoch's weights
+    if netcl.distributed.is_main():  # rank 0 wrote it: it reads it, and hands it to the others
+        model.load_state_dict(netcl.load(args.checkpoint))  # the best epoch's weights
+    netcl.distributed.broadcast_parameters(model)
     test_loader = DataLoader(netcl.ArrayDataset(x_test, y_test), batch_size=256, shuffle=False)
     return trainer.evaluate(test_loader)["accuracy"]
 
@@ -170,8 +177,14 @@ def main():
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--checkpoint", default="mnist_mlp.npz",
                         help="where part 2 saves the best model's state_dict")
+    parser.add_argument("--distributed", action="store_true",
+                        help="data-parallel over the ranks of mpiexec -n N; --batch-size is per rank")
     args = parser.parse_args()
 
+    if args.distributed:
+        netcl.distributed.init()  # before the device: each rank picks its own
+        if not netcl.distributed.is_main():
+            sys.stdout = open(os.devnull, "w")  # one rank reports
     device = netcl.manager.default(args.device)
     print(f"device: {device.name} ({device.backend})")
     if args.data:
