@@ -1260,49 +1260,74 @@ __kernel void dropout_mask(const int n, const uint seed, const float p, const fl
 // mean squared deviation); every sum over rows is a gather in a fixed order, never an atomic.
 // Inputs are act_t; outputs, statistics and gradients are float.
 
+// The sum of `value` over the work-group (a power of two wide, `partial` as long), returned
+// to every work-item: a tree in local memory; `partial` may be reused at once.
+float group_sum(__local float* partial, const float value) {
+    const int lid = get_local_id(0);
+    partial[lid] = value;
+    barrier(CLK_LOCAL_MEM_FENCE);
+    for (int stride = get_local_size(0) / 2; stride > 0; stride >>= 1) {
+        if (lid < stride) partial[lid] += partial[lid + stride];
+        barrier(CLK_LOCAL_MEM_FENCE);
+    }
+    const float total = partial[0];
+    barrier(CLK_LOCAL_MEM_FENCE);
+    return total;
+}
+
+// One work-group of NORM_GROUP work-items per row: each sums every NORM_GROUP-th element,
+// then group_sum adds the partial sums (the columns of a row are contiguous, so the group's
+// loads are too).
+#define NORM_GROUP 64
+
 // x (rows, D) -> y (rows, D) = (x - mean) * rstd [* weight] [+ bias], rstd = 1 / sqrt(biased
-// variance + eps); mean and rstd (rows) are kept for backward. One work-item per row.
-__kernel void layer_norm_fwd(const int rows, const int D, const float eps, const int has_weight,
-                             const int has_bias, __global const act_t* x,
-                             __global const float* weight, __global const float* bias,
-                             __global float* y, __global float* mean, __global float* rstd) {
-    const int r = get_global_id(0);
-    if (r >= rows) return;
+// variance + eps); mean and rstd (rows) are kept for backward.
+__kernel __attribute__((reqd_work_group_size(NORM_GROUP, 1, 1)))
+void layer_norm_fwd(const int rows, const int D, const float eps, const int has_weight,
+                    const int has_bias, __global const act_t* x, __global const float* weight,
+                    __global const float* bias, __global float* y, __global float* mean,
+                    __global float* rstd) {
+    __local float partial[NORM_GROUP];
+    const int r = get_group_id(0), lid = get_local_id(0);
     __global const act_t* row = x + r * D;
-    float total = 0.0f;
-    for (int j = 0; j < D; ++j) total += LOAD(row, j);
-    const float mu = total / (float)D;
-    float squares = 0.0f;
-    for (int j = 0; j < D; ++j) { const float d = LOAD(row, j) - mu; squares += d * d; }
-    const float r_std = 1.0f / sqrt(squares / (float)D + eps);
-    for (int j = 0; j < D; ++j) {
+    float acc = 0.0f;
+    for (int j = lid; j < D; j += NORM_GROUP) acc += LOAD(row, j);
+    const float mu = group_sum(partial, acc) / (float)D;
+    acc = 0.0f;
+    for (int j = lid; j < D; j += NORM_GROUP) { const float d = LOAD(row, j) - mu; acc += d * d; }
+    const float r_std = 1.0f / sqrt(group_sum(partial, acc) / (float)D + eps);
+    for (int j = lid; j < D; j += NORM_GROUP) {
         float value = (LOAD(row, j) - mu) * r_std;
         if (has_weight) value *= weight[j];
         if (has_bias) value += bias[j];
         y[r * D + j] = value;
     }
-    mean[r] = mu;
-    rstd[r] = r_std;
+    if (lid == 0) {
+        mean[r] = mu;
+        rstd[r] = r_std;
+    }
 }
 
 // g (rows, D) -> dx (rows, D) = rstd (d - mean(d) - x_hat mean(d x_hat)), d = g [* weight],
-// x_hat = (x - mean) * rstd. One work-item per row.
-__kernel void layer_norm_bwd_dx(const int rows, const int D, const int has_weight,
-                                __global const float* g, __global const act_t* x,
-                                __global const float* weight, __global const float* mean,
-                                __global const float* rstd, __global float* dx) {
-    const int r = get_global_id(0);
-    if (r >= rows) return;
+// x_hat = (x - mean) * rstd.
+__kernel __attribute__((reqd_work_group_size(NORM_GROUP, 1, 1)))
+void layer_norm_bwd_dx(const int rows, const int D, const int has_weight,
+                       __global const float* g, __global const act_t* x,
+                       __global const float* weight, __global const float* mean,
+                       __global const float* rstd, __global float* dx) {
+    __local float partial[NORM_GROUP];
+    const int r = get_group_id(0), lid = get_local_id(0);
     __global const act_t* row = x + r * D;
     const float mu = mean[r], r_std = rstd[r];
-    float sum_d = 0.0f, sum_d_x_hat = 0.0f;
-    for (int j = 0; j < D; ++j) {
+    float acc_d = 0.0f, acc_d_x_hat = 0.0f;
+    for (int j = lid; j < D; j += NORM_GROUP) {
         const float d = has_weight ? g[r * D + j] * weight[j] : g[r * D + j];
-        sum_d += d;
-        sum_d_x_hat += d * (LOAD(row, j) - mu) * r_std;
+        acc_d += d;
+        acc_d_x_hat += d * (LOAD(row, j) - mu) * r_std;
     }
-    const float mean_d = sum_d / (float)D, mean_d_x_hat = sum_d_x_hat / (float)D;
-    for (int j = 0; j < D; ++j) {
+    const float mean_d = group_sum(partial, acc_d) / (float)D;
+    const float mean_d_x_hat = group_sum(partial, acc_d_x_hat) / (float)D;
+    for (int j = lid; j < D; j += NORM_GROUP) {
         const float d = has_weight ? g[r * D + j] * weight[j] : g[r * D + j];
         const float x_hat = (LOAD(row, j) - mu) * r_std;
         dx[r * D + j] = r_std * (d - mean_d - x_hat * mean_d_x_hat);
@@ -1327,21 +1352,6 @@ __kernel void layer_norm_bwd_params(const int rows, const int D, const int rows_
     }
     dweight[chunk * D + j] = acc_w;
     dbias[chunk * D + j] = acc_b;
-}
-
-// The sum of `value` over a 256-wide work-group, returned to every work-item (a tree in local
-// memory; `partial` may be reused at once).
-float group_sum(__local float* partial, const float value) {
-    const int lid = get_local_id(0);
-    partial[lid] = value;
-    barrier(CLK_LOCAL_MEM_FENCE);
-    for (int stride = 128; stride > 0; stride >>= 1) {
-        if (lid < stride) partial[lid] += partial[lid + stride];
-        barrier(CLK_LOCAL_MEM_FENCE);
-    }
-    const float total = partial[0];
-    barrier(CLK_LOCAL_MEM_FENCE);
-    return total;
 }
 
 // Batch norm sees x as (N, C, L) and reduces each channel over N and L: n = N * L values.
@@ -1480,99 +1490,180 @@ __kernel void embedding_bwd(const int num, const int dim, __global const int* st
      (float)(fmix32((uint)(((b) * L + (l)) * S + (s)) * 0x9E3779B1u + fmix32(seed)) >> 8)       \
          * (1.0f / 16777216.0f) >= dropout_p ? dropout_scale : 0.0f)
 
+// One work-group of ATTENTION_GROUP work-items per query row (forward, dq) or key row (dk,
+// dv): the work-items share the row's scores, a block of ATTENTION_GROUP at a time, in local
+// memory, and split the output's columns between them (each adds a block's sum to its own
+// columns); every sum runs in a fixed order. When causal, query row l attends to keys 0..l
+// only, so the loops stop there.
+#define ATTENTION_GROUP 64
+
+// The log-sum-exp of (top, total) pairs, one per work-item, merged in local memory: every
+// work-item returns the row's. total is the sum of exp(score - top) over the scores seen.
+float group_logsumexp(float top, float total, __local float* tops, __local float* totals) {
+    const int lid = get_local_id(0);
+    tops[lid] = top;
+    totals[lid] = total;
+    barrier(CLK_LOCAL_MEM_FENCE);
+    for (int stride = ATTENTION_GROUP / 2; stride > 0; stride >>= 1) {
+        if (lid < stride) {
+            const float a = tops[lid], b = tops[lid + stride];
+            const float m = fmax(a, b);
+            totals[lid] = m == -INFINITY ? 0.0f
+                        : totals[lid] * exp(a - m) + totals[lid + stride] * exp(b - m);
+            tops[lid] = m;
+        }
+        barrier(CLK_LOCAL_MEM_FENCE);
+    }
+    const float m = tops[0], t = totals[0];
+    barrier(CLK_LOCAL_MEM_FENCE);  // tops and totals are free for the caller again
+    return m == -INFINITY ? INFINITY : m + log(t);
+}
+
 // -> out (B, L, Ev) = sum_s exp(score - lse) dropout v[s], lse (B, L) each row's log-sum-exp
 // (+inf for a row with no key to attend to: its weights are then all 0, PyTorch's output 0).
-// One work-item per query row: the max and the sum in one pass (online), then the output.
-__kernel void attention_fwd(ATTENTION_ARGS, __global const act_t* q, __global const act_t* k,
-                            __global const act_t* v, __global const float* mask,
-                            __global float* out, __global float* lse) {
-    const int i = get_global_id(0);
-    if (i >= B * L) return;
+// The max and the sum in one pass (online, per work-item, then merged), then the output: each
+// block of weights in local memory, each work-item summing its columns over the block.
+__kernel __attribute__((reqd_work_group_size(ATTENTION_GROUP, 1, 1)))
+void attention_fwd(ATTENTION_ARGS, __global const act_t* q, __global const act_t* k,
+                   __global const act_t* v, __global const float* mask,
+                   __global float* out, __global float* lse) {
+    __local float tops[ATTENTION_GROUP], totals[ATTENTION_GROUP], weights[ATTENTION_GROUP];
+    const int i = get_group_id(0), lid = get_local_id(0);
     const int b = i / L, l = i - b * L;
+    const int keys = causal ? min(S, l + 1) : S;
     __global const act_t* q_row = q + i * E;
-    __global float* out_row = out + i * Ev;
     float top = -INFINITY, total = 0.0f, score;
-    for (int s = 0; s < S; ++s) {
+    for (int s = lid; s < keys; s += ATTENTION_GROUP) {
         SCORE(b, l, s, q_row, k + (b * S + s) * E, score)
         if (score > top) { total = total * exp(top - score) + 1.0f; top = score; }
-        else total += exp(score - top);
+        else if (score > -INFINITY) total += exp(score - top);
     }
-    const float row_lse = top == -INFINITY ? INFINITY : top + log(total);
-    for (int e = 0; e < Ev; ++e) out_row[e] = 0.0f;
-    for (int s = 0; s < S; ++s) {
-        SCORE(b, l, s, q_row, k + (b * S + s) * E, score)
-        const float weight = exp(score - row_lse) * DROPOUT_FACTOR(b, l, s);
-        if (weight == 0.0f) continue;  // masked, dropped or underflowed: adds nothing
-        __global const act_t* v_row = v + (b * S + s) * Ev;
-        for (int e = 0; e < Ev; ++e) out_row[e] += weight * LOAD(v_row, e);
+    const float row_lse = group_logsumexp(top, total, tops, totals);
+    __global float* out_row = out + i * Ev;  // each work-item owns columns lid, lid + GROUP, ...
+    for (int e = lid; e < Ev; e += ATTENTION_GROUP) out_row[e] = 0.0f;
+    for (int s0 = 0; s0 < keys; s0 += ATTENTION_GROUP) {
+        const int s = s0 + lid;
+        float weight = 0.0f;
+        if (s < keys) {
+            SCORE(b, l, s, q_row, k + (b * S + s) * E, score)
+            weight = exp(score - row_lse) * DROPOUT_FACTOR(b, l, s);
+        }
+        weights[lid] = weight;
+        barrier(CLK_LOCAL_MEM_FENCE);
+        const int block = min(ATTENTION_GROUP, keys - s0);
+        for (int e = lid; e < Ev; e += ATTENTION_GROUP) {
+            __global const act_t* v_col = v + (b * S + s0) * Ev + e;
+            float acc = 0.0f;
+            for (int j = 0; j < block; ++j) acc += weights[j] * LOAD(v_col, j * Ev);
+            out_row[e] += acc;
+        }
+        barrier(CLK_LOCAL_MEM_FENCE);
     }
-    lse[i] = row_lse;
+    if (lid == 0) lse[i] = row_lse;
 }
 
 // g (B, L, Ev) -> dq (B, L, E) = scale sum_s P (D g.v[s] - delta) k[s], delta (B, L) = g.out:
-// P = exp(score - lse) recomputed, D the dropout factor. One work-item per query row.
-__kernel void attention_bwd_q(ATTENTION_ARGS, __global const act_t* q, __global const act_t* k,
-                              __global const act_t* v, __global const float* mask,
-                              __global const float* g, __global const float* out,
-                              __global const float* lse, __global float* delta,
-                              __global float* dq) {
-    const int i = get_global_id(0);
-    if (i >= B * L) return;
+// P = exp(score - lse) recomputed, D the dropout factor. Per block of keys, each work-item
+// finds one key's factor P (D g.v - delta), then sums its columns of dq over the block.
+__kernel __attribute__((reqd_work_group_size(ATTENTION_GROUP, 1, 1)))
+void attention_bwd_q(ATTENTION_ARGS, __global const act_t* q, __global const act_t* k,
+                     __global const act_t* v, __global const float* mask,
+                     __global const float* g, __global const float* out,
+                     __global const float* lse, __global float* delta, __global float* dq) {
+    __local float factors[ATTENTION_GROUP];
+    const int i = get_group_id(0), lid = get_local_id(0);
     const int b = i / L, l = i - b * L;
+    const int keys = causal ? min(S, l + 1) : S;
     __global const act_t* q_row = q + i * E;
     __global const float* g_row = g + i * Ev;
-    __global float* dq_row = dq + i * E;
-    float row_delta = 0.0f, score;
-    for (int e = 0; e < Ev; ++e) row_delta += g_row[e] * out[i * Ev + e];
-    for (int e = 0; e < E; ++e) dq_row[e] = 0.0f;
-    for (int s = 0; s < S; ++s) {
-        __global const act_t* k_row = k + (b * S + s) * E;
-        SCORE(b, l, s, q_row, k_row, score)
-        const float p = exp(score - lse[i]);
-        if (p == 0.0f) continue;
-        __global const act_t* v_row = v + (b * S + s) * Ev;
-        float g_dot_v = 0.0f;
-        for (int e = 0; e < Ev; ++e) g_dot_v += g_row[e] * LOAD(v_row, e);
-        const float d_score = p * (g_dot_v * DROPOUT_FACTOR(b, l, s) - row_delta);
-        for (int e = 0; e < E; ++e) dq_row[e] += d_score * LOAD(k_row, e);
+    float partial_delta = 0.0f;
+    for (int e = lid; e < Ev; e += ATTENTION_GROUP) partial_delta += g_row[e] * out[i * Ev + e];
+    const float row_delta = group_sum(factors, partial_delta);
+    const float row_lse = lse[i];
+    __global float* dq_row = dq + i * E;  // each work-item owns columns lid, lid + GROUP, ...
+    for (int e = lid; e < E; e += ATTENTION_GROUP) dq_row[e] = 0.0f;
+    float score;
+    for (int s0 = 0; s0 < keys; s0 += ATTENTION_GROUP) {
+        const int s = s0 + lid;
+        float factor = 0.0f;
+        if (s < keys) {
+            SCORE(b, l, s, q_row, k + (b * S + s) * E, score)
+            const float p = exp(score - row_lse);
+            if (p != 0.0f) {
+                __global const act_t* v_row = v + (b * S + s) * Ev;
+                float g_dot_v = 0.0f;
+                for (int e = 0; e < Ev; ++e) g_dot_v += g_row[e] * LOAD(v_row, e);
+                factor = p * (g_dot_v * DROPOUT_FACTOR(b, l, s) - row_delta);
+            }
+        }
+        factors[lid] = factor;
+        barrier(CLK_LOCAL_MEM_FENCE);
+        const int block = min(ATTENTION_GROUP, keys - s0);
+        for (int e = lid; e < E; e += ATTENTION_GROUP) {
+            __global const act_t* k_col = k + (b * S + s0) * E + e;
+            float acc = 0.0f;
+            for (int j = 0; j < block; ++j) acc += factors[j] * LOAD(k_col, j * E);
+            dq_row[e] += acc;
+        }
+        barrier(CLK_LOCAL_MEM_FENCE);
     }
-    for (int e = 0; e < E; ++e) dq_row[e] *= scale;
-    delta[i] = row_delta;
+    for (int e = lid; e < E; e += ATTENTION_GROUP) dq_row[e] *= scale;
+    if (lid == 0) delta[i] = row_delta;
 }
 
 // -> dk (B, S, E) = scale sum_l P (D g[l].v - delta[l]) q[l], dv (B, S, Ev) = sum_l P D g[l]:
-// one work-item per key row, summing over the query rows in order (no atomics).
-__kernel void attention_bwd_kv(ATTENTION_ARGS, __global const act_t* q, __global const act_t* k,
-                               __global const act_t* v, __global const float* mask,
-                               __global const float* g, __global const float* lse,
-                               __global const float* delta, __global float* dk,
-                               __global float* dv) {
-    const int i = get_global_id(0);
-    if (i >= B * S) return;
+// one work-group per key row; per block of query rows, each work-item finds one row's two
+// factors, then sums its columns of dk and dv over the block, in query order (no atomics).
+__kernel __attribute__((reqd_work_group_size(ATTENTION_GROUP, 1, 1)))
+void attention_bwd_kv(ATTENTION_ARGS, __global const act_t* q, __global const act_t* k,
+                      __global const act_t* v, __global const float* mask,
+                      __global const float* g, __global const float* lse,
+                      __global const float* delta, __global float* dk, __global float* dv) {
+    __local float k_factors[ATTENTION_GROUP], v_factors[ATTENTION_GROUP];
+    const int i = get_group_id(0), lid = get_local_id(0);
     const int b = i / S, s = i - b * S;
+    const int first = causal ? min(s, L) : 0;  // causal: queries before s do not see key s
     __global const act_t* k_row = k + i * E;
     __global const act_t* v_row = v + i * Ev;
-    __global float* dk_row = dk + i * E;
+    __global float* dk_row = dk + i * E;  // each work-item owns columns lid, lid + GROUP, ...
     __global float* dv_row = dv + i * Ev;
+    for (int e = lid; e < E; e += ATTENTION_GROUP) dk_row[e] = 0.0f;
+    for (int e = lid; e < Ev; e += ATTENTION_GROUP) dv_row[e] = 0.0f;
     float score;
-    for (int e = 0; e < E; ++e) dk_row[e] = 0.0f;
-    for (int e = 0; e < Ev; ++e) dv_row[e] = 0.0f;
-    for (int l = 0; l < L; ++l) {
-        __global const act_t* q_row = q + (b * L + l) * E;
-        SCORE(b, l, s, q_row, k_row, score)
-        const float p = exp(score - lse[b * L + l]);
-        if (p == 0.0f) continue;
-        __global const float* g_row = g + (b * L + l) * Ev;
-        const float drop = DROPOUT_FACTOR(b, l, s);
-        float g_dot_v = 0.0f;
-        for (int e = 0; e < Ev; ++e) {
-            g_dot_v += g_row[e] * LOAD(v_row, e);
-            dv_row[e] += p * drop * g_row[e];
+    for (int l0 = first; l0 < L; l0 += ATTENTION_GROUP) {
+        const int l = l0 + lid;
+        float k_factor = 0.0f, v_factor = 0.0f;
+        if (l < L) {
+            SCORE(b, l, s, q + (b * L + l) * E, k_row, score)
+            const float p = exp(score - lse[b * L + l]);
+            if (p != 0.0f) {
+                __global const float* g_row = g + (b * L + l) * Ev;
+                const float drop = DROPOUT_FACTOR(b, l, s);
+                float g_dot_v = 0.0f;
+                for (int e = 0; e < Ev; ++e) g_dot_v += g_row[e] * LOAD(v_row, e);
+                k_factor = p * (g_dot_v * drop - delta[b * L + l]);
+                v_factor = p * drop;
+            }
         }
-        const float d_score = p * (g_dot_v * drop - delta[b * L + l]);
-        for (int e = 0; e < E; ++e) dk_row[e] += d_score * LOAD(q_row, e);
+        k_factors[lid] = k_factor;
+        v_factors[lid] = v_factor;
+        barrier(CLK_LOCAL_MEM_FENCE);
+        const int block = min(ATTENTION_GROUP, L - l0);
+        for (int e = lid; e < E; e += ATTENTION_GROUP) {
+            __global const act_t* q_col = q + (b * L + l0) * E + e;
+            float acc = 0.0f;
+            for (int j = 0; j < block; ++j) acc += k_factors[j] * LOAD(q_col, j * E);
+            dk_row[e] += acc;
+        }
+        for (int e = lid; e < Ev; e += ATTENTION_GROUP) {
+            __global const float* g_col = g + (b * L + l0) * Ev + e;
+            float acc = 0.0f;
+            for (int j = 0; j < block; ++j) acc += v_factors[j] * g_col[j * Ev];
+            dv_row[e] += acc;
+        }
+        barrier(CLK_LOCAL_MEM_FENCE);
     }
-    for (int e = 0; e < E; ++e) dk_row[e] *= scale;
+    for (int e = lid; e < E; e += ATTENTION_GROUP) dk_row[e] *= scale;
 }
 
 // ---------------------------------------------------------------------------- optimizers

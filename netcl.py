@@ -3549,6 +3549,13 @@ def dropout(x, p=0.5, training=True):
 # row's, a key's) is a gather in a fixed order: no atomics (OpenCL 1.2 has no float ones),
 # and the same bits on every run.
 
+_NORM_GROUP = 64  # kernels.cl's NORM_GROUP: work-items per row of layer_norm
+
+
+def _norm_grid(rows):
+    return (rows * _NORM_GROUP,), (_NORM_GROUP,)
+
+
 def _normalized_shape(op, normalized_shape):
     """normalized_shape as a tuple: an int or a non-empty sequence of non-negative ints."""
     shape = ((normalized_shape,) if isinstance(normalized_shape, (int, np.integer))
@@ -3613,7 +3620,7 @@ def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5):
         y.data.reshape(rows, D)[...] = out
         mean.data[...], rstd.data[...] = mu.reshape(rows), r.reshape(rows)
     elif rows:
-        X.device.launch("layer_norm_fwd", *_grid(rows), rows, D, eps, int(W is not None),
+        X.device.launch("layer_norm_fwd", *_norm_grid(rows), rows, D, eps, int(W is not None),
                         int(B is not None), X.data, _data_or_none(W), _data_or_none(B), y.data,
                         mean.data, rstd.data, half=X.dtype == np.float16)
 
@@ -3638,9 +3645,9 @@ def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5):
         else:
             half = X.dtype == np.float16
             if grad_x is not None and grad_x.size:
-                g.device.launch("layer_norm_bwd_dx", *_grid(rows), rows, D, int(W is not None),
-                                g.data, X.data, _data_or_none(W), mean.data, rstd.data,
-                                grad_x.data, half=half)
+                g.device.launch("layer_norm_bwd_dx", *_norm_grid(rows), rows, D,
+                                int(W is not None), g.data, X.data, _data_or_none(W), mean.data,
+                                rstd.data, grad_x.data, half=half)
             if W is not None or B is not None:
                 # Column sums over chunks of rows, then over the chunks (_sum_axis_tensor):
                 # D work-items alone would leave a GPU idle for the few columns of a model.
@@ -3873,6 +3880,13 @@ def _attention_scores(Q, K, scale, mask, geometry, causal):
     return scores, np.where(top == -np.inf, np.inf, top + lse)
 
 
+_ATTENTION_GROUP = 64  # kernels.cl's ATTENTION_GROUP: work-items per row of the attention kernels
+
+
+def _attention_grid(rows):
+    return (rows * _ATTENTION_GROUP,), (_ATTENTION_GROUP,)
+
+
 def scaled_dot_product_attention(q, k, v, attn_mask=None, is_causal=False, dropout_p=0.0,
                                  scale=None):
     """softmax(q k^T * scale + mask) v for q (..., L, E), k (..., S, E), v (..., S, Ev) ->
@@ -3932,8 +3946,9 @@ def scaled_dot_product_attention(q, k, v, attn_mask=None, is_causal=False, dropo
         out.data.reshape(B, L, Ev)[...] = np.matmul(dropped, Vh)
         lse.data[...] = row_lse.reshape(B, L)
     elif B * L:
-        Q.device.launch("attention_fwd", *_grid(B * L), B, L, S, E, Ev, *settings, Q.data,
-                        K.data, V.data, _data_or_none(mask), out.data, lse.data, half=half)
+        Q.device.launch("attention_fwd", *_attention_grid(B * L), B, L, S, E, Ev, *settings,
+                        Q.data, K.data, V.data, _data_or_none(mask), out.data, lse.data,
+                        half=half)
 
     def backward(g):  # g (..., L, Ev) -> dq (..., L, E), dk (..., S, E), dv (..., S, Ev)
         # P = exp(score - lse), D the dropout mask (scaled), out = (P D) v:
@@ -3955,14 +3970,14 @@ def scaled_dot_product_attention(q, k, v, attn_mask=None, is_causal=False, dropo
             grad_v.data.reshape(B, S, Ev)[...] = np.matmul(dropped.transpose(0, 2, 1), G)
         else:
             delta = _like(g, (B, L))  # written by the first kernel, read by the second
-            if B * L:  # one work-item per query row: dq, delta
-                g.device.launch("attention_bwd_q", *_grid(B * L), B, L, S, E, Ev, *settings,
-                                Q.data, K.data, V.data, _data_or_none(mask), g.data, out.data,
-                                lse.data, delta.data, grad_q.data, half=half)
-            if B * S:  # one work-item per key row: dk, dv, summed over the query rows
-                g.device.launch("attention_bwd_kv", *_grid(B * S), B, L, S, E, Ev, *settings,
-                                Q.data, K.data, V.data, _data_or_none(mask), g.data, lse.data,
-                                delta.data, grad_k.data, grad_v.data, half=half)
+            if B * L:  # one work-group per query row: dq, delta
+                g.device.launch("attention_bwd_q", *_attention_grid(B * L), B, L, S, E, Ev,
+                                *settings, Q.data, K.data, V.data, _data_or_none(mask), g.data,
+                                out.data, lse.data, delta.data, grad_q.data, half=half)
+            if B * S:  # one work-group per key row: dk, dv, summed over the query rows
+                g.device.launch("attention_bwd_kv", *_attention_grid(B * S), B, L, S, E, Ev,
+                                *settings, Q.data, K.data, V.data, _data_or_none(mask), g.data,
+                                lse.data, delta.data, grad_k.data, grad_v.data, half=half)
         return grad_q, grad_k, grad_v
     return _record(out, (q, k, v), backward)
 

@@ -8655,6 +8655,8 @@ def _run_ranks(script, tmp_path, device, ranks=2, timeout=120):
     path.write_text(script)
     env = dict(os.environ, NETCL_DEVICE=device, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
                POCL_MAX_PTHREAD_COUNT="1",
+               # An Open MPI mpiexec (where mpi4py came with one) refuses root without these.
+               OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
                PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.abspath(netcl.__file__)),
                                            os.environ.get("PYTHONPATH", "")]))
     started = time.monotonic()
@@ -9009,3 +9011,33 @@ def test_each_local_rank_takes_its_own_gpu(monkeypatch):
         assert netcl.manager.default() == ("opencl", 0, expected)
     monkeypatch.setenv("NETCL_DEVICE", "opencl:0:3")
     assert netcl.manager.default() == ("opencl", 0, 3)
+
+
+@pytest.mark.parametrize("causal, masked, p", [(False, False, 0.0), (True, False, 0.0),
+                                               (False, True, 0.0), (True, False, 0.3)])
+def test_attention_rows_longer_than_a_work_group(cpu, opencl, causal, masked, p):
+    """The attention kernels share each row among a work-group of 64 work-items, in blocks
+    of 64 keys (or queries) and columns: lengths and head sizes past one block, causal rows
+    that stop early, and a mask whose rows begin with -inf agree with the NumPy backend."""
+    rng = np.random.default_rng(3)
+    B, L, S, E, Ev = 2, 70, 130, 80, 65
+    arrays = [rng.standard_normal(s).astype(np.float32) for s in [(B, L, E), (B, S, E), (B, S, Ev)]]
+    g = rng.standard_normal((B, L, Ev)).astype(np.float32)
+    mask = None
+    if masked:
+        mask = rng.standard_normal((L, S)).astype(np.float32)
+        mask[:, :3] = -np.inf  # each row's first keys masked out
+        mask[5] = -np.inf      # and one row with no key at all: its output is 0
+
+    def run(dev):
+        nodes = [param(a, dev) for a in arrays]
+        netcl.manual_seed(11)
+        with netcl.Tape() as tape:
+            y = F.scaled_dot_product_attention(*nodes, attn_mask=mask, is_causal=causal,
+                                               dropout_p=p)
+        tape.backward(y, grad=tensor(g, dev))
+        return [host(y)] + [host(n.grad) for n in nodes]
+
+    for expected, got in zip(run(cpu), run(opencl)):
+        assert np.isfinite(got).all()
+        np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
