@@ -4511,6 +4511,8 @@ def test_tensor_core_gemm_is_a_float32_product_of_float16_operands(
                                    None if bias is None else tensor(bias, dev), out)
     exact = a.astype(np.float64) @ b.astype(np.float64) + (0.0 if bias is None else bias)
     bound = k * 2.0 ** -23 * (np.abs(a).astype(np.float64) @ np.abs(b)) + 1e-30
+    if with_bias:  # the bias is added in float32 too: one more rounding of the result
+        bound = bound + 2.0 ** -24 * np.abs(exact)
     if half_out:
         bound = bound + 2.0 ** -11 * np.abs(exact) + 2.0 ** -24
     assert (np.abs(host(out).astype(np.float64) - exact) <= bound).all()
@@ -8859,7 +8861,9 @@ def test_two_ranks_train_as_one_process_with_twice_the_batch(backend, tmp_path):
         assert entry["sharded"]["loss"] == pytest.approx(entry["whole"]["loss"], rel=1e-5)
     assert ranks[0]["history"][1]["val_loss"] == pytest.approx(ranks[0]["whole"]["loss"], rel=1e-5)
     assert [entry["saved"] for entry in ranks] == [True, False]
-    assert output.count("epoch 1/2") == 1 and output.count("epoch 2/2") == 1
+    # Each epoch's line once (Open MPI's mpiexec gives the ranks a terminal: rank 0's progress
+    # bar, "epoch 1/2 [...", may be there too).
+    assert output.count("epoch 1/2  loss") == 1 and output.count("epoch 2/2  loss") == 1
 
 
 def test_a_failing_rank_ends_the_job_with_its_traceback(tmp_path):
