@@ -155,6 +155,9 @@ def train_with_trainer(args, device, data):
     best = max(history, key=lambda h: h["val_accuracy"])
     print(f"best validation accuracy {best['val_accuracy']:.2%} at epoch {best['epoch']}, "
           f"saved to {args.checkpoint}")
+    if args.plot and netcl.distributed.is_main():
+        history.plot(args.plot)  # loss and accuracy per epoch (needs matplotlib)
+        print(f"history plotted to {args.plot}")
 
     if netcl.distributed.is_main():  # rank 0 wrote it: it reads it, and hands it to the others
         model.load_state_dict(netcl.load(args.checkpoint))  # the best epoch's weights
@@ -177,6 +180,9 @@ def main():
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--checkpoint", default="mnist_mlp.npz",
                         help="where part 2 saves the best model's state_dict")
+    parser.add_argument("--plot", metavar="PNG",
+                        help="draw part 2's History (loss, accuracy per epoch) there; "
+                             "needs matplotlib")
     parser.add_argument("--distributed", action="store_true",
                         help="data-parallel over the ranks of mpiexec -n N; --batch-size is per rank")
     args = parser.parse_args()
