@@ -1497,6 +1497,16 @@ __kernel void embedding_bwd(const int num, const int dim, __global const int* st
 // only, so the loops stop there.
 #define ATTENTION_GROUP 64
 
+// out_row[e] += sum over the block's rows j of factors[j] * rows[j * n + e], for each column e
+// this work-item owns (lid, lid + ATTENTION_GROUP, ...); READ is LOAD (act_t) or PLAIN.
+#define ADD_BLOCK_PRODUCT(out_row, n, factors, block, rows, READ)                               \
+    for (int e = lid; e < (n); e += ATTENTION_GROUP) {                                           \
+        float acc_ = 0.0f;                                                                       \
+        for (int j = 0; j < (block); ++j) acc_ += (factors)[j] * READ(rows, j * (n) + e);        \
+        (out_row)[e] += acc_;                                                                    \
+    }
+#define PLAIN(p, i) (p)[i]
+
 // The log-sum-exp of (top, total) pairs, one per work-item, merged in local memory: every
 // work-item returns the row's. total is the sum of exp(score - top) over the scores seen.
 float group_logsumexp(float top, float total, __local float* tops, __local float* totals) {
@@ -1551,12 +1561,7 @@ void attention_fwd(ATTENTION_ARGS, __global const act_t* q, __global const act_t
         weights[lid] = weight;
         barrier(CLK_LOCAL_MEM_FENCE);
         const int block = min(ATTENTION_GROUP, keys - s0);
-        for (int e = lid; e < Ev; e += ATTENTION_GROUP) {
-            __global const act_t* v_col = v + (b * S + s0) * Ev + e;
-            float acc = 0.0f;
-            for (int j = 0; j < block; ++j) acc += weights[j] * LOAD(v_col, j * Ev);
-            out_row[e] += acc;
-        }
+        ADD_BLOCK_PRODUCT(out_row, Ev, weights, block, v + (b * S + s0) * Ev, LOAD)
         barrier(CLK_LOCAL_MEM_FENCE);
     }
     if (lid == 0) lse[i] = row_lse;
@@ -1599,12 +1604,7 @@ void attention_bwd_q(ATTENTION_ARGS, __global const act_t* q, __global const act
         factors[lid] = factor;
         barrier(CLK_LOCAL_MEM_FENCE);
         const int block = min(ATTENTION_GROUP, keys - s0);
-        for (int e = lid; e < E; e += ATTENTION_GROUP) {
-            __global const act_t* k_col = k + (b * S + s0) * E + e;
-            float acc = 0.0f;
-            for (int j = 0; j < block; ++j) acc += factors[j] * LOAD(k_col, j * E);
-            dq_row[e] += acc;
-        }
+        ADD_BLOCK_PRODUCT(dq_row, E, factors, block, k + (b * S + s0) * E, LOAD)
         barrier(CLK_LOCAL_MEM_FENCE);
     }
     for (int e = lid; e < E; e += ATTENTION_GROUP) dq_row[e] *= scale;
@@ -1649,18 +1649,8 @@ void attention_bwd_kv(ATTENTION_ARGS, __global const act_t* q, __global const ac
         v_factors[lid] = v_factor;
         barrier(CLK_LOCAL_MEM_FENCE);
         const int block = min(ATTENTION_GROUP, L - l0);
-        for (int e = lid; e < E; e += ATTENTION_GROUP) {
-            __global const act_t* q_col = q + (b * L + l0) * E + e;
-            float acc = 0.0f;
-            for (int j = 0; j < block; ++j) acc += k_factors[j] * LOAD(q_col, j * E);
-            dk_row[e] += acc;
-        }
-        for (int e = lid; e < Ev; e += ATTENTION_GROUP) {
-            __global const float* g_col = g + (b * L + l0) * Ev + e;
-            float acc = 0.0f;
-            for (int j = 0; j < block; ++j) acc += v_factors[j] * g_col[j * Ev];
-            dv_row[e] += acc;
-        }
+        ADD_BLOCK_PRODUCT(dk_row, E, k_factors, block, q + (b * L + l0) * E, LOAD)
+        ADD_BLOCK_PRODUCT(dv_row, Ev, v_factors, block, g + (b * L + l0) * Ev, PLAIN)
         barrier(CLK_LOCAL_MEM_FENCE);
     }
     for (int e = lid; e < E; e += ATTENTION_GROUP) dk_row[e] *= scale;
