@@ -6596,12 +6596,14 @@ def _data_parallel(model, optimizer):
 
 
 # ============================================================================ Trainer
-# A small wrapper around the explicit Tape loop for classification. Its step is the async
-# pipeline of the wiki page: enqueue the forward; drain (wait, interruptibly, only for steps
-# long done, so at most a few steps are ever in flight); read metrics every metrics_stride-th
-# step; enqueue backward and the optimizer step without waiting; move on to the next batch
-# while the device works. No garbage-collector pass per step: the Tape frees the graph
-# after backward, so buffers return to the pool by reference counting.
+# A small wrapper around the explicit Tape loop, for classifiers and regressions. Its step is
+# an asynchronous pipeline of five points: (1) enqueue the forward; (2) drain: wait,
+# interruptibly, only for steps long done, so at most MAX_IN_FLIGHT steps are ever queued
+# ahead; (3) every metrics_stride-th step, read the loss and the logits back; (4) enqueue
+# backward and the optimizer step without waiting; (5) return, so the host fetches the next
+# batch while the device works. Every wait is a host sync and is counted in Device.syncs.
+# No garbage-collector pass per step: the Tape frees the graph after backward, so buffers
+# return to the pool by reference counting.
 
 class History(list):
     """What fit() returns: one dict per epoch (epoch, loss, accuracy, [val_loss, val_accuracy,]
@@ -6684,7 +6686,8 @@ class Trainer:
             print("netcl: mixed precision has no effect on the NumPy backend; training in float32")
             mixed_precision = False
         self.mixed_precision = bool(mixed_precision)
-        self.scaler = AMPGradScaler() if self.mixed_precision else None
+        # Disabled without mixed precision: then it passes the loss and the step through.
+        self.scaler = AMPGradScaler(enabled=self.mixed_precision)
         if self.mixed_precision and self.device.autocast_half:
             self.device._half_program()  # built now: the first epoch's samples/s stays honest
         # Checked once: does this optimizer clip inside its own step?
@@ -6698,11 +6701,11 @@ class Trainer:
 
     # --- the step ---------------------------------------------------------------------------
     def _train_step(self, step, x, target, labels, loss_fn, classify):
-        """One step. Returns (metrics, logits): metrics is (loss, logits) as host values on
-        metrics steps (logits None for a regression), else None; logits is this step's
-        output Node."""
+        """One step, the five points of the pipeline (see the section's banner). Returns
+        (metrics, logits): metrics is (loss, logits) as host values on metrics steps (logits
+        None for a regression), else None; logits is this step's output Node."""
         # 1. Enqueue the forward (returns as soon as the kernels are queued).
-        with Tape() as tape, self._autocast():
+        with Tape() as tape, autocast(enabled=self.mixed_precision):
             logits = self.model(x)
             if classify:
                 _check_labels(labels, _as_value(logits).shape)
@@ -6714,36 +6717,25 @@ class Trainer:
         if step % self.metrics_stride == 0:
             if self.device.backend == "opencl":  # wait for this forward, interruptibly
                 self._drain(0)
-                _wait_interruptibly(cl.enqueue_marker(self.device.queue))
+                _wait_interruptibly(self.device, cl.enqueue_marker(self.device.queue))
             metrics = (float(loss.value.to_host()),
                        _as_value(logits).to_host() if classify else None)
             if not math.isfinite(metrics[0]):  # before its backward and step: nothing applied
                 raise RuntimeError(f"non-finite loss at step {step}")
-        # The epoch's loss is summed on the device, weighted by batch size: exact, no sync.
-        if self._loss_sum is None:
-            self._loss_sum = _fill((), 0.0, loss.value)
-        _add_into(self._loss_sum, loss.value, float(x.shape[0]))
-        # 4. Enqueue backward and the optimizer step, without waiting.
+        self._loss_sum = _add_weighted_loss(self._loss_sum, loss, x.shape[0])
+        # 4. Enqueue backward and the optimizer step, without waiting. Without mixed precision
+        # the scaler is disabled: scale() returns the loss, unscale_() and update() do nothing.
         self.optimizer.zero_grad()
-        if self.scaler is not None:
-            tape.backward(self.scaler.scale(loss))
-            if self.grad_clip is not None and not self._fused_clip:
-                self.scaler.unscale_(self.optimizer)
-                clip_grad_norm(self.optimizer.params, self.grad_clip)
-            self.scaler.step(self.optimizer, **self._clip_kwargs())
-            self.scaler.update()
-        else:
-            tape.backward(loss)
-            if self.grad_clip is not None and not self._fused_clip:
-                clip_grad_norm(self.optimizer.params, self.grad_clip)
-            self.optimizer.step(**self._clip_kwargs())
+        tape.backward(self.scaler.scale(loss))
+        if self.grad_clip is not None and not self._fused_clip:
+            self.scaler.unscale_(self.optimizer)  # clip the true gradients, not scaled ones
+            clip_grad_norm(self.optimizer.params, self.grad_clip)
+        self.scaler.step(self.optimizer, **self._clip_kwargs())
+        self.scaler.update()
         if self.device.backend == "opencl":
             self._in_flight.append(cl.enqueue_marker(self.device.queue))
         # 5. Return: the caller fetches the next batch while the device works.
         return metrics, logits
-
-    def _autocast(self):
-        return autocast(enabled=True) if self.mixed_precision else contextlib.nullcontext()
 
     def _clip_kwargs(self):
         return {"max_norm": self.grad_clip} if self.grad_clip is not None and self._fused_clip else {}
@@ -6752,7 +6744,7 @@ class Trainer:
         """Wait until at most `keep` steps are queued. Polls instead of blocking in finish()
         so that Ctrl-C interrupts the wait."""
         while len(self._in_flight) > keep:
-            _wait_interruptibly(self._in_flight.popleft())
+            _wait_interruptibly(self.device, self._in_flight.popleft())
 
     # --- fit / evaluate ---------------------------------------------------------------------
     def fit(self, train_loader, val_loader=None, epochs=1, loss_fn=None, log_every=1,
@@ -6948,7 +6940,7 @@ class Trainer:
                 raise ValueError(f"Trainer.save_checkpoint: the {what} has no state_dict()")
         loader = self._train_loader
         save({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-              "scaler": None if self.scaler is None else self.scaler.state_dict(),
+              "scaler": self.scaler.state_dict(),  # {} when disabled, as PyTorch's
               "scheduler": None if self._scheduler is None else self._scheduler.state_dict(),
               "trainer": {"epoch": self.epoch, "monitor": self._monitor, "best": self._best,
                           "bad_epochs": self._bad_epochs,
@@ -6975,7 +6967,7 @@ class Trainer:
                              f"'trainer' entry ({error!r})") from error
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
-        if self.scaler is not None and state.get("scaler"):
+        if state.get("scaler"):  # None or {}: saved without mixed precision
             self.scaler.load_state_dict(state["scaler"])
         self._loaded = {"epoch": epoch, "bad_epochs": bad_epochs, "best": loop.get("best"),
                         "monitor": loop.get("monitor"), "loader_epoch": loop.get("loader_epoch"),
@@ -6994,9 +6986,9 @@ class Trainer:
         """The pass of evaluate(), silent; classify None decides it from the first batch."""
         was_training = getattr(self.model, "training", None)
         _set_mode(self.model, False)
-        total, loss_sum, correct = 0, 0.0, 0
+        total, loss_sum, correct = 0, None, 0
         try:
-            with no_grad(), self._autocast():
+            with no_grad(), autocast(enabled=self.mixed_precision):
                 for batch in data_loader:
                     x, target, labels = self._prepare(batch)
                     if classify is None:
@@ -7005,15 +6997,18 @@ class Trainer:
                     if classify:
                         _check_labels(labels, _as_value(logits).shape)
                     loss = loss_fn(logits, target)
-                    n = x.shape[0]
-                    loss_sum += float(loss.value.to_host()) * n
+                    loss_sum = _add_weighted_loss(loss_sum, loss, x.shape[0])
                     if classify:
+                        # A read of every batch's logits, a host sync: the argmax is compared
+                        # with the labels on the host, as netcl has no device comparison op.
                         correct += int((_as_value(logits).to_host().argmax(1)
                                         == _class_indices(_host_labels(labels))).sum())
-                    total += n
+                    total += x.shape[0]
         finally:
             if was_training is not None:
                 _set_mode(self.model, was_training)
+        # One read of the summed loss, which also waits for the last batch.
+        loss_sum = 0.0 if loss_sum is None else float(loss_sum.to_host())
         total, loss_sum, correct = _sum_over_ranks(total, loss_sum, correct)  # every rank's shard
         if total == 0:
             raise ValueError(empty_message)
@@ -7092,6 +7087,18 @@ def _as_value(x):
     return x.value if isinstance(x, Node) else x
 
 
+def _add_weighted_loss(loss_sum, loss, batch_size):
+    """loss_sum + batch_size * loss, summed on the loss's device without a sync (loss_sum None:
+    from 0). Read once at the end of a pass, it gives the mean loss per sample."""
+    if loss.value.size != 1:
+        raise TypeError(f"Trainer: loss_fn must return a loss of one element, got shape "
+                        f"{loss.shape}")
+    if loss_sum is None:
+        loss_sum = _fill((), 0.0, loss.value)
+    _add_into(loss_sum, loss.value, float(batch_size))
+    return loss_sum
+
+
 def _set_mode(model, training):
     if callable(getattr(model, "train", None)):
         model.train(training)
@@ -7144,8 +7151,10 @@ def _no_batches(loader, epoch):
             f"batches instead)")
 
 
-def _wait_interruptibly(event):
-    """Wait for an OpenCL event by polling, so KeyboardInterrupt is delivered meanwhile."""
+def _wait_interruptibly(device, event):
+    """Wait for an OpenCL event of `device` by polling, so KeyboardInterrupt is delivered
+    meanwhile. A host sync, counted as finish() counts one."""
+    device._count_sync()
     spins = 0
     while event.command_execution_status != cl.command_execution_status.COMPLETE:
         spins += 1
