@@ -9,6 +9,10 @@ sections that mirror the ones below. Read it top to bottom:
     -> nn modules -> optimizers -> mixed precision -> data -> distributed -> Trainer
     -> the import aliases (netcl.nn, netcl.optim, netcl.trainer, ...)
 
+The library proper ends with mixed precision, before the data section. Data (DataLoader and
+its worker processes), distributed (data parallelism over MPI) and the Trainer are
+conveniences built on it, which a learner may read last.
+
 A training step:
 
     import numpy as np, netcl
@@ -118,7 +122,7 @@ class Device:
             self.pool = BufferPool(self._cl_alloc, max_bytes=cl_device.max_mem_alloc_size)
             self._uploads = deque()  # events of queued host-to-device copies, oldest first
             # The GEMM variant: local-memory tiles on GPUs, packed float8 rows on CPUs (PoCL),
-            # where local memory is slow and wide vector loads are fast (PERF-NOTES).
+            # where local memory is slow and wide vector loads are fast.
             self.gemm = "packed" if cl_device.type & cl.device_type.CPU else "tiled"
             self.compute_units = cl_device.max_compute_units
             # Inline PTX reaches NVIDIA's tensor cores; elsewhere it would not even build.
@@ -1063,6 +1067,14 @@ def _add_into(dst, src, alpha=1.0):
 # Each op: validate shapes (before anything is enqueued), compute the output on the NumPy
 # backend (the readable reference) or with a kernel, and define its backward beside it.
 # Ops accept Nodes, Tensors, arrays and Python scalars; arrays join the other operand's device.
+#
+# Names in op bodies: the operands, once _nodes has made them Nodes, have lowercase names
+# (x, w, b), and the Tensor each holds is the same letter in capitals (X = x.value), which is
+# what the NumPy code and the kernel launches read. Everything else an op makes is a Tensor
+# until _record wraps the output in its Node: the output (y, out), the incoming gradient g and
+# the gradients backward returns. Other capitals are sizes (N, C, H, W), as in the shape
+# comments; the helpers that take only Tensors (the *_tensor functions, _gemm) name them in
+# lowercase.
 
 _generator = [np.random.default_rng()]
 
@@ -4847,6 +4859,7 @@ def _norm_partials(grads, norm_type):
                         for v in values]
         return Tensor.from_host(np.array(partials), device.queue, np.float64)
     groups = [_norm_groups(g.size) for g in grads]
+    # builtins.sum: the module's own `sum` is reduce_sum, bound at the end of the file
     partials = Tensor.empty((builtins.sum(groups),), np.float32, device.queue)
     first = 0
     for g, count in zip(grads, groups):
@@ -7253,6 +7266,8 @@ distributed = _alias("distributed", init=init, is_initialized=is_initialized, ra
                      world_size=world_size, is_main=is_main, stats=stats,
                      broadcast_parameters=broadcast_parameters,
                      DistributedOptimizer=DistributedOptimizer)
-# Flat names for the reductions too (netcl.sum, netcl.mean), bound last so that nothing in
-# this file ever calls them by mistake for Python's built-in sum.
+# Flat names for the reductions too (netcl.sum, netcl.mean). Binding sum here shadows
+# Python's built-in in the whole module, not only below this line: a function looks up its
+# globals when it runs, not when it is defined. So code in this file that means the built-in
+# calls it as builtins.sum.
 globals().update(sum=reduce_sum, mean=reduce_mean)
