@@ -7017,9 +7017,13 @@ class Trainer:
                         correct += int((_as_value(logits).to_host().argmax(1)
                                         == _class_indices(_host_labels(labels))).sum())
                     total += x.shape[0]
+                    if self.device.backend == "opencl":  # as in fit: few batches queued ahead
+                        self._in_flight.append(cl.enqueue_marker(self.device.queue))
+                        self._drain(self.MAX_IN_FLIGHT)
         finally:
             if was_training is not None:
                 _set_mode(self.model, was_training)
+        self._drain(0)
         # One read of the summed loss, which also waits for the last batch.
         loss_sum = 0.0 if loss_sum is None else float(loss_sum.to_host())
         total, loss_sum, correct = _sum_over_ranks(total, loss_sum, correct)  # every rank's shard
