@@ -1,8 +1,13 @@
 // kernels.cl — every OpenCL kernel netcl runs, in OpenCL C 1.2.
 //
-// The sections follow netcl.py's order, so the two files can be read side by side:
-// autograd (gradient accumulation) -> operations (elementwise, GEMM, reductions, softmax,
-// cross-entropy, convolution and pooling, dropout) -> optimizers -> mixed precision.
+// The sections are netcl.py's, in its order, and so are the sub-sections, under the same
+// banners, so the two files can be read side by side; each kernel sits in the sub-section of
+// the netcl.py function that launches it, and a section without kernels is left out:
+// device & kernels (the two builds) -> autograd (gradient accumulation) -> operations
+// (float16 storage, elementwise, matrix products, shape ops, reductions, softmax and losses,
+// convolution and pooling, dropout, normalisation, embedding and attention) -> optimizers
+// -> mixed precision. A helper sits in the first sub-section that uses it: OpenCL C wants a
+// function defined before its first call.
 //
 // Conventions:
 // - Every kernel takes its sizes first, then runtime scalars, then buffers; a shape comment
@@ -22,6 +27,8 @@
 // In the float build act_t is float and LOAD/STORE are plain accesses: that build is exactly
 // the float32 library. Each kernel says which of its buffers are act_t; a kernel has the same
 // name and arguments in both builds.
+
+// ============================================================================ device & kernels
 #ifndef HALF_STORAGE
 #define HALF_STORAGE 0
 #endif
@@ -41,7 +48,7 @@ typedef float act_t;
 #define STORE(p, i, v) ((p)[i] = (v))
 #endif
 
-// ---------------------------------------------------------------------------- autograd
+// ============================================================================ autograd
 
 // dst (n) += alpha * src (n), in place: a leaf's .grad accumulating a second backward pass,
 // a convolution's weight gradient summed over chunks, the Trainer's epoch loss.
@@ -51,9 +58,24 @@ __kernel void accumulate(const int n, const float alpha, __global float* dst,
     if (i < n) dst[i] += alpha * src[i];
 }
 
-// ---------------------------------------------------------------------------- operations
-// --- elementwise, one input: out (n) = f(x, alpha). alpha is the op's scalar (a slope, a
-// constant operand), unused by most. x and out are activations (act_t).
+// ============================================================================ operations
+// --- float16 storage -------------------------------------------------------------------------
+// Casts between float16 storage and float32, for operands that must change storage: in the
+// half build cast_to_act rounds to half (nearest even, overflow to inf) and cast_from_act
+// widens exactly; in the float build both are copies. x, out (n).
+__kernel void cast_to_act(const int n, __global const float* x, __global act_t* out) {
+    const int i = get_global_id(0);
+    if (i < n) STORE(out, i, x[i]);
+}
+
+__kernel void cast_from_act(const int n, __global const act_t* x, __global float* out) {
+    const int i = get_global_id(0);
+    if (i < n) out[i] = LOAD(x, i);
+}
+
+// --- elementwise, one input ------------------------------------------------------------------
+// out (n) = f(x, alpha). alpha is the op's scalar (a slope, a constant operand), unused by
+// most. x and out are activations (act_t).
 #define UNARY(NAME, EXPR)                                                               \
 __kernel void NAME(const int n, const float alpha,                                      \
                    __global const act_t* x_, __global act_t* out) {                     \
@@ -97,7 +119,7 @@ float gelu_tanh_slope(const float x) {
 
 UNARY(gelu_tanh_fwd, x * gelu_tanh_s(x))
 
-// --- their gradients: out (n) = dL/dx from g = dL/dout and s, the saved input x or output y
+// Their gradients: out (n) = dL/dx from g = dL/dout and s, the saved input x or output y
 // (an activation, act_t); g and out are gradients (float).
 #define UNARY_GRAD(NAME, EXPR)                                                          \
 __kernel void NAME(const int n, const float alpha, __global const float* g_,            \
@@ -145,7 +167,8 @@ __kernel void clamp_bwd(const int n, const float low, const float high, __global
     }
 }
 
-// --- elementwise, two inputs: out (n) = f(a, b), the operands broadcast as in NumPy.
+// --- elementwise, two inputs -----------------------------------------------------------------
+// out (n) = f(a, b), the operands broadcast as in NumPy.
 // a, b and out are act_t (netcl.py widens a float16 operand met with a float32 one).
 // NAME_fwd: both operands hold out's n elements in out's order (no index arithmetic).
 // NAME_bcast: broadcast_t maps out's index to each operand's. netcl.py (_broadcast) sees out as
@@ -226,7 +249,8 @@ __kernel void int_to_act(const int n, __global const int* x, __global act_t* out
     if (i < n) STORE(out, i, (float)x[i]);
 }
 
-// --- maximum, minimum and selection: BINARY kernels, launched like add's.
+// --- maximum, minimum and selection ----------------------------------------------------------
+// BINARY kernels, launched like add's.
 BINARY(maximum, (a > b || isnan(a)) ? a : b)  // NaN on either side gives NaN, as PyTorch
 BINARY(minimum, (a < b || isnan(a)) ? a : b)
 // a's share of the gradient of maximum(a, b): 1 where it won, 0 where it lost, half on a tie
@@ -242,90 +266,8 @@ __kernel void nonzero_mask(const int n, __global const int* cond, __global act_t
     if (i < n) STORE(mask, i, cond[i] != 0 ? 1.0f : 0.0f);
 }
 
-// x (rows, cols) -> out (cols, rows), both act_t
-__kernel void transpose2d(const int rows, const int cols, __global const act_t* x,
-                          __global act_t* out) {
-    const int c = get_global_id(0), r = get_global_id(1);
-    if (r < rows && c < cols) STORE(out, c * rows + r, LOAD(x, r * cols + c));
-}
-
-// float16 storage <-> float32, for operands that must change storage: in the half build
-// cast_to_act rounds to half (nearest even, overflow to inf) and cast_from_act widens
-// exactly; in the float build both are copies. x, out (n).
-__kernel void cast_to_act(const int n, __global const float* x, __global act_t* out) {
-    const int i = get_global_id(0);
-    if (i < n) STORE(out, i, x[i]);
-}
-
-__kernel void cast_from_act(const int n, __global const act_t* x, __global float* out) {
-    const int i = get_global_id(0);
-    if (i < n) out[i] = LOAD(x, i);
-}
-
-// --- shape ops: permute, row copies (cat, stack, split, chunk, slicing) and row gathers
-// (integer-array indexing, index_select). They only move values: x and out are act_t in the
-// forward pass, and the float build moves the gradients back.
-
-// x -> out (n elements), out = x with its dimensions permuted, seen as (s0, ..., s5): netcl.py
-// merges the dimensions that move together and pads to six with size-1 dimensions in front.
-// Index k of out steps t_k elements in x; s0 is implied by n.
-__kernel void permute_axes(const int n, const int s1, const int s2, const int s3, const int s4,
-                           const int s5, const int t0, const int t1, const int t2, const int t3,
-                           const int t4, const int t5, __global const act_t* x,
-                           __global act_t* out) {
-    const int i = get_global_id(0);
-    if (i >= n) return;
-    int rest = i, src = 0;
-    src += (rest % s5) * t5; rest /= s5;
-    src += (rest % s4) * t4; rest /= s4;
-    src += (rest % s3) * t3; rest /= s3;
-    src += (rest % s2) * t2; rest /= s2;
-    src += (rest % s1) * t1; rest /= s1;
-    src += rest * t0;
-    STORE(out, i, LOAD(x, src));
-}
-
-// x (outer, x_rows, inner) -> out (outer, out_rows, inner): row out_start + j * out_step of
-// out gets row x_start + j * x_step of x, for j < n. cat writes each input at its offset,
-// split and slicing take rows out, and their backward passes put the gradients back.
-__kernel void copy_rows(const int outer, const int n, const int inner, const int x_rows,
-                        const int out_rows, const int x_start, const int x_step,
-                        const int out_start, const int out_step, __global const act_t* x,
-                        __global act_t* out) {
-    const int i = get_global_id(0);
-    if (i >= outer * n * inner) return;
-    const int k = i % inner, j = (i / inner) % n, o = i / (n * inner);
-    STORE(out, (o * out_rows + out_start + j * out_step) * inner + k,
-          LOAD(x, (o * x_rows + x_start + j * x_step) * inner + k));
-}
-
-// x (outer, rows, inner) -> out (outer, m, inner), out[o, j, k] = x[o, index[j], k], every
-// index in [0, rows) (netcl.py checks them).
-__kernel void gather_rows(const int outer, const int rows, const int m, const int inner,
-                          __global const int* index, __global const act_t* x,
-                          __global act_t* out) {
-    const int i = get_global_id(0);
-    if (i >= outer * m * inner) return;
-    const int k = i % inner, j = (i / inner) % m, o = i / (m * inner);
-    STORE(out, i, LOAD(x, (o * rows + index[j]) * inner + k));
-}
-
-// Its backward without atomics: g (outer, m, inner) -> out (outer, rows, inner), float. Each
-// work-item owns one element of out and sums g over the positions gathered from its row r,
-// order[starts[r]] .. order[starts[r + 1] - 1] (positions sorted stably by index, netcl.py),
-// so a row never gathered gets 0 and the sum runs in increasing position on every device.
-__kernel void gather_rows_bwd(const int outer, const int rows, const int m, const int inner,
-                              __global const int* starts, __global const int* order,
-                              __global const float* g, __global float* out) {
-    const int i = get_global_id(0);
-    if (i >= outer * rows * inner) return;
-    const int k = i % inner, r = (i / inner) % rows, o = i / (rows * inner);
-    float acc = 0.0f;
-    for (int s = starts[r]; s < starts[r + 1]; ++s) acc += g[(o * m + order[s]) * inner + k];
-    out[i] = acc;
-}
-
-// --- GEMM: C (M, N) = op(A) (M, K) @ op(B) (K, N) [+ bias (N)], op = identity or transpose.
+// --- matrix products -------------------------------------------------------------------------
+// GEMM: C (M, N) = op(A) (M, K) @ op(B) (K, N) [+ bias (N)], op = identity or transpose.
 // Backward needs A^T B and A B^T; the layout is a macro argument, so no transpose is ever
 // materialised. A 16x16 work-group computes a TILE x TILE block of C, TILE = 16 * WPT, each
 // work-item a WPT x WPT block of it, staging 16-deep slices of op(A) and op(B) in local
@@ -441,12 +383,12 @@ GEMM(gemm_nn_split, 4, 1, act_t, A_ROWMAJOR, 1, float, B_ROWMAJOR, 0, act_t)
 GEMM(gemm_nt_split, 4, 1, act_t, A_ROWMAJOR, 1, float, B_COLMAJOR, 1, act_t)
 GEMM(gemm_tn_split, 4, 1, float, A_COLMAJOR, 0, act_t, B_ROWMAJOR, 0, float)
 
-// --- GEMM on NVIDIA tensor cores, through inline PTX (built only where TENSOR_CORES is 1: the
-// half build on a device whose probe below succeeded, netcl.py: Device._build_half). The same
-// product as the GEMM family above, with both operands in float16 storage, accumulation in
-// float32 by `mma.sync.aligned.m16n8k16` (16x8 outputs from a 16x16 by 16x8 product per
-// warp), and C written as half (act_t) or float. Each work-group computes a BM x BN block of
-// C with (BM / WM) x (BN / WN) warps, each a WM x WN tile:
+// GEMM on NVIDIA tensor cores, through inline PTX (built only where TENSOR_CORES is 1: the
+// half build on a device whose probe below succeeded, netcl.py: Device._half_program). The
+// same product as the GEMM family above, with both operands in float16 storage, accumulation
+// in float32 by `mma.sync.aligned.m16n8k16` (16x8 outputs from a 16x16 by 16x8 product per
+// warp), and C written as half (act_t) or float. Each work-group computes a BM x BN block of C
+// with (BM / WM) x (BN / WN) warps, each a WM x WN tile:
 // - Global -> local: `cp.async` copies 16 bytes (8 halves) per instruction without passing
 //   through registers, STAGES k-tiles of depth TC_BK ahead (a pipeline with one barrier
 //   per k-tile). A copy past the matrix's edge reads 0 bytes and zero-fills, so ragged M, N
@@ -667,7 +609,7 @@ __kernel void tensor_core_probe(__global const uint* A, __global const uint* Bt,
 }
 #endif  // TENSOR_CORES
 
-// --- GEMM for CPU devices (PoCL). Local memory is slow there and wide vector loads are
+// GEMM for CPU devices (PoCL). Local memory is slow there and wide vector loads are
 // fast, so both operands are first packed (transposing if asked, padding with zeros) into
 // layouts whose rows are aligned float8 runs: Ap (Mp, K) with Mp a multiple of 4, and
 // Bp (K, Np) with Np a multiple of 16. Each work-item then computes a 4x16 block of C with
@@ -746,7 +688,79 @@ __kernel void gemm_packed(const int M, const int N, const int K, const int a_k, 
             STORE(C, (row + r) * N + col + c, out[r][c] + (has_bias ? bias[col + c] : 0.0f));
 }
 
-// --- reductions. A reduction over one axis sees x as (outer, R, inner) and reduces R.
+// x (rows, cols) -> out (cols, rows), both act_t
+__kernel void transpose2d(const int rows, const int cols, __global const act_t* x,
+                          __global act_t* out) {
+    const int c = get_global_id(0), r = get_global_id(1);
+    if (r < rows && c < cols) STORE(out, c * rows + r, LOAD(x, r * cols + c));
+}
+
+// --- shape ops -------------------------------------------------------------------------------
+// Permutes, row copies (cat, stack, split, chunk, slicing) and row gathers (integer-array
+// indexing, index_select). They only move values: x and out are act_t in the forward pass,
+// and the float build moves the gradients back.
+
+// x -> out (n elements), out = x with its dimensions permuted, seen as (s0, ..., s5): netcl.py
+// merges the dimensions that move together and pads to six with size-1 dimensions in front.
+// Index k of out steps t_k elements in x; s0 is implied by n.
+__kernel void permute_axes(const int n, const int s1, const int s2, const int s3, const int s4,
+                           const int s5, const int t0, const int t1, const int t2, const int t3,
+                           const int t4, const int t5, __global const act_t* x,
+                           __global act_t* out) {
+    const int i = get_global_id(0);
+    if (i >= n) return;
+    int rest = i, src = 0;
+    src += (rest % s5) * t5; rest /= s5;
+    src += (rest % s4) * t4; rest /= s4;
+    src += (rest % s3) * t3; rest /= s3;
+    src += (rest % s2) * t2; rest /= s2;
+    src += (rest % s1) * t1; rest /= s1;
+    src += rest * t0;
+    STORE(out, i, LOAD(x, src));
+}
+
+// x (outer, x_rows, inner) -> out (outer, out_rows, inner): row out_start + j * out_step of
+// out gets row x_start + j * x_step of x, for j < n. cat writes each input at its offset,
+// split and slicing take rows out, and their backward passes put the gradients back.
+__kernel void copy_rows(const int outer, const int n, const int inner, const int x_rows,
+                        const int out_rows, const int x_start, const int x_step,
+                        const int out_start, const int out_step, __global const act_t* x,
+                        __global act_t* out) {
+    const int i = get_global_id(0);
+    if (i >= outer * n * inner) return;
+    const int k = i % inner, j = (i / inner) % n, o = i / (n * inner);
+    STORE(out, (o * out_rows + out_start + j * out_step) * inner + k,
+          LOAD(x, (o * x_rows + x_start + j * x_step) * inner + k));
+}
+
+// x (outer, rows, inner) -> out (outer, m, inner), out[o, j, k] = x[o, index[j], k], every
+// index in [0, rows) (netcl.py checks them).
+__kernel void gather_rows(const int outer, const int rows, const int m, const int inner,
+                          __global const int* index, __global const act_t* x,
+                          __global act_t* out) {
+    const int i = get_global_id(0);
+    if (i >= outer * m * inner) return;
+    const int k = i % inner, j = (i / inner) % m, o = i / (m * inner);
+    STORE(out, i, LOAD(x, (o * rows + index[j]) * inner + k));
+}
+
+// Its backward without atomics: g (outer, m, inner) -> out (outer, rows, inner), float. Each
+// work-item owns one element of out and sums g over the positions gathered from its row r,
+// order[starts[r]] .. order[starts[r + 1] - 1] (positions sorted stably by index, netcl.py),
+// so a row never gathered gets 0 and the sum runs in increasing position on every device.
+__kernel void gather_rows_bwd(const int outer, const int rows, const int m, const int inner,
+                              __global const int* starts, __global const int* order,
+                              __global const float* g, __global float* out) {
+    const int i = get_global_id(0);
+    if (i >= outer * rows * inner) return;
+    const int k = i % inner, r = (i / inner) % rows, o = i / (rows * inner);
+    float acc = 0.0f;
+    for (int s = starts[r]; s < starts[r + 1]; ++s) acc += g[(o * m + order[s]) * inner + k];
+    out[i] = acc;
+}
+
+// --- reductions ------------------------------------------------------------------------------
+// A reduction over one axis sees x as (outer, R, inner) and reduces R.
 // Reductions, softmax and cross-entropy read activations (act_t) and write float.
 // x (outer, R, inner) -> out (outer, inner) = scale * sum over R
 __kernel void sum_axis(const int outer, const int R, const int inner, const float scale,
@@ -881,7 +895,8 @@ __kernel void logsumexp_axis_bwd(const int outer, const int R, const int inner,
     out[i] = g[column] * exp(LOAD(x, i) - lse[column]);
 }
 
-// --- softmax along an axis: x (outer, R, inner) -> y, softmax or (log_mode) log-softmax.
+// --- softmax and losses ----------------------------------------------------------------------
+// Softmax along an axis: x (outer, R, inner) -> y, softmax or (log_mode) log-softmax.
 __kernel void softmax_axis(const int outer, const int R, const int inner, const int log_mode,
                            __global const act_t* x, __global float* y) {
     const int i = get_global_id(0);
@@ -916,7 +931,7 @@ __kernel void softmax_axis_bwd(const int outer, const int R, const int inner, co
     }
 }
 
-// --- cross-entropy, fused with log-softmax, and the other losses. One work-item per row: a
+// Cross-entropy, fused with log-softmax, and the other losses. One work-item per row: a
 // row is the C scores of one target, read in place at stride `inner` from x (outer, C, inner)
 // (logits (N, C) are outer = N, inner = 1; (N, C, d1, ...) have inner = d1 * ...), and the
 // row of work-item r = o * inner + i starts at o * C * inner + i. A row whose index target is
@@ -1075,12 +1090,13 @@ __kernel void bce_logits_bwd(const int n, const int g_stride, const float scale,
     out[i] = scale * g[i * g_stride] * w * d;
 }
 
-// --- convolution and pooling on NCHW images. Every kernel takes the window geometry in this
-// order: input plane (H, W), kernel (R, S), stride (SH, SW), padding (PH, PW) on each side,
-// dilation (DH, DW), output plane (OH, OW). A dilated kernel's taps are DH rows and DW
-// columns apart, so it spans (R-1)*DH+1 rows; pooling windows are not dilated (DH = DW = 1).
-// Backward kernels gather: one work-item per input pixel sums the outputs whose window
-// covers it, so no two work-items write one place and nothing is atomic.
+// --- convolution and pooling -----------------------------------------------------------------
+// Images are NCHW. Every kernel takes the window geometry in this order: input plane (H, W),
+// kernel (R, S), stride (SH, SW), padding (PH, PW) on each side, dilation (DH, DW), output
+// plane (OH, OW). A dilated kernel's taps are DH rows and DW columns apart, so it spans
+// (R-1)*DH+1 rows; pooling windows are not dilated (DH = DW = 1). Backward kernels gather: one
+// work-item per input pixel sums the outputs whose window covers it, so no two work-items
+// write one place and nothing is atomic.
 #define WINDOW_ARGS const int H, const int W, const int R, const int S, const int SH,            \
                     const int SW, const int PH, const int PW, const int DH, const int DW,        \
                     const int OH, const int OW
@@ -1239,8 +1255,9 @@ __kernel void avg_pool2d_bwd(const int planes, WINDOW_ARGS, __global const float
     dx[i] = acc / (float)(R * S);
 }
 
-// --- dropout. The keep mask is a hash of (seed, i), so backward recomputes it instead of
-// storing it, and the NumPy backend computes the very same mask (netcl.py: _dropout_keep).
+// --- dropout ---------------------------------------------------------------------------------
+// The keep mask is a hash of (seed, i), so backward recomputes it instead of storing it, and
+// the NumPy backend computes the very same mask (netcl.py: _dropout_keep).
 uint fmix32(uint h) {  // MurmurHash3's finaliser: a cheap, well-mixed 32-bit hash
     h ^= h >> 16; h *= 0x85ebca6bu; h ^= h >> 13; h *= 0xc2b2ae35u; h ^= h >> 16;
     return h;
@@ -1256,9 +1273,10 @@ __kernel void dropout_mask(const int n, const uint seed, const float p, const fl
     STORE(out, i, u >= p ? LOAD(x, i) * scale : 0.0f);
 }
 
-// --- normalisation, embedding and attention. Statistics take two passes (the mean, then the
-// mean squared deviation); every sum over rows is a gather in a fixed order, never an atomic.
-// Inputs are act_t; outputs, statistics and gradients are float.
+// --- normalisation, embedding and attention --------------------------------------------------
+// Statistics take two passes (the mean, then the mean squared deviation); every sum over rows
+// is a gather in a fixed order, never an atomic. Inputs are act_t; outputs, statistics and
+// gradients are float.
 
 // The sum of `value` over the work-group (a power of two wide, `partial` as long), returned
 // to every work-item: a tree in local memory; `partial` may be reused at once.
@@ -1656,7 +1674,7 @@ void attention_bwd_kv(ATTENTION_ARGS, __global const act_t* q, __global const ac
     for (int e = lid; e < E; e += ATTENTION_GROUP) dk_row[e] *= scale;
 }
 
-// ---------------------------------------------------------------------------- optimizers
+// ============================================================================ optimizers
 
 // SGD as torch/optim/sgd.py (dampening 0): d = g + wd p; buf = first ? d : momentum buf + d;
 // d = nesterov ? d + momentum buf : buf; p -= lr d. p, g, buf (n). With has_found_inf, a
@@ -1676,10 +1694,11 @@ __kernel void sgd_step(const int n, const float lr, const float momentum, const 
     p[i] -= lr * d;
 }
 
-// --- gradient norms. Stage one: partials[first + group] = sum of |x|^norm_type over the
-// elements this work-group visits (the maximum of |x| for the inf-norm). Stage two
-// (total_norm) combines the partials of all tensors inside the kernel that needs the norm.
-// NaN propagates through both, as through PyTorch's norm: a NaN gradient gives a NaN norm.
+// --- gradient norms and clip_grad_norm -------------------------------------------------------
+// Stage one: partials[first + group] = sum of |x|^norm_type over the elements this work-group
+// visits (the maximum of |x| for the inf-norm). Stage two (total_norm) combines the partials
+// of all tensors inside the kernel that needs the norm. NaN propagates through both, as
+// through PyTorch's norm: a NaN gradient gives a NaN norm.
 float max_keeping_nan(const float a, const float b) { return (a > b || isnan(a)) ? a : b; }
 
 // Sum (or, with take_max, maximum) of `value` over a 256-wide work-group; every work-item
@@ -1753,9 +1772,10 @@ __kernel void scale_by_device_scalar(const int n, __global const float* scale, _
     if (i < n) x[i] *= scale[0];
 }
 
-// --- Adam and AdamW. A step is adam_prepare (one work-group), then adam_step over the flat
-// buffers. scalars (4) = grad_scale, skip, 1 - beta1^t, sqrt(1 - beta2^t): everything the
-// update needs that depends on device-side state, so the host never reads any of it.
+// --- Adam and AdamW --------------------------------------------------------------------------
+// A step is adam_prepare (one work-group), then adam_step over the flat buffers. scalars (4) =
+// grad_scale, skip, 1 - beta1^t, sqrt(1 - beta2^t): everything the update needs that depends
+// on device-side state, so the host never reads any of it.
 //
 // adam_prepare: with num_partials > 0 (step(max_norm=...)), the 2-norm of the gradients from
 // their partials gives grad_scale = min(max_norm / (norm + 1e-6), 1), and a non-finite norm
@@ -1810,7 +1830,7 @@ __kernel void adam_step(const int n, const float lr, const float one_minus_beta1
     if (p_half) vstore_half(updated, i, p_half);
 }
 
-// ---------------------------------------------------------------------------- mixed precision
+// ============================================================================ mixed precision
 // AMPGradScaler's device state: scale (1) float, growth_tracker (1) int, and found_inf flags
 // (1) int, one per optimizer plus found_inf_any for the scaler. The host never reads them
 // during training: the optimizer kernels read found_inf to skip, amp_update_scale reads
