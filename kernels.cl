@@ -783,21 +783,42 @@ __kernel void expand_axis(const int outer, const int R, const int inner, const f
     out[i] = scale * g[o * inner + in];
 }
 
+// The larger of a and b, or NaN if either is NaN.
+float max_keeping_nan(const float a, const float b) { return (a > b || isnan(a)) ? a : b; }
+
+// The sum (or, with take_max, the maximum, NaN winning) of `value` over the work-group (a
+// power of two wide, `partial` as long), returned to every work-item: a tree in local memory,
+// in the same order on every device. sum_all, the normalisations, attention and the gradient
+// norms all reduce through it.
+float group_reduce(__local float* partial, const float value, const int take_max) {
+    const int lid = get_local_id(0);
+    partial[lid] = value;
+    barrier(CLK_LOCAL_MEM_FENCE);
+    for (int stride = get_local_size(0) / 2; stride > 0; stride >>= 1) {
+        if (lid < stride) {
+            const float other = partial[lid + stride];
+            partial[lid] = take_max ? max_keeping_nan(partial[lid], other) : partial[lid] + other;
+        }
+        barrier(CLK_LOCAL_MEM_FENCE);
+    }
+    const float result = partial[0];
+    barrier(CLK_LOCAL_MEM_FENCE);  // partial may be reused once every work-item has read it
+    return result;
+}
+
+float group_sum(__local float* partial, const float value) {
+    return group_reduce(partial, value, 0);
+}
+
 // x (n) -> out (groups) = scale * partial sums, one per 256-wide work-group; run once more
-// on the partials when there is more than one group. A tree in local memory per group.
+// on the partials when there is more than one group.
 __kernel __attribute__((reqd_work_group_size(256, 1, 1)))
 void sum_all(const int n, const float scale, __global const act_t* x, __global float* out) {
     __local float partial[256];
-    const int lid = get_local_id(0);
     float acc = 0.0f;
     for (int i = get_global_id(0); i < n; i += get_global_size(0)) acc += LOAD(x, i);
-    partial[lid] = acc;
-    barrier(CLK_LOCAL_MEM_FENCE);
-    for (int stride = 128; stride > 0; stride >>= 1) {
-        if (lid < stride) partial[lid] += partial[lid + stride];
-        barrier(CLK_LOCAL_MEM_FENCE);
-    }
-    if (lid == 0) out[get_group_id(0)] = scale * partial[0];
+    const float total = group_sum(partial, acc);
+    if (get_local_id(0) == 0) out[get_group_id(0)] = scale * total;
 }
 
 // x (outer, R, inner) -> values (outer, inner), indices (outer, inner): the first largest
@@ -1278,21 +1299,6 @@ __kernel void dropout_mask(const int n, const uint seed, const float p, const fl
 // is a gather in a fixed order, never an atomic. Inputs are act_t; outputs, statistics and
 // gradients are float.
 
-// The sum of `value` over the work-group (a power of two wide, `partial` as long), returned
-// to every work-item: a tree in local memory; `partial` may be reused at once.
-float group_sum(__local float* partial, const float value) {
-    const int lid = get_local_id(0);
-    partial[lid] = value;
-    barrier(CLK_LOCAL_MEM_FENCE);
-    for (int stride = get_local_size(0) / 2; stride > 0; stride >>= 1) {
-        if (lid < stride) partial[lid] += partial[lid + stride];
-        barrier(CLK_LOCAL_MEM_FENCE);
-    }
-    const float total = partial[0];
-    barrier(CLK_LOCAL_MEM_FENCE);
-    return total;
-}
-
 // One work-group of NORM_GROUP work-items per row: each sums every NORM_GROUP-th element,
 // then group_sum adds the partial sums (the columns of a row are contiguous, so the group's
 // loads are too).
@@ -1699,25 +1705,6 @@ __kernel void sgd_step(const int n, const float lr, const float momentum, const 
 // visits (the maximum of |x| for the inf-norm). Stage two (total_norm) combines the partials
 // of all tensors inside the kernel that needs the norm. NaN propagates through both, as
 // through PyTorch's norm: a NaN gradient gives a NaN norm.
-float max_keeping_nan(const float a, const float b) { return (a > b || isnan(a)) ? a : b; }
-
-// Sum (or, with take_max, maximum) of `value` over a 256-wide work-group; every work-item
-// gets the result. scratch (256) is the group's local memory.
-float reduce_group(float value, const int take_max, __local float* scratch) {
-    const int lid = get_local_id(0);
-    scratch[lid] = value;
-    barrier(CLK_LOCAL_MEM_FENCE);
-    for (int stride = 128; stride > 0; stride >>= 1) {
-        if (lid < stride) {
-            const float other = scratch[lid + stride];
-            scratch[lid] = take_max ? max_keeping_nan(scratch[lid], other) : scratch[lid] + other;
-        }
-        barrier(CLK_LOCAL_MEM_FENCE);
-    }
-    const float result = scratch[0];
-    barrier(CLK_LOCAL_MEM_FENCE);  // scratch may be reused once everyone has read it
-    return result;
-}
 
 // x (n) -> partials[first + group id]. The loops are specialised by norm type, so the
 // common 2-norm is a plain multiply-add per element.
@@ -1735,7 +1722,7 @@ void norm_partials(const int n, const float norm_type, const int first, __global
     } else {
         for (int i = get_global_id(0); i < n; i += stride) acc += pow(fabs(x[i]), norm_type);
     }
-    const float total = reduce_group(acc, take_max, scratch);
+    const float total = group_reduce(scratch, acc, take_max);
     if (get_local_id(0) == 0) partials[first + get_group_id(0)] = total;
 }
 
@@ -1747,7 +1734,7 @@ float total_norm(const int num_partials, const float norm_type, __global const f
     float acc = 0.0f;
     for (int i = get_local_id(0); i < num_partials; i += 256)
         acc = take_max ? max_keeping_nan(acc, partials[i]) : acc + partials[i];
-    const float total = reduce_group(acc, take_max, scratch);
+    const float total = group_reduce(scratch, acc, take_max);
     if (take_max) return total;
     return norm_type == 2.0f ? sqrt(total) : pow(total, 1.0f / norm_type);
 }
