@@ -891,6 +891,21 @@ __kernel void var_axis_bwd(const int outer, const int R, const int inner, const 
         out[base + r * inner] = scale * grad * (LOAD(x, base + r * inner) - mean);
 }
 
+// The two passes of every log-sum-exp, softmax and cross-entropy below, over the n values of
+// a row at stride `stride`: the row's maximum (fmax skips a NaN, which then reaches the sum),
+// and sum exp(x - shift), with the maximum as the shift so that no exp overflows.
+float row_max(__global const act_t* row, const int n, const int stride) {
+    float m = -INFINITY;
+    for (int j = 0; j < n; ++j) m = fmax(m, LOAD(row, j * stride));
+    return m;
+}
+
+float row_exp_sum(__global const act_t* row, const int n, const int stride, const float shift) {
+    float total = 0.0f;
+    for (int j = 0; j < n; ++j) total += exp(LOAD(row, j * stride) - shift);
+    return total;
+}
+
 // x (outer, R, inner) -> out (outer, inner) = log(sum over R of exp(x)), shifted by the maximum
 // (by 0 where it is infinite, as PyTorch: all -inf gives -inf, and an inf gives inf, not nan)
 __kernel void logsumexp_axis(const int outer, const int R, const int inner,
@@ -898,12 +913,8 @@ __kernel void logsumexp_axis(const int outer, const int R, const int inner,
     const int i = get_global_id(0);
     if (i >= outer * inner) return;
     __global const act_t* row = x + (i / inner) * R * inner + i % inner;
-    float m = -INFINITY;
-    for (int r = 0; r < R; ++r) m = fmax(m, LOAD(row, r * inner));  // a NaN reaches the sum
-    const float shift = isinf(m) ? 0.0f : m;
-    float total = 0.0f;
-    for (int r = 0; r < R; ++r) total += exp(LOAD(row, r * inner) - shift);
-    out[i] = shift + log(total);
+    const float m = row_max(row, R, inner), shift = isinf(m) ? 0.0f : m;
+    out[i] = shift + log(row_exp_sum(row, R, inner, shift));
 }
 
 // g, lse (outer, inner) -> out (outer, R, inner) = g * exp(x - lse), softmax(x) times g
@@ -923,10 +934,7 @@ __kernel void softmax_axis(const int outer, const int R, const int inner, const 
     const int i = get_global_id(0);
     if (i >= outer * inner) return;
     const int base = (i / inner) * R * inner + i % inner;
-    float m = -INFINITY;
-    for (int r = 0; r < R; ++r) m = fmax(m, LOAD(x, base + r * inner));
-    float total = 0.0f;
-    for (int r = 0; r < R; ++r) total += exp(LOAD(x, base + r * inner) - m);
+    const float m = row_max(x + base, R, inner), total = row_exp_sum(x + base, R, inner, m);
     const float log_total = log(total);
     for (int r = 0; r < R; ++r) {
         const float shifted = LOAD(x, base + r * inner) - m;
@@ -959,17 +967,6 @@ __kernel void softmax_axis_bwd(const int outer, const int R, const int inner, co
 // ignore_index loses 0 and gets no gradient. `smoothing` is label_smoothing e: the target
 // becomes t' = (1 - e) t + e / C, t one-hot for an index target (PyTorch's formula).
 
-// The maximum m of the row's C values at stride `stride`, and sum_c exp(x_c - m) in *total.
-float row_max_and_total(__global const act_t* row, const int C, const int stride,
-                        float* total) {
-    float m = -INFINITY;
-    for (int c = 0; c < C; ++c) m = fmax(m, LOAD(row, c * stride));
-    float sum = 0.0f;
-    for (int c = 0; c < C; ++c) sum += exp(LOAD(row, c * stride) - m);
-    *total = sum;
-    return m;
-}
-
 // logits (outer, C, inner), target (outer, inner) class indices -> loss (outer, inner)
 //   = (1 - e) (lse - x[target]) + e / C * sum_c (lse - x_c), lse = logsumexp(x)
 __kernel void cross_entropy_index(const int outer, const int C, const int inner,
@@ -980,8 +977,7 @@ __kernel void cross_entropy_index(const int outer, const int C, const int inner,
     if (r >= outer * inner) return;
     if (target[r] == ignore_index) { loss[r] = 0.0f; return; }
     __global const act_t* row = x + (r / inner) * C * inner + r % inner;
-    float total;
-    const float m = row_max_and_total(row, C, inner, &total), lse = m + log(total);
+    const float m = row_max(row, C, inner), lse = m + log(row_exp_sum(row, C, inner, m));
     float value = lse - LOAD(row, target[r] * inner);
     if (smoothing != 0.0f) {  // a third pass only when asked: with e = 0, -inf logits stay harmless
         float spread = 0.0f;
@@ -1001,8 +997,7 @@ __kernel void cross_entropy_soft(const int outer, const int C, const int inner,
     const int base = (r / inner) * C * inner + r % inner;
     __global const act_t* row = x + base;
     __global const float* t = target + base;
-    float total;
-    const float m = row_max_and_total(row, C, inner, &total), lse = m + log(total);
+    const float m = row_max(row, C, inner), lse = m + log(row_exp_sum(row, C, inner, m));
     const float keep = 1.0f - smoothing, uniform = smoothing / C;
     float acc = 0.0f;
     for (int c = 0; c < C; ++c) acc += (keep * t[c * inner] + uniform) * (lse - LOAD(row, c * inner));
@@ -1025,8 +1020,7 @@ __kernel void cross_entropy_bwd(const int outer, const int C, const int inner,
         for (int c = 0; c < C; ++c) out[base + c * inner] = 0.0f;
         return;
     }
-    float total;
-    const float m = row_max_and_total(x + base, C, inner, &total);
+    const float m = row_max(x + base, C, inner), total = row_exp_sum(x + base, C, inner, m);
     float mass = 1.0f;
     if (soft) { mass = 0.0f; for (int c = 0; c < C; ++c) mass += target[base + c * inner]; }
     const float keep = 1.0f - smoothing, uniform = smoothing / C;
@@ -1048,8 +1042,8 @@ __kernel void cross_entropy_target_bwd(const int outer, const int C, const int i
     const int r = get_global_id(0);
     if (r >= outer * inner) return;
     const int base = (r / inner) * C * inner + r % inner;
-    float total;
-    const float m = row_max_and_total(x + base, C, inner, &total), lse = m + log(total);
+    const float m = row_max(x + base, C, inner);
+    const float lse = m + log(row_exp_sum(x + base, C, inner, m));
     const float g_r = scale * g[r * g_stride] * (1.0f - smoothing);
     for (int c = 0; c < C; ++c) out[base + c * inner] = g_r * (lse - LOAD(x, base + c * inner));
 }
