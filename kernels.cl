@@ -1198,6 +1198,24 @@ __kernel void swap_axes01(const int A, const int B, const int L, const int x_off
     STORE(out, out_offset + i, x[x_offset + (a * B + b) * L + l] + (has_bias ? bias[a] : 0.0f));
 }
 
+// The start of a pooling kernel's forward pass, for output pixel i (planes, OH, OW): `plane`,
+// the plane of x it reads, and its window's real pixels, rows [h_start, h_end) and columns
+// [w_start, w_end) (the padding left out).
+#define POOL_WINDOW(x, i)                                                                      \
+    const int ow = (i) % OW, oh = ((i) / OW) % OH;                                             \
+    __global const act_t* plane = (x) + ((i) / (OH * OW)) * H * W;                             \
+    const int h0 = oh * SH - PH, w0 = ow * SW - PW;                                            \
+    const int h_start = h0 > 0 ? h0 : 0, h_end = h0 + R < H ? h0 + R : H;                      \
+    const int w_start = w0 > 0 ? w0 : 0, w_end = w0 + S < W ? w0 + S : W;
+
+// The start of its backward pass, for input pixel i (planes, H, W) at (h, w) in its plane:
+// `base`, where the plane's outputs start, and the outputs whose window covers the pixel,
+// rows oh_lo..oh_hi and columns ow_lo..ow_hi.
+#define POOL_COVERING(i)                                                                       \
+    const int w = (i) % W, h = ((i) / W) % H, base = ((i) / (H * W)) * OH * OW;                \
+    COVERING(h + PH, R, SH, OH, oh_lo, oh_hi)                                                  \
+    COVERING(w + PW, S, SW, OW, ow_lo, ow_hi)
+
 // x (planes, H, W) -> out, argmax (planes, OH, OW): the window's maximum over its real pixels
 // (padding is -inf) and the index h * W + w of the first one, as PyTorch; NaN wins, the first.
 // x and out are act_t.
@@ -1205,11 +1223,7 @@ __kernel void max_pool2d_fwd(const int planes, WINDOW_ARGS, __global const act_t
                              __global act_t* out, __global int* argmax) {
     const int i = get_global_id(0);
     if (i >= planes * OH * OW) return;
-    const int ow = i % OW, oh = (i / OW) % OH;
-    __global const act_t* plane = x + (i / (OH * OW)) * H * W;
-    const int h0 = oh * SH - PH, w0 = ow * SW - PW;
-    const int h_start = h0 > 0 ? h0 : 0, h_end = h0 + R < H ? h0 + R : H;
-    const int w_start = w0 > 0 ? w0 : 0, w_end = w0 + S < W ? w0 + S : W;
+    POOL_WINDOW(x, i)
     float best = -INFINITY;
     int best_at = h_start * W + w_start;
     for (int h = h_start; h < h_end; ++h) {
@@ -1227,9 +1241,7 @@ __kernel void max_pool2d_bwd(const int planes, WINDOW_ARGS, __global const float
                              __global const int* argmax, __global float* dx) {
     const int i = get_global_id(0);
     if (i >= planes * H * W) return;
-    const int w = i % W, h = (i / W) % H, base = (i / (H * W)) * OH * OW;
-    COVERING(h + PH, R, SH, OH, oh_lo, oh_hi)
-    COVERING(w + PW, S, SW, OW, ow_lo, ow_hi)
+    POOL_COVERING(i)
     float acc = 0.0f;
     for (int oh = oh_lo; oh <= oh_hi; ++oh)
         for (int ow = ow_lo; ow <= ow_hi; ++ow) {
@@ -1245,11 +1257,7 @@ __kernel void avg_pool2d_fwd(const int planes, WINDOW_ARGS, __global const act_t
                              __global act_t* out) {
     const int i = get_global_id(0);
     if (i >= planes * OH * OW) return;
-    const int ow = i % OW, oh = (i / OW) % OH;
-    __global const act_t* plane = x + (i / (OH * OW)) * H * W;
-    const int h0 = oh * SH - PH, w0 = ow * SW - PW;
-    const int h_start = h0 > 0 ? h0 : 0, h_end = h0 + R < H ? h0 + R : H;
-    const int w_start = w0 > 0 ? w0 : 0, w_end = w0 + S < W ? w0 + S : W;
+    POOL_WINDOW(x, i)
     float acc = 0.0f;
     for (int h = h_start; h < h_end; ++h)
         for (int w = w_start; w < w_end; ++w) acc += LOAD(plane, h * W + w);
@@ -1261,9 +1269,7 @@ __kernel void avg_pool2d_bwd(const int planes, WINDOW_ARGS, __global const float
                              __global float* dx) {
     const int i = get_global_id(0);
     if (i >= planes * H * W) return;
-    const int w = i % W, h = (i / W) % H, base = (i / (H * W)) * OH * OW;
-    COVERING(h + PH, R, SH, OH, oh_lo, oh_hi)
-    COVERING(w + PW, S, SW, OW, ow_lo, ow_hi)
+    POOL_COVERING(i)
     float acc = 0.0f;
     for (int oh = oh_lo; oh <= oh_hi; ++oh)
         for (int ow = ow_lo; ow <= ow_hi; ++ow) acc += g[base + oh * OW + ow];
