@@ -1,8 +1,9 @@
 // kernels.cl — every OpenCL kernel netcl runs, in OpenCL C 1.2.
 //
 // The sections are netcl.py's, in its order, and so are the sub-sections, under the same
-// banners, so the two files can be read side by side; each kernel sits in the sub-section of
-// the netcl.py function that launches it, and a section without kernels is left out:
+// banners, so the two files can be read side by side. Each kernel sits in the sub-section of
+// the netcl.py function that launches it (but for the tensor-core probe, kept beside the
+// kernels it vouches for), and a section or sub-section without kernels is left out:
 // device & kernels (the two builds) -> autograd (gradient accumulation) -> operations
 // (float16 storage, elementwise, matrix products, shape ops, reductions, softmax and losses,
 // convolution and pooling, dropout, normalisation, embedding and attention) -> optimizers
@@ -762,6 +763,7 @@ __kernel void gather_rows_bwd(const int outer, const int rows, const int m, cons
 // --- reductions ------------------------------------------------------------------------------
 // A reduction over one axis sees x as (outer, R, inner) and reduces R.
 // Reductions, softmax and cross-entropy read activations (act_t) and write float.
+
 // x (outer, R, inner) -> out (outer, inner) = scale * sum over R
 __kernel void sum_axis(const int outer, const int R, const int inner, const float scale,
                        __global const act_t* x, __global float* out) {
