@@ -2593,7 +2593,8 @@ def _sum_axis_tensor(x, outer, R, inner, scale=1.0, out=None):
     elif out.size:
         if R == 0:  # an empty sum: 0 (a mean's scale is then nan, and so is the mean)
             cl.enqueue_fill_buffer(x.device.queue, out.data,
-                                   np.float32(0.0 if scale == scale else scale), 0, out.nbytes)
+                                   np.float32(math.nan if math.isnan(scale) else 0.0), 0,
+                                   out.nbytes)
             return out
         chunks = _sum_chunks(outer * inner, R, x.device.compute_units)
         if outer * inner == 1 and R > 4096:  # one long sum: in parallel, then the partials
@@ -2632,11 +2633,12 @@ def _reduce(op, x, axis, keepdims, mean):
     scale = (1.0 / count if count else math.nan) if mean else 1.0
     value, steps = x.value, []
     for a in reversed(axes):  # one axis at a time, last first, so earlier indices stay valid
-        outer, R, inner = math.prod(value.shape[:a]), value.shape[a], math.prod(value.shape[a + 1:])
-        steps.append((outer, R, inner, value.shape))
+        before = value.shape
+        outer, R, inner = math.prod(before[:a]), before[a], math.prod(before[a + 1:])
+        steps.append((outer, R, inner, before))
         last = a == axes[0]
         value = _sum_axis_tensor(value, outer, R, inner, scale if last else 1.0)
-        value = value.reshape(steps[-1][3][:a] + steps[-1][3][a + 1:])
+        value = value.reshape(before[:a] + before[a + 1:])
     if not axes and mean:  # mean over no axes is x itself, but a new tensor (float32)
         value = _cast(value, np.float32) if value.dtype == np.float16 else _copy(value)
     out_shape = tuple(1 if i in axes else s for i, s in enumerate(shape)) if keepdims else \
