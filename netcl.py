@@ -884,15 +884,15 @@ class Node:
 class Parameter(Node):
     """A trainable leaf: a Node with requires_grad=True.
 
-    `_grad_home` is None, or the Tensor where backward stores this parameter's gradient: an
+    `_grad_slot` is None, or the Tensor where backward stores this parameter's gradient: an
     optimizer that keeps every gradient in one flat buffer points it at its segment there.
     """
 
-    __slots__ = ("_grad_home", "_flat", "_half_stale")
+    __slots__ = ("_grad_slot", "_flat", "_half_stale")
 
     def __init__(self, value):
         super().__init__(value, requires_grad=True)
-        self._grad_home = None
+        self._grad_slot = None
         self._flat = None          # (the optimizer's _FlatBuffers holding it, its index), if any
         self._half_stale = False   # set when the value changes outside the optimizer's update
 
@@ -1033,22 +1033,22 @@ def _record(value, parents, backward):
 def _accumulate_grad(leaf, grad):
     """PyTorch semantics: the first gradient is stored, later ones are added in place. The
     first is copied, so no two leaves ever share (and later mutate) one buffer; into the
-    leaf's `_grad_home` when an optimizer gave it one (Adam's flat gradient buffer)."""
+    leaf's `_grad_slot` when an optimizer gave it one (Adam's flat gradient buffer)."""
     if leaf.grad is None:
-        home = getattr(leaf, "_grad_home", None)
-        leaf.grad = grad if grad is home else _copy(grad, out=home)
+        slot = getattr(leaf, "_grad_slot", None)
+        leaf.grad = grad if grad is slot else _copy(grad, out=slot)
     else:
         _add_into(leaf.grad, grad)
 
 
-def _grad_slot(node):
-    """Where an op's backward may write a leaf's gradient directly: the leaf's slot in its
-    optimizer's flat gradient buffer while it holds no gradient yet (saves the copy that
-    _accumulate_grad would make), else None."""
-    home = getattr(node, "_grad_home", None)
-    if home is None or node.grad is not None or node._backward is not None or not node.requires_grad:
+def _free_grad_slot(node):
+    """Where an op's backward may write a leaf's gradient directly: the leaf's `_grad_slot`
+    in its optimizer's flat gradient buffer while the slot is free, holding no gradient yet
+    (saves the copy that _accumulate_grad would make), else None."""
+    slot = getattr(node, "_grad_slot", None)
+    if slot is None or node.grad is not None or node._backward is not None or not node.requires_grad:
         return None
-    return home
+    return slot
 
 
 def _add_into(dst, src, alpha=1.0):
@@ -2005,19 +2005,20 @@ def linear(x, w, b=None):
     def backward(g):  # only the gradients somebody needs (the input's usually is not)
         if tensor_cores:
             g = _half_operand(g)
-        grads = [_gemm(g, W) if x2.requires_grad else None]                    # dx = g W
-        slot = _grad_slot(w)                                                   # dW = g^T x
-        if slot is not None:
-            grads.append(_gemm(g, X, trans_a=True, out=slot))
-        else:
-            grads.append(_gemm(g, X, trans_a=True) if w.requires_grad else None)
-        if b is not None:
-            slot = _grad_slot(b)
+        # A parameter's gradient is written straight into its slot in the optimizer's flat
+        # buffer when it has one free (_free_grad_slot; None otherwise: a new tensor).
+        grads = [_gemm(g, W) if x2.requires_grad else None,                    # dx = g W
+                 _gemm(g, X, trans_a=True, out=_free_grad_slot(w)) if w.requires_grad else None]
+        if b is not None:                                        # db = the sum of g's rows
+            rows, cols = g.shape
+            slot = _free_grad_slot(b)
             if slot is not None:
-                _sum_axis_tensor(g, 1, g.shape[0], g.shape[1], out=slot.reshape((1, -1)))
-            grads.append(slot if slot is not None else
-                         _sum_axis_tensor(g, 1, g.shape[0], g.shape[1]).reshape(b.shape)
-                         if b.requires_grad else None)
+                _sum_axis_tensor(g, 1, rows, cols, out=slot.reshape((1, cols)))
+                grads.append(slot)
+            elif b.requires_grad:
+                grads.append(_sum_axis_tensor(g, 1, rows, cols).reshape(b.shape))
+            else:
+                grads.append(None)
         return grads
     out = _record(_gemm(X, W, trans_b=True, bias=None if b is None else b.value, half=half),
                   (x2, w) + ((b,) if b is not None else ()), backward)
@@ -4103,7 +4104,7 @@ class Module:
             if param.device is not device:
                 param.value = param.value.to(device)
                 param.grad = None if param.grad is None else param.grad.to(device)
-                param._grad_home = param._flat = None  # out of a dropped optimizer's buffers
+                param._grad_slot = param._flat = None  # out of a dropped optimizer's buffers
         for name, buffer in self._buffers.items():
             if isinstance(buffer, Tensor):  # host arrays (num_batches_tracked) stay
                 setattr(self, name, buffer.to(device))
@@ -4922,7 +4923,7 @@ clip_grad_norm_ = clip_grad_norm  # PyTorch's in-place name
 # Adam and AdamW keep parameters, gradients and both moments in four flat buffers, each
 # parameter owning the same segment of each. A parameter's `.value` becomes a view of its
 # segment of the parameter buffer, so the model keeps working through the same Parameter
-# objects, and its `_grad_home` the view of its segment of the gradient buffer, so backward
+# objects, and its `_grad_slot` the view of its segment of the gradient buffer, so backward
 # stores the gradient there (_accumulate_grad). The gradient norm is then one reduction over
 # the flat gradients and the update one launch over all four buffers.
 #
@@ -4969,13 +4970,13 @@ class _FlatBuffers:
         self.exp_avg_sq_views = self._views(self.exp_avg_sq)
         self.params_half = self.half_views = None  # see half_copies
         self.owner = lambda: None  # the optimizer using these buffers (a weakref), if any
-        for index, (p, value, home) in enumerate(zip(params, self.param_views, self.grad_views)):
+        for index, (p, value, slot) in enumerate(zip(params, self.param_views, self.grad_views)):
             p.value = _copy(p.value, out=value)
-            if isinstance(p, Parameter):  # a plain Node leaf has no home: its grads stay apart
-                p._grad_home = home
+            if isinstance(p, Parameter):  # a plain Node leaf has no slot: its grads stay apart
+                p._grad_slot = slot
                 p._flat = (self, index)
                 if p.grad is not None:
-                    p.grad = _copy(p.grad, out=home)
+                    p.grad = _copy(p.grad, out=slot)
 
     def half_copies(self):
         """The parameters rounded to float16, flat and one view each, for tensor cores under
@@ -5052,8 +5053,8 @@ class Adam(Optimizer):
         when every parameter's value and gradient are its segments (as after any backward),
         else each parameter that has a gradient, one by one (one launch each)."""
         flat = self._flat
-        if all(p.value is value and p.grad is home
-               for p, value, home in zip(self.params, flat.param_views, flat.grad_views)):
+        if all(p.value is value and p.grad is slot
+               for p, value, slot in zip(self.params, flat.param_views, flat.grad_views)):
             return [(flat.params, flat.grads, flat.exp_avg, flat.exp_avg_sq, flat.params_half)]
         runs = []
         for i, (p, m, v) in enumerate(zip(self.params, flat.exp_avg_views, flat.exp_avg_sq_views)):
