@@ -271,8 +271,12 @@ class Device:
 _CL_SCALARS = {"int": np.int32, "uint": np.uint32, "float": np.float32}
 
 
+def _ceil_div(a, b):
+    return -(-a // b)
+
+
 def _round_up(n, multiple):
-    return -(-n // multiple) * multiple
+    return _ceil_div(n, multiple) * multiple
 
 
 def _kernel_source():
@@ -449,7 +453,7 @@ def _bucket(nbytes):
     if nbytes <= 256:
         return 256
     step = 1 << max((nbytes - 1).bit_length() - 3, 0)  # a quarter of the octave nbytes is in
-    return -(-nbytes // step) * step
+    return _round_up(nbytes, step)
 
 
 class BufferPool:
@@ -1757,14 +1761,24 @@ def masked_fill(x, mask, value):
 
 # --- matrix products -------------------------------------------------------------------------
 
+# kernels.cl's tiled kernels (gemm_nn, gemm_nt, gemm_tn; GPUs): a work-group of 16x16
+# work-items computes a 64x64 tile of C, or a 128x128 one in the _big kernels, stepping along
+# K in slices 16 deep.
+_TILE_GROUP = 16            # work-items along each side of a work-group
+_TILE, _TILE_BIG = 64, 128  # the side of the tile of C one work-group computes
+_TILE_K = 16                # the depth of a slice: split-K chunks are multiples of it
+# Split K over the grid only into chunks at least this long: a shorter chunk does too little
+# arithmetic to pay for writing its partial product and summing the partials.
+_SPLIT_K_MIN = 1024
 # kernels.cl's tensor-core blocks: (rows, columns, work-items) of the large and small one,
 # and their k-tile depth (split-K chunks are multiples of it).
 _TC_LARGE, _TC_SMALL = (128, 128, 256), (128, 64, 128)
 _TC_TILE_K = 32
-
-
-def _ceil_div(a, b):
-    return -(-a // b)
+_TC_VECTOR = 8  # halves the tensor-core kernels copy at a time (16 bytes)
+# kernels.cl's packed kernels (pack_a, pack_b, gemm_packed; CPU devices): op(a) in panels of
+# 4 rows, op(b) in panels of 16 columns; a work-item computes one 4x16 block of C.
+_PANEL_ROWS, _PANEL_COLS = 4, 16
+_PANEL_MACS = 1 << 25  # CPU devices pack both operands into panels from this many M*N*K
 
 
 def _gemm_dims(a, b, trans_a, trans_b):
@@ -1781,6 +1795,37 @@ def _batch_strides(a, b, M, K, N):
     return (M * K if a.ndim == 3 else 0), (K * N if b.ndim == 3 else 0)
 
 
+def _packed_gemm(a, b, trans_a, trans_b, bias, half, out):
+    """_gemm on CPU devices: op(a) packed into panels of 4 rows and op(b) into panels of 16
+    columns (kernels.cl: pack_a, pack_b), so the product streams both through the caches.
+    Packing reads float16 storage and writes float32, so it takes any operand's storage and
+    the inner loop reads float only."""
+    batch, M, K, N = _gemm_dims(a, b, trans_a, trans_b)
+    device = a.device
+    Mp, Np = _round_up(M, _PANEL_ROWS), _round_up(N, _PANEL_COLS)
+    stride_a, stride_b = _batch_strides(a, b, M, K, N)
+    # Panels when the product is large enough for streaming them to pay (2-3x at n=1024);
+    # a small one packs only an operand the kernel cannot read as it is (fewer launches).
+    panels = M * N * K >= _PANEL_MACS
+    A, B = a, b
+    a_k, a_r, b_panel, b_k = 1, K, 1, Np  # the operands' own rows
+    if panels or trans_a or Mp != M or a.dtype == np.float16:
+        count = a.shape[0] if a.ndim == 3 else 1
+        A = _like(a, (count, Mp, K), np.float32)
+        device.launch("pack_a", (Mp // _PANEL_ROWS * K, count), (256, 1), M, K, Mp,
+                      int(trans_a), stride_a, a.data, A.data, half=a.dtype == np.float16)
+        stride_a, a_k, a_r = (Mp * K if a.ndim == 3 else 0), _PANEL_ROWS, 1
+    if panels or trans_b or Np != N or b.dtype == np.float16:
+        count = b.shape[0] if b.ndim == 3 else 1
+        B = _like(b, (count, K, Np), np.float32)
+        device.launch("pack_b", (Np // _PANEL_COLS * K, count), (256, 1), K, N, Np,
+                      int(trans_b), stride_b, b.data, B.data, half=b.dtype == np.float16)
+        stride_b, b_panel, b_k = (K * Np if b.ndim == 3 else 0), K, _PANEL_COLS
+    device.launch("gemm_packed", (Np // _PANEL_COLS, Mp // _PANEL_ROWS, batch), (8, 1, 1),
+                  M, N, K, a_k, a_r, b_panel, b_k, stride_a, stride_b, int(bias is not None),
+                  A.data, B.data, None if bias is None else bias.data, out.data, half=half)
+
+
 def _tensor_core_gemm(a, b, trans_a, trans_b, bias, out):
     """Run _gemm's product on tensor cores if it can: both operands in float16 storage and a
     device whose probe passed. Returns whether it did."""
@@ -1789,21 +1834,23 @@ def _tensor_core_gemm(a, b, trans_a, trans_b, bias, out):
     if not (a.dtype == b.dtype == np.float16 and device.tensor_cores and K and not
             (trans_a and trans_b)):
         return False
-    # kernels.cl copies 8 halves at a time; where an operand's contiguous dimension is not a
-    # multiple of 8, its rows are not 16-byte aligned and the small block gathers instead.
-    aligned = (M if trans_a else K) % 8 == 0 and (K if trans_b else N) % 8 == 0
+    # Where an operand's contiguous dimension is not a multiple of _TC_VECTOR, its rows are
+    # not 16-byte aligned and the small block gathers instead.
+    aligned = (M if trans_a else K) % _TC_VECTOR == 0 and (K if trans_b else N) % _TC_VECTOR == 0
     # The large block when its blocks alone fill every compute unit.
-    large = aligned and batch * _ceil_div(M, 128) * _ceil_div(N, 128) >= device.compute_units
+    large_rows, large_cols, _ = _TC_LARGE
+    large = (aligned and batch * _ceil_div(M, large_rows) * _ceil_div(N, large_cols)
+             >= device.compute_units)
     rows, cols, threads = _TC_LARGE if large else _TC_SMALL
     blocks = batch * _ceil_div(M, rows) * _ceil_div(N, cols)
     # Split K when the blocks leave most compute units idle and K is long enough to share
     # (a weight gradient summed over a large batch): float32 partial products, then their sum.
-    splits = (max(1, min(device.compute_units // blocks, K // 1024))
+    splits = (max(1, min(device.compute_units // blocks, K // _SPLIT_K_MIN))
               if bias is None and out.dtype == np.float32 and 2 * blocks <= device.compute_units
               else 1)
     if not aligned and blocks * splits < device.compute_units:
         return False  # too few gathering blocks: the split-K float32 kernels do it faster
-    k_chunk = _ceil_div(_ceil_div(K, splits), _TC_TILE_K) * _TC_TILE_K if splits > 1 else K
+    k_chunk = _round_up(_ceil_div(K, splits), _TC_TILE_K) if splits > 1 else K
     splits = _ceil_div(K, k_chunk)
     layout = "tn" if trans_a else "nt" if trans_b else "nn"
     block = "l" if large else "s" if aligned else "u"
@@ -1818,7 +1865,41 @@ def _tensor_core_gemm(a, b, trans_a, trans_b, bias, out):
     return True
 
 
-_PANEL_MACS = 1 << 25  # CPU devices pack both operands into panels from this many M*N*K
+def _tiled_gemm(a, b, trans_a, trans_b, bias, half, out):
+    """_gemm on kernels.cl's tiled kernels: 128x128 tiles when there are enough of them to
+    fill every compute unit, else 64x64, with K split over the grid when even those leave
+    most compute units idle."""
+    batch, M, K, N = _gemm_dims(a, b, trans_a, trans_b)
+    batched = a.ndim == 3 or b.ndim == 3
+    # The half build's tiled kernels read float16 where autocast leaves it (kernels.cl):
+    # gemm_nn and gemm_nt take a (and write C) in float16, for the forward products, and
+    # gemm_tn takes b, for linear's weight gradient g^T x. Other float16 operands widen.
+    reads_half_b = trans_a and b.dtype == np.float16
+    a = a if half else _float32(a)
+    b = b if reads_half_b else _float32(b)
+    units = a.device.compute_units
+    big = batch * _ceil_div(M, _TILE_BIG) * _ceil_div(N, _TILE_BIG) >= units
+    tile = _TILE_BIG if big else _TILE
+    kernel = ("gemm_tn" if trans_a else "gemm_nt" if trans_b else "gemm_nn") + ("_big" if big else "")
+    tiles_n, tiles_m = _ceil_div(N, tile), _ceil_div(M, tile)
+    grid, group = (tiles_n * _TILE_GROUP, tiles_m * _TILE_GROUP), (_TILE_GROUP, _TILE_GROUP, 1)
+    # Split K when the tiles leave most compute units idle and K is long enough to share
+    # (float32 results only: partial sums in float16 would lose what float32 keeps).
+    tiles = tiles_n * tiles_m
+    splits = (min(units // tiles, K // _SPLIT_K_MIN)
+              if bias is None and not half and not batched and 2 * tiles <= units else 1)
+    if splits > 1:  # the 64x64 kernels compiled for it (big is False here)
+        k_chunk = _round_up(_ceil_div(K, splits), _TILE_K)
+        splits = _ceil_div(K, k_chunk)
+        partial = _like(out, (splits, M, N))
+        a.device.launch(kernel + "_split", grid + (splits,), group, M, N, K, k_chunk,
+                        0, 0, 0, a.data, b.data, None, partial.data, half=reads_half_b)
+        _sum_axis_tensor(partial, 1, splits, M * N, out=out.reshape((1, M * N)))
+    else:
+        a.device.launch(kernel, grid + (batch,), group, M, N, K, K,
+                        *_batch_strides(a, b, M, K, N), int(bias is not None), a.data,
+                        b.data, None if bias is None else bias.data, out.data,
+                        half=half or reads_half_b)
 
 
 def _gemm(a, b, trans_a=False, trans_b=False, bias=None, half=False, out=None):
@@ -1830,8 +1911,10 @@ def _gemm(a, b, trans_a=False, trans_b=False, bias=None, half=False, out=None):
     (a float32 a, the network's input say, is rounded to it first), accumulating in float32.
     Otherwise C is float32. An operand in float16 storage (a value the forward kept) is read
     as such where the kernel takes it, and widened to float32 first where it does not.
-    `out`, if given, is the tensor to write. With both operands in float16 storage on a
-    device with tensor cores, the product runs there (_tensor_core_gemm).
+    `out`, if given, is the tensor to write. On OpenCL the product runs on CPU devices'
+    packed kernels (_packed_gemm), else on tensor cores where it can (both operands in
+    float16 storage on a device with them: _tensor_core_gemm), else on the tiled kernels
+    (_tiled_gemm).
     """
     batch, M, K, N = _gemm_dims(a, b, trans_a, trans_b)
     batched = a.ndim == 3 or b.ndim == 3
@@ -1845,67 +1928,12 @@ def _gemm(a, b, trans_a=False, trans_b=False, bias=None, half=False, out=None):
                   np.swapaxes(b.data, -1, -2) if trans_b else b.data, out=out.data)
         if bias is not None:
             out.data += bias.data
-    elif M and N and batch and a.device.gemm == "packed":
-        # CPU devices: pack op(a) into panels of 4 rows and op(b) into panels of 16 columns
-        # (kernels.cl: pack_a, pack_b), so the product streams both through the caches.
-        # Packing reads float16 storage and writes float32, so it takes any operand's storage
-        # and the inner loop reads float only.
-        Mp, Np = -(-M // 4) * 4, -(-N // 16) * 16
-        stride_a, stride_b = _batch_strides(a, b, M, K, N)
-        # Panels when the product is large enough for streaming them to pay (2-3x at n=1024);
-        # a small one packs only an operand the kernel cannot read as it is (fewer launches).
-        panels = M * N * K >= _PANEL_MACS
-        A, B = a, b
-        a_k, a_r, b_panel, b_k = 1, K, 1, Np  # the operands' own rows
-        if panels or trans_a or Mp != M or a.dtype == np.float16:
-            count = a.shape[0] if a.ndim == 3 else 1
-            A = _like(a, (count, Mp, K), np.float32)
-            a.device.launch("pack_a", (Mp // 4 * K, count), (256, 1), M, K, Mp, int(trans_a),
-                            stride_a, a.data, A.data, half=a.dtype == np.float16)
-            stride_a, a_k, a_r = (Mp * K if a.ndim == 3 else 0), 4, 1
-        if panels or trans_b or Np != N or b.dtype == np.float16:
-            count = b.shape[0] if b.ndim == 3 else 1
-            B = _like(b, (count, K, Np), np.float32)
-            b.device.launch("pack_b", (Np // 16 * K, count), (256, 1), K, N, Np, int(trans_b),
-                            stride_b, b.data, B.data, half=b.dtype == np.float16)
-            stride_b, b_panel, b_k = (K * Np if b.ndim == 3 else 0), K, 16
-        a.device.launch("gemm_packed", (Np // 16, Mp // 4, batch), (8, 1, 1), M, N, K, a_k, a_r,
-                        b_panel, b_k, stride_a, stride_b, int(bias is not None), A.data, B.data,
-                        bias.data if bias is not None else None, out.data, half=half)
-    elif M and N and batch and not _tensor_core_gemm(a, b, trans_a, trans_b, bias, out):
-        # The half build's tiled kernels read float16 where autocast leaves it (kernels.cl):
-        # gemm_nn and gemm_nt take a (and write C) in float16, for the forward products, and
-        # gemm_tn takes b, for linear's weight gradient g^T x. Other float16 operands widen.
-        reads_half_b = trans_a and b.dtype == np.float16
-        a = a if half else _float32(a)
-        b = b if reads_half_b else _float32(b)
-        # 128x128 tiles when there are enough of them to fill every compute unit, else 64x64.
-        units = a.device.compute_units
-        big = batch * -(-M // 128) * -(-N // 128) >= units
-        tile = 128 if big else 64
-        kernel = ("gemm_tn" if trans_a else "gemm_nt" if trans_b else "gemm_nn") + ("_big" if big else "")
-        grid = (-(-N // tile) * 16, -(-M // tile) * 16)
-        tiles = grid[0] * grid[1] // 256
-        # Split K when the tiles leave most compute units idle and K is long enough to share
-        # (float32 results only: partial sums in float16 would lose what float32 keeps).
-        splits = (min(units // tiles, K // 1024)
-                  if bias is None and not half and not batched and 2 * tiles <= units else 1)
-        if splits > 1:  # the 64x64 kernels compiled for it (big is False here)
-            k_chunk = -(-K // splits // _TILE_K) * _TILE_K
-            splits = -(-K // k_chunk)
-            partial = _like(out, (splits, M, N))
-            a.device.launch(kernel + "_split", grid + (splits,), (16, 16, 1), M, N, K, k_chunk,
-                            0, 0, 0, a.data, b.data, None, partial.data, half=reads_half_b)
-            _sum_axis_tensor(partial, 1, splits, M * N, out=out.reshape((1, M * N)))
-        else:
-            a.device.launch(kernel, grid + (batch,), (16, 16, 1), M, N, K, K,
-                            *_batch_strides(a, b, M, K, N), int(bias is not None), a.data,
-                            b.data, bias.data if bias is not None else None, out.data,
-                            half=half or reads_half_b)
+    elif M and N and batch:  # (an empty C has nothing to write)
+        if a.device.gemm == "packed":
+            _packed_gemm(a, b, trans_a, trans_b, bias, half, out)
+        elif not _tensor_core_gemm(a, b, trans_a, trans_b, bias, out):
+            _tiled_gemm(a, b, trans_a, trans_b, bias, half, out)
     return out
-
-
-_TILE_K = 16  # kernels.cl's GEMM tile depth: split-K chunks are multiples of it
 
 
 def _batch_shape(op, a_batch, b_batch):
@@ -2369,7 +2397,7 @@ def split(x, split_size_or_sections, dim=0):
         if sections < 0 or (sections == 0 and size):
             raise ValueError(f"split: split_size must be positive (0 only for a dimension of "
                              f"size 0), got {sections} for dimension {d} of size {size}")
-        count = max(-(-size // sections), 1) if sections else 1  # one piece at least
+        count = max(_ceil_div(size, sections), 1) if sections else 1  # one piece at least
         sizes = [int(sections)] * (count - 1) + [size - int(sections) * (count - 1)]
     elif isinstance(sections, (tuple, list)) and all(_is_int(s) for s in sections):
         sizes = [int(s) for s in sections]
@@ -2392,7 +2420,7 @@ def chunk(x, chunks, dim=0):
         raise ValueError(f"chunk: chunks must be greater than 0, got {chunks}")
     d = _cut_dim("chunk", x, dim)
     size = x.shape[d]
-    return _pieces(x, d, [0] * chunks) if size == 0 else split(x, -(-size // chunks), d)
+    return _pieces(x, d, [0] * chunks) if size == 0 else split(x, _ceil_div(size, chunks), d)
 
 
 def unbind(x, dim=0):
@@ -2599,7 +2627,7 @@ def _sum_axis_tensor(x, outer, R, inner, scale=1.0, out=None):
             return out
         chunks = _sum_chunks(outer * inner, R, x.device.compute_units)
         if outer * inner == 1 and R > 4096:  # one long sum: in parallel, then the partials
-            groups = min(-(-R // 4096), 256)
+            groups = min(_ceil_div(R, 4096), 256)
             partial = _like(out, (groups,))
             x.device.launch("sum_all", (groups * 256,), (256,), R, 1.0, x.data, partial.data,
                             half=half)
@@ -4836,7 +4864,7 @@ class SGD(Optimizer):
 
 def _norm_groups(n):
     """Work-groups for the partials of n elements: about 4096 elements each, 256 at most."""
-    return min(max(-(-n // 4096), 1), 256)
+    return min(max(_ceil_div(n, 4096), 1), 256)
 
 
 def _norm_partials(grads, norm_type):
@@ -4960,7 +4988,7 @@ class _FlatBuffers:
         offsets, self.size = [], 0
         for p in params:
             offsets.append(self.size)
-            self.size += -(-max(p.value.size, 1) // align) * align
+            self.size += _round_up(max(p.value.size, 1), align)
         self.params, self.grads, self.exp_avg, self.exp_avg_sq = (
             _fill((self.size,), 0.0, like) for _ in range(4))
         self._views = lambda flat: [_segment(flat, offset, p.shape)
@@ -5753,7 +5781,7 @@ def _shared_layout(batch):
         if not isinstance(array, np.ndarray) or array.dtype.hasobject:
             return None
         layout.append((array.shape, array.dtype, offset))
-        offset += -(-array.nbytes // _FIELD_ALIGN) * _FIELD_ALIGN
+        offset += _round_up(array.nbytes, _FIELD_ALIGN)
     return layout, offset
 
 
@@ -6140,12 +6168,12 @@ class DataLoader:
     def __len__(self):
         if self.drop_last:
             return self._samples_per_rank() // self.batch_size
-        return -(-self._samples_per_rank() // self.batch_size)
+        return _ceil_div(self._samples_per_rank(), self.batch_size)
 
     def _samples_per_rank(self):
         if self.drop_last:
             return len(self.dataset) // self.world_size
-        return -(-len(self.dataset) // self.world_size)
+        return _ceil_div(len(self.dataset), self.world_size)
 
     def __iter__(self):
         """One epoch of batches; each call to iter() is the next epoch."""
