@@ -67,6 +67,47 @@ DEBUG = int(os.environ.get("NETCL_DEBUG", "0") or 0)
 _INSTALL_HINT = ("install an OpenCL driver for your GPU, or PoCL for a CPU OpenCL device: "
                  "python -m pip install pocl-binary-distribution (or 'pyopencl[pocl]')")
 
+# Argument checks, for every public entry point, with one message shape: "where: name must be
+# what, got value". A bool is not an integer or a number here, though Python counts it as one.
+# A value out of range raises ValueError, and so does one of the wrong kind, except in the ops
+# that raise TypeError for it as PyTorch's do (wrong_type=TypeError).
+
+def _is_int(value):
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def _is_scalar(value):
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+
+
+def _check_int(where, name, value, minimum=None, wrong_type=ValueError):
+    """`value` as an int, checked to be one and, given `minimum`, at least that."""
+    if not _is_int(value) or (minimum is not None and value < minimum):
+        what = ("an integer" if minimum is None else "a positive integer" if minimum == 1
+                else f"an integer >= {minimum}")
+        raise (ValueError if _is_int(value) else wrong_type)(
+            f"{where}: {name} must be {what}, got {value!r:.60}")
+    return int(value)
+
+
+def _check_number(where, name, value, minimum=None, maximum=None, finite=False,
+                  wrong_type=ValueError):
+    """`value` as a float, checked to be a number and, where asked, at least `minimum`, at
+    most `maximum` and finite (NaN is in no range)."""
+    if not _is_scalar(value) or not ((minimum is None or value >= minimum)
+                                     and (maximum is None or value <= maximum)
+                                     and (not finite or math.isfinite(value))):
+        what = "a finite number" if finite else "a number"
+        if minimum is not None and maximum is not None:
+            what += f" in [{minimum}, {maximum}]"
+        elif minimum is not None:
+            what += f" >= {minimum}"
+        elif maximum is not None:
+            what += f" <= {maximum}"
+        raise (ValueError if _is_scalar(value) else wrong_type)(
+            f"{where}: {name} must be {what}, got {value!r:.60}")
+    return float(value)
+
 
 # ============================================================================ device & kernels
 # A Device is one backend instance: the NumPy backend ("cpu"), or one OpenCL device with one
@@ -472,11 +513,7 @@ class BufferPool:
 
     def alloc(self, nbytes):
         """A buffer of at least `nbytes` bytes, from the cache when one of its bucket is free."""
-        if not isinstance(nbytes, (int, np.integer)) or isinstance(nbytes, bool):
-            raise TypeError(f"BufferPool.alloc: nbytes must be an int, got {nbytes!r}")
-        if nbytes < 0:
-            raise ValueError(f"BufferPool.alloc: nbytes must be >= 0, got {nbytes}")
-        return self._take(int(nbytes))
+        return self._take(_check_int("BufferPool.alloc", "nbytes", nbytes, 0, TypeError))
 
     def _take(self, nbytes):
         """alloc without the argument checks, for Tensor._alloc (nbytes is an int >= 0)."""
@@ -716,7 +753,7 @@ def _resolve_shape(op, old_shape, shape):
             and math.prod(shape) == math.prod(old_shape):
         return shape  # the usual case, checked in one pass: ops reshape on every step
     shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
-    if not all(isinstance(s, (int, np.integer)) and not isinstance(s, bool) for s in shape):
+    if not all(_is_int(s) for s in shape):
         raise ValueError(f"{op}: shape must be integers, got {shape}")
     shape = tuple(int(s) for s in shape)
     size = math.prod(old_shape)
@@ -1145,10 +1182,6 @@ def _nodes(op, *values, numeric=True):
     return nodes
 
 
-def _is_scalar(value):
-    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
-
-
 def _like(x, shape=None, dtype=None):
     """An uninitialised tensor on x's device, shaped like x unless `shape` is given."""
     return Tensor._alloc(x.device, x.shape if shape is None else tuple(shape),
@@ -1361,9 +1394,7 @@ def relu(x):
 
 def leaky_relu(x, negative_slope=0.01):
     """x where x > 0, else negative_slope * x."""
-    if not _is_scalar(negative_slope):
-        raise ValueError(f"leaky_relu: negative_slope must be a number, got {negative_slope!r}")
-    return _unary("leaky_relu", x, float(negative_slope))
+    return _unary("leaky_relu", x, _check_number("leaky_relu", "negative_slope", negative_slope))
 
 
 def sigmoid(x):
@@ -1754,8 +1785,7 @@ def where(cond, a, b):
 def masked_fill(x, mask, value):
     """x with the number `value` where mask is true (where(mask, value, x)), as
     torch.masked_fill: `att.masked_fill(causal == 0, -math.inf)`."""
-    if not _is_scalar(value):
-        raise TypeError(f"masked_fill: value must be a number, got {value!r:.60}")
+    _check_number("masked_fill", "value", value, wrong_type=TypeError)
     return _where("masked_fill", mask, value, x, "mask")
 
 
@@ -2106,14 +2136,9 @@ def flatten(x, start_dim=1, end_dim=-1):
 # and unsqueeze only change the shape: views, through reshape. Each backward moves the
 # gradient back the same way; a row gathered twice sums its two gradients, without atomics.
 
-def _is_int(value):
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
-
-
 def _check_dim(op, dim, ndim, name="dim"):
     """dim in [-ndim, ndim) as an index from 0; a 0-d tensor takes -1 and 0, as PyTorch."""
-    if not _is_int(dim):
-        raise TypeError(f"{op}: {name} must be an int, got {dim!r}")
+    _check_int(op, name, dim, wrong_type=TypeError)
     size = max(ndim, 1)
     if not -size <= dim < size:
         raise ValueError(f"{op}: {name} {dim} out of range for a tensor of {ndim} dimensions "
@@ -2414,10 +2439,7 @@ def chunk(x, chunks, dim=0):
     """x cut into `chunks` pieces along `dim`, as torch.chunk: pieces of ceil(size / chunks)
     rows, so there may be fewer than `chunks` (a size of 0 gives `chunks` empty pieces)."""
     (x,) = _nodes("chunk", x, numeric=False)
-    if not _is_int(chunks):
-        raise TypeError(f"chunk: chunks must be an int, got {chunks!r}")
-    if chunks <= 0:
-        raise ValueError(f"chunk: chunks must be greater than 0, got {chunks}")
+    chunks = _check_int("chunk", "chunks", chunks, 1, TypeError)
     d = _cut_dim("chunk", x, dim)
     size = x.shape[d]
     return _pieces(x, d, [0] * chunks) if size == 0 else split(x, _ceil_div(size, chunks), d)
@@ -2585,7 +2607,7 @@ def _axes(op, shape, axis):
         return tuple(range(len(shape)))
     axes = (axis,) if isinstance(axis, (int, np.integer)) else axis
     if not isinstance(axes, (tuple, list)) or not all(
-            isinstance(a, (int, np.integer)) and not isinstance(a, bool) for a in axes):
+            _is_int(a) for a in axes):
         raise TypeError(f"{op}: axis must be an int or a tuple of ints, got {axis!r}")
     ndim = max(len(shape), 1)
     normalised = []
@@ -2697,8 +2719,7 @@ def _one_axis(op, shape, axis, keepdims):
     """x of `shape` seen as (outer, R, inner) along `axis`, and the output shape."""
     if axis is None:
         return 1, math.prod(shape), 1, ((1,) * len(shape) if keepdims else ())
-    if not isinstance(axis, (int, np.integer)) or isinstance(axis, bool):
-        raise TypeError(f"{op}: axis must be an int or None, got {axis!r}")
+    _check_int(op, "axis", axis, wrong_type=TypeError)
     (a,) = _axes(op, shape, axis) or (None,)  # a 0-d x takes axis 0 or -1, as PyTorch
     if a is None:
         return 1, 1, 1, ()
@@ -2768,8 +2789,7 @@ def argmax(x, axis=None, keepdims=False):
 
 
 def _variance(op, x, axis, correction, keepdims, root):
-    if not _is_scalar(correction):
-        raise TypeError(f"{op}: correction must be a number, got {correction!r:.60}")
+    _check_number(op, "correction", correction, wrong_type=TypeError)
     (x,) = _nodes(op, x)
     outer, R, inner, out_shape = _one_axis(op, x.shape, axis, keepdims)
     X = x.value
@@ -2852,8 +2872,7 @@ def logsumexp(x, axis, keepdims=False):
 # --- softmax and losses -----------------------------------------------------------------------
 
 def _softmax(op, x, axis, log_mode):
-    if not isinstance(axis, (int, np.integer)) or isinstance(axis, bool):
-        raise ValueError(f"{op}: axis must be a single int, got {axis!r}")
+    _check_int(op, "axis", axis)
     (x,) = _nodes(op, x)
     (a,) = _axes(op, x.shape, axis) or (0,)
     shape = x.shape or (1,)
@@ -2901,8 +2920,7 @@ _REDUCTIONS = ("mean", "sum", "none")
 def _check_loss_args(op, reduction, ignore_index=-100):
     if reduction not in _REDUCTIONS:
         raise ValueError(f"{op}: reduction must be one of {_REDUCTIONS}, got {reduction!r}")
-    if not isinstance(ignore_index, (int, np.integer)) or isinstance(ignore_index, bool):
-        raise TypeError(f"{op}: ignore_index must be an int, got {ignore_index!r}")
+    _check_int(op, "ignore_index", ignore_index, wrong_type=TypeError)
 
 
 def _class_layout(op, x, what):
@@ -3002,10 +3020,7 @@ def cross_entropy(logits, target, reduction="mean", ignore_index=-100, label_smo
     _check_loss_args("cross_entropy", reduction, ignore_index)
     # PyTorch refuses only values above 1 (it silently treats negatives and NaN as 0); its
     # documented range is [0, 1], and that is what is checked here.
-    if not _is_scalar(label_smoothing) or not 0.0 <= label_smoothing <= 1.0:
-        raise ValueError(f"cross_entropy: label_smoothing must be between 0.0 and 1.0, got "
-                         f"{label_smoothing!r}")
-    smoothing = float(label_smoothing)
+    smoothing = _check_number("cross_entropy", "label_smoothing", label_smoothing, 0.0, 1.0)
     (x,) = _nodes("cross_entropy", logits)
     (outer, C, inner), loss_shape = _class_layout("cross_entropy", x, "logits")
     T, soft, count = _class_target("cross_entropy", x, target, loss_shape, ignore_index,
@@ -3244,8 +3259,7 @@ def _pair(op, name, value, minimum):
     PyTorch)."""
     pair = (value, value) if isinstance(value, (int, np.integer)) else value
     if not (isinstance(pair, (tuple, list)) and len(pair) == 2 and all(
-            isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v >= minimum
-            for v in pair)):
+            _is_int(v) and v >= minimum for v in pair)):
         kind = "positive" if minimum else "non-negative"
         raise ValueError(f"{op}: {name} must be a {kind} int or a pair of them, got {value!r}")
     return int(pair[0]), int(pair[1])
@@ -3340,12 +3354,6 @@ def _grouped_gemm(a, b, groups, trans_a=False, trans_b=False):
     return out
 
 
-def _check_groups(op, groups):
-    if not isinstance(groups, (int, np.integer)) or isinstance(groups, bool) or groups < 1:
-        raise ValueError(f"{op}: groups must be a positive int, got {groups!r}")
-    return int(groups)
-
-
 def conv2d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
     """x (N, C, H, W) with filters w (K, C / groups, R, S) [+ b (K,)] -> (N, K, OH, OW), as
     PyTorch's conv2d (a cross-correlation, zero padding). With G = groups, the channels split
@@ -3360,7 +3368,7 @@ def conv2d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
     stride = _pair("conv2d", "stride", stride, 1)
     padding = _pair("conv2d", "padding", padding, 0)
     dilation = _pair("conv2d", "dilation", dilation, 1)
-    groups = _check_groups("conv2d", groups)
+    groups = _check_int("conv2d", "groups", groups, 1)
     x, w, *rest = _nodes("conv2d", x, w, *(() if b is None else (b,)))
     b = rest[0] if rest else None
     if len(w.shape) != 4:
@@ -3551,9 +3559,7 @@ def _dropout_keep(n, seed, p):
 
 def dropout(x, p=0.5, training=True):
     """Zero each element with probability p and scale the rest by 1/(1-p) (when training)."""
-    if not _is_scalar(p) or not 0.0 <= p <= 1.0:
-        raise ValueError(f"dropout: p must be a probability in [0, 1], got {p!r}")
-    p = float(p)
+    p = _check_number("dropout", "p", p, 0.0, 1.0)
     (x,) = _nodes("dropout", x)
     if not training or p == 0.0:
         return x
@@ -3592,17 +3598,10 @@ def _normalized_shape(op, normalized_shape):
     shape = ((normalized_shape,) if isinstance(normalized_shape, (int, np.integer))
              else normalized_shape)
     if not (isinstance(shape, (tuple, list)) and shape and all(
-            isinstance(s, (int, np.integer)) and not isinstance(s, bool) and s >= 0
-            for s in shape)):
+            _is_int(s) and s >= 0 for s in shape)):
         raise ValueError(f"{op}: normalized_shape must be an int or a non-empty tuple of "
                          f"non-negative ints, got {normalized_shape!r}")
     return tuple(int(s) for s in shape)
-
-
-def _check_number(op, name, value):
-    if not _is_scalar(value):
-        raise ValueError(f"{op}: {name} must be a number, got {value!r}")
-    return float(value)
 
 
 def _data_or_none(tensor):
@@ -3929,10 +3928,9 @@ def scaled_dot_product_attention(q, k, v, attn_mask=None, is_causal=False, dropo
     op = "scaled_dot_product_attention"
     if attn_mask is not None and is_causal:  # PyTorch's words
         raise ValueError(f"{op}: explicit attn_mask should not be set when is_causal=True")
-    if not _is_scalar(dropout_p) or not 0.0 <= dropout_p <= 1.0:
-        raise ValueError(f"{op}: dropout_p must be a probability in [0, 1], got {dropout_p!r}")
-    if scale is not None and not _is_scalar(scale):
-        raise ValueError(f"{op}: scale must be a number or None, got {scale!r}")
+    _check_number(op, "dropout_p", dropout_p, 0.0, 1.0)
+    if scale is not None:
+        _check_number(op, "scale", scale)
     q, k, v = _nodes(op, q, k, v)
     if min(len(q.shape), len(k.shape), len(v.shape)) < 2 or not (
             q.shape[:-2] == k.shape[:-2] == v.shape[:-2]) or q.shape[-1] != k.shape[-1] \
@@ -4228,20 +4226,14 @@ def _uniform_parameter(shape, bound, queue):
     return Parameter(Tensor.from_host(values, queue))
 
 
-def _check_positive_int(name, value):
-    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return int(value)
-
-
 class Linear(Module):
     """y = x @ weight.T + bias, weight (out_features, in_features); PyTorch's initialisation:
     weight and bias ~ U(-1/sqrt(in_features), 1/sqrt(in_features))."""
 
     def __init__(self, in_features, out_features, bias=True, *, queue=None):
         super().__init__()
-        self.in_features = _check_positive_int("in_features", in_features)
-        self.out_features = _check_positive_int("out_features", out_features)
+        self.in_features = _check_int("Linear", "in_features", in_features, 1)
+        self.out_features = _check_int("Linear", "out_features", out_features, 1)
         bound = 1.0 / math.sqrt(self.in_features)
         self.weight = _uniform_parameter((self.out_features, self.in_features), bound, queue)
         self.bias = _uniform_parameter((self.out_features,), bound, queue) if bias else None
@@ -4264,13 +4256,13 @@ class Conv2d(Module):
     def __init__(self, in_ch, out_ch, kernel_size, stride=1, padding=0, dilation=1, groups=1,
                  bias=True, *, queue=None):
         super().__init__()
-        self.in_channels = _check_positive_int("in_ch", in_ch)  # PyTorch's attribute names
-        self.out_channels = _check_positive_int("out_ch", out_ch)
+        self.in_channels = _check_int("Conv2d", "in_ch", in_ch, 1)  # PyTorch's attribute names
+        self.out_channels = _check_int("Conv2d", "out_ch", out_ch, 1)
         self.kernel_size = _pair("Conv2d", "kernel_size", kernel_size, 1)
         self.stride = _pair("Conv2d", "stride", stride, 1)
         self.padding = _pair("Conv2d", "padding", padding, 0)
         self.dilation = _pair("Conv2d", "dilation", dilation, 1)
-        self.groups = _check_groups("Conv2d", groups)
+        self.groups = _check_int("Conv2d", "groups", groups, 1)
         for name, channels in (("in_ch", in_ch), ("out_ch", out_ch)):
             if channels % groups:
                 raise ValueError(f"Conv2d: {name}={channels} is not divisible by "
@@ -4364,9 +4356,7 @@ class Dropout(Module):
 
     def __init__(self, p=0.5):
         super().__init__()
-        if not _is_scalar(p) or not 0.0 <= p <= 1.0:
-            raise ValueError(f"Dropout: p must be a probability in [0, 1], got {p!r}")
-        self.p = float(p)
+        self.p = _check_number("Dropout", "p", p, 0.0, 1.0)
 
     def forward(self, x):
         """Apply dropout when training."""
@@ -4464,7 +4454,7 @@ class _BatchNorm(Module):
                  track_running_stats=True, *, queue=None):
         super().__init__()
         name = type(self).__name__
-        self.num_features = _check_positive_int("num_features", num_features)
+        self.num_features = _check_int(name, "num_features", num_features, 1)
         self.eps = _check_number(name, "eps", eps)
         self.momentum = None if momentum is None else _check_number(name, "momentum", momentum)
         self.affine, self.track_running_stats = bool(affine), bool(track_running_stats)
@@ -4524,8 +4514,8 @@ class Embedding(Module):
 
     def __init__(self, num_embeddings, embedding_dim, *, queue=None):
         super().__init__()
-        self.num_embeddings = _check_positive_int("num_embeddings", num_embeddings)
-        self.embedding_dim = _check_positive_int("embedding_dim", embedding_dim)
+        self.num_embeddings = _check_int("Embedding", "num_embeddings", num_embeddings, 1)
+        self.embedding_dim = _check_int("Embedding", "embedding_dim", embedding_dim, 1)
         values = _rng().standard_normal((self.num_embeddings, self.embedding_dim))
         self.weight = Parameter(Tensor.from_host(values.astype(np.float32), queue))
 
@@ -4894,11 +4884,6 @@ def _total_norm(partials, norm_type):
     return partials.sum() ** (1.0 / norm_type)
 
 
-def _check_max_norm(where, max_norm):
-    if not _is_scalar(max_norm) or not max_norm >= 0:
-        raise ValueError(f"{where}: max_norm must be a number >= 0, got {max_norm!r}")
-
-
 def clip_grad_norm(params, max_norm, norm_type=2.0, error_if_nonfinite=False):
     """Scale the gradients of `params` in place so that their global norm is at most max_norm,
     and return the norm they had: a device scalar (a Tensor of shape ()) that float() reads.
@@ -4911,7 +4896,7 @@ def clip_grad_norm(params, max_norm, norm_type=2.0, error_if_nonfinite=False):
     are multiplied all the same and become non-finite (Adam.step(max_norm=...) is what skips).
     """
     params = [params] if isinstance(params, Node) else list(params)
-    _check_max_norm("clip_grad_norm", max_norm)
+    _check_number("clip_grad_norm", "max_norm", max_norm, minimum=0)
     max_norm, norm_type = float(max_norm), float(norm_type)
     if not norm_type > 0:
         raise ValueError(f"clip_grad_norm: norm_type must be positive or inf, got {norm_type}")
@@ -5067,7 +5052,7 @@ class Adam(Optimizer):
         """Update every parameter that has a gradient; with max_norm, clip the gradients'
         global 2-norm to it first (in registers: .grad is not changed)."""
         if max_norm is not None:
-            _check_max_norm(f"{type(self).__name__}.step", max_norm)
+            _check_number(f"{type(self).__name__}.step", "max_norm", max_norm, minimum=0)
         runs = self._runs()
         if not runs:
             return
@@ -5247,16 +5232,12 @@ class WarmupCosine:
     step_every = "batch"  # Trainer.fit calls step() after every optimizer step
 
     def __init__(self, optimizer, warmup_steps, total_steps, min_lr=0.0):
-        for name, value, least in (("warmup_steps", warmup_steps, 0),
-                                   ("total_steps", total_steps, 1)):
-            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < least:
-                raise ValueError(f"WarmupCosine: {name} must be an integer >= {least}, "
-                                 f"got {value!r}")
+        warmup_steps = _check_int("WarmupCosine", "warmup_steps", warmup_steps, 0)
+        total_steps = _check_int("WarmupCosine", "total_steps", total_steps, 1)
         if warmup_steps > total_steps:
             raise ValueError(f"WarmupCosine: warmup_steps ({warmup_steps}) must not exceed "
                              f"total_steps ({total_steps})")
-        if not _is_scalar(min_lr) or not min_lr >= 0.0:
-            raise ValueError(f"WarmupCosine: min_lr must be a number >= 0, got {min_lr!r}")
+        min_lr = _check_number("WarmupCosine", "min_lr", min_lr, minimum=0)
         self.optimizer = optimizer
         self.base_lr, self.min_lr = float(optimizer.lr), float(min_lr)
         self.warmup_steps, self.total_steps = int(warmup_steps), int(total_steps)
@@ -5291,12 +5272,6 @@ class WarmupCosine:
         self.optimizer.lr = self.lr_at(self.last_step)
 
 
-def _check_schedule_int(where, name, value, least):
-    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < least:
-        raise ValueError(f"{where}: {name} must be an integer >= {least}, got {value!r}")
-    return int(value)
-
-
 class StepLR:
     """PyTorch's StepLR (torch/optim/lr_scheduler.py): every step_size-th call of step()
     multiplies the optimizer's lr by gamma, so lr = initial lr * gamma ** (epoch // step_size)
@@ -5307,10 +5282,9 @@ class StepLR:
     step_every = "epoch"
 
     def __init__(self, optimizer, step_size, gamma=0.1):  # PyTorch default gamma
-        self.step_size = _check_schedule_int("StepLR", "step_size", step_size, 1)
-        if not _is_scalar(gamma) or not math.isfinite(gamma) or gamma < 0:
-            raise ValueError(f"StepLR: gamma must be a finite number >= 0, got {gamma!r}")
-        self.optimizer, self.gamma = optimizer, float(gamma)
+        self.step_size = _check_int("StepLR", "step_size", step_size, 1)
+        self.gamma = _check_number("StepLR", "gamma", gamma, minimum=0, finite=True)
+        self.optimizer = optimizer
         self.last_epoch = 0  # PyTorch's constructor takes its first step: -1 becomes 0
 
     def step(self):
@@ -5325,10 +5299,8 @@ class StepLR:
 
     def load_state_dict(self, state):
         """Restore state_dict()'s output, the optimizer's lr with it."""
-        step_size = _check_schedule_int("StepLR.load_state_dict", "step_size",
-                                        state["step_size"], 1)
-        last_epoch = _check_schedule_int("StepLR.load_state_dict", "last_epoch",
-                                         state["last_epoch"], 0)
+        step_size = _check_int("StepLR.load_state_dict", "step_size", state["step_size"], 1)
+        last_epoch = _check_int("StepLR.load_state_dict", "last_epoch", state["last_epoch"], 0)
         self.optimizer.lr = state["lr"]
         self.step_size, self.gamma, self.last_epoch = step_size, float(state["gamma"]), last_epoch
 
@@ -5355,13 +5327,12 @@ class ReduceLROnPlateau:
         if not _is_scalar(factor) or not 0 <= factor < 1:  # PyTorch: "Factor should be < 1.0."
             raise ValueError(f"ReduceLROnPlateau: factor must be in [0, 1), got {factor!r}")
         for name, value in (("threshold", threshold), ("min_lr", min_lr), ("eps", eps)):
-            if not _is_scalar(value) or not value >= 0:
-                raise ValueError(f"ReduceLROnPlateau: {name} must be a number >= 0, got {value!r}")
+            _check_number("ReduceLROnPlateau", name, value, minimum=0)
         self.optimizer, self.mode, self.threshold_mode = optimizer, mode, threshold_mode
         self.factor, self.threshold = float(factor), float(threshold)
         self.min_lr, self.eps = float(min_lr), float(eps)
-        self.patience = _check_schedule_int("ReduceLROnPlateau", "patience", patience, 0)
-        self.cooldown = _check_schedule_int("ReduceLROnPlateau", "cooldown", cooldown, 0)
+        self.patience = _check_int("ReduceLROnPlateau", "patience", patience, 0)
+        self.cooldown = _check_int("ReduceLROnPlateau", "cooldown", cooldown, 0)
         self.best = math.inf if mode == "min" else -math.inf
         self.num_bad_epochs, self.cooldown_counter, self.last_epoch = 0, 0, 0
 
@@ -5402,8 +5373,8 @@ class ReduceLROnPlateau:
             "mode", "factor", "patience", "threshold", "threshold_mode", "cooldown", "min_lr",
             "eps")))
         for key in ("num_bad_epochs", "cooldown_counter", "last_epoch"):
-            setattr(checked, key, _check_schedule_int("ReduceLROnPlateau.load_state_dict", key,
-                                                      state[key], 0))
+            setattr(checked, key, _check_int("ReduceLROnPlateau.load_state_dict", key,
+                                             state[key], 0))
         checked.best = float(state["best"])
         self.__dict__.update(checked.__dict__)
 
@@ -5509,7 +5480,7 @@ class AMPGradScaler:
                              f"{backoff_factor!r}")
         if not (_is_scalar(scale) and math.isfinite(scale) and scale > 0):
             raise ValueError(f"{scale_name} must be positive and finite, got {scale!r}")
-        _check_positive_int("growth_interval", growth_interval)
+        _check_int("AMPGradScaler", "growth_interval", growth_interval, 1)
 
     def scale(self, loss):
         """loss * scale (a float32 Node), to pass to tape.backward."""
@@ -5674,9 +5645,7 @@ class AMPGradScaler:
                   else state[key] for key in keys]
         scale, growth_factor, backoff_factor, growth_interval, tracker = values
         self._check_settings("scale", scale, growth_factor, backoff_factor, growth_interval)
-        if isinstance(tracker, bool) or not isinstance(tracker, (int, np.integer)) or tracker < 0:
-            raise ValueError(f"AMPGradScaler.load_state_dict: _growth_tracker must be a "
-                             f"non-negative integer, got {tracker!r}")
+        _check_int("AMPGradScaler.load_state_dict", "_growth_tracker", tracker, 0)
         self._init_scale = float(scale)
         self._growth_factor, self._backoff_factor = float(growth_factor), float(backoff_factor)
         self._growth_interval = int(growth_interval)
@@ -6068,13 +6037,6 @@ class _WorkerPool:
         _stop_workers(self.processes, self.connections, self.blocks)
 
 
-def _check_int(name, value, minimum):
-    """`value` as an int, or ValueError naming the argument (a bool is not an integer here)."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise ValueError(f"DataLoader: {name} must be an integer >= {minimum}, got {value!r}")
-    return int(value)
-
-
 class DataLoader:
     """Batches from a dataset, epoch after epoch, optionally built by workers and prefetched
     onto a device.
@@ -6124,18 +6086,16 @@ class DataLoader:
                              f"got {type(dataset).__name__}")
         if len(dataset) == 0:
             raise ValueError("DataLoader: dataset is empty")
-        self.batch_size = _check_int("batch_size", batch_size, 1)
-        self.num_workers = _check_int("num_workers", num_workers, 0)
-        self.prefetch = _check_int("prefetch", prefetch, 1)
+        self.batch_size = _check_int("DataLoader", "batch_size", batch_size, 1)
+        self.num_workers = _check_int("DataLoader", "num_workers", num_workers, 0)
+        self.prefetch = _check_int("DataLoader", "prefetch", prefetch, 1)
         if self.prefetch > _MAX_PREFETCH:
             raise ValueError(f"DataLoader: prefetch must be <= {_MAX_PREFETCH}, got {prefetch!r}")
         if self.num_workers * self.prefetch > _MAX_BATCHES_IN_FLIGHT:
             raise ValueError(f"DataLoader: num_workers * prefetch (batches in flight) must be "
                              f"<= {_MAX_BATCHES_IN_FLIGHT}, got {self.num_workers} * "
                              f"{self.prefetch} = {self.num_workers * self.prefetch}")
-        if not _is_scalar(timeout) or not math.isfinite(timeout) or timeout < 0:
-            raise ValueError(f"DataLoader: timeout must be a finite number of seconds >= 0 "
-                             f"(0 waits forever), got {timeout!r}")
+        _check_number("DataLoader", "timeout", timeout, minimum=0, finite=True)  # 0 waits forever
         if timeout and not self.num_workers:
             raise ValueError(f"DataLoader: timeout={timeout!r} needs num_workers > 0: it bounds "
                              f"the wait for a worker's batch (as in PyTorch)")
@@ -6148,7 +6108,7 @@ class DataLoader:
         self.drop_last = bool(drop_last)
         self.collate_fn = collate_fn
         if seed is not None:
-            seed = _check_int("seed", seed, 0)
+            seed = _check_int("DataLoader", "seed", seed, 0)
         # (see distributed, below: sharding and agreeing on a seed)
         self.rank, self.world_size, self.seed = _loader_shard(rank, world_size, seed, self.shuffle)
         self.epoch = 0
@@ -6419,8 +6379,7 @@ def broadcast_parameters(params, root=0):
         if not isinstance(value, (Tensor, np.ndarray)):
             raise TypeError(f"broadcast_parameters: item {i} is {type(value).__name__}, not a "
                             f"Parameter, Tensor or NumPy array")
-    if isinstance(root, bool) or not isinstance(root, (int, np.integer)) \
-            or not 0 <= root < world_size():
+    if _check_int("broadcast_parameters", "root", root, 0) >= world_size():
         raise ValueError(f"broadcast_parameters: root must be a rank in [0, {world_size()}), "
                          f"got {root!r}")
     if world_size() == 1 or not values:
@@ -6525,7 +6484,7 @@ class DistributedOptimizer:
         """Average the gradients (unless synchronize() already did), clip them to max_norm's
         global 2-norm if given, and update the parameters."""
         if max_norm is not None:
-            _check_max_norm("DistributedOptimizer.step", max_norm)
+            _check_number("DistributedOptimizer.step", "max_norm", max_norm, minimum=0)
         self.synchronize()
         self._synchronized = False
         if max_norm is None:
@@ -6600,8 +6559,8 @@ def _loader_shard(shard, shards, seed, shuffle):
                          f"rank={shard!r}, world_size={shards!r}")
     if shard is None:
         shard, shards = rank(), world_size()
-    shards = _check_int("world_size", shards, 1)
-    shard = _check_int("rank", shard, 0)
+    shards = _check_int("DataLoader", "world_size", shards, 1)
+    shard = _check_int("DataLoader", "rank", shard, 0)
     if shard >= shards:
         raise ValueError(f"DataLoader: rank must be in [0, world_size={shards}), got {shard}")
     if seed is None:
@@ -6701,9 +6660,7 @@ class Trainer:
             raise ValueError(f"Trainer: grad_clip must be a positive number or None, got {grad_clip!r}")
         if loss_fn is not None and not callable(loss_fn):
             raise ValueError(f"Trainer: loss_fn must be callable or None, got {loss_fn!r}")
-        if not isinstance(metrics_stride, (int, np.integer)) or isinstance(metrics_stride, bool) \
-                or metrics_stride < 1:
-            raise ValueError(f"Trainer: metrics_stride must be a positive integer, got {metrics_stride!r}")
+        metrics_stride = _check_int("Trainer", "metrics_stride", metrics_stride, 1)
         if is_initialized():  # data-parallel: rank 0's model everywhere, gradients averaged
             optimizer = _data_parallel(model, optimizer)
         self.model, self.optimizer = model, optimizer
@@ -6818,12 +6775,10 @@ class Trainer:
         A batch of no samples, a loader that yields no batches in an epoch (a generator is
         used up after its first pass), and per-sample (x, y) tuples raise ValueError.
         """
-        for name, value, least in (("epochs", epochs, 0), ("log_every", log_every, 1)):
-            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < least:
-                raise ValueError(f"fit: {name} must be an integer >= {least}, got {value!r}")
-        if patience is not None and (not isinstance(patience, (int, np.integer))
-                                     or isinstance(patience, bool) or patience < 1):
-            raise ValueError(f"fit: patience must be a positive integer or None, got {patience!r}")
+        epochs = _check_int("fit", "epochs", epochs, 0)
+        log_every = _check_int("fit", "log_every", log_every, 1)
+        if patience is not None:
+            patience = _check_int("fit", "patience", patience, 1)
         if monitor not in (None, "val_loss", "val_accuracy", "loss", "accuracy"):
             raise ValueError(f"fit: monitor must be 'val_loss', 'val_accuracy', 'loss', "
                              f"'accuracy' or None, got {monitor!r}")
