@@ -911,6 +911,12 @@ class Node:
         indexing the leading dimension (see _index)."""
         return _index(self, key)
 
+    def _taped_root(self):
+        """The node that a Tape's backward from this one needs to have recorded: this one. A
+        node made on no Tape on purpose, on top of one that was (the mixed-precision
+        section's scaled loss), names that one instead."""
+        return self
+
     def to(self, device):
         """This node's value on `device`, as torch.Tensor.to: self if it is there already,
         else a new Node (inside a Tape its gradient flows back to this device). A Parameter
@@ -936,14 +942,6 @@ class Parameter(Node):
         self._grad_slot = None
         self._flat = None          # (the optimizer's _FlatBuffers holding it, its index), if any
         self._half_stale = False   # set when the value changes outside the optimizer's update
-
-
-class _Head(Node):
-    """A node recorded on no Tape on purpose: AMPGradScaler.scale's loss * scale, usually made
-    after the `with Tape()` block has closed. Tape.backward runs it first, then the graph of
-    its loss, which that Tape must have recorded."""
-
-    __slots__ = ()
 
 
 class Tape:
@@ -980,15 +978,15 @@ class Tape:
         """
         if not isinstance(loss, Node):
             raise TypeError(f"backward: loss must be a Node, got {type(loss).__name__}")
-        # The node this Tape must have recorded: the loss, or the loss under a scaler's head.
-        root = loss._parents[0] if isinstance(loss, _Head) and loss.requires_grad else loss
+        root = loss._taped_root()  # the loss, or what it was made from after the Tape closed
         if root._backward is _FREED:
             raise RuntimeError("backward: the graph of this loss was already freed by a backward "
                                "(on this Tape, or on another Tape that recorded it too)")
         if not loss.requires_grad:
             raise RuntimeError("backward: loss does not require grad (it was computed outside "
                                "a Tape, or from constants only)")
-        if root._backward is not None and not any(node is root for node in self._nodes):
+        # Searched from the end: the loss is usually the last node recorded.
+        if root._backward is not None and not any(node is root for node in reversed(self._nodes)):
             raise RuntimeError("backward: this loss was recorded on another Tape, not on this "
                                "one; call backward on a Tape that was open when it was computed")
         if grad is None:
@@ -1003,7 +1001,7 @@ class Tape:
                                  f"holds floats")
             if grad.shape != loss.shape:
                 raise ValueError(f"backward: grad shape {grad.shape} != loss shape {loss.shape}")
-        if root is not loss:  # the head runs first, then the tape's nodes; freed with them
+        if root is not loss:  # the loss's own step runs first, then the tape's; freed with them
             self._nodes.append(loss)
         grads = {id(loss): grad}
         nodes = self._nodes
@@ -5426,6 +5424,17 @@ def _zero_flag(flag):
     return flag
 
 
+class _ScaledLoss(Node):
+    """AMPGradScaler.scale's loss * scale: recorded on no Tape on purpose, since the scaler
+    usually runs after the `with Tape()` block has closed. Tape.backward runs its step first,
+    then the graph of the loss it was made from, which that Tape must have recorded."""
+
+    __slots__ = ()
+
+    def _taped_root(self):
+        return self._parents[0] if self.requires_grad else self
+
+
 # Where each optimizer stands between two update() calls (PyTorch's OptState).
 _READY, _UNSCALED, _STEPPED = "ready", "unscaled", "stepped"
 
@@ -5483,7 +5492,7 @@ class AMPGradScaler:
         _check_int("AMPGradScaler", "growth_interval", growth_interval, 1)
 
     def scale(self, loss):
-        """loss * scale (a float32 Node), to pass to tape.backward."""
+        """loss * scale (a float32 Node, a _ScaledLoss), to pass to tape.backward."""
         if not self._enabled:
             return loss
         (loss,) = _nodes("AMPGradScaler.scale", loss)
@@ -5509,9 +5518,7 @@ class AMPGradScaler:
                               out.data)
             return out
 
-        # Recorded on no tape, since the scaler usually runs after the `with Tape()` block
-        # has closed: Tape.backward runs such a head node first.
-        scaled = _Head(times_scale(loss.value), requires_grad=loss.requires_grad)
+        scaled = _ScaledLoss(times_scale(loss.value), requires_grad=loss.requires_grad)
         if loss.requires_grad:
             scaled._parents, scaled._backward = (loss,), lambda g: (times_scale(g),)
         return scaled
