@@ -3,12 +3,14 @@
 // The sections are netcl.py's, in its order, and so are the sub-sections, under the same
 // banners, so the two files can be read side by side. Each kernel sits in the sub-section of
 // the netcl.py function that launches it (but for the tensor-core probe, kept beside the
-// kernels it vouches for), and a section or sub-section without kernels is left out:
-// device & kernels (the two builds) -> autograd (gradient accumulation) -> operations
-// (float16 storage, elementwise, matrix products, shape ops, reductions, softmax and losses,
-// convolution and pooling, dropout, normalisation, embedding and attention) -> optimizers
-// -> mixed precision. A helper sits in the first sub-section that uses it: OpenCL C wants a
-// function defined before its first call.
+// kernels it vouches for, and the elementwise add that the tensor helpers' gradient sum
+// launches too), and a section or sub-section without kernels is left out: device & kernels
+// (the two builds) -> Tensor (tensor helpers: casts, sums along an axis, the work-group
+// reductions) -> autograd (gradient accumulation) -> operations (integer promotion,
+// elementwise, matrix products, shape ops, reductions, softmax and losses, convolution and
+// pooling, dropout, normalisation, embedding and attention) -> optimizers -> mixed precision.
+// A helper sits in the first sub-section that uses it: OpenCL C wants a function defined
+// before its first call.
 //
 // Conventions:
 // - Every kernel takes its sizes first, then runtime scalars, then buffers; a shape comment
@@ -49,18 +51,8 @@ typedef float act_t;
 #define STORE(p, i, v) ((p)[i] = (v))
 #endif
 
-// ============================================================================ autograd
-
-// dst (n) += alpha * src (n), in place: a leaf's .grad accumulating a second backward pass,
-// a convolution's weight gradient summed over chunks, the Trainer's epoch loss.
-__kernel void accumulate(const int n, const float alpha, __global float* dst,
-                         __global const float* src) {
-    const int i = get_global_id(0);
-    if (i < n) dst[i] += alpha * src[i];
-}
-
-// ============================================================================ operations
-// --- float16 storage -------------------------------------------------------------------------
+// ============================================================================ Tensor
+// --- tensor helpers --------------------------------------------------------------------------
 // Casts between float16 storage and float32, for operands that must change storage: in the
 // half build cast_to_act rounds to half (nearest even, overflow to inf) and cast_from_act
 // widens exactly; in the float build both are copies. x, out (n).
@@ -72,6 +64,74 @@ __kernel void cast_to_act(const int n, __global const float* x, __global act_t* 
 __kernel void cast_from_act(const int n, __global const act_t* x, __global float* out) {
     const int i = get_global_id(0);
     if (i < n) out[i] = LOAD(x, i);
+}
+
+// x (outer, R, inner) -> out (outer, inner) = scale * sum over R
+__kernel void sum_axis(const int outer, const int R, const int inner, const float scale,
+                       __global const act_t* x, __global float* out) {
+    const int i = get_global_id(0);
+    if (i >= outer * inner) return;
+    const int o = i / inner, in = i % inner;
+    __global const act_t* row = x + o * R * inner + in;
+    float acc = 0.0f;
+    for (int r = 0; r < R; ++r) acc += LOAD(row, r * inner);
+    out[i] = scale * acc;
+}
+
+// The larger of a and b, or NaN if either is NaN.
+float max_keeping_nan(const float a, const float b) { return (a > b || isnan(a)) ? a : b; }
+
+// The sum (or, with take_max, the maximum, NaN winning) of `value` over the work-group (a
+// power of two wide, `partial` as long), returned to every work-item: a tree in local memory,
+// in the same order on every device. sum_all, the normalisations, attention and the gradient
+// norms all reduce through it.
+float group_reduce(__local float* partial, const float value, const int take_max) {
+    const int lid = get_local_id(0);
+    partial[lid] = value;
+    barrier(CLK_LOCAL_MEM_FENCE);
+    for (int stride = get_local_size(0) / 2; stride > 0; stride >>= 1) {
+        if (lid < stride) {
+            const float other = partial[lid + stride];
+            partial[lid] = take_max ? max_keeping_nan(partial[lid], other) : partial[lid] + other;
+        }
+        barrier(CLK_LOCAL_MEM_FENCE);
+    }
+    const float result = partial[0];
+    barrier(CLK_LOCAL_MEM_FENCE);  // partial may be reused once every work-item has read it
+    return result;
+}
+
+float group_sum(__local float* partial, const float value) {
+    return group_reduce(partial, value, 0);
+}
+
+// x (n) -> out (groups) = scale * partial sums, one per 256-wide work-group; run once more
+// on the partials when there is more than one group.
+__kernel __attribute__((reqd_work_group_size(256, 1, 1)))
+void sum_all(const int n, const float scale, __global const act_t* x, __global float* out) {
+    __local float partial[256];
+    float acc = 0.0f;
+    for (int i = get_global_id(0); i < n; i += get_global_size(0)) acc += LOAD(x, i);
+    const float total = group_sum(partial, acc);
+    if (get_local_id(0) == 0) out[get_group_id(0)] = scale * total;
+}
+
+// ============================================================================ autograd
+
+// dst (n) += alpha * src (n), in place: a leaf's .grad accumulating a second backward pass,
+// a convolution's weight gradient summed over chunks, the Trainer's epoch loss.
+__kernel void accumulate(const int n, const float alpha, __global float* dst,
+                         __global const float* src) {
+    const int i = get_global_id(0);
+    if (i < n) dst[i] += alpha * src[i];
+}
+
+// ============================================================================ operations
+// x (n) int32 -> out (n) act_t: an integer operand promoted to floating point, as PyTorch
+// promotes it (rounding to nearest even beyond 2^24, and to half in the half build).
+__kernel void int_to_act(const int n, __global const int* x, __global act_t* out) {
+    const int i = get_global_id(0);
+    if (i < n) STORE(out, i, (float)x[i]);
 }
 
 // --- elementwise, one input ------------------------------------------------------------------
@@ -241,13 +301,6 @@ __kernel void div_bwd_b_bcast(const int n, const broadcast_t plan, __global cons
         const float bv = LOAD(b, at.y);
         out[i] = -g[i] * LOAD(a, at.x) / (bv * bv);
     }
-}
-
-// x (n) int32 -> out (n) act_t: an integer operand promoted to floating point, as PyTorch
-// promotes it (rounding to nearest even beyond 2^24, and to half in the half build).
-__kernel void int_to_act(const int n, __global const int* x, __global act_t* out) {
-    const int i = get_global_id(0);
-    if (i < n) STORE(out, i, (float)x[i]);
 }
 
 // --- maximum, minimum and selection ----------------------------------------------------------
@@ -689,17 +742,17 @@ __kernel void gemm_packed(const int M, const int N, const int K, const int a_k, 
             STORE(C, (row + r) * N + col + c, out[r][c] + (has_bias ? bias[col + c] : 0.0f));
 }
 
+// --- shape ops -------------------------------------------------------------------------------
+// Permutes, row copies (cat, stack, split, chunk, slicing) and row gathers (integer-array
+// indexing, index_select). They only move values: x and out are act_t in the forward pass,
+// and the float build moves the gradients back.
+
 // x (rows, cols) -> out (cols, rows), both act_t
 __kernel void transpose2d(const int rows, const int cols, __global const act_t* x,
                           __global act_t* out) {
     const int c = get_global_id(0), r = get_global_id(1);
     if (r < rows && c < cols) STORE(out, c * rows + r, LOAD(x, r * cols + c));
 }
-
-// --- shape ops -------------------------------------------------------------------------------
-// Permutes, row copies (cat, stack, split, chunk, slicing) and row gathers (integer-array
-// indexing, index_select). They only move values: x and out are act_t in the forward pass,
-// and the float build moves the gradients back.
 
 // x -> out (n elements), out = x with its dimensions permuted, seen as (s0, ..., s5): netcl.py
 // merges the dimensions that move together and pads to six with size-1 dimensions in front.
@@ -764,18 +817,6 @@ __kernel void gather_rows_bwd(const int outer, const int rows, const int m, cons
 // A reduction over one axis sees x as (outer, R, inner) and reduces R.
 // Reductions, softmax and cross-entropy read activations (act_t) and write float.
 
-// x (outer, R, inner) -> out (outer, inner) = scale * sum over R
-__kernel void sum_axis(const int outer, const int R, const int inner, const float scale,
-                       __global const act_t* x, __global float* out) {
-    const int i = get_global_id(0);
-    if (i >= outer * inner) return;
-    const int o = i / inner, in = i % inner;
-    __global const act_t* row = x + o * R * inner + in;
-    float acc = 0.0f;
-    for (int r = 0; r < R; ++r) acc += LOAD(row, r * inner);
-    out[i] = scale * acc;
-}
-
 // g (outer, inner) -> out (outer, R, inner) = scale * g repeated along R: sum/mean backward.
 __kernel void expand_axis(const int outer, const int R, const int inner, const float scale,
                           __global const float* g, __global float* out) {
@@ -783,44 +824,6 @@ __kernel void expand_axis(const int outer, const int R, const int inner, const f
     if (i >= outer * R * inner) return;
     const int in = i % inner, o = i / (R * inner);
     out[i] = scale * g[o * inner + in];
-}
-
-// The larger of a and b, or NaN if either is NaN.
-float max_keeping_nan(const float a, const float b) { return (a > b || isnan(a)) ? a : b; }
-
-// The sum (or, with take_max, the maximum, NaN winning) of `value` over the work-group (a
-// power of two wide, `partial` as long), returned to every work-item: a tree in local memory,
-// in the same order on every device. sum_all, the normalisations, attention and the gradient
-// norms all reduce through it.
-float group_reduce(__local float* partial, const float value, const int take_max) {
-    const int lid = get_local_id(0);
-    partial[lid] = value;
-    barrier(CLK_LOCAL_MEM_FENCE);
-    for (int stride = get_local_size(0) / 2; stride > 0; stride >>= 1) {
-        if (lid < stride) {
-            const float other = partial[lid + stride];
-            partial[lid] = take_max ? max_keeping_nan(partial[lid], other) : partial[lid] + other;
-        }
-        barrier(CLK_LOCAL_MEM_FENCE);
-    }
-    const float result = partial[0];
-    barrier(CLK_LOCAL_MEM_FENCE);  // partial may be reused once every work-item has read it
-    return result;
-}
-
-float group_sum(__local float* partial, const float value) {
-    return group_reduce(partial, value, 0);
-}
-
-// x (n) -> out (groups) = scale * partial sums, one per 256-wide work-group; run once more
-// on the partials when there is more than one group.
-__kernel __attribute__((reqd_work_group_size(256, 1, 1)))
-void sum_all(const int n, const float scale, __global const act_t* x, __global float* out) {
-    __local float partial[256];
-    float acc = 0.0f;
-    for (int i = get_global_id(0); i < n; i += get_global_size(0)) acc += LOAD(x, i);
-    const float total = group_sum(partial, acc);
-    if (get_local_id(0) == 0) out[get_group_id(0)] = scale * total;
 }
 
 // x (outer, R, inner) -> values (outer, inner), indices (outer, inner): the first largest

@@ -1,16 +1,17 @@
 """netcl — deep-learning training on any OpenCL device, in one file.
 
-netcl trains real models (MLPs, CNNs, small transformers) on any OpenCL device — NVIDIA, AMD, Intel and
-Apple GPUs, or a CPU through PoCL — and on a plain NumPy backend, with the loop people know
-from PyTorch. This file is the whole library; `kernels.cl` beside it holds every kernel, in
-sections that mirror the ones below. Read it top to bottom:
+netcl trains real models (MLPs, CNNs, small transformers) on any OpenCL device — NVIDIA,
+AMD, Intel and Apple GPUs, or a CPU through PoCL — and on a plain NumPy backend, with the loop
+people know from PyTorch. This file is the whole library; `kernels.cl` beside it holds every
+kernel, in sections that mirror the ones below. Read it top to bottom: each section uses only
+what stands above it.
 
-    device & kernels -> BufferPool -> Tensor -> autograd (Node, Tape) -> operations
-    -> nn modules -> optimizers -> mixed precision -> data -> distributed -> Trainer
+    BufferPool -> device & kernels -> Tensor -> autograd (Node, Tape) -> operations
+    -> nn modules -> optimizers -> mixed precision -> distributed -> data -> Trainer
     -> the import aliases (netcl.nn, netcl.optim, netcl.trainer, ...)
 
-The library proper ends with mixed precision, before the data section. Data (DataLoader and
-its worker processes), distributed (data parallelism over MPI) and the Trainer are
+The library proper ends with mixed precision, before the distributed section. Distributed
+(data parallelism over MPI), data (DataLoader and its worker processes) and the Trainer are
 conveniences built on it, which a learner may read last.
 
 A training step:
@@ -71,6 +72,14 @@ DEBUG = int(os.environ.get("NETCL_DEBUG", "0") or 0)
 _INSTALL_HINT = ("install an OpenCL driver for your GPU, or PoCL for a CPU OpenCL device: "
                  "python -m pip install pocl-binary-distribution (or 'pyopencl[pocl]')")
 
+
+def _ceil_div(a, b):
+    return -(-a // b)
+
+
+def _round_up(n, multiple):
+    return _ceil_div(n, multiple) * multiple
+
 # Argument checks, for every public entry point, with one message shape: "where: name must be
 # what, got value". A bool is not an integer or a number here, though Python counts it as one.
 # A value out of range raises ValueError, and so does one of the wrong kind, except in the ops
@@ -113,6 +122,100 @@ def _check_number(where, name, value, minimum=None, maximum=None, finite=False,
     return float(value)
 
 
+# ============================================================================ BufferPool
+# Allocating device memory costs a driver call (and on some drivers a sync); a training loop
+# asks for the same sizes every step. The pool keeps released buffers in size buckets and
+# hands them out again. Buckets are powers of two split in four, so at most 25% is wasted.
+# Threads share a Device's pool, so its books are kept under a lock.
+
+
+def _bucket(nbytes):
+    if nbytes <= 256:
+        return 256
+    step = 1 << max((nbytes - 1).bit_length() - 3, 0)  # a quarter of the octave nbytes is in
+    return _round_up(nbytes, step)
+
+
+def _buffer_bytes(buffer):
+    return buffer.nbytes if isinstance(buffer, np.ndarray) else buffer.size
+
+
+class BufferPool:
+    """A caching allocator for one device: `alloc(nbytes)`, `release(buffer)`, `stats()`."""
+
+    def __init__(self, allocate, max_bytes=None):
+        self._allocate = allocate
+        self._max_bytes = max_bytes
+        self._cached = defaultdict(list)  # bucket size -> free buffers
+        self._in_use = {}  # id(buffer) -> buffer, for each buffer handed out and not given back
+        self.in_use_bytes = self.cached_bytes = self.peak_bytes = 0
+        self.hits = self.misses = 0
+        # Reentrant: a Tensor freed while this thread holds the lock (a garbage collection
+        # inside alloc) releases its buffer into the same pool.
+        self._lock = threading.RLock()
+
+    def alloc(self, nbytes):
+        """A buffer of at least `nbytes` bytes, from the cache when one of its bucket is free."""
+        return self._take(_check_int("BufferPool.alloc", "nbytes", nbytes, 0, TypeError))
+
+    def _take(self, nbytes):
+        """alloc without the argument checks, for Tensor._alloc (nbytes is an int >= 0)."""
+        size = _bucket(nbytes)
+        with self._lock:
+            free = self._cached[size]
+            if free:
+                buffer = free.pop()
+                self.cached_bytes -= size
+                self.hits += 1
+            else:
+                buffer = self._fresh(size)
+                self.misses += 1
+            self.in_use_bytes += size
+            self.peak_bytes = max(self.peak_bytes, self.in_use_bytes)
+            self._in_use[id(buffer)] = buffer
+        return buffer
+
+    def _fresh(self, size):
+        for attempt in range(2):  # on failure give the cache back to the driver, retry once
+            try:
+                if self._max_bytes is not None and size > self._max_bytes:
+                    raise MemoryError(f"larger than the device's largest allocation, "
+                                      f"{self._max_bytes} bytes")
+                return self._allocate(size)
+            except (MemoryError, ValueError, OverflowError) + ((cl.Error,) if cl else ()) as error:
+                if attempt == 0 and self.cached_bytes:
+                    self.empty_cache()
+                    continue
+                raise MemoryError(f"cannot allocate {size} bytes ({error}); pool stats: "
+                                  f"{self.stats()}") from None
+
+    def release(self, buffer):
+        """Give a buffer back; the next alloc of its bucket reuses it. Only a buffer this pool
+        handed out and not yet taken back is accepted: cached twice, one buffer would be handed
+        to two tensors at once."""
+        size = _buffer_bytes(buffer)
+        with self._lock:
+            if self._in_use.pop(id(buffer), None) is None:
+                raise ValueError(f"BufferPool.release: {type(buffer).__name__} {id(buffer):#x} is "
+                                 f"not in use from this pool (released already, or allocated "
+                                 f"elsewhere)")
+            self._cached[size].append(buffer)
+            self.in_use_bytes -= size
+            self.cached_bytes += size
+
+    def stats(self):
+        """Bytes in use and cached, the peak in use, and cache hits and misses."""
+        with self._lock:
+            return {"in_use_bytes": self.in_use_bytes, "cached_bytes": self.cached_bytes,
+                    "peak_bytes": self.peak_bytes, "hits": self.hits, "misses": self.misses}
+
+    def empty_cache(self):
+        """Free every cached buffer (buffers in use are untouched)."""
+        with self._lock:
+            self._cached.clear()
+            self.cached_bytes = 0
+
+
 # ============================================================================ device & kernels
 # A Device is one backend instance: the NumPy backend ("cpu"), or one OpenCL device with one
 # context, one in-order queue, one compiled program (two: see launch) and one BufferPool. The
@@ -129,6 +232,20 @@ class _CpuQueue:
 
     def finish(self):
         """Nothing is ever pending on the NumPy backend."""
+
+
+_CL_SCALARS = {"int": np.int32, "uint": np.uint32, "float": np.float32}
+
+
+def _kernel_source():
+    """kernels.cl beside this file (a source checkout), else in netcl_kernels/ (a wheel)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    for path in (os.path.join(here, "kernels.cl"),
+                 os.path.join(here, "netcl_kernels", "kernels.cl")):
+        if os.path.exists(path):
+            with open(path, encoding="utf-8") as f:
+                return f.read()
+    raise RuntimeError(f"kernels.cl not found beside {__file__} nor in netcl_kernels/")
 
 
 class Device:
@@ -313,28 +430,6 @@ class Device:
         return cl.Buffer(self.context, cl.mem_flags.READ_WRITE, nbytes)
 
 
-_CL_SCALARS = {"int": np.int32, "uint": np.uint32, "float": np.float32}
-
-
-def _ceil_div(a, b):
-    return -(-a // b)
-
-
-def _round_up(n, multiple):
-    return _ceil_div(n, multiple) * multiple
-
-
-def _kernel_source():
-    """kernels.cl beside this file (a source checkout), else in netcl_kernels/ (a wheel)."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    for path in (os.path.join(here, "kernels.cl"),
-                 os.path.join(here, "netcl_kernels", "kernels.cl")):
-        if os.path.exists(path):
-            with open(path, encoding="utf-8") as f:
-                return f.read()
-    raise RuntimeError(f"kernels.cl not found beside {__file__} nor in netcl_kernels/")
-
-
 _devices = {}           # cache key -> Device: the same request returns the same Device
 _devices_by_queue = {}  # id of an OpenCL queue -> its Device
 _devices_lock = threading.Lock()  # two threads asking at once still get one Device
@@ -380,6 +475,15 @@ def _opencl_device(platform_index, device_index, cl_device):
             _devices[key] = device
             _devices_by_queue[id(queue)] = device
     return _devices[key]
+
+
+def _describe(cl_device):
+    """A device in plain words for notices: "OpenCL CPU device 'name' (platform)"."""
+    # From the type's flags: PoCL reports its CPU device as "ALL | CPU".
+    kind = ("GPU " if cl_device.type & cl.device_type.GPU else
+            "accelerator " if cl_device.type & cl.device_type.ACCELERATOR else
+            "CPU " if cl_device.type & cl.device_type.CPU else "")
+    return f"OpenCL {kind}device '{cl_device.name.strip()}' ({cl_device.platform.name.strip()})"
 
 
 def _default_device(device=None):
@@ -479,108 +583,6 @@ def _set_default_device(device):
     return _default_device()
 
 
-def _describe(cl_device):
-    """A device in plain words for notices: "OpenCL CPU device 'name' (platform)"."""
-    # From the type's flags: PoCL reports its CPU device as "ALL | CPU".
-    kind = ("GPU " if cl_device.type & cl.device_type.GPU else
-            "accelerator " if cl_device.type & cl.device_type.ACCELERATOR else
-            "CPU " if cl_device.type & cl.device_type.CPU else "")
-    return f"OpenCL {kind}device '{cl_device.name.strip()}' ({cl_device.platform.name.strip()})"
-
-
-# ============================================================================ BufferPool
-# Allocating device memory costs a driver call (and on some drivers a sync); a training loop
-# asks for the same sizes every step. The pool keeps released buffers in size buckets and
-# hands them out again. Buckets are powers of two split in four, so at most 25% is wasted.
-# Threads share a Device's pool, so its books are kept under a lock.
-
-def _bucket(nbytes):
-    if nbytes <= 256:
-        return 256
-    step = 1 << max((nbytes - 1).bit_length() - 3, 0)  # a quarter of the octave nbytes is in
-    return _round_up(nbytes, step)
-
-
-class BufferPool:
-    """A caching allocator for one device: `alloc(nbytes)`, `release(buffer)`, `stats()`."""
-
-    def __init__(self, allocate, max_bytes=None):
-        self._allocate = allocate
-        self._max_bytes = max_bytes
-        self._cached = defaultdict(list)  # bucket size -> free buffers
-        self._in_use = {}  # id(buffer) -> buffer, for each buffer handed out and not given back
-        self.in_use_bytes = self.cached_bytes = self.peak_bytes = 0
-        self.hits = self.misses = 0
-        # Reentrant: a Tensor freed while this thread holds the lock (a garbage collection
-        # inside alloc) releases its buffer into the same pool.
-        self._lock = threading.RLock()
-
-    def alloc(self, nbytes):
-        """A buffer of at least `nbytes` bytes, from the cache when one of its bucket is free."""
-        return self._take(_check_int("BufferPool.alloc", "nbytes", nbytes, 0, TypeError))
-
-    def _take(self, nbytes):
-        """alloc without the argument checks, for Tensor._alloc (nbytes is an int >= 0)."""
-        size = _bucket(nbytes)
-        with self._lock:
-            free = self._cached[size]
-            if free:
-                buffer = free.pop()
-                self.cached_bytes -= size
-                self.hits += 1
-            else:
-                buffer = self._fresh(size)
-                self.misses += 1
-            self.in_use_bytes += size
-            self.peak_bytes = max(self.peak_bytes, self.in_use_bytes)
-            self._in_use[id(buffer)] = buffer
-        return buffer
-
-    def _fresh(self, size):
-        for attempt in range(2):  # on failure give the cache back to the driver, retry once
-            try:
-                if self._max_bytes is not None and size > self._max_bytes:
-                    raise MemoryError(f"larger than the device's largest allocation, "
-                                      f"{self._max_bytes} bytes")
-                return self._allocate(size)
-            except (MemoryError, ValueError, OverflowError) + ((cl.Error,) if cl else ()) as error:
-                if attempt == 0 and self.cached_bytes:
-                    self.empty_cache()
-                    continue
-                raise MemoryError(f"cannot allocate {size} bytes ({error}); pool stats: "
-                                  f"{self.stats()}") from None
-
-    def release(self, buffer):
-        """Give a buffer back; the next alloc of its bucket reuses it. Only a buffer this pool
-        handed out and not yet taken back is accepted: cached twice, one buffer would be handed
-        to two tensors at once."""
-        size = _buffer_bytes(buffer)
-        with self._lock:
-            if self._in_use.pop(id(buffer), None) is None:
-                raise ValueError(f"BufferPool.release: {type(buffer).__name__} {id(buffer):#x} is "
-                                 f"not in use from this pool (released already, or allocated "
-                                 f"elsewhere)")
-            self._cached[size].append(buffer)
-            self.in_use_bytes -= size
-            self.cached_bytes += size
-
-    def stats(self):
-        """Bytes in use and cached, the peak in use, and cache hits and misses."""
-        with self._lock:
-            return {"in_use_bytes": self.in_use_bytes, "cached_bytes": self.cached_bytes,
-                    "peak_bytes": self.peak_bytes, "hits": self.hits, "misses": self.misses}
-
-    def empty_cache(self):
-        """Free every cached buffer (buffers in use are untouched)."""
-        with self._lock:
-            self._cached.clear()
-            self.cached_bytes = 0
-
-
-def _buffer_bytes(buffer):
-    return buffer.nbytes if isinstance(buffer, np.ndarray) else buffer.size
-
-
 # ============================================================================ Tensor
 # A Tensor is a shape and a dtype over pooled memory: an ndarray view of a pooled byte buffer
 # on the NumPy backend, a pyopencl.Buffer on OpenCL. Tensors are always C-contiguous, so a
@@ -588,6 +590,72 @@ def _buffer_bytes(buffer):
 # buffer returns to the pool at once (reference counting calls Tensor.__del__).
 
 _DTYPES = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(np.int32))
+
+
+def _check_shape(shape):
+    shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
+    if not all(isinstance(s, (int, np.integer)) and s >= 0 for s in shape):
+        raise ValueError(f"shape must be non-negative integers, got {shape}")
+    return tuple(int(s) for s in shape)
+
+
+def _check_dtype(dtype, device):
+    dtype = np.dtype(dtype)
+    if dtype in _DTYPES or (dtype == np.float64 and device.backend == "cpu"):
+        return dtype
+    raise ValueError(f"dtype must be float32, float16 or int32 (float64 on the NumPy backend "
+                     f"only), got {dtype}")
+
+
+def _real_array(where, value, what="operand"):
+    """value as an ndarray of bool, integer or float numbers, else TypeError naming `where`.
+    np.asarray makes an object array of None, a str array of a string, and the float copy
+    after it would hold NaN or fail in NumPy's words; a complex value would lose its imaginary
+    part with only a warning. PyTorch refuses all of them with a TypeError."""
+    array = np.asarray(value)
+    if array.dtype.kind not in "biuf":
+        shown = (f"of dtype {array.dtype}, shape {array.shape}" if isinstance(value, np.ndarray)
+                 else f"{value!r:.60} ({type(value).__name__})")
+        raise TypeError(f"{where}: {what} {shown} does not hold real numbers (bool, integer "
+                        f"or float)")
+    return array
+
+
+def _resolve_shape(op, old_shape, shape):
+    if type(shape) is tuple and all(type(s) is int and s >= 0 for s in shape) \
+            and math.prod(shape) == math.prod(old_shape):
+        return shape  # the usual case, checked in one pass: ops reshape on every step
+    shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
+    if not all(_is_int(s) for s in shape):
+        raise ValueError(f"{op}: shape must be integers, got {shape}")
+    shape = tuple(int(s) for s in shape)
+    size = math.prod(old_shape)
+    if shape.count(-1) > 1 or any(s < -1 for s in shape):
+        raise ValueError(f"{op}: invalid shape {shape} (at most one -1, no other negatives)")
+    if -1 in shape:
+        known = math.prod(s for s in shape if s != -1)
+        if known == 0 or size % known:
+            raise ValueError(f"{op}: cannot reshape {old_shape} (size {size}) into {shape}")
+        shape = tuple(size // known if s == -1 else s for s in shape)
+    if math.prod(shape) != size:
+        raise ValueError(f"{op}: cannot reshape {old_shape} (size {size}) into {shape}")
+    return shape
+
+
+def _write(tensor, array):
+    """Overwrite a tensor's contents from a host array of its shape, without a host sync.
+
+    A blocking copy on an in-order queue would wait for every kernel queued before it, so
+    the upload is queued instead, from a private copy of `array` (the caller may reuse its
+    array at once); the device keeps the copy alive until the upload has completed.
+    """
+    if tensor.device.backend == "cpu":
+        np.copyto(tensor.data, np.asarray(array).reshape(tensor.shape), casting="unsafe")
+    elif tensor.size:
+        host = np.array(array, dtype=tensor.dtype, order="C", copy=True).reshape(tensor.shape)
+        tensor.device.upload(tensor.data, host)
+        if tensor.dtype == np.int32:
+            tensor._labels = host
 
 
 class Tensor:
@@ -707,70 +775,139 @@ class Tensor:
         return f"Tensor(shape={self.shape}, dtype={self.dtype.name}, device={self.device.name!r})"
 
 
-def _write(tensor, array):
-    """Overwrite a tensor's contents from a host array of its shape, without a host sync.
+# --- tensor helpers ---------------------------------------------------------------------------
+# What the ops (and autograd's gradient sums) make tensors with: an uninitialised one like
+# another, a filled one, a copy, a cast, the same-shape sum, a host value on a device.
 
-    A blocking copy on an in-order queue would wait for every kernel queued before it, so
-    the upload is queued instead, from a private copy of `array` (the caller may reuse its
-    array at once); the device keeps the copy alive until the upload has completed.
-    """
-    if tensor.device.backend == "cpu":
-        np.copyto(tensor.data, np.asarray(array).reshape(tensor.shape), casting="unsafe")
-    elif tensor.size:
-        host = np.array(array, dtype=tensor.dtype, order="C", copy=True).reshape(tensor.shape)
-        tensor.device.upload(tensor.data, host)
-        if tensor.dtype == np.int32:
-            tensor._labels = host
+def _like(x, shape=None, dtype=None):
+    """An uninitialised tensor on x's device, shaped like x unless `shape` is given."""
+    return Tensor._alloc(x.device, x.shape if shape is None else tuple(shape),
+                         x.dtype if dtype is None else np.dtype(dtype))
 
 
-def _real_array(where, value, what="operand"):
-    """value as an ndarray of bool, integer or float numbers, else TypeError naming `where`.
-    np.asarray makes an object array of None, a str array of a string, and the float copy
-    after it would hold NaN or fail in NumPy's words; a complex value would lose its imaginary
-    part with only a warning. PyTorch refuses all of them with a TypeError."""
-    array = np.asarray(value)
-    if array.dtype.kind not in "biuf":
-        shown = (f"of dtype {array.dtype}, shape {array.shape}" if isinstance(value, np.ndarray)
-                 else f"{value!r:.60} ({type(value).__name__})")
-        raise TypeError(f"{where}: {what} {shown} does not hold real numbers (bool, integer "
-                        f"or float)")
-    return array
+def _compute_dtype(dtype):
+    """The dtype results are computed and gradients kept in: float32 for float16 storage."""
+    return np.dtype(np.float32) if dtype == np.float16 else np.dtype(dtype)
 
 
-def _check_shape(shape):
-    shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
-    if not all(isinstance(s, (int, np.integer)) and s >= 0 for s in shape):
-        raise ValueError(f"shape must be non-negative integers, got {shape}")
-    return tuple(int(s) for s in shape)
+def _fill(shape, value, like):
+    """A tensor of `value` on like's device, in like's compute dtype (see _compute_dtype)."""
+    out = _like(like, shape, _compute_dtype(like.dtype))
+    if like.device.backend == "cpu":
+        out.data.fill(value)
+    elif out.size:
+        cl.enqueue_fill_buffer(like.device.queue, out.data, np.float32(value), 0, out.nbytes)
+    return out
 
 
-def _check_dtype(dtype, device):
-    dtype = np.dtype(dtype)
-    if dtype in _DTYPES or (dtype == np.float64 and device.backend == "cpu"):
-        return dtype
-    raise ValueError(f"dtype must be float32, float16 or int32 (float64 on the NumPy backend "
-                     f"only), got {dtype}")
+def _copy(x, out=None):
+    out = _like(x) if out is None else out
+    if x.device.backend == "cpu":
+        np.copyto(out.data, x.data)
+    elif x.size:
+        cl.enqueue_copy(x.device.queue, out.data, x.data, byte_count=x.nbytes)
+    return out
 
 
-def _resolve_shape(op, old_shape, shape):
-    if type(shape) is tuple and all(type(s) is int and s >= 0 for s in shape) \
-            and math.prod(shape) == math.prod(old_shape):
-        return shape  # the usual case, checked in one pass: ops reshape on every step
-    shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
-    if not all(_is_int(s) for s in shape):
-        raise ValueError(f"{op}: shape must be integers, got {shape}")
-    shape = tuple(int(s) for s in shape)
-    size = math.prod(old_shape)
-    if shape.count(-1) > 1 or any(s < -1 for s in shape):
-        raise ValueError(f"{op}: invalid shape {shape} (at most one -1, no other negatives)")
-    if -1 in shape:
-        known = math.prod(s for s in shape if s != -1)
-        if known == 0 or size % known:
-            raise ValueError(f"{op}: cannot reshape {old_shape} (size {size}) into {shape}")
-        shape = tuple(size // known if s == -1 else s for s in shape)
-    if math.prod(shape) != size:
-        raise ValueError(f"{op}: cannot reshape {old_shape} (size {size}) into {shape}")
-    return shape
+def _grid(n):
+    return (n,), (256,)
+
+
+def _cast(x, dtype, out=None):
+    """A copy of x in float16 storage or float32 (rounding to nearest even, as NumPy), into
+    `out` if given."""
+    out = _like(x, dtype=dtype) if out is None else out
+    if x.device.backend == "cpu":
+        out.data[...] = x.data
+    elif x.size:  # the half build's casts; act_t is half there
+        kernel = "cast_to_act" if out.dtype == np.float16 else "cast_from_act"
+        x.device.launch(kernel, *_grid(x.size), x.size, x.data, out.data, half=True)
+    return out
+
+
+def _float32(x):
+    """x itself, or a float32 copy if it is float16 storage."""
+    return _cast(x, np.float32) if x.dtype == np.float16 else x
+
+
+def _add_tensors(a, b):
+    """a + b for two tensors of one size (the gradients meeting at one node); in float32 when
+    their storage differs (a float16 activation's and a float32 one's)."""
+    if a.dtype != b.dtype:
+        a, b = _float32(a), _float32(b)
+    out = _like(a)
+    if a.device.backend == "cpu":
+        np.add(a.data, b.data.reshape(a.shape), out=out.data)
+    elif out.size:
+        out.device.launch("add_fwd", *_grid(out.size), out.size, a.data, b.data, out.data,
+                          half=out.dtype == np.float16)
+    return out
+
+
+def _sum_chunks(columns, R, compute_units):
+    """Into how many chunks sum_axis splits R: one work-item per column leaves most compute
+    units idle when the columns are few and long, so R is cut into equal chunks (a power of
+    two dividing R, at least 256 long: a short sum is not worth a second launch) until there
+    are 8 work-groups' worth per unit."""
+    chunks = 1
+    while columns * chunks < 8 * 256 * compute_units and R % (2 * chunks) == 0 \
+            and R // (2 * chunks) >= 256:
+        chunks *= 2
+    return chunks
+
+
+def _sum_axis_tensor(x, outer, R, inner, scale=1.0, out=None):
+    """x seen as (outer, R, inner) -> (outer, inner), scale * sum over R (float32 for float16;
+    into `out` if given)."""
+    out = _like(x, (outer, inner), _compute_dtype(x.dtype)) if out is None else out
+    half = x.dtype == np.float16
+    if x.device.backend == "cpu":
+        np.sum(x.data.reshape(outer, R, inner), axis=1, out=out.data, dtype=out.dtype)
+        if scale != 1.0:
+            out.data *= scale
+    elif out.size:
+        if R == 0:  # an empty sum: 0 (a mean's scale is then nan, and so is the mean)
+            cl.enqueue_fill_buffer(x.device.queue, out.data,
+                                   np.float32(math.nan if math.isnan(scale) else 0.0), 0,
+                                   out.nbytes)
+            return out
+        chunks = _sum_chunks(outer * inner, R, x.device.compute_units)
+        if outer * inner == 1 and R > 4096:  # one long sum: in parallel, then the partials
+            groups = min(_ceil_div(R, 4096), 256)
+            partial = _like(out, (groups,))
+            x.device.launch("sum_all", (groups * 256,), (256,), R, 1.0, x.data, partial.data,
+                            half=half)
+            x.device.launch("sum_all", (256,), (256,), groups, scale, partial.data, out.data)
+        elif chunks > 1:  # few long columns (a bias gradient): sum chunks of R, then those
+            partial = _like(out, (outer * chunks, inner))
+            x.device.launch("sum_axis", *_grid(partial.size), outer * chunks, R // chunks,
+                            inner, 1.0, x.data, partial.data, half=half)
+            x.device.launch("sum_axis", *_grid(out.size), outer, chunks, inner, scale,
+                            partial.data, out.data)
+        else:
+            x.device.launch("sum_axis", *_grid(outer * inner), outer, R, inner, scale,
+                            x.data, out.data, half=half)
+    return out
+
+
+def _different_devices(op, *devices):
+    """The ValueError for operands on different devices, saying how to bring them together."""
+    names = ", ".join(f"{d.backend} ({d.name})" for d in devices)
+    return ValueError(f"{op}: operands are on different devices: {names}; move them to one "
+                      f"device with .to(device) (model.to(device) moves a model), or create "
+                      f"them there with queue=device.queue or manager.set_default(device)")
+
+
+def _as_tensor(op, value, like):
+    """value (a Tensor or an array) as a Tensor on `like`'s device (arrays, integer ones too,
+    take like's float dtype, as PyTorch promotes integers)."""
+    if isinstance(value, Tensor):
+        if value.device is not like.device:
+            raise _different_devices(op, value.device, like.device)
+        return value
+    array = _real_array(op, value)
+    dtype = like.dtype if like.dtype.kind == "f" else None
+    return Tensor.from_host(array, queue=like.device.queue, dtype=dtype)
 
 
 # ============================================================================ autograd
@@ -948,6 +1085,25 @@ class Parameter(Node):
         self._half_stale = False   # set when the value changes outside the optimizer's update
 
 
+def _add_into(dst, src, alpha=1.0):
+    """dst += alpha * src, in place (same size)."""
+    if dst.device.backend == "cpu":
+        dst.data += alpha * src.data.reshape(dst.shape) if alpha != 1.0 else src.data.reshape(dst.shape)
+    elif src.size:
+        dst.device.launch("accumulate", *_grid(src.size), src.size, alpha, dst.data, src.data)
+
+
+def _accumulate_grad(leaf, grad):
+    """PyTorch semantics: the first gradient is stored, later ones are added in place. The
+    first is copied, so no two leaves ever share (and later mutate) one buffer; into the
+    leaf's `_grad_slot` when an optimizer gave it one (Adam's flat gradient buffer)."""
+    if leaf.grad is None:
+        slot = getattr(leaf, "_grad_slot", None)
+        leaf.grad = grad if grad is slot else _copy(grad, out=slot)
+    else:
+        _add_into(leaf.grad, grad)
+
+
 class Tape:
     """Records the operations run inside `with Tape() as tape:`; `tape.backward(loss)`.
 
@@ -999,7 +1155,8 @@ class Tape:
                                    f"element, got shape {loss.shape}")
             grad = _fill(loss.shape, 1.0, loss.value)
         else:
-            grad = _float32(_as_tensor("backward", grad, loss.value))
+            grad = _float32(_as_tensor("backward", grad.value if isinstance(grad, Node) else grad,
+                                       loss.value))
             if grad.dtype.kind != "f":  # kernels would read an int32 tensor's bits as floats
                 raise ValueError(f"backward: grad of dtype {grad.dtype.name}; a gradient "
                                  f"holds floats")
@@ -1073,17 +1230,6 @@ def _record(value, parents, backward):
     return node
 
 
-def _accumulate_grad(leaf, grad):
-    """PyTorch semantics: the first gradient is stored, later ones are added in place. The
-    first is copied, so no two leaves ever share (and later mutate) one buffer; into the
-    leaf's `_grad_slot` when an optimizer gave it one (Adam's flat gradient buffer)."""
-    if leaf.grad is None:
-        slot = getattr(leaf, "_grad_slot", None)
-        leaf.grad = grad if grad is slot else _copy(grad, out=slot)
-    else:
-        _add_into(leaf.grad, grad)
-
-
 def _free_grad_slot(node):
     """Where an op's backward may write a leaf's gradient directly: the leaf's `_grad_slot`
     in its optimizer's flat gradient buffer while the slot is free, holding no gradient yet
@@ -1092,14 +1238,6 @@ def _free_grad_slot(node):
     if slot is None or node.grad is not None or node._backward is not None or not node.requires_grad:
         return None
     return slot
-
-
-def _add_into(dst, src, alpha=1.0):
-    """dst += alpha * src, in place (same size)."""
-    if dst.device.backend == "cpu":
-        dst.data += alpha * src.data.reshape(dst.shape) if alpha != 1.0 else src.data.reshape(dst.shape)
-    elif src.size:
-        dst.device.launch("accumulate", *_grid(src.size), src.size, alpha, dst.data, src.data)
 
 
 # ============================================================================ operations
@@ -1127,33 +1265,11 @@ def _rng():
     return _generator[0]
 
 
-def _different_devices(op, *devices):
-    """The ValueError for operands on different devices, saying how to bring them together."""
-    names = ", ".join(f"{d.backend} ({d.name})" for d in devices)
-    return ValueError(f"{op}: operands are on different devices: {names}; move them to one "
-                      f"device with .to(device) (model.to(device) moves a model), or create "
-                      f"them there with queue=device.queue or manager.set_default(device)")
-
-
 def _devices_of(op, *values):
     devices = {id(v.device): v.device for v in values if isinstance(v, (Node, Tensor))}
     if len(devices) > 1:
         raise _different_devices(op, *devices.values())
     return next(iter(devices.values()), None) or _default_device()
-
-
-def _as_tensor(op, value, like):
-    """value as a Tensor on `like`'s device (arrays, integer ones too, take like's float
-    dtype, as PyTorch promotes integers)."""
-    if isinstance(value, Node):
-        value = value.value
-    if isinstance(value, Tensor):
-        if value.device is not like.device:
-            raise _different_devices(op, value.device, like.device)
-        return value
-    array = _real_array(op, value)
-    dtype = like.dtype if like.dtype.kind == "f" else None
-    return Tensor.from_host(array, queue=like.device.queue, dtype=dtype)
 
 
 def _as_node(op, value, device, dtype=None):
@@ -1166,6 +1282,18 @@ def _as_node(op, value, device, dtype=None):
     array = _real_array(op, value)
     float_dtype = dtype if dtype is not None and dtype.kind == "f" else np.dtype(np.float32)
     return Node(Tensor.from_host(array, device.queue, float_dtype))
+
+
+def _promote_int(x, dtype):
+    """The int32 Node x as a constant Node of the float `dtype`, as PyTorch promotes an integer
+    operand (integer tensors have no gradient there either)."""
+    out = _like(x.value, dtype=dtype)
+    if x.device.backend == "cpu":
+        out.data[...] = x.value.data
+    elif out.size:
+        x.device.launch("int_to_act", *_grid(out.size), out.size, x.value.data, out.data,
+                        half=out.dtype == np.float16)
+    return Node(out)
 
 
 def _nodes(op, *values, numeric=True):
@@ -1192,35 +1320,6 @@ def _nodes(op, *values, numeric=True):
     return nodes
 
 
-def _like(x, shape=None, dtype=None):
-    """An uninitialised tensor on x's device, shaped like x unless `shape` is given."""
-    return Tensor._alloc(x.device, x.shape if shape is None else tuple(shape),
-                         x.dtype if dtype is None else np.dtype(dtype))
-
-
-def _fill(shape, value, like):
-    """A tensor of `value` on like's device, in like's compute dtype (see _compute_dtype)."""
-    out = _like(like, shape, _compute_dtype(like.dtype))
-    if like.device.backend == "cpu":
-        out.data.fill(value)
-    elif out.size:
-        cl.enqueue_fill_buffer(like.device.queue, out.data, np.float32(value), 0, out.nbytes)
-    return out
-
-
-def _copy(x, out=None):
-    out = _like(x) if out is None else out
-    if x.device.backend == "cpu":
-        np.copyto(out.data, x.data)
-    elif x.size:
-        cl.enqueue_copy(x.device.queue, out.data, x.data, byte_count=x.nbytes)
-    return out
-
-
-def _grid(n):
-    return (n,), (256,)
-
-
 # --- float16 storage ----------------------------------------------------------------------
 # float16 is a storage type only: kernels load it, compute in float32 and store the result
 # rounded back (kernels.cl: act_t). The rules, on both backends:
@@ -1241,28 +1340,6 @@ def _half_activations(device):
         print(f"netcl: autocast keeps float32 on {device.name}: without tensor cores or half "
               f"arithmetic, float16 storage would make steps slower", file=sys.stderr)
     return device.autocast_half
-
-
-def _compute_dtype(dtype):
-    """The dtype results are computed and gradients kept in: float32 for float16 storage."""
-    return np.dtype(np.float32) if dtype == np.float16 else np.dtype(dtype)
-
-
-def _cast(x, dtype, out=None):
-    """A copy of x in float16 storage or float32 (rounding to nearest even, as NumPy), into
-    `out` if given."""
-    out = _like(x, dtype=dtype) if out is None else out
-    if x.device.backend == "cpu":
-        out.data[...] = x.data
-    elif x.size:  # the half build's casts; act_t is half there
-        kernel = "cast_to_act" if out.dtype == np.float16 else "cast_from_act"
-        x.device.launch(kernel, *_grid(x.size), x.size, x.data, out.data, half=True)
-    return out
-
-
-def _float32(x):
-    """x itself, or a float32 copy if it is float16 storage."""
-    return _cast(x, np.float32) if x.dtype == np.float16 else x
 
 
 def _half_operand(x):
@@ -1352,6 +1429,13 @@ _UNARY = {  # name: (forward on x, gradient from (g, s, alpha), s is "x" or "y")
     "silu": (lambda x, a: x / (1 + np.exp(-x)), lambda g, s, a: g * _silu_slope(s), "x"),
     "gelu_tanh": (lambda x, a: x * _gelu_tanh_s(x),
                   lambda g, s, a: g * _gelu_tanh_slope(s), "x"),
+}
+
+
+_SCALAR_OPS = {  # kernel name: NumPy reference, for x (op) constant
+    "add_scalar": lambda x, c: x + c, "mul_scalar": lambda x, c: x * c,
+    "div_scalar": lambda x, c: x / c, "rsub_scalar": lambda x, c: c - x,
+    "rdiv_scalar": lambda x, c: c / x,
 }
 
 
@@ -1504,11 +1588,6 @@ def silu(x):
 # operand's gradient is the output's gradient summed over the dimensions it repeated along.
 # A Python scalar takes the scalar kernels: one launch, no buffer for the constant.
 
-_SCALAR_OPS = {  # kernel name: NumPy reference, for x (op) constant
-    "add_scalar": lambda x, c: x + c, "mul_scalar": lambda x, c: x * c,
-    "div_scalar": lambda x, c: x / c, "rsub_scalar": lambda x, c: c - x,
-    "rdiv_scalar": lambda x, c: c / x,
-}
 _BINARY = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide}
 _BROADCAST_RANK = 8  # groups of dimensions kernels.cl's broadcast_t holds
 
@@ -1595,22 +1674,6 @@ def _unbroadcast(g, shape):
                                  math.prod(sizes[axis + 1:]))
             del sizes[axis]
     return g.reshape(shape)
-
-
-def _add_tensors(a, b):
-    return _binary_tensor("add", a, b)
-
-
-def _promote_int(x, dtype):
-    """The int32 Node x as a constant Node of the float `dtype`, as PyTorch promotes an integer
-    operand (integer tensors have no gradient there either)."""
-    out = _like(x.value, dtype=dtype)
-    if x.device.backend == "cpu":
-        out.data[...] = x.value.data
-    elif out.size:
-        x.device.launch("int_to_act", *_grid(out.size), out.size, x.value.data, out.data,
-                        half=out.dtype == np.float16)
-    return Node(out)
 
 
 def _scalar_op(kernel, x, constant, grad_scale):
@@ -1799,6 +1862,29 @@ def masked_fill(x, mask, value):
     return _where("masked_fill", mask, value, x, "mask")
 
 
+# --- shapes -----------------------------------------------------------------------------------
+
+def reshape(x, shape):
+    """A view of x with a new shape (one -1 allowed)."""
+    (x,) = _nodes("reshape", x, numeric=False)
+    old_shape = x.shape
+    return _record(x.value.reshape(shape), (x,), lambda g: (g.reshape(old_shape),))
+
+
+def flatten(x, start_dim=1, end_dim=-1):
+    """Merge dimensions start_dim..end_dim into one (the batch dimension stays by default)."""
+    (x,) = _nodes("flatten", x, numeric=False)
+    ndim = len(x.shape)
+    start, end = (start_dim + ndim if start_dim < 0 else start_dim,
+                  end_dim + ndim if end_dim < 0 else end_dim)
+    if ndim == 0:
+        return reshape(x, (1,))
+    if not (0 <= start < ndim and 0 <= end < ndim and start <= end):
+        raise ValueError(f"flatten: start_dim={start_dim}, end_dim={end_dim} invalid for "
+                         f"shape {x.shape}")
+    return reshape(x, x.shape[:start] + (math.prod(x.shape[start:end + 1]),) + x.shape[end + 1:])
+
+
 # --- matrix products -------------------------------------------------------------------------
 
 # kernels.cl's tiled kernels (gemm_nn, gemm_nt, gemm_tn; GPUs): a work-group of 16x16
@@ -1984,6 +2070,34 @@ def _batch_shape(op, a_batch, b_batch):
         raise ValueError(f"{op}: batch dimensions {a_batch} and {b_batch} do not broadcast") from None
 
 
+def _matmul_grad(x, y, shape, trans_a=False, trans_b=False):
+    """The gradient op(x) @ op(y) of an operand of `shape`: where that operand is one matrix
+    that a batch shared, the sum over the batch, as one product of the stacked rows when the
+    batch is on the side that is summed over (dB = A^T g), else summed after the products."""
+    if len(shape) == 3 or (x.ndim == 2 and y.ndim == 2):
+        return _gemm(x, y, trans_a=trans_a, trans_b=trans_b)
+    if trans_a:  # dB = sum over the batch of A_i^T g_i: the batch's rows stacked
+        return _gemm(x.reshape((-1, x.shape[-1])), y.reshape((-1, y.shape[-1])), trans_a=True)
+    products = _gemm(x, y, trans_b=trans_b)  # dA = sum over the batch of g_i B_i^T
+    count, rows, cols = products.shape
+    return _sum_axis_tensor(products, 1, count, rows * cols).reshape((rows, cols))
+
+
+def _matmul_batch(a, b):
+    """a @ b for a, b each a matrix (rows, cols) or a batch (count, rows, cols), on _gemm."""
+    A, B = a.value, b.value
+    half = _half_activations(A.device)
+    if half and A.device.tensor_cores:  # float16 operands: every product on the tensor cores
+        A, B = _half_weight(a), _half_weight(b)
+
+    def backward(g):
+        if A.dtype == B.dtype == np.float16:
+            g = _half_operand(g)
+        return (_matmul_grad(g, B, A.shape, trans_b=True) if a.requires_grad else None,
+                _matmul_grad(A, g, B.shape, trans_a=True) if b.requires_grad else None)
+    return _record(_gemm(A, B, half=half), (a, b), backward)
+
+
 def matmul(a, b):
     """a @ b with PyTorch's rules: (M, K) @ (K, N) -> (M, N); batches (..., M, K) @ (..., K, N)
     with broadcast batch dimensions; a 1-D operand is a row (left) or column (right) vector
@@ -2021,34 +2135,6 @@ def matmul(a, b):
     if len(b.shape) == 1:
         out_shape = out_shape[:-1]
     return reshape(out, out_shape)
-
-
-def _matmul_batch(a, b):
-    """a @ b for a, b each a matrix (rows, cols) or a batch (count, rows, cols), on _gemm."""
-    A, B = a.value, b.value
-    half = _half_activations(A.device)
-    if half and A.device.tensor_cores:  # float16 operands: every product on the tensor cores
-        A, B = _half_weight(a), _half_weight(b)
-
-    def backward(g):
-        if A.dtype == B.dtype == np.float16:
-            g = _half_operand(g)
-        return (_matmul_grad(g, B, A.shape, trans_b=True) if a.requires_grad else None,
-                _matmul_grad(A, g, B.shape, trans_a=True) if b.requires_grad else None)
-    return _record(_gemm(A, B, half=half), (a, b), backward)
-
-
-def _matmul_grad(x, y, shape, trans_a=False, trans_b=False):
-    """The gradient op(x) @ op(y) of an operand of `shape`: where that operand is one matrix
-    that a batch shared, the sum over the batch, as one product of the stacked rows when the
-    batch is on the side that is summed over (dB = A^T g), else summed after the products."""
-    if len(shape) == 3 or (x.ndim == 2 and y.ndim == 2):
-        return _gemm(x, y, trans_a=trans_a, trans_b=trans_b)
-    if trans_a:  # dB = sum over the batch of A_i^T g_i: the batch's rows stacked
-        return _gemm(x.reshape((-1, x.shape[-1])), y.reshape((-1, y.shape[-1])), trans_a=True)
-    products = _gemm(x, y, trans_b=trans_b)  # dA = sum over the batch of g_i B_i^T
-    count, rows, cols = products.shape
-    return _sum_axis_tensor(products, 1, count, rows * cols).reshape((rows, cols))
 
 
 def linear(x, w, b=None):
@@ -2093,51 +2179,6 @@ def linear(x, w, b=None):
     return out if len(x.shape) == 2 else reshape(out, x.shape[:-1] + (w.shape[0],))
 
 
-def transpose(x, dim0=None, dim1=None):
-    """The transpose of a 2-D x (a copy); given dim0 and dim1, x of any rank with those two
-    dimensions swapped, as torch.transpose (shape ops, below)."""
-    if dim0 is not None or dim1 is not None:
-        return _swap_dims(x, dim0, dim1)
-    (x,) = _nodes("transpose", x, numeric=False)
-    if len(x.shape) != 2:
-        raise ValueError(f"transpose: expected a 2-D operand, got shape {x.shape}")
-    return _record(_transpose_tensor(x.value), (x,), lambda g: (_transpose_tensor(g),))
-
-
-def _transpose_tensor(x):
-    rows, cols = x.shape
-    out = _like(x, (cols, rows))
-    if x.device.backend == "cpu":
-        np.copyto(out.data, x.data.T)
-    elif x.size:
-        x.device.launch("transpose2d", (cols, rows), (16, 16), rows, cols, x.data, out.data,
-                        half=x.dtype == np.float16)
-    return out
-
-
-# --- shapes -----------------------------------------------------------------------------------
-
-def reshape(x, shape):
-    """A view of x with a new shape (one -1 allowed)."""
-    (x,) = _nodes("reshape", x, numeric=False)
-    old_shape = x.shape
-    return _record(x.value.reshape(shape), (x,), lambda g: (g.reshape(old_shape),))
-
-
-def flatten(x, start_dim=1, end_dim=-1):
-    """Merge dimensions start_dim..end_dim into one (the batch dimension stays by default)."""
-    (x,) = _nodes("flatten", x, numeric=False)
-    ndim = len(x.shape)
-    start, end = (start_dim + ndim if start_dim < 0 else start_dim,
-                  end_dim + ndim if end_dim < 0 else end_dim)
-    if ndim == 0:
-        return reshape(x, (1,))
-    if not (0 <= start < ndim and 0 <= end < ndim and start <= end):
-        raise ValueError(f"flatten: start_dim={start_dim}, end_dim={end_dim} invalid for "
-                         f"shape {x.shape}")
-    return reshape(x, x.shape[:start] + (math.prod(x.shape[start:end + 1]),) + x.shape[end + 1:])
-
-
 # --- shape ops --------------------------------------------------------------------------------
 # Permuting, joining, cutting and indexing, as PyTorch's. netcl's tensors are contiguous, so
 # where PyTorch returns a strided view these ops copy: a permute is one gather (each output
@@ -2176,6 +2217,17 @@ def _merged_permutation(shape, dims):
             sizes.append(shape[d])
             steps.append(x_steps[d])
     return sizes, steps
+
+
+def _transpose_tensor(x):
+    rows, cols = x.shape
+    out = _like(x, (cols, rows))
+    if x.device.backend == "cpu":
+        np.copyto(out.data, x.data.T)
+    elif x.size:
+        x.device.launch("transpose2d", (cols, rows), (16, 16), rows, cols, x.data, out.data,
+                        half=x.dtype == np.float16)
+    return out
 
 
 def _permute_tensor(x, dims):
@@ -2230,6 +2282,17 @@ def _swap_dims(x, dim0, dim1):
     if ndim:  # a 0-d x takes dims 0 and -1 too, and stays as it is
         dims[d0], dims[d1] = dims[d1], dims[d0]
     return permute(x, dims)
+
+
+def transpose(x, dim0=None, dim1=None):
+    """The transpose of a 2-D x (a copy); given dim0 and dim1, x of any rank with those two
+    dimensions swapped, as torch.transpose (shape ops, below)."""
+    if dim0 is not None or dim1 is not None:
+        return _swap_dims(x, dim0, dim1)
+    (x,) = _nodes("transpose", x, numeric=False)
+    if len(x.shape) != 2:
+        raise ValueError(f"transpose: expected a 2-D operand, got shape {x.shape}")
+    return _record(_transpose_tensor(x.value), (x,), lambda g: (_transpose_tensor(g),))
 
 
 def squeeze(x, dim=None):
@@ -2334,44 +2397,6 @@ def stack(tensors, dim=0):
     return cat([unsqueeze(node, d) for node in nodes], d)
 
 
-def _pieces(x, d, sizes):
-    """x cut along dimension d into pieces of `sizes` rows: a tuple of Nodes. Along the
-    leading dimension the pieces are views, as PyTorch's (no copy; on OpenCL where the
-    device lets a sub-buffer start at every piece), else copies."""
-    starts = np.cumsum([0] + list(sizes)).tolist()
-    X = x.value
-    if d == 0 and _row_views_allowed(X, starts[1:-1]):
-        values = [_row_view(X, start, rows) for start, rows in zip(starts, sizes)]
-    else:
-        values = []
-        for start, rows in zip(starts, sizes):
-            values.append(_like(X, x.shape[:d] + (rows,) + x.shape[d + 1:]))
-            _copy_rows(X, values[-1], d, rows, src_at=(start, 1))
-    # A node has one gradient, so the pieces' gradients meet in one buffer of x's shape, held
-    # by a hidden node between x and the pieces: the first piece whose backward runs makes it
-    # and hands it to the hidden node; every piece copies its gradient into its own rows.
-    # The hidden node was recorded before the pieces, so its backward runs after theirs: it
-    # zeroes the rows of the pieces that got no gradient, then passes the buffer on to x.
-    buffer, placed = [], set()
-
-    def zero_the_rest(g):
-        for i in sorted(set(range(len(sizes))) - placed):
-            _zero_rows(g, d, starts[i], sizes[i])
-        return (g,)
-    whole = _record(X, (x,), zero_the_rest)
-
-    def place(i):
-        def backward(g):
-            first = not buffer
-            if first:
-                buffer.append(_like(g, x.shape))
-            _copy_rows(g, buffer[0], d, sizes[i], dst_at=(starts[i], 1))
-            placed.add(i)
-            return (buffer[0] if first else None,)
-        return backward
-    return tuple(_record(value, (whole,), place(i)) for i, value in enumerate(values))
-
-
 def _row_views_allowed(x, starts):
     """Whether views of x's leading rows may begin at each of `starts`: always on NumPy; on
     OpenCL when x owns its buffer (a sub-buffer of a sub-buffer is not allowed) and each start
@@ -2412,6 +2437,44 @@ def _zero_rows(x, d, start, rows):
     else:
         zeros = _fill(x.shape[:d] + (rows,) + x.shape[d + 1:], 0.0, x)
         _copy_rows(zeros, x, d, rows, dst_at=(start, 1))
+
+
+def _pieces(x, d, sizes):
+    """x cut along dimension d into pieces of `sizes` rows: a tuple of Nodes. Along the
+    leading dimension the pieces are views, as PyTorch's (no copy; on OpenCL where the
+    device lets a sub-buffer start at every piece), else copies."""
+    starts = np.cumsum([0] + list(sizes)).tolist()
+    X = x.value
+    if d == 0 and _row_views_allowed(X, starts[1:-1]):
+        values = [_row_view(X, start, rows) for start, rows in zip(starts, sizes)]
+    else:
+        values = []
+        for start, rows in zip(starts, sizes):
+            values.append(_like(X, x.shape[:d] + (rows,) + x.shape[d + 1:]))
+            _copy_rows(X, values[-1], d, rows, src_at=(start, 1))
+    # A node has one gradient, so the pieces' gradients meet in one buffer of x's shape, held
+    # by a hidden node between x and the pieces: the first piece whose backward runs makes it
+    # and hands it to the hidden node; every piece copies its gradient into its own rows.
+    # The hidden node was recorded before the pieces, so its backward runs after theirs: it
+    # zeroes the rows of the pieces that got no gradient, then passes the buffer on to x.
+    buffer, placed = [], set()
+
+    def zero_the_rest(g):
+        for i in sorted(set(range(len(sizes))) - placed):
+            _zero_rows(g, d, starts[i], sizes[i])
+        return (g,)
+    whole = _record(X, (x,), zero_the_rest)
+
+    def place(i):
+        def backward(g):
+            first = not buffer
+            if first:
+                buffer.append(_like(g, x.shape))
+            _copy_rows(g, buffer[0], d, sizes[i], dst_at=(starts[i], 1))
+            placed.add(i)
+            return (buffer[0] if first else None,)
+        return backward
+    return tuple(_record(value, (whole,), place(i)) for i, value in enumerate(values))
 
 
 def _cut_dim(op, x, dim):
@@ -2628,52 +2691,6 @@ def _axes(op, shape, axis):
     if len(set(normalised)) != len(normalised):
         raise ValueError(f"{op}: repeated axis in {axis}")
     return tuple(sorted(normalised)) if shape else ()
-
-
-def _sum_chunks(columns, R, compute_units):
-    """Into how many chunks sum_axis splits R: one work-item per column leaves most compute
-    units idle when the columns are few and long, so R is cut into equal chunks (a power of
-    two dividing R, at least 256 long: a short sum is not worth a second launch) until there
-    are 8 work-groups' worth per unit."""
-    chunks = 1
-    while columns * chunks < 8 * 256 * compute_units and R % (2 * chunks) == 0 \
-            and R // (2 * chunks) >= 256:
-        chunks *= 2
-    return chunks
-
-
-def _sum_axis_tensor(x, outer, R, inner, scale=1.0, out=None):
-    """x seen as (outer, R, inner) -> (outer, inner), scale * sum over R (float32 for float16;
-    into `out` if given)."""
-    out = _like(x, (outer, inner), _compute_dtype(x.dtype)) if out is None else out
-    half = x.dtype == np.float16
-    if x.device.backend == "cpu":
-        np.sum(x.data.reshape(outer, R, inner), axis=1, out=out.data, dtype=out.dtype)
-        if scale != 1.0:
-            out.data *= scale
-    elif out.size:
-        if R == 0:  # an empty sum: 0 (a mean's scale is then nan, and so is the mean)
-            cl.enqueue_fill_buffer(x.device.queue, out.data,
-                                   np.float32(math.nan if math.isnan(scale) else 0.0), 0,
-                                   out.nbytes)
-            return out
-        chunks = _sum_chunks(outer * inner, R, x.device.compute_units)
-        if outer * inner == 1 and R > 4096:  # one long sum: in parallel, then the partials
-            groups = min(_ceil_div(R, 4096), 256)
-            partial = _like(out, (groups,))
-            x.device.launch("sum_all", (groups * 256,), (256,), R, 1.0, x.data, partial.data,
-                            half=half)
-            x.device.launch("sum_all", (256,), (256,), groups, scale, partial.data, out.data)
-        elif chunks > 1:  # few long columns (a bias gradient): sum chunks of R, then those
-            partial = _like(out, (outer * chunks, inner))
-            x.device.launch("sum_axis", *_grid(partial.size), outer * chunks, R // chunks,
-                            inner, 1.0, x.data, partial.data, half=half)
-            x.device.launch("sum_axis", *_grid(out.size), outer, chunks, inner, scale,
-                            partial.data, out.data)
-        else:
-            x.device.launch("sum_axis", *_grid(outer * inner), outer, R, inner, scale,
-                            x.data, out.data, half=half)
-    return out
 
 
 def _expand_axis_tensor(g, outer, R, inner, scale=1.0):
@@ -3149,7 +3166,7 @@ def _loss_weight(op, name, value, x):
         raise ValueError(f"{op}: {name} requires a gradient, which the loss does not define "
                          f"(a {name} is a constant)")
     if isinstance(value, (Node, Tensor)):
-        w = _float32(_as_tensor(op, value, x.value))
+        w = _float32(_as_tensor(op, value.value if isinstance(value, Node) else value, x.value))
         if w.dtype.kind != "f":
             raise ValueError(f"{op}: {name} of dtype {w.dtype.name}; a {name} holds floats")
     else:
@@ -4027,6 +4044,23 @@ def scaled_dot_product_attention(q, k, v, attn_mask=None, is_causal=False, dropo
 # so named_parameters() yields PyTorch's names in PyTorch's order and state_dict() loads
 # into the same torch.nn model and back.
 
+def _check_buffer(name, value):
+    """A buffer's value: a Tensor, a host NumPy array, or None (TypeError otherwise, as
+    PyTorch)."""
+    if value is not None and not isinstance(value, (Tensor, np.ndarray)):
+        raise TypeError(f"buffer {name!r} must be a Tensor, a NumPy array or None, got "
+                        f"{type(value).__name__}")
+    return value
+
+
+class StateDictError(KeyError, ValueError, RuntimeError):
+    """A state dict that does not fit: a missing or unexpected key, or a wrong shape. It is a
+    KeyError and a ValueError for callers catching either, and a RuntimeError as in PyTorch."""
+
+    def __str__(self):
+        return str(self.args[0]) if self.args else ""
+
+
 class Module:
     """Base class: parameters(), named_parameters(), train()/eval(), state_dict(), __call__."""
 
@@ -4212,23 +4246,6 @@ class Module:
         """The number of parameter values, a Parameter shared by two modules counted once."""
         unique = {id(p): p for p in self.parameters()}
         return builtins.sum(p.value.size for p in unique.values())
-
-
-def _check_buffer(name, value):
-    """A buffer's value: a Tensor, a host NumPy array, or None (TypeError otherwise, as
-    PyTorch)."""
-    if value is not None and not isinstance(value, (Tensor, np.ndarray)):
-        raise TypeError(f"buffer {name!r} must be a Tensor, a NumPy array or None, got "
-                        f"{type(value).__name__}")
-    return value
-
-
-class StateDictError(KeyError, ValueError, RuntimeError):
-    """A state dict that does not fit: a missing or unexpected key, or a wrong shape. It is a
-    KeyError and a ValueError for callers catching either, and a RuntimeError as in PyTorch."""
-
-    def __str__(self):
-        return str(self.args[0]) if self.args else ""
 
 
 def _uniform_parameter(shape, bound, queue):
@@ -4552,6 +4569,18 @@ def _is_array_like(value):
     return isinstance(value, (np.ndarray, np.generic, Tensor, Node))
 
 
+def _add_array(arrays, key, value):
+    if isinstance(value, Node):
+        value = value.value
+    array = value.to_host() if isinstance(value, Tensor) else np.asarray(value)
+    if array.dtype.hasobject:
+        raise ValueError(f"save: {key!r} is not a numeric array (dtype {array.dtype})")
+    if str(key) in arrays:  # the archive's names are strings: one would replace the other
+        raise ValueError(f"save: two entries are both {str(key)!r} as strings; an archive can "
+                         f"hold only one of them")
+    arrays[str(key)] = array
+
+
 def _flatten_state(value, path, arrays):
     """Add `value`'s leaves to `arrays` under dotted paths; return its skeleton."""
     if isinstance(value, dict):
@@ -4573,18 +4602,6 @@ def _flatten_state(value, path, arrays):
                          f"numbers, strings, None, and dicts and lists of them")
     _add_array(arrays, path, value)
     return {kind: path}
-
-
-def _add_array(arrays, key, value):
-    if isinstance(value, Node):
-        value = value.value
-    array = value.to_host() if isinstance(value, Tensor) else np.asarray(value)
-    if array.dtype.hasobject:
-        raise ValueError(f"save: {key!r} is not a numeric array (dtype {array.dtype})")
-    if str(key) in arrays:  # the archive's names are strings: one would replace the other
-        raise ValueError(f"save: two entries are both {str(key)!r} as strings; an archive can "
-                         f"hold only one of them")
-    arrays[str(key)] = array
 
 
 def _unflatten_state(node, archive, path):
@@ -4710,6 +4727,13 @@ def load(path):
 # gradient norm, the clipping coefficient, the skip decision and the step count all stay in
 # device memory.
 
+def _check_hyperparameter(what, value, below=None, name=None):
+    """PyTorch's check and message, e.g. "Invalid learning rate: -1 (lr)": 0 <= value (< below),
+    with the argument's name added."""
+    if not _is_scalar(value) or not (0.0 <= value and (below is None or value < below)):
+        raise ValueError(f"Invalid {what}: {value}" + (f" ({name})" if name else ""))
+
+
 class Optimizer:
     """Base class: holds the parameters; zero_grad() sets every .grad to None.
 
@@ -4752,13 +4776,6 @@ class Optimizer:
     def _grads(self):
         """The gradient tensors a step reads (for AMPGradScaler.unscale_)."""
         return [p.grad for p in self.params if p.grad is not None]
-
-
-def _check_hyperparameter(what, value, below=None, name=None):
-    """PyTorch's check and message, e.g. "Invalid learning rate: -1 (lr)": 0 <= value (< below),
-    with the argument's name added."""
-    if not _is_scalar(value) or not (0.0 <= value and (below is None or value < below)):
-        raise ValueError(f"Invalid {what}: {value}" + (f" ({name})" if name else ""))
 
 
 class SGD(Optimizer):
@@ -5675,6 +5692,317 @@ class AMPGradScaler:
             _write(self._growth_tracker, np.array([self._init_growth_tracker], np.int32))
 
 
+# ============================================================================ distributed
+# Data-parallel training over MPI, as PyTorch's DistributedDataParallel: `mpiexec -n N python
+# train.py` starts N processes (ranks), one per device, each holding the whole model. Every
+# rank trains on its own share of each epoch (the DataLoader shards itself), and before each
+# update the gradients are averaged over the ranks, so every rank applies the same update to
+# the same parameters and they stay identical. A training script adds:
+#
+#     netcl.distributed.init()                                # first: it picks this rank's device
+#     opt = netcl.distributed.DistributedOptimizer(AdamW(model.parameters()))
+#     loader = DataLoader(train_set, batch_size=B)            # B per rank: N * B per step
+#
+# (Trainer wraps its optimizer itself.) The average is one MPI all-reduce per step: of Adam's
+# and AdamW's flat gradient buffer, or of all of SGD's gradients packed into one host buffer.
+# It runs before clipping and the update, so the fused clip sees the global norm, and before
+# AMPGradScaler's inf check, so an inf on one rank (a sum spreads it) skips the step on every
+# rank. DDP overlaps buckets of the all-reduce with the rest of backward; here it is one
+# collective after backward, because MPI wheels are not GPU-aware: OpenCL gradients go
+# through host memory, and the copy down has to wait for backward to finish anyway.
+# mpi4py is imported by init() alone: a program that never calls it never needs MPI.
+
+_mpi = None  # after init(): (mpi4py's MPI module, MPI.COMM_WORLD)
+# What the collectives cost, for stats(): counts by kind, and the seconds inside MPI.
+_comm_stats = {"gradient_allreduces": 0, "gradient_bytes": 0, "gradient_seconds": 0.0,
+               "metric_allreduces": 0, "broadcasts": 0}
+
+
+def init():
+    """Join the MPI job this process was started in (`mpiexec -n N python script.py`): learn
+    this process's rank and the world size, pick its device, and make an uncaught exception
+    on any rank end the whole job. Without mpiexec the job is one rank. A second call does
+    nothing.
+
+    Call it before manager.default(): of several GPUs on a host, local rank r takes GPU
+    r % count (NETCL_DEVICE, or an explicit device, still wins). An exception that reaches
+    the top of any rank prints that rank's traceback, then MPI_Abort ends every rank: the
+    others never hang in a collective waiting for it.
+    """
+    global _mpi, _local_rank
+    if _mpi is not None:
+        return
+    try:
+        from mpi4py import MPI
+    except ImportError as err:
+        raise ImportError("netcl.distributed.init needs mpi4py and an MPI library: python -m "
+                          "pip install mpi4py mpich (netcl's 'mpi' extra)") from err
+    comm = MPI.COMM_WORLD
+    host_ranks = comm.Split_type(MPI.COMM_TYPE_SHARED)  # the ranks sharing this host's memory
+    _local_rank = host_ranks.Get_rank()
+    host_ranks.Free()
+    _mpi = (MPI, comm)
+    previous_hook = sys.excepthook
+
+    def abort_job(kind, value, tb):
+        previous_hook(kind, value, tb)  # this rank's traceback first
+        print(f"netcl.distributed: rank {comm.Get_rank()} of {comm.Get_size()} failed; "
+              f"aborting the job", file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        comm.Abort(1)
+
+    sys.excepthook = abort_job
+
+
+def is_initialized():
+    """Whether init() has been called (PyTorch's torch.distributed.is_initialized)."""
+    return _mpi is not None
+
+
+def rank():
+    """This process's rank in [0, world_size()); 0 before init(), so one script runs both ways."""
+    return 0 if _mpi is None else _mpi[1].Get_rank()
+
+
+def world_size():
+    """The number of ranks; 1 before init()."""
+    return 1 if _mpi is None else _mpi[1].Get_size()
+
+
+def is_main():
+    """Whether this is rank 0: the one that prints and writes checkpoints."""
+    return rank() == 0
+
+
+def stats():
+    """What the collectives have cost since the process started: counts of gradient
+    all-reduces (one per step), their bytes and the seconds spent inside them (in MPI: host
+    staging not included, and a rank that waits for a slower one waits here), metric
+    all-reduces (Trainer: one per epoch and one per evaluation) and broadcasts (parameters,
+    seeds: at start)."""
+    return dict(_comm_stats)
+
+
+def broadcast_parameters(params, root=0):
+    """Overwrite the values on every rank with rank `root`'s, in one broadcast, so that all
+    ranks start identical (DDP does it when it wraps a model). `params`: a Module (its
+    parameters and its buffers, running statistics included) or an iterable of Parameters,
+    Tensors and host arrays. Does nothing with one rank."""
+    if isinstance(params, Module):
+        values = [p.value for p in params.parameters()] + [b for _, b in params.named_buffers()]
+    else:
+        values = [p.value if isinstance(p, Node) else p for p in params]
+    for i, value in enumerate(values):
+        if not isinstance(value, (Tensor, np.ndarray)):
+            raise TypeError(f"broadcast_parameters: item {i} is {type(value).__name__}, not a "
+                            f"Parameter, Tensor or NumPy array")
+    if _check_int("broadcast_parameters", "root", root, 0) >= world_size():
+        raise ValueError(f"broadcast_parameters: root must be a rank in [0, {world_size()}), "
+                         f"got {root!r}")
+    if world_size() == 1 or not values:
+        return
+    # float64 holds every float32 and every integer count exactly: one message for all dtypes.
+    offsets = np.cumsum([0] + [value.size for value in values])
+    packed = np.empty(offsets[-1], np.float64)
+    here = rank() == root
+    if here:
+        for value, start, end in zip(values, offsets, offsets[1:]):
+            packed[start:end] = (value.to_host() if isinstance(value, Tensor) else value).ravel()
+    _mpi[1].Bcast(packed, root=root)
+    _comm_stats["broadcasts"] += 1
+    if not here:
+        for value, start, end in zip(values, offsets, offsets[1:]):
+            if isinstance(value, Tensor):
+                _write(value, packed[start:end].reshape(value.shape))
+            else:
+                value[...] = packed[start:end].reshape(value.shape)
+
+
+class DistributedOptimizer:
+    """An optimizer whose step first averages the gradients over all ranks (Horovod's
+    DistributedOptimizer; DDP does the same from hooks in backward):
+
+        opt = DistributedOptimizer(AdamW(model.parameters(), lr=3e-3))
+        with Tape() as tape:
+            loss = cross_entropy(model(x), y)
+        opt.zero_grad(); tape.backward(loss); opt.step(max_norm=1.0)
+
+    Wrapping broadcasts rank 0's parameters, so every rank starts from them. step(max_norm)
+    averages the gradients (one all-reduce; see stats()), then clips them to max_norm if
+    given (inside the update for Adam and AdamW, by clip_grad_norm otherwise), then steps.
+    AMPGradScaler's unscale_ and step average first as well. synchronize() averages at once,
+    for work on the gradients between backward and step (Horovod's habit); the step after it
+    does not average again. zero_grad, lr, params, state_dict and the rest are the wrapped
+    optimizer's. Every rank must step the same parameters: each all-reduce must match.
+    Before init(), or with one rank, it only passes calls through.
+    """
+
+    def __init__(self, optimizer):
+        if isinstance(optimizer, DistributedOptimizer) or not isinstance(optimizer, Optimizer):
+            raise TypeError(f"DistributedOptimizer: optimizer must be a netcl optimizer "
+                            f"(SGD, Adam, AdamW), got {type(optimizer).__name__}")
+        self.optimizer = optimizer
+        self._fused_clip = "max_norm" in inspect.signature(optimizer.step).parameters
+        self._synchronized = False
+        self._staging = np.empty(0, np.float32)  # host copy of the gradients, reused each step
+        broadcast_parameters(optimizer.params)
+        flat = getattr(optimizer, "_flat", None)
+        if flat is not None and flat.params_half is not None:  # keep the float16 copy equal
+            _cast(flat.params, np.float16, out=flat.params_half)
+
+    def __getattr__(self, name):  # anything not defined here is the wrapped optimizer's
+        if name == "optimizer":  # not set yet (a half-built object): no recursion
+            raise AttributeError(name)
+        return getattr(self.optimizer, name)
+
+    @property
+    def lr(self):
+        """The wrapped optimizer's learning rate (a schedule sets it through the wrapper)."""
+        return self.optimizer.lr
+
+    @lr.setter
+    def lr(self, value):
+        self.optimizer.lr = value
+
+    # AMPGradScaler.step hands an optimizer that skips on the device its inf flag this way.
+    @property
+    def _skips_on_device(self):
+        return self.optimizer._skips_on_device
+
+    @property
+    def _found_inf(self):
+        return self.optimizer._found_inf
+
+    @_found_inf.setter
+    def _found_inf(self, flag):
+        self.optimizer._found_inf = flag
+
+    def zero_grad(self):
+        """The wrapped optimizer's zero_grad; the next gradients are averaged again."""
+        self._synchronized = False
+        self.optimizer.zero_grad()
+
+    def _grads(self):
+        """The averaged gradients (AMPGradScaler.unscale_ reads them through this)."""
+        self.synchronize()
+        return self.optimizer._grads()
+
+    def synchronize(self):
+        """Average the gradients over the ranks now, in place: one all-reduce of all of them.
+        Does nothing if they are already averaged since the last step, or with one rank."""
+        if self._synchronized or world_size() == 1:
+            return
+        grads = self.optimizer._grads()
+        if grads:
+            self._average(grads)
+        self._synchronized = True
+
+    def step(self, max_norm=None):
+        """Average the gradients (unless synchronize() already did), clip them to max_norm's
+        global 2-norm if given, and update the parameters."""
+        if max_norm is not None:
+            _check_number("DistributedOptimizer.step", "max_norm", max_norm, minimum=0)
+        self.synchronize()
+        self._synchronized = False
+        if max_norm is None:
+            return self.optimizer.step()
+        if self._fused_clip:
+            return self.optimizer.step(max_norm=max_norm)
+        clip_grad_norm(self.optimizer.params, max_norm)
+        return self.optimizer.step()
+
+    def _average(self, grads):
+        """grads (tensors of one device) <- their mean over the ranks."""
+        MPI, comm = _mpi
+        device = _devices_of("DistributedOptimizer.step", *grads)
+        for g in grads:
+            if g.dtype != np.float32:
+                raise ValueError(f"DistributedOptimizer.step: gradients must be float32, got "
+                                 f"{g.dtype} of shape {g.shape}")
+        total = builtins.sum(g.size for g in grads)
+        offsets = np.cumsum([0] + [g.size for g in grads])
+        pieces = list(zip(grads, offsets, offsets[1:]))
+        if device.backend == "cpu" and len(grads) == 1:
+            host = grads[0].data.reshape(-1)  # the flat gradient buffer itself: no staging
+        else:
+            if self._staging.size != total:
+                self._staging = np.empty(total, np.float32)
+            host = self._staging
+            if device.backend == "cpu":
+                for g, start, end in pieces:
+                    host[start:end] = g.data.ravel()
+            else:
+                # Down to the host: the one wait the step needs (for backward to finish).
+                copies = [cl.enqueue_copy(device.queue, host[start:end], g.data, is_blocking=False)
+                          for g, start, end in pieces if g.size]
+                device._count_sync()
+                if copies:
+                    cl.wait_for_events(copies)
+        started = time.perf_counter()
+        comm.Allreduce(MPI.IN_PLACE, host, op=MPI.SUM)
+        _comm_stats["gradient_seconds"] += time.perf_counter() - started
+        _comm_stats["gradient_allreduces"] += 1
+        _comm_stats["gradient_bytes"] += host.nbytes
+        np.divide(host, comm.Get_size(), out=host)  # the mean, as DDP's
+        if host is self._staging:
+            for g, start, end in pieces:
+                if device.backend == "cpu":
+                    g.data[...] = host[start:end].reshape(g.shape)
+                elif g.size:
+                    # Queued, not waited for: the next step's copy down into the same host
+                    # buffer is queued after it, and the host writes the buffer only then.
+                    device.upload(g.data, host[start:end])
+
+
+def _sum_over_ranks(*numbers):
+    """The sums over all ranks of a few numbers, in one small all-reduce (the numbers
+    themselves with one rank). Integers stay integers."""
+    if world_size() == 1:
+        return numbers
+    MPI, comm = _mpi
+    totals = np.array(numbers, np.float64)
+    comm.Allreduce(MPI.IN_PLACE, totals, op=MPI.SUM)
+    _comm_stats["metric_allreduces"] += 1
+    return tuple(type(n)(t) if isinstance(n, (int, np.integer)) else float(t)
+                 for n, t in zip(numbers, totals))
+
+
+def _loader_shard(shard, shards, seed, shuffle):
+    """DataLoader's (rank, world_size, seed) from its arguments (rank=shard, world_size=shards):
+    None takes both from init() (one process of one before it); with more than one rank, a
+    shuffle needs the same seed on every rank, so a missing one becomes rank 0's, broadcast."""
+    if (shard is None) != (shards is None):
+        raise ValueError(f"DataLoader: give both rank and world_size or neither, got "
+                         f"rank={shard!r}, world_size={shards!r}")
+    if shard is None:
+        shard, shards = rank(), world_size()
+    shards = _check_int("DataLoader", "world_size", shards, 1)
+    shard = _check_int("DataLoader", "rank", shard, 0)
+    if shard >= shards:
+        raise ValueError(f"DataLoader: rank must be in [0, world_size={shards}), got {shard}")
+    if seed is None:
+        seed = int(_rng().integers(2**63))
+        if shuffle and shards > 1:
+            if _mpi is None:
+                raise ValueError("DataLoader: a shuffled shard (world_size > 1) needs a seed "
+                                 "that every rank shares, or netcl.distributed.init() to "
+                                 "agree on one")
+            seed = _mpi[1].bcast(seed, root=0)
+            _comm_stats["broadcasts"] += 1
+    return shard, shards, seed
+
+
+def _data_parallel(model, optimizer):
+    """Trainer's set-up after init(): every rank starts from rank 0's model, buffers included,
+    and steps through a DistributedOptimizer."""
+    if isinstance(model, Module):
+        broadcast_parameters(model)
+    if isinstance(optimizer, DistributedOptimizer):
+        return optimizer
+    return DistributedOptimizer(optimizer)
+
+
 # ============================================================================ data
 # A DataLoader turns a dataset (anything indexable that returns (x, y, *extra) tuples) into
 # batches of NumPy arrays, one epoch at a time. Three things can run ahead of the consumer:
@@ -6227,26 +6555,16 @@ class DataLoader:
 _IDX_DTYPES = {0x08: ">u1", 0x09: ">i1", 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
 
 
-def load_idx(path):
-    """Read an IDX file (plain or gzip-compressed) into an ndarray of the file's type.
-
-    MNIST images come back as uint8 `(N, 28, 28)`, labels as uint8 `(N,)`, in native byte
-    order. Gzip is recognised by its magic bytes, whatever the file is called. A bad magic
-    number, an unknown type code, or a size that does not match the header raises ValueError
-    naming the file; a missing file raises OSError. The file is read as a stream, header
-    first, and never past the size the header declares (plus one byte, to see that it ends):
-    a small file cannot make it allocate more than the file holds, nor read /dev/zero forever.
-    """
-    path = os.fspath(path)
-    with open(path, "rb") as file:
-        if file.peek(2)[:2] != b"\x1f\x8b":
-            return _read_idx(file, path)
-        try:
-            with gzip.GzipFile(fileobj=file) as stream:
-                return _read_idx(stream, path)
-        except (OSError, EOFError, zlib.error) as error:
-            raise ValueError(f"load_idx: {path}: truncated or corrupt gzip data "
-                             f"({error})") from error
+def _read_at_most(stream, limit):
+    """Up to `limit` bytes of `stream`, a piece at a time: memory grows with what the file
+    really holds, never to the size its header claims."""
+    data = bytearray()
+    while len(data) < limit:
+        piece = stream.read(min(limit - len(data), 1 << 20))
+        if not piece:
+            break
+        data += piece
+    return data
 
 
 def _read_idx(stream, path):
@@ -6282,327 +6600,26 @@ def _read_idx(stream, path):
     return array.astype(dtype.newbyteorder("="))
 
 
-def _read_at_most(stream, limit):
-    """Up to `limit` bytes of `stream`, a piece at a time: memory grows with what the file
-    really holds, never to the size its header claims."""
-    data = bytearray()
-    while len(data) < limit:
-        piece = stream.read(min(limit - len(data), 1 << 20))
-        if not piece:
-            break
-        data += piece
-    return data
+def load_idx(path):
+    """Read an IDX file (plain or gzip-compressed) into an ndarray of the file's type.
 
-
-# ============================================================================ distributed
-# Data-parallel training over MPI, as PyTorch's DistributedDataParallel: `mpiexec -n N python
-# train.py` starts N processes (ranks), one per device, each holding the whole model. Every
-# rank trains on its own share of each epoch (the DataLoader shards itself), and before each
-# update the gradients are averaged over the ranks, so every rank applies the same update to
-# the same parameters and they stay identical. A training script adds:
-#
-#     netcl.distributed.init()                                # first: it picks this rank's device
-#     opt = netcl.distributed.DistributedOptimizer(AdamW(model.parameters()))
-#     loader = DataLoader(train_set, batch_size=B)            # B per rank: N * B per step
-#
-# (Trainer wraps its optimizer itself.) The average is one MPI all-reduce per step: of Adam's
-# and AdamW's flat gradient buffer, or of all of SGD's gradients packed into one host buffer.
-# It runs before clipping and the update, so the fused clip sees the global norm, and before
-# AMPGradScaler's inf check, so an inf on one rank (a sum spreads it) skips the step on every
-# rank. DDP overlaps buckets of the all-reduce with the rest of backward; here it is one
-# collective after backward, because MPI wheels are not GPU-aware: OpenCL gradients go
-# through host memory, and the copy down has to wait for backward to finish anyway.
-# mpi4py is imported by init() alone: a program that never calls it never needs MPI.
-
-_mpi = None  # after init(): (mpi4py's MPI module, MPI.COMM_WORLD)
-# What the collectives cost, for stats(): counts by kind, and the seconds inside MPI.
-_comm_stats = {"gradient_allreduces": 0, "gradient_bytes": 0, "gradient_seconds": 0.0,
-               "metric_allreduces": 0, "broadcasts": 0}
-
-
-def init():
-    """Join the MPI job this process was started in (`mpiexec -n N python script.py`): learn
-    this process's rank and the world size, pick its device, and make an uncaught exception
-    on any rank end the whole job. Without mpiexec the job is one rank. A second call does
-    nothing.
-
-    Call it before manager.default(): of several GPUs on a host, local rank r takes GPU
-    r % count (NETCL_DEVICE, or an explicit device, still wins). An exception that reaches
-    the top of any rank prints that rank's traceback, then MPI_Abort ends every rank: the
-    others never hang in a collective waiting for it.
+    MNIST images come back as uint8 `(N, 28, 28)`, labels as uint8 `(N,)`, in native byte
+    order. Gzip is recognised by its magic bytes, whatever the file is called. A bad magic
+    number, an unknown type code, or a size that does not match the header raises ValueError
+    naming the file; a missing file raises OSError. The file is read as a stream, header
+    first, and never past the size the header declares (plus one byte, to see that it ends):
+    a small file cannot make it allocate more than the file holds, nor read /dev/zero forever.
     """
-    global _mpi, _local_rank
-    if _mpi is not None:
-        return
-    try:
-        from mpi4py import MPI
-    except ImportError as err:
-        raise ImportError("netcl.distributed.init needs mpi4py and an MPI library: python -m "
-                          "pip install mpi4py mpich (netcl's 'mpi' extra)") from err
-    comm = MPI.COMM_WORLD
-    host_ranks = comm.Split_type(MPI.COMM_TYPE_SHARED)  # the ranks sharing this host's memory
-    _local_rank = host_ranks.Get_rank()
-    host_ranks.Free()
-    _mpi = (MPI, comm)
-    previous_hook = sys.excepthook
-
-    def abort_job(kind, value, tb):
-        previous_hook(kind, value, tb)  # this rank's traceback first
-        print(f"netcl.distributed: rank {comm.Get_rank()} of {comm.Get_size()} failed; "
-              f"aborting the job", file=sys.stderr)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        comm.Abort(1)
-
-    sys.excepthook = abort_job
-
-
-def is_initialized():
-    """Whether init() has been called (PyTorch's torch.distributed.is_initialized)."""
-    return _mpi is not None
-
-
-def rank():
-    """This process's rank in [0, world_size()); 0 before init(), so one script runs both ways."""
-    return 0 if _mpi is None else _mpi[1].Get_rank()
-
-
-def world_size():
-    """The number of ranks; 1 before init()."""
-    return 1 if _mpi is None else _mpi[1].Get_size()
-
-
-def is_main():
-    """Whether this is rank 0: the one that prints and writes checkpoints."""
-    return rank() == 0
-
-
-def stats():
-    """What the collectives have cost since the process started: counts of gradient
-    all-reduces (one per step), their bytes and the seconds spent inside them (in MPI: host
-    staging not included, and a rank that waits for a slower one waits here), metric
-    all-reduces (Trainer: one per epoch and one per evaluation) and broadcasts (parameters,
-    seeds: at start)."""
-    return dict(_comm_stats)
-
-
-def broadcast_parameters(params, root=0):
-    """Overwrite the values on every rank with rank `root`'s, in one broadcast, so that all
-    ranks start identical (DDP does it when it wraps a model). `params`: a Module (its
-    parameters and its buffers, running statistics included) or an iterable of Parameters,
-    Tensors and host arrays. Does nothing with one rank."""
-    if isinstance(params, Module):
-        values = [p.value for p in params.parameters()] + [b for _, b in params.named_buffers()]
-    else:
-        values = [p.value if isinstance(p, Node) else p for p in params]
-    for i, value in enumerate(values):
-        if not isinstance(value, (Tensor, np.ndarray)):
-            raise TypeError(f"broadcast_parameters: item {i} is {type(value).__name__}, not a "
-                            f"Parameter, Tensor or NumPy array")
-    if _check_int("broadcast_parameters", "root", root, 0) >= world_size():
-        raise ValueError(f"broadcast_parameters: root must be a rank in [0, {world_size()}), "
-                         f"got {root!r}")
-    if world_size() == 1 or not values:
-        return
-    # float64 holds every float32 and every integer count exactly: one message for all dtypes.
-    offsets = np.cumsum([0] + [value.size for value in values])
-    packed = np.empty(offsets[-1], np.float64)
-    here = rank() == root
-    if here:
-        for value, start, end in zip(values, offsets, offsets[1:]):
-            packed[start:end] = (value.to_host() if isinstance(value, Tensor) else value).ravel()
-    _mpi[1].Bcast(packed, root=root)
-    _comm_stats["broadcasts"] += 1
-    if not here:
-        for value, start, end in zip(values, offsets, offsets[1:]):
-            if isinstance(value, Tensor):
-                _write(value, packed[start:end].reshape(value.shape))
-            else:
-                value[...] = packed[start:end].reshape(value.shape)
-
-
-class DistributedOptimizer:
-    """An optimizer whose step first averages the gradients over all ranks (Horovod's
-    DistributedOptimizer; DDP does the same from hooks in backward):
-
-        opt = DistributedOptimizer(AdamW(model.parameters(), lr=3e-3))
-        with Tape() as tape:
-            loss = cross_entropy(model(x), y)
-        opt.zero_grad(); tape.backward(loss); opt.step(max_norm=1.0)
-
-    Wrapping broadcasts rank 0's parameters, so every rank starts from them. step(max_norm)
-    averages the gradients (one all-reduce; see stats()), then clips them to max_norm if
-    given (inside the update for Adam and AdamW, by clip_grad_norm otherwise), then steps.
-    AMPGradScaler's unscale_ and step average first as well. synchronize() averages at once,
-    for work on the gradients between backward and step (Horovod's habit); the step after it
-    does not average again. zero_grad, lr, params, state_dict and the rest are the wrapped
-    optimizer's. Every rank must step the same parameters: each all-reduce must match.
-    Before init(), or with one rank, it only passes calls through.
-    """
-
-    def __init__(self, optimizer):
-        if isinstance(optimizer, DistributedOptimizer) or not isinstance(optimizer, Optimizer):
-            raise TypeError(f"DistributedOptimizer: optimizer must be a netcl optimizer "
-                            f"(SGD, Adam, AdamW), got {type(optimizer).__name__}")
-        self.optimizer = optimizer
-        self._fused_clip = "max_norm" in inspect.signature(optimizer.step).parameters
-        self._synchronized = False
-        self._staging = np.empty(0, np.float32)  # host copy of the gradients, reused each step
-        broadcast_parameters(optimizer.params)
-        flat = getattr(optimizer, "_flat", None)
-        if flat is not None and flat.params_half is not None:  # keep the float16 copy equal
-            _cast(flat.params, np.float16, out=flat.params_half)
-
-    def __getattr__(self, name):  # anything not defined here is the wrapped optimizer's
-        if name == "optimizer":  # not set yet (a half-built object): no recursion
-            raise AttributeError(name)
-        return getattr(self.optimizer, name)
-
-    @property
-    def lr(self):
-        """The wrapped optimizer's learning rate (a schedule sets it through the wrapper)."""
-        return self.optimizer.lr
-
-    @lr.setter
-    def lr(self, value):
-        self.optimizer.lr = value
-
-    # AMPGradScaler.step hands an optimizer that skips on the device its inf flag this way.
-    @property
-    def _skips_on_device(self):
-        return self.optimizer._skips_on_device
-
-    @property
-    def _found_inf(self):
-        return self.optimizer._found_inf
-
-    @_found_inf.setter
-    def _found_inf(self, flag):
-        self.optimizer._found_inf = flag
-
-    def zero_grad(self):
-        """The wrapped optimizer's zero_grad; the next gradients are averaged again."""
-        self._synchronized = False
-        self.optimizer.zero_grad()
-
-    def _grads(self):
-        """The averaged gradients (AMPGradScaler.unscale_ reads them through this)."""
-        self.synchronize()
-        return self.optimizer._grads()
-
-    def synchronize(self):
-        """Average the gradients over the ranks now, in place: one all-reduce of all of them.
-        Does nothing if they are already averaged since the last step, or with one rank."""
-        if self._synchronized or world_size() == 1:
-            return
-        grads = self.optimizer._grads()
-        if grads:
-            self._average(grads)
-        self._synchronized = True
-
-    def step(self, max_norm=None):
-        """Average the gradients (unless synchronize() already did), clip them to max_norm's
-        global 2-norm if given, and update the parameters."""
-        if max_norm is not None:
-            _check_number("DistributedOptimizer.step", "max_norm", max_norm, minimum=0)
-        self.synchronize()
-        self._synchronized = False
-        if max_norm is None:
-            return self.optimizer.step()
-        if self._fused_clip:
-            return self.optimizer.step(max_norm=max_norm)
-        clip_grad_norm(self.optimizer.params, max_norm)
-        return self.optimizer.step()
-
-    def _average(self, grads):
-        """grads (tensors of one device) <- their mean over the ranks."""
-        MPI, comm = _mpi
-        device = _devices_of("DistributedOptimizer.step", *grads)
-        for g in grads:
-            if g.dtype != np.float32:
-                raise ValueError(f"DistributedOptimizer.step: gradients must be float32, got "
-                                 f"{g.dtype} of shape {g.shape}")
-        total = builtins.sum(g.size for g in grads)
-        offsets = np.cumsum([0] + [g.size for g in grads])
-        pieces = list(zip(grads, offsets, offsets[1:]))
-        if device.backend == "cpu" and len(grads) == 1:
-            host = grads[0].data.reshape(-1)  # the flat gradient buffer itself: no staging
-        else:
-            if self._staging.size != total:
-                self._staging = np.empty(total, np.float32)
-            host = self._staging
-            if device.backend == "cpu":
-                for g, start, end in pieces:
-                    host[start:end] = g.data.ravel()
-            else:
-                # Down to the host: the one wait the step needs (for backward to finish).
-                copies = [cl.enqueue_copy(device.queue, host[start:end], g.data, is_blocking=False)
-                          for g, start, end in pieces if g.size]
-                device._count_sync()
-                if copies:
-                    cl.wait_for_events(copies)
-        started = time.perf_counter()
-        comm.Allreduce(MPI.IN_PLACE, host, op=MPI.SUM)
-        _comm_stats["gradient_seconds"] += time.perf_counter() - started
-        _comm_stats["gradient_allreduces"] += 1
-        _comm_stats["gradient_bytes"] += host.nbytes
-        np.divide(host, comm.Get_size(), out=host)  # the mean, as DDP's
-        if host is self._staging:
-            for g, start, end in pieces:
-                if device.backend == "cpu":
-                    g.data[...] = host[start:end].reshape(g.shape)
-                elif g.size:
-                    # Queued, not waited for: the next step's copy down into the same host
-                    # buffer is queued after it, and the host writes the buffer only then.
-                    device.upload(g.data, host[start:end])
-
-
-def _sum_over_ranks(*numbers):
-    """The sums over all ranks of a few numbers, in one small all-reduce (the numbers
-    themselves with one rank). Integers stay integers."""
-    if world_size() == 1:
-        return numbers
-    MPI, comm = _mpi
-    totals = np.array(numbers, np.float64)
-    comm.Allreduce(MPI.IN_PLACE, totals, op=MPI.SUM)
-    _comm_stats["metric_allreduces"] += 1
-    return tuple(type(n)(t) if isinstance(n, (int, np.integer)) else float(t)
-                 for n, t in zip(numbers, totals))
-
-
-def _loader_shard(shard, shards, seed, shuffle):
-    """DataLoader's (rank, world_size, seed) from its arguments (rank=shard, world_size=shards):
-    None takes both from init() (one process of one before it); with more than one rank, a
-    shuffle needs the same seed on every rank, so a missing one becomes rank 0's, broadcast."""
-    if (shard is None) != (shards is None):
-        raise ValueError(f"DataLoader: give both rank and world_size or neither, got "
-                         f"rank={shard!r}, world_size={shards!r}")
-    if shard is None:
-        shard, shards = rank(), world_size()
-    shards = _check_int("DataLoader", "world_size", shards, 1)
-    shard = _check_int("DataLoader", "rank", shard, 0)
-    if shard >= shards:
-        raise ValueError(f"DataLoader: rank must be in [0, world_size={shards}), got {shard}")
-    if seed is None:
-        seed = int(_rng().integers(2**63))
-        if shuffle and shards > 1:
-            if _mpi is None:
-                raise ValueError("DataLoader: a shuffled shard (world_size > 1) needs a seed "
-                                 "that every rank shares, or netcl.distributed.init() to "
-                                 "agree on one")
-            seed = _mpi[1].bcast(seed, root=0)
-            _comm_stats["broadcasts"] += 1
-    return shard, shards, seed
-
-
-def _data_parallel(model, optimizer):
-    """Trainer's set-up after init(): every rank starts from rank 0's model, buffers included,
-    and steps through a DistributedOptimizer."""
-    if isinstance(model, Module):
-        broadcast_parameters(model)
-    if isinstance(optimizer, DistributedOptimizer):
-        return optimizer
-    return DistributedOptimizer(optimizer)
+    path = os.fspath(path)
+    with open(path, "rb") as file:
+        if file.peek(2)[:2] != b"\x1f\x8b":
+            return _read_idx(file, path)
+        try:
+            with gzip.GzipFile(fileobj=file) as stream:
+                return _read_idx(stream, path)
+        except (OSError, EOFError, zlib.error) as error:
+            raise ValueError(f"load_idx: {path}: truncated or corrupt gzip data "
+                             f"({error})") from error
 
 
 # ============================================================================ Trainer
@@ -6654,6 +6671,153 @@ class History(list):
             axes.legend()
         figure.tight_layout()
         figure.savefig(path, format="png")
+
+
+def _trainer_device(model, device_queue):
+    """The Trainer's device: device_queue's, else the one the model's parameters are on (the
+    default device for a model without any). Parameters on two devices, or on another device
+    than device_queue, raise ValueError naming them: the first step would fail otherwise."""
+    named = model.named_parameters() if callable(getattr(model, "named_parameters", None)) else ()
+    first = None
+    for name, param in named:
+        if first is None:
+            first = name, param.device
+        elif param.device is not first[1]:
+            raise ValueError(f"Trainer: the model's parameters are on different devices: "
+                             f"{first[0]!r} on {first[1].backend} ({first[1].name}), {name!r} "
+                             f"on {param.device.backend} ({param.device.name}); move the model "
+                             f"to one device with model.to(device)")
+    if device_queue is None:
+        return _default_device() if first is None else first[1]
+    device = _device_of(device_queue)
+    if first is not None and first[1] is not device:
+        raise ValueError(f"Trainer: device_queue belongs to {device.backend} ({device.name}), "
+                         f"but the model's parameters are on {first[1].backend} "
+                         f"({first[1].name}); move the model with model.to(device), or leave "
+                         f"device_queue out")
+    return device
+
+
+def _as_value(x):
+    return x.value if isinstance(x, Node) else x
+
+
+def _add_weighted_loss(loss_sum, loss, batch_size):
+    """loss_sum + batch_size * loss, summed on the loss's device without a sync (loss_sum None:
+    from 0). Read once at the end of a pass, it gives the mean loss per sample."""
+    if loss.value.size != 1:
+        raise TypeError(f"Trainer: loss_fn must return a loss of one element, got shape "
+                        f"{loss.shape}")
+    if loss_sum is None:
+        loss_sum = _fill((), 0.0, loss.value)
+    _add_into(loss_sum, loss.value, float(batch_size))
+    return loss_sum
+
+
+def _set_mode(model, training):
+    if callable(getattr(model, "train", None)):
+        model.train(training)
+
+
+def _host_labels(labels):
+    return labels if isinstance(labels, np.ndarray) else labels.to_host()
+
+
+def _check_labels(labels, logits_shape):
+    """Class indices (N,) in [0, C) or one-hot rows (N, C), for logits (N, C); checked on the
+    host copy (a device-only Tensor of labels is left to the loss)."""
+    if len(logits_shape) != 2:  # the accuracy is an argmax over C, whatever the loss
+        raise ValueError(f"Trainer: the model returned shape {logits_shape}; fit and evaluate "
+                         f"need class scores (N, C)")
+    if not isinstance(labels, np.ndarray):
+        return
+    n, classes = logits_shape
+    if labels.ndim == 2:
+        if labels.shape != (n, classes):
+            raise ValueError(f"Trainer: one-hot labels of shape {labels.shape} (width "
+                             f"{labels.shape[1]}) do not match the model's output ({n}, {classes})")
+    elif labels.ndim == 1 and labels.dtype.kind in "iu":
+        bad = labels[(labels < 0) | (labels >= classes)]
+        if bad.size:
+            raise ValueError(f"Trainer: label {bad[0]} out of range for the model's "
+                             f"{classes} outputs [0, {classes})")
+    else:
+        raise ValueError(f"Trainer: labels must be class indices (N,) or one-hot (N, C), got "
+                         f"shape {labels.shape} dtype {labels.dtype}")
+
+
+def _class_indices(labels):
+    return labels.argmax(1) if labels.ndim == 2 else labels
+
+
+def _is_classification(loss_fn, labels):
+    """Whether fit and evaluate measure accuracy: the loss takes classes, or a loss of one's
+    own gets integer labels (class indices or one-hot rows)."""
+    if loss_fn in (cross_entropy, nll_loss):
+        return True
+    if loss_fn in (mse_loss, binary_cross_entropy_with_logits):
+        return False
+    return np.dtype(labels.dtype).kind in "biu"
+
+
+def _no_batches(loader, epoch):
+    return (f"fit: {loader} yielded no batches in epoch {epoch}; it must yield batches every "
+            f"epoch (a generator is used up after one pass: pass a DataLoader or a list of "
+            f"batches instead)")
+
+
+def _wait_interruptibly(device, event):
+    """Wait for an OpenCL event of `device` by polling, so KeyboardInterrupt is delivered
+    meanwhile. A host sync, counted as finish() counts one."""
+    device._count_sync()
+    spins = 0
+    while event.command_execution_status != cl.command_execution_status.COMPLETE:
+        spins += 1
+        time.sleep(0 if spins < 100 else 0.0005)
+
+
+def _epoch_line(record, epochs):
+    parts = [f"epoch {record['epoch']}/{epochs}"]
+    parts += [f"{key} {record[key]:.4f}" for key in ("loss", "accuracy", "val_loss", "val_accuracy")
+              if record.get(key) is not None]
+    parts += [f"{record['samples_per_s']:.0f} samples/s", f"{record['seconds']:.2f} s"]
+    return "  ".join(parts)
+
+
+class _Progress:
+    """A one-line progress bar for terminals, per epoch, redrawn at metrics steps:
+    `epoch 2/5 [=====>   ] 120/469 loss 0.3120 5400 samples/s ETA 15s`."""
+
+    def __init__(self, epochs, batches):
+        self.epochs, self.batches = epochs, batches  # batches per epoch, None if unknown
+        self.epoch, self.started = None, time.perf_counter()
+
+    def update(self, epoch, batch_no, loss, samples_per_s):
+        """Redraw the bar after batch `batch_no` (from 1) of `epoch`."""
+        if epoch != self.epoch:
+            self.epoch, self.started = epoch, time.perf_counter()
+        text = f"epoch {epoch}/{self.epochs} "
+        if self.batches:
+            done = min(batch_no / self.batches, 1.0)
+            bar = "=" * int(24 * done) + ">" + " " * (24 - int(24 * done))
+            elapsed = time.perf_counter() - self.started
+            text += (f"[{bar}] {batch_no}/{self.batches} loss {loss:.4f} {samples_per_s:.0f} "
+                     f"samples/s ETA {elapsed / done - elapsed:.0f}s")
+        else:
+            text += f"step {batch_no} loss {loss:.4f} {samples_per_s:.0f} samples/s"
+        self._show(text)
+
+    def validating(self, epoch):
+        """Say so while validation runs, rather than leave a bar that seems frozen."""
+        self._show(f"epoch {epoch}/{self.epochs} validating...")
+
+    def clear(self):
+        """Erase the bar, so the epoch's line prints in its place."""
+        self._show("")
+
+    def _show(self, text):
+        sys.stdout.write("\r" + text + "\033[K")
+        sys.stdout.flush()
 
 
 class Trainer:
@@ -7066,153 +7230,6 @@ class Trainer:
         else:
             target = Tensor.from_host(labels, self.device.queue)
         return x, target, labels
-
-
-def _trainer_device(model, device_queue):
-    """The Trainer's device: device_queue's, else the one the model's parameters are on (the
-    default device for a model without any). Parameters on two devices, or on another device
-    than device_queue, raise ValueError naming them: the first step would fail otherwise."""
-    named = model.named_parameters() if callable(getattr(model, "named_parameters", None)) else ()
-    first = None
-    for name, param in named:
-        if first is None:
-            first = name, param.device
-        elif param.device is not first[1]:
-            raise ValueError(f"Trainer: the model's parameters are on different devices: "
-                             f"{first[0]!r} on {first[1].backend} ({first[1].name}), {name!r} "
-                             f"on {param.device.backend} ({param.device.name}); move the model "
-                             f"to one device with model.to(device)")
-    if device_queue is None:
-        return _default_device() if first is None else first[1]
-    device = _device_of(device_queue)
-    if first is not None and first[1] is not device:
-        raise ValueError(f"Trainer: device_queue belongs to {device.backend} ({device.name}), "
-                         f"but the model's parameters are on {first[1].backend} "
-                         f"({first[1].name}); move the model with model.to(device), or leave "
-                         f"device_queue out")
-    return device
-
-
-def _as_value(x):
-    return x.value if isinstance(x, Node) else x
-
-
-def _add_weighted_loss(loss_sum, loss, batch_size):
-    """loss_sum + batch_size * loss, summed on the loss's device without a sync (loss_sum None:
-    from 0). Read once at the end of a pass, it gives the mean loss per sample."""
-    if loss.value.size != 1:
-        raise TypeError(f"Trainer: loss_fn must return a loss of one element, got shape "
-                        f"{loss.shape}")
-    if loss_sum is None:
-        loss_sum = _fill((), 0.0, loss.value)
-    _add_into(loss_sum, loss.value, float(batch_size))
-    return loss_sum
-
-
-def _set_mode(model, training):
-    if callable(getattr(model, "train", None)):
-        model.train(training)
-
-
-def _host_labels(labels):
-    return labels if isinstance(labels, np.ndarray) else labels.to_host()
-
-
-def _check_labels(labels, logits_shape):
-    """Class indices (N,) in [0, C) or one-hot rows (N, C), for logits (N, C); checked on the
-    host copy (a device-only Tensor of labels is left to the loss)."""
-    if len(logits_shape) != 2:  # the accuracy is an argmax over C, whatever the loss
-        raise ValueError(f"Trainer: the model returned shape {logits_shape}; fit and evaluate "
-                         f"need class scores (N, C)")
-    if not isinstance(labels, np.ndarray):
-        return
-    n, classes = logits_shape
-    if labels.ndim == 2:
-        if labels.shape != (n, classes):
-            raise ValueError(f"Trainer: one-hot labels of shape {labels.shape} (width "
-                             f"{labels.shape[1]}) do not match the model's output ({n}, {classes})")
-    elif labels.ndim == 1 and labels.dtype.kind in "iu":
-        bad = labels[(labels < 0) | (labels >= classes)]
-        if bad.size:
-            raise ValueError(f"Trainer: label {bad[0]} out of range for the model's "
-                             f"{classes} outputs [0, {classes})")
-    else:
-        raise ValueError(f"Trainer: labels must be class indices (N,) or one-hot (N, C), got "
-                         f"shape {labels.shape} dtype {labels.dtype}")
-
-
-def _class_indices(labels):
-    return labels.argmax(1) if labels.ndim == 2 else labels
-
-
-def _is_classification(loss_fn, labels):
-    """Whether fit and evaluate measure accuracy: the loss takes classes, or a loss of one's
-    own gets integer labels (class indices or one-hot rows)."""
-    if loss_fn in (cross_entropy, nll_loss):
-        return True
-    if loss_fn in (mse_loss, binary_cross_entropy_with_logits):
-        return False
-    return np.dtype(labels.dtype).kind in "biu"
-
-
-def _no_batches(loader, epoch):
-    return (f"fit: {loader} yielded no batches in epoch {epoch}; it must yield batches every "
-            f"epoch (a generator is used up after one pass: pass a DataLoader or a list of "
-            f"batches instead)")
-
-
-def _wait_interruptibly(device, event):
-    """Wait for an OpenCL event of `device` by polling, so KeyboardInterrupt is delivered
-    meanwhile. A host sync, counted as finish() counts one."""
-    device._count_sync()
-    spins = 0
-    while event.command_execution_status != cl.command_execution_status.COMPLETE:
-        spins += 1
-        time.sleep(0 if spins < 100 else 0.0005)
-
-
-def _epoch_line(record, epochs):
-    parts = [f"epoch {record['epoch']}/{epochs}"]
-    parts += [f"{key} {record[key]:.4f}" for key in ("loss", "accuracy", "val_loss", "val_accuracy")
-              if record.get(key) is not None]
-    parts += [f"{record['samples_per_s']:.0f} samples/s", f"{record['seconds']:.2f} s"]
-    return "  ".join(parts)
-
-
-class _Progress:
-    """A one-line progress bar for terminals, per epoch, redrawn at metrics steps:
-    `epoch 2/5 [=====>   ] 120/469 loss 0.3120 5400 samples/s ETA 15s`."""
-
-    def __init__(self, epochs, batches):
-        self.epochs, self.batches = epochs, batches  # batches per epoch, None if unknown
-        self.epoch, self.started = None, time.perf_counter()
-
-    def update(self, epoch, batch_no, loss, samples_per_s):
-        """Redraw the bar after batch `batch_no` (from 1) of `epoch`."""
-        if epoch != self.epoch:
-            self.epoch, self.started = epoch, time.perf_counter()
-        text = f"epoch {epoch}/{self.epochs} "
-        if self.batches:
-            done = min(batch_no / self.batches, 1.0)
-            bar = "=" * int(24 * done) + ">" + " " * (24 - int(24 * done))
-            elapsed = time.perf_counter() - self.started
-            text += (f"[{bar}] {batch_no}/{self.batches} loss {loss:.4f} {samples_per_s:.0f} "
-                     f"samples/s ETA {elapsed / done - elapsed:.0f}s")
-        else:
-            text += f"step {batch_no} loss {loss:.4f} {samples_per_s:.0f} samples/s"
-        self._show(text)
-
-    def validating(self, epoch):
-        """Say so while validation runs, rather than leave a bar that seems frozen."""
-        self._show(f"epoch {epoch}/{self.epochs} validating...")
-
-    def clear(self):
-        """Erase the bar, so the epoch's line prints in its place."""
-        self._show("")
-
-    def _show(self, text):
-        sys.stdout.write("\r" + text + "\033[K")
-        sys.stdout.flush()
 
 
 # ============================================================================ import aliases
