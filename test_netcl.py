@@ -2366,12 +2366,6 @@ def test_tutorial_mlp_on_digits(backend):
 CNN_SETTINGS = settings(max_examples=40, deadline=None)
 
 
-@pytest.fixture(scope="session")
-def device(backend):
-    """The Device of each backend in turn (the convolution tests' name for `backend`)."""
-    return backend
-
-
 # --- references written from the definitions, one output at a time ----------------------------
 
 def conv2d_loops(x, w, b, stride, padding):
@@ -2561,23 +2555,23 @@ def test_conv2d_im2col_in_chunks_matches_whole_batch(opencl, monkeypatch):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_conv2d_skips_gradients_nobody_needs(device):
+def test_conv2d_skips_gradients_nobody_needs(backend):
     """The input of a first layer is data: its gradient is not computed, dw still is."""
     rng = np.random.default_rng(1)
     x = rng.standard_normal((2, 3, 5, 5)).astype(np.float32)
     w = rng.standard_normal((4, 3, 3, 3)).astype(np.float32)
     g = rng.standard_normal((2, 4, 5, 5)).astype(np.float32)
-    launches = device.launches
-    _, (_, want) = run_op(lambda x, w: F.conv2d(x, w, padding=1), [x, w], g, device)
-    both = device.launches - launches
-    weight = netcl.Parameter(netcl.Tensor.from_host(w, device.queue))
-    launches = device.launches
+    launches = backend.launches
+    _, (_, want) = run_op(lambda x, w: F.conv2d(x, w, padding=1), [x, w], g, backend)
+    both = backend.launches - launches
+    weight = netcl.Parameter(netcl.Tensor.from_host(w, backend.queue))
+    launches = backend.launches
     with netcl.Tape() as tape:
         out = F.conv2d(x, weight, padding=1)
     tape.backward(out, grad=g)
     np.testing.assert_allclose(weight.grad.to_host(), want, rtol=1e-6, atol=1e-6)
-    if device.backend == "opencl":
-        assert device.launches - launches < both
+    if backend.backend == "opencl":
+        assert backend.launches - launches < both
 
 
 # --- pooling ----------------------------------------------------------------------------------
@@ -2618,7 +2612,7 @@ def test_pool_opencl_matches_numpy(opencl, case, kind):
 
 @CNN_SETTINGS
 @given(pool_cases(), st.data())
-def test_max_pool_ties_go_to_the_first_maximum(device, case, data):
+def test_max_pool_ties_go_to_the_first_maximum(backend, case, data):
     """Few distinct values (and -inf) make ties everywhere; the gradient follows PyTorch:
     the first maximum in row-major order among each window's real pixels."""
     x_shape, kernel, stride, padding, seed = case
@@ -2628,30 +2622,30 @@ def test_max_pool_ties_go_to_the_first_maximum(device, case, data):
     stride_pair = as_pair(kernel if stride is None else stride)
     expected, winner = pool_loops(x, as_pair(kernel), stride_pair, as_pair(padding), "max")
     g = np.random.default_rng(seed + 1).standard_normal(expected.shape).astype(np.float32)
-    out, (grad,) = run_op(lambda p: F.max_pool2d(p, kernel, stride, padding), [x], g, device)
+    out, (grad,) = run_op(lambda p: F.max_pool2d(p, kernel, stride, padding), [x], g, backend)
     np.testing.assert_array_equal(out, expected)
     np.testing.assert_allclose(grad, max_pool_grad_loops(g, winner, x_shape), rtol=1e-6,
                                atol=1e-6)
 
 
-def test_max_pool_nan_propagates(device):
+def test_max_pool_nan_propagates(backend):
     x = np.arange(16, dtype=np.float32).reshape(1, 1, 4, 4)
     x[0, 0, 0, 1] = np.nan
     x[0, 0, 1, 0] = np.nan
     out, (grad,) = run_op(lambda p: F.max_pool2d(p, 2), [x], np.ones((1, 1, 2, 2), np.float32),
-                          device)
+                          backend)
     assert np.isnan(out[0, 0, 0, 0]) and np.array_equal(out[0, 0, 1], [13, 15])
     assert grad[0, 0, 0, 1] == 1 and grad[0, 0, 1, 0] == 0  # the first NaN wins its window
 
 
-def test_pool_defaults_and_known_values(device):
+def test_pool_defaults_and_known_values(backend):
     x = np.arange(1, 17, dtype=np.float32).reshape(1, 1, 4, 4)
-    np.testing.assert_array_equal(F.max_pool2d(netcl.Tensor.from_host(x, device.queue), 2)
+    np.testing.assert_array_equal(F.max_pool2d(netcl.Tensor.from_host(x, backend.queue), 2)
                                   .value.to_host(), [[[[6, 8], [14, 16]]]])
-    avg = F.avg_pool2d(netcl.Tensor.from_host(x, device.queue), 3, stride=1, padding=1)
+    avg = F.avg_pool2d(netcl.Tensor.from_host(x, backend.queue), 3, stride=1, padding=1)
     assert avg.shape == (1, 1, 4, 4)  # padded zeros count: the corner is (1+2+5+6) / 9
     np.testing.assert_allclose(avg.value.to_host()[0, 0, 0, 0], 14 / 9, rtol=1e-6)
-    assert F.max_pool2d(netcl.Tensor.from_host(np.zeros((1, 1, 5, 7), np.float32), device.queue),
+    assert F.max_pool2d(netcl.Tensor.from_host(np.zeros((1, 1, 5, 7), np.float32), backend.queue),
                         2).shape == (1, 1, 2, 3)  # sizes round down
 
 
@@ -2682,24 +2676,24 @@ X, W = (2, 3, 5, 5), (4, 3, 3, 3)  # a valid input and weight; the cases below b
     (lambda t: nn.MaxPool2d(2, stride=-1), ["MaxPool2d", "stride", "-1"]),
     (lambda t: nn.MaxPool2d(2, padding=2), ["MaxPool2d", "pad should be at most half"]),
 ])
-def test_invalid_arguments_raise_value_error_naming_them(device, call, words):
-    tensor = lambda *shape: netcl.Tensor.from_host(np.zeros(shape, np.float32), device.queue)
-    launches = device.launches
+def test_invalid_arguments_raise_value_error_naming_them(backend, call, words):
+    tensor = lambda *shape: netcl.Tensor.from_host(np.zeros(shape, np.float32), backend.queue)
+    launches = backend.launches
     with pytest.raises(ValueError) as error:
         call(tensor)
     for word in words:
         assert word in str(error.value)
-    assert device.launches == launches
+    assert backend.launches == launches
 
 
 # --- modules ----------------------------------------------------------------------------------
 
-def test_conv2d_module_init_state_dict_and_names(device):
+def test_conv2d_module_init_state_dict_and_names(backend):
     netcl.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, queue=device.queue), nn.ReLU(),
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, queue=backend.queue), nn.ReLU(),
                           nn.MaxPool2d(2), nn.Conv2d(8, 4, (3, 2), stride=(1, 2), bias=False,
-                                                     queue=device.queue),
-                          nn.Flatten(), nn.Linear(4 * 3 * 2, 10, queue=device.queue))
+                                                     queue=backend.queue),
+                          nn.Flatten(), nn.Linear(4 * 3 * 2, 10, queue=backend.queue))
     state = model.state_dict()
     assert list(state) == ["0.weight", "0.bias", "3.weight", "5.weight", "5.bias"]
     assert state["0.weight"].shape == (8, 3, 3, 3) and state["0.bias"].shape == (8,)
@@ -2713,20 +2707,20 @@ def test_conv2d_module_init_state_dict_and_names(device):
     assert (model[2].kernel_size, model[2].stride, model[2].padding) == (2, 2, 0)
 
     x = np.random.default_rng(0).standard_normal((2, 3, 10, 10)).astype(np.float32)
-    out = model(netcl.Tensor.from_host(x, device.queue))
+    out = model(netcl.Tensor.from_host(x, backend.queue))
     assert out.shape == (2, 10)
     netcl.manual_seed(0)
-    again = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, queue=device.queue), nn.ReLU(),
+    again = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, queue=backend.queue), nn.ReLU(),
                           nn.MaxPool2d(2), nn.Conv2d(8, 4, (3, 2), stride=(1, 2), bias=False,
-                                                     queue=device.queue),
-                          nn.Flatten(), nn.Linear(4 * 3 * 2, 10, queue=device.queue))
+                                                     queue=backend.queue),
+                          nn.Flatten(), nn.Linear(4 * 3 * 2, 10, queue=backend.queue))
     for key, value in again.state_dict().items():
         np.testing.assert_array_equal(value, state[key])  # manual_seed reproduces the init
     again.load_state_dict({k: v + 1 for k, v in state.items()})
     np.testing.assert_array_equal(again.state_dict()["3.weight"], state["3.weight"] + 1)
 
     expected = F.conv2d(x, conv.weight, conv.bias, padding=1).value.to_host()
-    np.testing.assert_array_equal(conv(netcl.Tensor.from_host(x, device.queue)).value.to_host(),
+    np.testing.assert_array_equal(conv(netcl.Tensor.from_host(x, backend.queue)).value.to_host(),
                                   expected)
 
 
@@ -2737,14 +2731,14 @@ def test_import_paths():
     assert (Conv2d, MaxPool2d) == (netcl.Conv2d, netcl.MaxPool2d)
 
 
-def test_small_cnn_learns(device):
+def test_small_cnn_learns(backend):
     """A conv-relu-pool CNN fits a batch of the digits: the whole stack trains end to end."""
     datasets = pytest.importorskip("sklearn.datasets")
     digits = datasets.load_digits()
     x = (digits.images[:128] / 16).astype(np.float32).reshape(-1, 1, 8, 8)
     y = digits.target[:128]
     netcl.manual_seed(0)
-    q = device.queue
+    q = backend.queue
     model = nn.Sequential(nn.Conv2d(1, 8, 3, padding=1, queue=q), nn.ReLU(), nn.MaxPool2d(2),
                           nn.Flatten(), nn.Linear(8 * 4 * 4, 10, queue=q))
     opt = netcl.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -2764,7 +2758,6 @@ def test_small_cnn_learns(device):
 # data: DataLoader, workers, shared memory, GpuBatch, load_idx
 # ---------------------------------------------------------------------------------------------
 
-nc = netcl
 # (num_workers, use_shared_mem) combinations every order test compares.
 WORKER_SETUPS = [(0, False), (2, False), (2, True)]
 
@@ -2793,7 +2786,7 @@ class SampleDataset:
 
 def _dataset(kind, n):
     if kind == "arrays":
-        return nc.ArrayDataset(*_samples(n))
+        return netcl.ArrayDataset(*_samples(n))
     if kind == "list":
         return list(zip(*_samples(n)))
     return SampleDataset(n)
@@ -2903,7 +2896,7 @@ def test_every_sample_once_per_epoch_in_the_same_order_for_any_workers(n, batch_
     epochs_by_setup = []
     with _deadline(60):
         for num_workers, use_shared_mem in WORKER_SETUPS:
-            loader = nc.DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, num_workers=num_workers,
+            loader = netcl.DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, num_workers=num_workers,
                                    use_shared_mem=use_shared_mem, drop_last=drop_last, seed=seed)
             epochs = [list(loader) for _ in range(2)]
             for batches in epochs:
@@ -2925,44 +2918,44 @@ def test_every_sample_once_per_epoch_in_the_same_order_for_any_workers(n, batch_
 
 
 def test_shuffle_changes_every_epoch_and_with_the_seed():
-    dataset = nc.ArrayDataset(*_samples(64))
-    loader = nc.DataLoader(dataset, batch_size=8, seed=5)
+    dataset = netcl.ArrayDataset(*_samples(64))
+    loader = netcl.DataLoader(dataset, batch_size=8, seed=5)
     first, second = _ids(loader), _ids(loader)
     assert sorted(first) == sorted(second) == list(range(64)) and first != second
-    assert _ids(nc.DataLoader(dataset, batch_size=8, seed=5)) == first
-    assert _ids(nc.DataLoader(dataset, batch_size=8, seed=6)) != first
+    assert _ids(netcl.DataLoader(dataset, batch_size=8, seed=5)) == first
+    assert _ids(netcl.DataLoader(dataset, batch_size=8, seed=6)) != first
 
 
 def test_seed_none_comes_from_manual_seed():
-    dataset = nc.ArrayDataset(*_samples(64))
-    nc.manual_seed(11)
-    first = _ids(nc.DataLoader(dataset, batch_size=8))
-    nc.manual_seed(11)
-    assert _ids(nc.DataLoader(dataset, batch_size=8)) == first
+    dataset = netcl.ArrayDataset(*_samples(64))
+    netcl.manual_seed(11)
+    first = _ids(netcl.DataLoader(dataset, batch_size=8))
+    netcl.manual_seed(11)
+    assert _ids(netcl.DataLoader(dataset, batch_size=8)) == first
 
 
 def test_array_dataset_gathers_a_batch_with_one_index():
     x, y, extra = _samples(10)
-    dataset = nc.ArrayDataset(x, y, extra)
+    dataset = netcl.ArrayDataset(x, y, extra)
     assert len(dataset) == 10
     xb, yb, eb = dataset[np.array([3, 1])]
     np.testing.assert_array_equal(yb, [3, 1])
     assert xb.shape == (2, 2, 3) and eb.dtype == np.int16
     with pytest.raises(ValueError, match="first dimension"):
-        nc.ArrayDataset(x, y[:9])
+        netcl.ArrayDataset(x, y[:9])
 
 
 @pytest.mark.parametrize("num_workers, use_shared_mem", WORKER_SETUPS)
 def test_collate_fn_receives_the_sample_tuples(num_workers, use_shared_mem):
     dataset = [(np.arange(i % 4 + 1, dtype=np.float32), i) for i in range(30)]
-    loader = nc.DataLoader(dataset, batch_size=4, shuffle=False, collate_fn=pad_collate,
+    loader = netcl.DataLoader(dataset, batch_size=4, shuffle=False, collate_fn=pad_collate,
                            num_workers=num_workers, use_shared_mem=use_shared_mem)
     with _deadline(30):
         batches = list(loader)
     assert _ids(batches) == list(range(30))
     # pad_collate saw each batch's (values, label) tuples: all but the last hold a length-4 sample.
     assert [xb.shape[1] for xb, _ in batches] == [4] * 7 + [2]
-    dict_batches = list(nc.DataLoader(dataset, batch_size=4, shuffle=False, collate_fn=dict_collate,
+    dict_batches = list(netcl.DataLoader(dataset, batch_size=4, shuffle=False, collate_fn=dict_collate,
                                       num_workers=num_workers, use_shared_mem=use_shared_mem))
     assert [batch["count"] for batch in dict_batches] == [4] * 7 + [2]
 
@@ -2972,8 +2965,8 @@ def test_shared_memory_blocks_grow_for_larger_batches():
     dataset = [(np.arange(1 + i // 8, dtype=np.float32), i) for i in range(40)]
     shm_before = _shm_names()
     with _deadline(30):
-        expected = list(nc.DataLoader(dataset, batch_size=8, shuffle=False, collate_fn=pad_collate))
-        got = list(nc.DataLoader(dataset, batch_size=8, shuffle=False, collate_fn=pad_collate,
+        expected = list(netcl.DataLoader(dataset, batch_size=8, shuffle=False, collate_fn=pad_collate))
+        got = list(netcl.DataLoader(dataset, batch_size=8, shuffle=False, collate_fn=pad_collate,
                                  num_workers=2, use_shared_mem=True, prefetch=1))
     for (x_expected, y_expected), (x_got, y_got) in zip(expected, got):
         np.testing.assert_array_equal(x_got, x_expected)
@@ -2991,27 +2984,27 @@ def test_shared_memory_blocks_grow_for_larger_batches():
 ])
 def test_bad_arguments_raise_value_error_naming_them(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        nc.DataLoader(nc.ArrayDataset(*_samples(10)), **kwargs)
+        netcl.DataLoader(netcl.ArrayDataset(*_samples(10)), **kwargs)
 
 
 def test_bad_datasets_and_collate_fn_are_rejected():
     with pytest.raises(ValueError, match="empty"):
-        nc.DataLoader([])
+        netcl.DataLoader([])
     with pytest.raises(ValueError, match="empty"):
-        nc.DataLoader(nc.ArrayDataset(np.zeros((0, 3)), np.zeros(0)))
+        netcl.DataLoader(netcl.ArrayDataset(np.zeros((0, 3)), np.zeros(0)))
     with pytest.raises(ValueError, match="__len__"):
-        nc.DataLoader(iter([(1, 2)]))
+        netcl.DataLoader(iter([(1, 2)]))
     with pytest.raises(ValueError, match="collate_fn"):
-        nc.DataLoader([(1, 2)], collate_fn=3)
+        netcl.DataLoader([(1, 2)], collate_fn=3)
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_drop_last_may_leave_no_batch(num_workers):
-    loader = nc.DataLoader(nc.ArrayDataset(*_samples(3)[:2]), batch_size=5, drop_last=True,
+    loader = netcl.DataLoader(netcl.ArrayDataset(*_samples(3)[:2]), batch_size=5, drop_last=True,
                            num_workers=num_workers)
     assert len(loader) == 0 and list(loader) == []  # as PyTorch
     with pytest.raises(TypeError, match="tuple"):
-        list(nc.DataLoader([np.zeros(2)], batch_size=1))
+        list(netcl.DataLoader([np.zeros(2)], batch_size=1))
 
 
 # --- workers: stopping and errors
@@ -3019,7 +3012,7 @@ def test_drop_last_may_leave_no_batch(num_workers):
 @pytest.mark.parametrize("use_shared_mem", [False, True])
 def test_early_break_stops_workers_and_frees_shared_memory(use_shared_mem):
     shm_before = _shm_names()
-    loader = nc.DataLoader(nc.ArrayDataset(*_samples(400)), batch_size=4, num_workers=2,
+    loader = netcl.DataLoader(netcl.ArrayDataset(*_samples(400)), batch_size=4, num_workers=2,
                            use_shared_mem=use_shared_mem)
     with _deadline(30):
         for batch_no, _ in enumerate(loader):
@@ -3032,7 +3025,7 @@ def test_early_break_stops_workers_and_frees_shared_memory(use_shared_mem):
 @pytest.mark.parametrize("use_shared_mem", [False, True])
 def test_exception_in_the_consumer_stops_workers(use_shared_mem):
     shm_before = _shm_names()
-    loader = nc.DataLoader(SampleDataset(400), batch_size=4, num_workers=2, use_shared_mem=use_shared_mem)
+    loader = netcl.DataLoader(SampleDataset(400), batch_size=4, num_workers=2, use_shared_mem=use_shared_mem)
     with _deadline(30), pytest.raises(KeyError):
         for batch in loader:
             raise KeyError("consumer failed")
@@ -3042,7 +3035,7 @@ def test_exception_in_the_consumer_stops_workers(use_shared_mem):
 
 def test_dropping_an_unstarted_iterator_stops_workers():
     shm_before = _shm_names()
-    loader = nc.DataLoader(nc.ArrayDataset(*_samples(400)), batch_size=4, num_workers=2, use_shared_mem=True)
+    loader = netcl.DataLoader(netcl.ArrayDataset(*_samples(400)), batch_size=4, num_workers=2, use_shared_mem=True)
     iterator = iter(loader)
     assert len(multiprocessing.active_children()) == 2
     del iterator, loader
@@ -3052,7 +3045,7 @@ def test_dropping_an_unstarted_iterator_stops_workers():
 @pytest.mark.parametrize("use_shared_mem", [False, True])
 def test_worker_exception_reaches_the_consumer_with_its_traceback(use_shared_mem):
     shm_before = _shm_names()
-    loader = nc.DataLoader(FailingDataset(40, bad_index=13), batch_size=4, shuffle=False, num_workers=2,
+    loader = netcl.DataLoader(FailingDataset(40, bad_index=13), batch_size=4, shuffle=False, num_workers=2,
                            use_shared_mem=use_shared_mem)
     with _deadline(30), pytest.raises(RuntimeError) as caught:
         list(loader)
@@ -3061,13 +3054,13 @@ def test_worker_exception_reaches_the_consumer_with_its_traceback(use_shared_mem
     del loader, caught
     _assert_clean(shm_before)
     with pytest.raises(ValueError, match="bad sample 13"):
-        list(nc.DataLoader(FailingDataset(40, bad_index=13), batch_size=4))
+        list(netcl.DataLoader(FailingDataset(40, bad_index=13), batch_size=4))
 
 
 @pytest.mark.parametrize("use_shared_mem", [False, True])
 def test_killed_worker_raises_instead_of_hanging(use_shared_mem):
     shm_before = _shm_names()
-    loader = nc.DataLoader(SelfKillingDataset(40, bad_index=13), batch_size=4, shuffle=False, num_workers=2,
+    loader = netcl.DataLoader(SelfKillingDataset(40, bad_index=13), batch_size=4, shuffle=False, num_workers=2,
                            use_shared_mem=use_shared_mem)
     with _deadline(30), pytest.raises(RuntimeError, match="worker 1 .*exit code -9"):
         list(loader)
@@ -3078,7 +3071,7 @@ def test_killed_worker_raises_instead_of_hanging(use_shared_mem):
 def test_worker_that_exits_between_batches_raises():
     # Worker 1 sends batch 1 and then exits: the next task sent to it finds no one listening.
     shm_before = _shm_names()
-    loader = nc.DataLoader(SampleDataset(40), batch_size=4, shuffle=False, num_workers=2,
+    loader = netcl.DataLoader(SampleDataset(40), batch_size=4, shuffle=False, num_workers=2,
                            collate_fn=exit_soon_collate)
     with _deadline(30), pytest.raises(RuntimeError, match="worker 1 .*exit code 3"):
         for _ in loader:
@@ -3095,21 +3088,21 @@ def test_workers_under_other_start_methods(start_method):
 import multiprocessing, os, sys
 import numpy as np
 sys.path[:0] = {sys.path!r}
-import {nc.__name__} as nc
+import netcl
 if __name__ == "__main__":
     multiprocessing.set_start_method({start_method!r})
     x = np.arange(600, dtype=np.float32).reshape(200, 3)
-    dataset = nc.ArrayDataset(x, np.arange(200))
-    expected = [b[1].tolist() for b in nc.DataLoader(dataset, batch_size=16, seed=3)]
+    dataset = netcl.ArrayDataset(x, np.arange(200))
+    expected = [b[1].tolist() for b in netcl.DataLoader(dataset, batch_size=16, seed=3)]
     for use_shared_mem in (False, True):
-        loader = nc.DataLoader(dataset, batch_size=16, seed=3, num_workers=2, use_shared_mem=use_shared_mem)
+        loader = netcl.DataLoader(dataset, batch_size=16, seed=3, num_workers=2, use_shared_mem=use_shared_mem)
         assert [b[1].tolist() for b in loader] == expected
-        for batch_no, batch in enumerate(nc.DataLoader(dataset, batch_size=16, num_workers=2,
+        for batch_no, batch in enumerate(netcl.DataLoader(dataset, batch_size=16, num_workers=2,
                                                       use_shared_mem=use_shared_mem)):
             break
     # A collate_fn that cannot be pickled to a spawned worker fails at iter(), leaving nothing.
     try:
-        iter(nc.DataLoader(dataset, num_workers=2, collate_fn=lambda samples: samples))
+        iter(netcl.DataLoader(dataset, num_workers=2, collate_fn=lambda samples: samples))
     except Exception:
         assert not multiprocessing.active_children()
     else:
@@ -3130,37 +3123,37 @@ if __name__ == "__main__":
 def test_gpu_batches_hold_the_host_batch_on_the_device(backend_name, num_workers, use_shared_mem):
     device = _get_device(backend_name)
     x, y, extra = _samples(37)
-    dataset = nc.ArrayDataset(x.astype(np.float64), y, extra)
-    host_batches = list(nc.DataLoader(dataset, batch_size=8, seed=2))
-    loader = nc.DataLoader(dataset, batch_size=8, seed=2, num_workers=num_workers, use_shared_mem=use_shared_mem)
+    dataset = netcl.ArrayDataset(x.astype(np.float64), y, extra)
+    host_batches = list(netcl.DataLoader(dataset, batch_size=8, seed=2))
+    loader = netcl.DataLoader(dataset, batch_size=8, seed=2, num_workers=num_workers, use_shared_mem=use_shared_mem)
     assert loader.bind_queue(device.queue) is loader
     with _deadline(60):
         gpu_batches = list(loader)
     assert len(gpu_batches) == len(host_batches) == 5
     for batch, host in zip(gpu_batches, host_batches):
-        assert isinstance(batch, nc.GpuBatch) and isinstance(batch, tuple) and len(batch) == 3
+        assert isinstance(batch, netcl.GpuBatch) and isinstance(batch, tuple) and len(batch) == 3
         xb, yb, eb = batch
-        assert isinstance(xb, nc.Tensor) and isinstance(yb, nc.Tensor) and xb.device is device
+        assert isinstance(xb, netcl.Tensor) and isinstance(yb, netcl.Tensor) and xb.device is device
         assert np.dtype(xb.dtype) == np.float32 and np.dtype(yb.dtype) == np.int32
         for field, expected in zip(batch.host, host):
             np.testing.assert_array_equal(field, expected)
         np.testing.assert_array_equal(xb.to_host(), host[0].astype(np.float32))
         np.testing.assert_array_equal(yb.to_host(), host[1])
         assert eb is batch.host[2]
-    assert not isinstance(next(iter(loader.bind_queue(None))), nc.GpuBatch)
+    assert not isinstance(next(iter(loader.bind_queue(None))), netcl.GpuBatch)
     with pytest.raises(TypeError, match="tuple"):
-        next(iter(nc.DataLoader(dataset, collate_fn=dict_collate, device_queue=device.queue)))
+        next(iter(netcl.DataLoader(dataset, collate_fn=dict_collate, device_queue=device.queue)))
 
 
 @pytest.mark.parametrize("backend_name", BACKENDS)
 def test_device_queue_argument_uploads_prefetch_batches_ahead(backend_name):
     device = _get_device(backend_name)
     dataset = CountingDataset(20)
-    loader = nc.DataLoader(dataset, batch_size=1, shuffle=False, prefetch=2, device_queue=device.queue)
+    loader = netcl.DataLoader(dataset, batch_size=1, shuffle=False, prefetch=2, device_queue=device.queue)
     iterator = iter(loader)
     first = next(iterator)
     # Batch 0 is handed out once batches 1 and 2 are already on their way to the device.
-    assert dataset.calls == 3 and isinstance(first, nc.GpuBatch)
+    assert dataset.calls == 3 and isinstance(first, netcl.GpuBatch)
     rest = list(iterator)
     assert [int(batch[1].to_host()[0]) for batch in [first] + rest] == list(range(20))
 
@@ -3185,7 +3178,7 @@ def test_load_idx_round_trip(tmp_path, dtype, name):
     path = tmp_path / name
     path.write_bytes(data if name.startswith("plain") else gzip.compress(data))
     for argument in (path, str(path)):
-        loaded = nc.load_idx(argument)
+        loaded = netcl.load_idx(argument)
         assert loaded.dtype == dtype and loaded.dtype.isnative
         np.testing.assert_array_equal(loaded, array)
 
@@ -3194,7 +3187,7 @@ def test_load_idx_reads_mnist_shaped_labels(tmp_path):
     labels = np.arange(100, dtype=np.uint8) % 10
     path = tmp_path / "train-labels-idx1-ubyte"
     path.write_bytes(_idx_bytes(labels))
-    loaded = nc.load_idx(path)
+    loaded = netcl.load_idx(path)
     assert loaded.dtype == np.uint8 and loaded.shape == (100,)
 
 
@@ -3211,24 +3204,22 @@ def test_load_idx_rejects_malformed_files_naming_them(tmp_path, corrupt, message
     path = tmp_path / "broken-idx3-ubyte"
     path.write_bytes(corrupt(_idx_bytes(np.zeros((4, 28, 28), np.uint8))))
     with pytest.raises(ValueError, match=message) as caught:
-        nc.load_idx(path)
+        netcl.load_idx(path)
     assert str(path) in str(caught.value)
 
 
 def test_load_idx_missing_file_is_an_os_error(tmp_path):
     with pytest.raises(OSError):
-        nc.load_idx(tmp_path / "missing-idx1-ubyte")
+        netcl.load_idx(tmp_path / "missing-idx1-ubyte")
 
 
 # --- import paths
 
 def test_wiki_import_paths():
-    if nc.__name__ != "netcl":
-        pytest.skip("the alias modules exist once the section is part of netcl.py")
     from netcl.data import ArrayDataset, DataLoader, GpuBatch, load_idx
     from netcl.data.dataloader import DataLoader as DataLoaderAgain
-    assert DataLoader is DataLoaderAgain is nc.DataLoader
-    assert (ArrayDataset, GpuBatch, load_idx) == (nc.ArrayDataset, nc.GpuBatch, nc.load_idx)
+    assert DataLoader is DataLoaderAgain is netcl.DataLoader
+    assert (ArrayDataset, GpuBatch, load_idx) == (netcl.ArrayDataset, netcl.GpuBatch, netcl.load_idx)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -5172,7 +5163,7 @@ def test_load_idx_stops_reading_a_gzip_file_after_the_declared_size(tmp_path):
     try:
         started = time.perf_counter()
         with pytest.raises(ValueError, match="trailing") as caught:
-            nc.load_idx(path)
+            netcl.load_idx(path)
         seconds = time.perf_counter() - started
         peak = tracemalloc.get_traced_memory()[1]
     finally:
@@ -5211,13 +5202,13 @@ def test_load_idx_names_the_file_for_impossible_dimensions(tmp_path):
     for sizes, data in (([1] * 100, b"\x07"), ([0] * 100, b"")):
         path.write_bytes(bytes([0, 0, 0x08, len(sizes)]) + dims(sizes) + data)
         with raises_naming(ValueError, str(path), "100 dimensions"):
-            nc.load_idx(path)
+            netcl.load_idx(path)
     # An absurd declared size (2**128 bytes) is checked against the bytes there, not allocated.
     path.write_bytes(bytes([0, 0, 0x08, 4]) + dims([2 ** 32 - 1] * 4) + bytes(10))
     tracemalloc.start()
     try:
         with raises_naming(ValueError, str(path), "truncated"):
-            nc.load_idx(path)
+            netcl.load_idx(path)
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
@@ -7144,16 +7135,16 @@ def test_new_loss_names():
     assert netcl.binary_cross_entropy_with_logits is F.binary_cross_entropy_with_logits
 
 
-def test_grouped_conv2d_is_one_conv2d_per_group(device):
+def test_grouped_conv2d_is_one_conv2d_per_group(backend):
     """groups=G is G ordinary convolutions side by side, each on its C/G channels with its
     K/G filters (depthwise when G = C); dilation spreads the taps, as the definition says."""
     rng = np.random.default_rng(6)
     for groups, dilation in ((2, 1), (4, (2, 1))):
         x = rng.standard_normal((2, 4, 7, 6)).astype(np.float32)
         w = rng.standard_normal((2 * groups, 4 // groups, 3, 3)).astype(np.float32)
-        whole = host(F.conv2d(tensor(x, device), w, padding=1, dilation=dilation, groups=groups))
+        whole = host(F.conv2d(tensor(x, backend), w, padding=1, dilation=dilation, groups=groups))
         per = len(w) // groups
-        parts = [host(F.conv2d(tensor(x[:, g * (4 // groups):(g + 1) * (4 // groups)], device),
+        parts = [host(F.conv2d(tensor(x[:, g * (4 // groups):(g + 1) * (4 // groups)], backend),
                                w[g * per:(g + 1) * per], padding=1, dilation=dilation))
                  for g in range(groups)]
         np.testing.assert_allclose(whole, np.concatenate(parts, axis=1), rtol=1e-5, atol=1e-5)
@@ -7176,9 +7167,9 @@ def test_grouped_dilated_conv2d_in_im2col_chunks(opencl, monkeypatch):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_grouped_dilated_conv2d_of_an_empty_batch(device):
-    x = param(np.zeros((0, 4, 5, 5)), device)
-    w = param(np.ones((6, 2, 2, 2)), device)
+def test_grouped_dilated_conv2d_of_an_empty_batch(backend):
+    x = param(np.zeros((0, 4, 5, 5)), backend)
+    w = param(np.ones((6, 2, 2, 2)), backend)
     with netcl.Tape() as tape:
         out = F.conv2d(x, w, stride=1, padding=1, dilation=3, groups=2)
     assert out.shape == (0, 6, 4, 4)
@@ -7232,19 +7223,19 @@ def test_autocast_grouped_dilated_conv2d_is_the_float32_result_rounded(opencl, m
     (lambda t: nn.Conv2d(4, 4, 3, groups=0), ["Conv2d", "groups", "0"]),
     (lambda t: nn.Conv2d(4, 4, 3, dilation=(0, 1)), ["Conv2d", "dilation", "(0, 1)"]),
 ])
-def test_conv2d_groups_and_dilation_are_checked(device, call, words):
-    tensor = lambda *shape: netcl.Tensor.from_host(np.zeros(shape, np.float32), device.queue)
-    launches = device.launches
+def test_conv2d_groups_and_dilation_are_checked(backend, call, words):
+    tensor = lambda *shape: netcl.Tensor.from_host(np.zeros(shape, np.float32), backend.queue)
+    launches = backend.launches
     with raises_naming(ValueError, *words):
         call(tensor)
-    assert device.launches == launches
+    assert backend.launches == launches
 
 
-def test_conv2d_module_dilation_and_groups(device):
+def test_conv2d_module_dilation_and_groups(backend):
     """nn.Conv2d as PyTorch's: weight (out, in / groups, kh, kw), U(+-1/sqrt(fan_in)) with
     fan_in = in / groups * kh * kw, the attributes, and the functional op underneath."""
     netcl.manual_seed(0)
-    conv = nn.Conv2d(6, 9, (3, 2), 1, 2, (2, 1), 3, queue=device.queue)  # PyTorch's order
+    conv = nn.Conv2d(6, 9, (3, 2), 1, 2, (2, 1), 3, queue=backend.queue)  # PyTorch's order
     assert (conv.dilation, conv.groups, conv.padding) == ((2, 1), 3, (2, 2))
     state = conv.state_dict()
     assert list(state) == ["weight", "bias"] and state["weight"].shape == (9, 2, 3, 2)
@@ -7252,7 +7243,7 @@ def test_conv2d_module_dilation_and_groups(device):
     for value in state.values():
         assert np.abs(value).max() <= bound and np.abs(value).max() > 0.7 * bound
     x = np.random.default_rng(9).standard_normal((2, 6, 7, 5)).astype(np.float32)
-    out = conv(tensor(x, device))
+    out = conv(tensor(x, backend))
     np.testing.assert_array_equal(host(out), host(F.conv2d(x, conv.weight, conv.bias, padding=2,
                                                            dilation=(2, 1), groups=3)))
     np.testing.assert_allclose(host(out), _conv2d_ref(x.astype(np.float64), state["weight"],
@@ -7478,7 +7469,7 @@ def _assert_nothing_left(pid, timeout):
 
 def _script(body):
     """A Python program that imports this netcl and runs `body`."""
-    return f"import sys\nsys.path[:0] = {sys.path!r}\nimport {nc.__name__} as nc\n" + body
+    return f"import sys\nsys.path[:0] = {sys.path!r}\nimport netcl\n" + body
 
 
 def _start(body, tmp_path, **popen_kwargs):
@@ -7527,7 +7518,7 @@ def waiting_for_a_batch(loader):
     next(iterator)  # batch 1 never comes
 
 for action, stuck_from in ((start_up, 0), (stop_wait, 2), (waiting_for_a_batch, 2)):
-    loader = nc.DataLoader(StuckDataset(stuck_from, action is start_up), batch_size=2,
+    loader = netcl.DataLoader(StuckDataset(stuck_from, action is start_up), batch_size=2,
                            shuffle=False, num_workers=2, use_shared_mem=True)
     try:
         action(loader)
@@ -7588,7 +7579,7 @@ while not select.select([sys.stdin], [], [], 0)[0]:
     batches = rng.randrange(6)  # 5: the whole epoch; fewer: drop the iterator after that many
     try:
         armed = True
-        loader = nc.DataLoader(SleepyDataset(), batch_size=4, num_workers=2, use_shared_mem=True)
+        loader = netcl.DataLoader(SleepyDataset(), batch_size=4, num_workers=2, use_shared_mem=True)
         if batches == 5:
             for batch in loader:
                 pass
@@ -7656,7 +7647,7 @@ def test_worker_killed_by_sigbus_says_shared_memory_ran_out():
     shm_before = _shm_names()
     # Batches of 4 samples: x (4, 2, 3) float32, y (4,) int64, extra (4,) int16, each field
     # rounded up to 64 bytes: 128 + 64 + 64 bytes a block.
-    loader = nc.DataLoader(SignalledDataset(40, 13, signal.SIGBUS), batch_size=4, shuffle=False,
+    loader = netcl.DataLoader(SignalledDataset(40, 13, signal.SIGBUS), batch_size=4, shuffle=False,
                            num_workers=2, use_shared_mem=True)
     with _deadline(30), raises_naming(RuntimeError, "worker 1", "exit code -7", "SIGBUS", "/dev/shm",
                                       "256 bytes", "use_shared_mem=False", "prefetch"):
@@ -7664,7 +7655,7 @@ def test_worker_killed_by_sigbus_says_shared_memory_ran_out():
     del loader
     _assert_clean(shm_before)
     # Without shared memory a SIGBUS is only what it is.
-    loader = nc.DataLoader(SignalledDataset(40, 13, signal.SIGBUS), batch_size=4, shuffle=False,
+    loader = netcl.DataLoader(SignalledDataset(40, 13, signal.SIGBUS), batch_size=4, shuffle=False,
                            num_workers=2)
     with _deadline(30), pytest.raises(RuntimeError, match="exit code -7") as caught:
         list(loader)
@@ -7681,9 +7672,9 @@ def test_prefetch_and_batches_in_flight_are_bounded(kwargs, needles):
     # Each batch in flight holds a shared-memory block (two file descriptors): 10**9 of them
     # used to fail with "Too many open files".
     with raises_naming(ValueError, "DataLoader", *needles):
-        nc.DataLoader(nc.ArrayDataset(*_samples(10)), **kwargs)
+        netcl.DataLoader(netcl.ArrayDataset(*_samples(10)), **kwargs)
     for fine in ({"prefetch": 64}, {"num_workers": 16, "prefetch": 64}, {"num_workers": 512}):
-        nc.DataLoader(nc.ArrayDataset(*_samples(10)), **fine)  # built, not iterated
+        netcl.DataLoader(netcl.ArrayDataset(*_samples(10)), **fine)  # built, not iterated
 
 
 class HangingDataset(SampleDataset):
@@ -7702,7 +7693,7 @@ class HangingDataset(SampleDataset):
 @pytest.mark.parametrize("use_shared_mem", [False, True])
 def test_timeout_raises_on_a_hung_worker_and_leaves_no_worker(use_shared_mem):
     shm_before = _shm_names()
-    loader = nc.DataLoader(HangingDataset(40, hang_from=8), batch_size=4, shuffle=False, num_workers=2,
+    loader = netcl.DataLoader(HangingDataset(40, hang_from=8), batch_size=4, shuffle=False, num_workers=2,
                            use_shared_mem=use_shared_mem, timeout=0.5)
     batches = []
     start = time.monotonic()
@@ -7716,19 +7707,19 @@ def test_timeout_raises_on_a_hung_worker_and_leaves_no_worker(use_shared_mem):
 
 
 def test_bad_timeouts_are_rejected():
-    dataset = nc.ArrayDataset(*_samples(10))
+    dataset = netcl.ArrayDataset(*_samples(10))
     for bad in (-1, -0.5):
         with raises_naming(ValueError, "timeout", str(bad)):
-            nc.DataLoader(dataset, num_workers=2, timeout=bad)
+            netcl.DataLoader(dataset, num_workers=2, timeout=bad)
     for bad in ("1", None, True, float("nan"), float("inf"), [1]):
         with raises_naming((TypeError, ValueError), "timeout", repr(bad)):
-            nc.DataLoader(dataset, num_workers=2, timeout=bad)
+            netcl.DataLoader(dataset, num_workers=2, timeout=bad)
     # As PyTorch, a timeout is for waiting on workers: without them it is an error.
     with raises_naming(ValueError, "timeout", "num_workers"):
-        nc.DataLoader(dataset, timeout=1.0)
+        netcl.DataLoader(dataset, timeout=1.0)
     for fine in (0, 2, 2.5, np.float64(0.25)):
-        nc.DataLoader(dataset, num_workers=2, timeout=fine)
-    nc.DataLoader(dataset, timeout=0)
+        netcl.DataLoader(dataset, num_workers=2, timeout=fine)
+    netcl.DataLoader(dataset, timeout=0)
 
 
 def test_leading_dimension_pieces_are_views_where_the_device_allows(opencl):
