@@ -249,10 +249,7 @@ def test_pool_impossible_request_raises_memory_error(backend):
 def test_pool_stays_flat_over_training(backend):
     """300 SGD steps of a small MLP with the garbage collector off: buffers come back by
     reference counting alone, so bytes in use stay flat and almost every allocation hits."""
-    netcl.manual_seed(0)
-    q = backend.queue
-    model = netcl.Sequential(netcl.Linear(20, 32, queue=q), netcl.ReLU(),
-                             netcl.Linear(32, 10, queue=q))
+    model = _mlp(backend)
     opt = netcl.SGD(model.parameters(), lr=0.05, momentum=0.9)
     rng = np.random.default_rng(0)
     xs = rng.standard_normal((300, 16, 20)).astype(np.float32)
@@ -2015,10 +2012,16 @@ def test_mixing_devices_raises(cpu, opencl):
 # nn
 # ---------------------------------------------------------------------------------------------
 
-def _mlp(dev, seed=0, sizes=(20, 32, 10)):
+def _mlp(dev, sizes=(20, 32, 10), seed=0, activations=(nn.ReLU,)):
+    """The suite's MLP: a Linear between each two sizes, seeded by manual_seed(seed), and
+    between the Linears the activations in turn."""
     netcl.manual_seed(seed)
-    return netcl.Sequential(netcl.Linear(sizes[0], sizes[1], queue=dev.queue), netcl.ReLU(),
-                            netcl.Linear(sizes[1], sizes[2], queue=dev.queue))
+    layers = []
+    for i, (fan_in, fan_out) in enumerate(zip(sizes, sizes[1:])):
+        if i:
+            layers.append(activations[(i - 1) % len(activations)]())
+        layers.append(nn.Linear(fan_in, fan_out, queue=dev.queue))
+    return nn.Sequential(*layers)
 
 
 def test_named_parameters_names_and_order(backend):
@@ -2206,19 +2209,19 @@ def test_load_missing_key_names_it(backend, tmp_path):
 # optim.SGD
 # ---------------------------------------------------------------------------------------------
 
-def _sgd_reference(params, grads_per_step, lrs, momentum, weight_decay, nesterov):
+def _sgd_reference(initial, grads_per_step, lrs, momentum=0.0, weight_decay=0.0, nesterov=False):
     """PyTorch's SGD rule (torch/optim/sgd.py, _single_tensor_sgd, dampening=0) in NumPy:
         d_p = grad + weight_decay * p
         buf = d_p on the first step, else momentum * buf + d_p
         d_p = d_p + momentum * buf if nesterov else buf       (only when momentum != 0)
         p  -= lr * d_p
-    """
-    params = [p.astype(np.float64) for p in params]
+    Returns the float64 parameters after each step."""
+    params = [p.astype(np.float64) for p in initial]
     bufs = [None] * len(params)
     history = []
     for grads, lr in zip(grads_per_step, lrs):
         for i, (p, g) in enumerate(zip(params, grads)):
-            d_p = g + weight_decay * p if weight_decay else g.copy()
+            d_p = g + weight_decay * p  # float64, as p is
             if momentum:
                 bufs[i] = d_p.copy() if bufs[i] is None else momentum * bufs[i] + d_p
                 d_p = d_p + momentum * bufs[i] if nesterov else bufs[i]
@@ -2334,10 +2337,7 @@ def test_tutorial_mlp_on_digits(backend):
     x = (digits.data / 16.0).astype(np.float32)
     x_train, x_test, y_train, y_test = model_selection.train_test_split(
         x, digits.target, test_size=0.2, random_state=0, stratify=digits.target)
-    netcl.manual_seed(0)
-    q = backend.queue
-    model = netcl.Sequential(netcl.Linear(64, 128, queue=q), netcl.ReLU(),
-                             netcl.Linear(128, 10, queue=q))
+    model = _mlp(backend, (64, 128, 10))
     opt = netcl.SGD(model.parameters(), lr=0.05, momentum=0.9)
     rng = np.random.default_rng(0)
     batch = 32
@@ -3237,13 +3237,6 @@ OPT_SETTINGS = settings(max_examples=8, deadline=None,
                                                HealthCheck.function_scoped_fixture])
 
 
-def _set_grads_opt(params, grads):
-    """Give each parameter exactly `grad` through a backward pass: d/dp sum(p * g) = g."""
-    with netcl.Tape() as tape:
-        loss = sum(((p * g).sum() for p, g in zip(params, grads)), start=0.0)
-    tape.backward(loss)
-
-
 def _normal(rng, *shapes):
     """float32 standard-normal arrays of the given shapes."""
     return [rng.standard_normal(shape).astype(np.float32) for shape in shapes]
@@ -3263,22 +3256,6 @@ def _total_norm_reference(grads, norm_type=2.0):
     """clip_grad.py's _get_total_norm: the norm of the per-tensor norms."""
     norms = [np.linalg.norm(g.astype(np.float64).ravel(), norm_type) for g in grads]
     return float(np.linalg.norm(np.array(norms), norm_type))
-
-
-def _sgd_reference_opt(initial, grads_per_step, lrs, momentum=0.0, weight_decay=0.0, nesterov=False):
-    """torch/optim/sgd.py, _single_tensor_sgd with dampening 0."""
-    params = [p.astype(np.float64) for p in initial]
-    bufs = [None] * len(params)
-    history = []
-    for grads, lr in zip(grads_per_step, lrs):
-        for i, g in enumerate(grads):
-            d_p = g + weight_decay * params[i]
-            if momentum:
-                bufs[i] = d_p.copy() if bufs[i] is None else momentum * bufs[i] + d_p
-                d_p = d_p + momentum * bufs[i] if nesterov else bufs[i]
-            params[i] = params[i] - lr * d_p
-        history.append([p.copy() for p in params])
-    return history
 
 
 def _adam_reference(initial, grads_per_step, lrs, betas=(0.9, 0.999), eps=1e-8,
@@ -3350,7 +3327,7 @@ def test_trajectory_matches_pytorch_rule(backend, kind, data, shapes, seed):
                        for s in shapes] for _ in range(steps)]
     lrs = list(rng.uniform(1e-3, 5e-2, steps))
     if kind == "sgd":
-        expected = _sgd_reference_opt(initial, grads_per_step, lrs, **hyper)
+        expected = _sgd_reference(initial, grads_per_step, lrs, **hyper)
     else:
         expected = _adam_reference(initial, grads_per_step, lrs, decoupled=kind == "adamw",
                                    max_norm=max_norm, **hyper)
@@ -3359,7 +3336,7 @@ def test_trajectory_matches_pytorch_rule(backend, kind, data, shapes, seed):
     for step in range(steps):
         opt.lr = lrs[step]
         opt.zero_grad()
-        _set_grads_opt(params, grads_per_step[step])
+        _set_grads(params, grads_per_step[step])
         opt.step() if max_norm is None else opt.step(max_norm=max_norm)
         for p, e in zip(params, expected[step]):
             # float32 against float64: 150 examples per case never differed by 1e-6
@@ -3380,7 +3357,7 @@ def test_parameter_without_grad_is_untouched(backend, kind):
                                decoupled=kind == "adamw", max_norm=1.0)
     for step, g in enumerate(grads):
         opt.zero_grad()
-        _set_grads_opt([used], g)
+        _set_grads([used], g)
         assert unused.grad is None
         opt.step(max_norm=1.0)
         np.testing.assert_allclose(host(used), expected[step][0], rtol=2e-5, atol=2e-5)
@@ -3426,7 +3403,7 @@ def test_fused_clip_step_equals_clip_then_step(backend, kind, shapes, seed, max_
     for grads in grads_per_step:
         for params, opt in [(fused, opt_fused), (unfused, opt_unfused)]:
             opt.zero_grad()
-            _set_grads_opt(params, grads)
+            _set_grads(params, grads)
         netcl.clip_grad_norm(unfused, max_norm)
         opt_unfused.step()
         opt_fused.step(max_norm=max_norm)
@@ -3510,11 +3487,11 @@ def test_non_finite_gradient_skips_the_fused_step(backend, kind, bad):
     for grads in good[:2]:
         for params, opt in [(a, opt_a), (b, opt_b)]:
             opt.zero_grad()
-            _set_grads_opt(params, grads)
+            _set_grads(params, grads)
             opt.step(max_norm=1.0)
     before = [host(p) for p in a], opt_a.state_dict()
     opt_a.zero_grad()
-    _set_grads_opt(a, poisoned)
+    _set_grads(a, poisoned)
     launches, syncs = backend.launches, backend.syncs
     opt_a.step(max_norm=1.0)
     assert backend.syncs == syncs
@@ -3528,7 +3505,7 @@ def test_non_finite_gradient_skips_the_fused_step(backend, kind, bad):
     # The skipped step did not count: the next good step is the third, as for `b`.
     for params, opt in [(a, opt_a), (b, opt_b)]:
         opt.zero_grad()
-        _set_grads_opt(params, good[2])
+        _set_grads(params, good[2])
         opt.step(max_norm=1.0)
     for x, y in zip(a, b):
         np.testing.assert_array_equal(host(x), host(y))
@@ -3538,16 +3515,8 @@ def test_non_finite_gradient_skips_the_fused_step(backend, kind, bad):
 # launches, syncs, flat buffers
 # ---------------------------------------------------------------------------------------------
 
-def _mlp_opt(layers, dev):
-    modules = []
-    for _ in range(layers):
-        modules += [netcl.nn.Linear(8, 8, queue=dev.queue), netcl.nn.ReLU()]
-    return netcl.nn.Sequential(*modules[:-1])
-
-
 def _launches_per_step(dev, layers, max_norm):
-    netcl.manual_seed(4)
-    model = _mlp_opt(layers, dev)
+    model = _mlp(dev, (8,) * (layers + 1), seed=4)
     opt = netcl.AdamW(model.parameters(), lr=1e-3)
     x = netcl.Tensor.from_host(np.ones((2, 8), np.float32), queue=dev.queue)
     counts = []
@@ -3579,9 +3548,9 @@ def test_backward_accumulates_into_the_flat_buffer(backend):
     grads = [rng.standard_normal(p.shape).astype(np.float32) for p in initial]
     params = [param(p, backend) for p in initial]
     opt = netcl.AdamW(params, lr=0.01)
-    _set_grads_opt(params, grads)
+    _set_grads(params, grads)
     first = [p.grad for p in params]
-    _set_grads_opt(params, grads)
+    _set_grads(params, grads)
     assert [p.grad for p in params] == first  # the same tensors, accumulated in place
     for p, g in zip(params, grads):
         np.testing.assert_allclose(host(p.grad), 2 * g, rtol=1e-6)
@@ -3595,8 +3564,7 @@ def test_backward_accumulates_into_the_flat_buffer(backend):
 
 
 def test_model_keeps_working_through_the_flat_buffers(backend):
-    netcl.manual_seed(5)
-    model = _mlp_opt(2, backend)
+    model = _mlp(backend, (8, 8, 8), seed=5)
     x = netcl.Tensor.from_host(_normal(np.random.default_rng(5), (3, 8))[0], queue=backend.queue)
     before = host(model(x))
     weights = model.state_dict()
@@ -3629,7 +3597,7 @@ def test_state_dict_round_trip_continues_the_trajectory(backend, kind):
     opt_a = _make(kind, a, 0.02, hyper)
     for g in grads[:3]:
         opt_a.zero_grad()
-        _set_grads_opt(a, g)
+        _set_grads(a, g)
         opt_a.step(max_norm=1.0)
     state = opt_a.state_dict()
     assert state["state"][0]["step"] == 3 and set(state["state"]) == {0, 1}
@@ -3641,7 +3609,7 @@ def test_state_dict_round_trip_continues_the_trajectory(backend, kind):
     for g in grads[3:]:
         for params, opt in [(a, opt_a), (b, opt_b)]:
             opt.zero_grad()
-            _set_grads_opt(params, g)
+            _set_grads(params, g)
             opt.step(max_norm=1.0)
     for x, y in zip(a, b):
         np.testing.assert_array_equal(host(x), host(y))
@@ -3745,10 +3713,7 @@ def _blobs(n=96, features=8, classes=3, seed=0):
     return (centers[y] + rng.standard_normal((n, features))).astype(np.float32), y
 
 
-def _trainer_model(dev, features=8, classes=3, seed=0):
-    netcl.manual_seed(seed)
-    return nn.Sequential(nn.Linear(features, 16, queue=dev.queue), nn.ReLU(),
-                         nn.Linear(16, classes, queue=dev.queue))
+BLOBS_MLP = (8, 16, 3)  # the sizes of the MLP (`_mlp`) that classifies `_blobs()`
 
 
 def _batches(x, y, batch_size):
@@ -3757,7 +3722,7 @@ def _batches(x, y, batch_size):
 
 def test_trainer_history_records_every_epoch(backend, capsys):
     x, y = _blobs()
-    model = _trainer_model(backend)
+    model = _mlp(backend, BLOBS_MLP)
     trainer = netcl.Trainer(model, netcl.AdamW(model.parameters(), lr=1e-2),
                             device_queue=backend.queue, metrics_stride=1)
     history = trainer.fit(_batches(x, y, 32), _batches(x, y, 48), epochs=3)
@@ -3779,7 +3744,7 @@ def test_trainer_history_records_every_epoch(backend, capsys):
 @given(stride=st.integers(1, 4), bad_step=st.integers(0, 9))
 def test_trainer_non_finite_loss_names_the_step(backend, stride, bad_step):
     x, y = _blobs(n=40)
-    inner = _trainer_model(backend)
+    inner = _mlp(backend, BLOBS_MLP)
     calls = [0]
 
     def model(xb):  # NaN logits from training step `bad_step` on (SGD spreads it to weights)
@@ -3802,7 +3767,7 @@ def test_trainer_index_and_one_hot_labels_give_the_same_history(backend):
     x, y = _blobs()
     histories = []
     for labels in (y, np.eye(3, dtype=np.float32)[y]):
-        model = _trainer_model(backend)
+        model = _mlp(backend, BLOBS_MLP)
         trainer = netcl.Trainer(model, netcl.AdamW(model.parameters(), lr=1e-2), grad_clip=1.0,
                                 device_queue=backend.queue, metrics_stride=2)
         histories.append(trainer.fit(_batches(x, labels, 16), _batches(x, labels, 50), epochs=2))
@@ -3813,7 +3778,7 @@ def test_trainer_index_and_one_hot_labels_give_the_same_history(backend):
 
 def test_trainer_rejects_out_of_range_labels(backend):
     x, y = _blobs(n=32)
-    model = _trainer_model(backend)
+    model = _mlp(backend, BLOBS_MLP)
     trainer = netcl.Trainer(model, netcl.SGD(model.parameters(), lr=0.1), device_queue=backend.queue)
     bad = y.copy()
     bad[5] = 7
@@ -3834,7 +3799,7 @@ def test_trainer_clips_through_the_fused_step_or_clip_grad_norm(backend, monkeyp
                         lambda params, max_norm, *a, **k: clip_calls.append(max_norm)
                         or real_clip(params, max_norm, *a, **k))
     # SGD's step takes no max_norm: the Trainer clips with clip_grad_norm, then steps.
-    model = _trainer_model(backend)
+    model = _mlp(backend, BLOBS_MLP)
     before = [host(p) for p in model.parameters()]
     trainer = netcl.Trainer(model, netcl.SGD(model.parameters(), lr=1.0), grad_clip=0.5,
                             device_queue=backend.queue)
@@ -3844,7 +3809,7 @@ def test_trainer_clips_through_the_fused_step_or_clip_grad_norm(backend, monkeyp
                            for p, b in zip(model.parameters(), before)))
     assert update <= 0.5 * (1 + 1e-4)  # lr 1: the update is the clipped gradient
     # AdamW clips inside its step: step(max_norm=...) once per batch, never clip_grad_norm.
-    model = _trainer_model(backend)
+    model = _mlp(backend, BLOBS_MLP)
     opt = netcl.AdamW(model.parameters(), lr=1e-3)
     steps = []
     real_step = opt.step
@@ -3885,7 +3850,7 @@ def test_trainer_evaluate_changes_nothing_and_restores_the_mode(backend, capsys)
 
 def test_trainer_checkpoint_saves_only_on_improvement(backend, tmp_path, monkeypatch):
     x, y = _blobs(n=30)
-    model = _trainer_model(backend)
+    model = _mlp(backend, BLOBS_MLP)
     trainer = netcl.Trainer(model, netcl.SGD(model.parameters(), lr=0.01), device_queue=backend.queue)
     scripted = iter([0.5, 0.4, 0.6, 0.6, 0.7])
     monkeypatch.setattr(trainer, "_evaluate", lambda *a: {"loss": 1.0, "accuracy": next(scripted)})
@@ -3900,7 +3865,7 @@ def test_trainer_checkpoint_saves_only_on_improvement(backend, tmp_path, monkeyp
     assert set(loaded) == set(saved[-1])
     for key in loaded:
         np.testing.assert_array_equal(loaded[key], saved[-1][key])
-    fresh = _trainer_model(backend, seed=1)
+    fresh = _mlp(backend, BLOBS_MLP, seed=1)
     fresh.load_state_dict(loaded)
     assert path.exists()
     with raises_naming(ValueError, "checkpoint"):
@@ -3930,7 +3895,7 @@ def test_trainer_accepts_any_callable_loss_and_gpu_batches(backend):
 
 def test_trainer_memory_stays_flat_without_gc(backend):
     x, y = _blobs(n=64)
-    model = _trainer_model(backend)
+    model = _mlp(backend, BLOBS_MLP)
     trainer = netcl.Trainer(model, netcl.AdamW(model.parameters(), lr=1e-2), grad_clip=1.0,
                             device_queue=backend.queue, metrics_stride=3)
     batches = _batches(x, y, 8)
@@ -3950,7 +3915,7 @@ def test_trainer_memory_stays_flat_without_gc(backend):
 
 def test_trainer_host_syncs_per_100_steps(opencl):
     x, y = _blobs(n=400)
-    model = _trainer_model(opencl)
+    model = _mlp(opencl, BLOBS_MLP)
     trainer = netcl.Trainer(model, netcl.AdamW(model.parameters(), lr=1e-2), grad_clip=1.0,
                             device_queue=opencl.queue, metrics_stride=10)
     batches = _batches(x, y, 4)  # 100 steps
@@ -3965,7 +3930,7 @@ def test_trainer_mixed_precision_on_cpu_is_float32_with_a_notice(cpu, capsys):
     x, y = _blobs()
     histories = []
     for mixed in (False, True):
-        model = _trainer_model(cpu)
+        model = _mlp(cpu, BLOBS_MLP)
         trainer = netcl.Trainer(model, netcl.AdamW(model.parameters(), lr=1e-2),
                                 device_queue=cpu.queue, mixed_precision=mixed, metrics_stride=1)
         histories.append(trainer.fit(_batches(x, y, 32), epochs=2))
@@ -3978,7 +3943,7 @@ def test_trainer_mixed_precision_on_cpu_is_float32_with_a_notice(cpu, capsys):
     ({"metrics_stride": 0}, "metrics_stride"), ({"grad_clip": -1.0}, "grad_clip"),
     ({"loss_fn": 3}, "loss_fn")])
 def test_trainer_validates_its_arguments(cpu, kwargs, needle):
-    model = _trainer_model(cpu)
+    model = _mlp(cpu, BLOBS_MLP)
     with raises_naming(ValueError, needle):
         netcl.Trainer(model, netcl.SGD(model.parameters(), lr=0.1), **kwargs)
 
@@ -3992,9 +3957,7 @@ def test_trainer_reaches_95_percent_on_digits(backend, mixed_precision):
     x = (digits.data / 16.0).astype(np.float32)
     order = np.random.default_rng(0).permutation(len(x))
     train, test = order[:1400], order[1400:]
-    netcl.manual_seed(0)
-    model = nn.Sequential(nn.Linear(64, 128, queue=backend.queue), nn.ReLU(),
-                          nn.Linear(128, 10, queue=backend.queue))
+    model = _mlp(backend, (64, 128, 10))
     trainer = netcl.Trainer(model, netcl.AdamW(model.parameters(), lr=3e-3), grad_clip=1.0,
                             device_queue=backend.queue, mixed_precision=mixed_precision)
     train_loader = netcl.DataLoader(netcl.ArrayDataset(x[train], digits.target[train]),
@@ -4007,7 +3970,7 @@ def test_trainer_reaches_95_percent_on_digits(backend, mixed_precision):
 
 def test_trainer_epoch_loss_is_the_mean_over_every_step(backend):
     x, y = _blobs(n=70)
-    model = _trainer_model(backend)
+    model = _mlp(backend, BLOBS_MLP)
     losses = []
 
     def loss_fn(logits, target):
@@ -4038,7 +4001,7 @@ def test_trainer_non_finite_loss_stops_before_its_update(backend):
 def test_trainer_accuracy_exists_for_every_epoch_and_log_every_sets_validation(backend, capsys,
                                                                                 monkeypatch):
     x, y = _blobs(n=40)
-    model = _trainer_model(backend)
+    model = _mlp(backend, BLOBS_MLP)
     trainer = netcl.Trainer(model, netcl.AdamW(model.parameters(), lr=1e-2),
                             device_queue=backend.queue)  # metrics_stride 10 > 2 steps an epoch
     calls = []
@@ -4055,7 +4018,7 @@ def test_trainer_integer_one_hot_labels_train_like_float_ones(backend):
     x, y = _blobs()
     histories = []
     for dtype in (np.int64, np.float32):
-        model = _trainer_model(backend)
+        model = _mlp(backend, BLOBS_MLP)
         trainer = netcl.Trainer(model, netcl.SGD(model.parameters(), lr=0.1),
                                 device_queue=backend.queue, metrics_stride=1)
         histories.append(trainer.fit(_batches(x, np.eye(3, dtype=dtype)[y], 32), epochs=2))
@@ -4312,11 +4275,9 @@ def test_autocast_products_are_the_float32_result_rounded(opencl, monkeypatch, g
             np.testing.assert_array_equal(g16, g32, err_msg=name)
 
 
-def _digits_mlp(dev, hidden=64):
-    q = dev.queue
-    return nn.Sequential(nn.Linear(64, hidden, queue=q), nn.ReLU(),
-                         nn.Linear(hidden, hidden, queue=q), nn.Tanh(),
-                         nn.Linear(hidden, 10, queue=q))
+def _digits_mlp(dev, hidden=64, seed=0):
+    """The float16 tests' model of 8x8 digits: a ReLU and a Tanh, both in float16 storage."""
+    return _mlp(dev, (64, hidden, hidden, 10), seed, activations=(nn.ReLU, nn.Tanh))
 
 
 @pytest.mark.parametrize("gemm", ["packed", "tiled"])
@@ -4328,8 +4289,7 @@ def test_autocast_mlp_forward_matches_float32(opencl, monkeypatch, gemm):
     rng = np.random.default_rng(14)
     x = tensor(rng.standard_normal((48, 64)).astype(np.float32), opencl)
     y = rng.integers(0, 10, 48)
-    netcl.manual_seed(1)
-    model = _digits_mlp(opencl)
+    model = _digits_mlp(opencl, seed=1)
     results = {}
     for enabled in (False, True):
         for p in model.parameters():
@@ -4354,8 +4314,7 @@ def test_autocast_mlp_forward_matches_float32(opencl, monkeypatch, gemm):
 
 
 def test_autocast_is_a_noop_on_the_numpy_backend(cpu):
-    netcl.manual_seed(2)
-    model = _digits_mlp(cpu)
+    model = _digits_mlp(cpu, seed=2)
     x = tensor(np.random.default_rng(15).standard_normal((8, 64)), cpu)
     plain = host(model(x))
     with netcl.autocast():
@@ -4399,7 +4358,6 @@ def _digits_accuracy(dev, amp):
     x_train, x_test, y_train, y_test = model_selection.train_test_split(
         (digits.data / 16.0).astype(np.float32), digits.target, test_size=0.2, random_state=0,
         stratify=digits.target)
-    netcl.manual_seed(0)
     model = _digits_mlp(dev)
     opt = netcl.AdamW(model.parameters(), lr=3e-3)
     scaler = netcl.AMPGradScaler(enabled=amp)
@@ -4557,9 +4515,7 @@ def test_tensor_core_training_step_matches_float32(opencl):
     rng = np.random.default_rng(5)
     x = tensor(rng.standard_normal((256, 64)).astype(np.float16).astype(np.float32), dev)
     y = rng.integers(0, 16, 256)
-    netcl.manual_seed(1)
-    model = nn.Sequential(nn.Linear(64, 128, queue=dev.queue), nn.ReLU(),
-                          nn.Linear(128, 16, queue=dev.queue))
+    model = _mlp(dev, (64, 128, 16), seed=1)
     model.load_state_dict({name: value.astype(np.float16).astype(np.float32)
                            for name, value in model.state_dict().items()})
     grads = {}
@@ -4601,8 +4557,7 @@ def test_adam_keeps_the_float16_copy_of_its_parameters(opencl):
     """Once made (the first autocast forward on tensor cores asks for it), the float16 copy
     of Adam's flat parameters is written by the update kernel itself: after steps, a skipped
     step and a load_state_dict it is always the parameters rounded to nearest even."""
-    netcl.manual_seed(4)
-    model = _digits_mlp(opencl, hidden=32)
+    model = _digits_mlp(opencl, hidden=32, seed=4)
     opt = netcl.AdamW(model.parameters(), lr=1e-2)
     copies = opt._flat.half_copies()
     x = tensor(np.random.default_rng(7).standard_normal((16, 64)), opencl)
@@ -4787,7 +4742,7 @@ def test_scaler_trajectory_matches_pytorch(backend, kind, data, shapes, seed):
         applied.append(_clip_reference(unscaled, max_norm) if clip else
                        [g.astype(np.float64) for g in unscaled])
         if kind == "sgd":
-            expected = _sgd_reference_opt(initial, applied, [lr] * len(applied), **hyper)[-1]
+            expected = _sgd_reference(initial, applied, [lr] * len(applied), **hyper)[-1]
         else:
             expected = _adam_reference(initial, applied, [lr] * len(applied),
                                        decoupled=kind == "adamw", **hyper)[-1]
@@ -4893,7 +4848,7 @@ def test_disabled_scaler_passes_through(backend):
     np.testing.assert_array_equal(host(p.grad), g)
     scaler.step(opt_p, max_norm=0.5)  # passed through to AdamW.step
     scaler.update()
-    _set_grads_opt([q], [g])
+    _set_grads([q], [g])
     opt_q.step(max_norm=0.5)
     np.testing.assert_array_equal(host(p), host(q))
 
@@ -4947,8 +4902,7 @@ def _amp_step(model, opt, scaler, x, y, path):
 def test_amp_step_makes_no_host_sync(opencl, kind, path):
     """The Trainer's mixed-precision step, both ways it clips: no host sync at all; only
     get_scale() reads the device."""
-    netcl.manual_seed(6)
-    model = _digits_mlp(opencl, hidden=32)
+    model = _digits_mlp(opencl, hidden=32, seed=6)
     opt = netcl.AdamW(model.parameters(), lr=1e-3) if kind == "adamw" else \
         netcl.SGD(model.parameters(), lr=0.01, momentum=0.9)
     scaler = netcl.AMPGradScaler()
@@ -4968,8 +4922,7 @@ def test_amp_optimizer_launches_do_not_grow_with_parameter_count(backend):
     same launches for 2 parameters as for 20."""
     counts = []
     for layers in (1, 10):
-        netcl.manual_seed(4)
-        model = _mlp_opt(layers, backend)
+        model = _mlp(backend, (8,) * (layers + 1), seed=4)
         opt = netcl.AdamW(model.parameters(), lr=1e-3)
         scaler = netcl.AMPGradScaler()
         x = tensor(np.ones((2, 8), np.float32), backend)
@@ -5127,7 +5080,7 @@ def test_fit_checkpoint_that_fails_to_save_names_it_and_keeps_the_best(backend, 
                                                                       monkeypatch):
     import errno
     x, y = _blobs(n=30)
-    model = _trainer_model(backend)
+    model = _mlp(backend, BLOBS_MLP)
     trainer = netcl.Trainer(model, netcl.SGD(model.parameters(), lr=0.1), device_queue=backend.queue)
     scripted = iter([0.5, 0.6])
     monkeypatch.setattr(trainer, "_evaluate", lambda *a: {"loss": 1.0, "accuracy": next(scripted)})
@@ -5147,7 +5100,7 @@ def test_fit_checkpoint_that_fails_to_save_names_it_and_keeps_the_best(backend, 
     assert len(saved) == 2 and os.listdir(tmp_path) == ["best.npz"]
     best = netcl.load(path)
     _same_arrays(best, saved[0])
-    _trainer_model(backend, seed=1).load_state_dict(best)
+    _mlp(backend, BLOBS_MLP, seed=1).load_state_dict(best)
     assert str(path) in str(caught.value) and "No space left" in str(caught.value)
 
 
@@ -5370,7 +5323,7 @@ def _trained_optimizer(kind, backend):
     opt = _make(kind, params, 0.1, {"momentum": 0.9} if kind == "sgd" else {})
     for grads in ([np.ones((2, 3)), np.array([1.0, -2.0])], [np.full((2, 3), 0.5), np.ones(2)]):
         opt.zero_grad()
-        _set_grads_opt(params, grads)
+        _set_grads(params, grads)
         opt.step()
     return opt
 
@@ -5516,7 +5469,7 @@ def test_reduction_axis_must_be_ints(backend):
 
 def test_trainer_refuses_an_empty_batch(backend):
     x, y = _blobs(n=8)
-    model = _trainer_model(backend)
+    model = _mlp(backend, BLOBS_MLP)
     trainer = netcl.Trainer(model, netcl.SGD(model.parameters(), lr=0.1),
                             device_queue=backend.queue)
     batches = [(x[:4], y[:4]), (x[:0], y[:0])]
@@ -5532,7 +5485,7 @@ def test_trainer_trains_on_integer_inputs_as_on_their_float_values(backend, on_d
     images = np.clip(x * 20 + 128, 0, 255).astype(np.uint8)  # uint8 "pixels"
     results = []
     for inputs in (images, images.astype(np.float32)):
-        model = _trainer_model(backend)
+        model = _mlp(backend, BLOBS_MLP)
         loader = netcl.DataLoader(netcl.ArrayDataset(inputs, y), batch_size=16, shuffle=False,
                                   device_queue=backend.queue if on_device else None)
         trainer = netcl.Trainer(model, netcl.SGD(model.parameters(), lr=1e-4),
@@ -5547,7 +5500,7 @@ def test_trainer_trains_on_integer_inputs_as_on_their_float_values(backend, on_d
 
 def test_trainer_needs_class_scores_from_the_model(backend, capsys):
     x, y = _blobs(n=16)
-    inner = _trainer_model(backend)
+    inner = _mlp(backend, BLOBS_MLP)
     model = lambda xb: F.sum(inner(xb), axis=1)  # (N,), not (N, C)
     trainer = netcl.Trainer(model, netcl.SGD(inner.parameters(), lr=0.1),
                             device_queue=backend.queue, loss_fn=lambda out, t: F.mean(out * out))
@@ -7855,7 +7808,7 @@ def test_fit_resume_continues_exactly(backend, tmp_path, capsys, mixed):
 
 def test_resume_needs_a_training_checkpoint_and_its_scheduler(cpu, tmp_path):
     x, y = _blobs(n=32)
-    model = _trainer_model(cpu)
+    model = _mlp(cpu, BLOBS_MLP)
     opt = netcl.SGD(model.parameters(), lr=0.1)
     trainer = netcl.Trainer(model, opt, device_queue=cpu.queue)
     trainer.fit(_batches(x, y, 16), epochs=1, scheduler=netcl.StepLR(opt, 1),
@@ -7976,7 +7929,7 @@ class _LrSpy(netcl.SGD):
 def test_fit_steps_each_schedule_when_it_says(backend, monkeypatch):
     x, y = _blobs(n=48)
     batches = _batches(x, y, 16)  # 3 steps an epoch
-    model = _trainer_model(backend)
+    model = _mlp(backend, BLOBS_MLP)
     opt = _LrSpy(model.parameters(), lr=0.1)
     trainer = netcl.Trainer(model, opt, device_queue=backend.queue)
     schedule = netcl.WarmupCosine(opt, warmup_steps=2, total_steps=9)  # per batch
@@ -8001,7 +7954,7 @@ def test_fit_steps_each_schedule_when_it_says(backend, monkeypatch):
 def test_fit_stops_early_on_a_plateau_and_resumes_the_count(backend, tmp_path, capsys):
     x, y = _blobs(n=32)
     batches = _batches(x, y, 16)
-    model = _trainer_model(backend)
+    model = _mlp(backend, BLOBS_MLP)
     trainer = netcl.Trainer(model, netcl.SGD(model.parameters(), lr=0.0),  # a plateau
                             device_queue=backend.queue)
     history = trainer.fit(batches, epochs=10, patience=2, monitor="loss")
@@ -8026,7 +7979,7 @@ def test_fit_stops_early_on_a_plateau_and_resumes_the_count(backend, tmp_path, c
 def test_the_best_checkpoint_follows_the_monitored_value(backend, tmp_path, monkeypatch, scores,
                                                          monitor, saved_epochs):
     x, y = _blobs(n=20)
-    model = _trainer_model(backend)
+    model = _mlp(backend, BLOBS_MLP)
     trainer = netcl.Trainer(model, netcl.SGD(model.parameters(), lr=0.01),
                             device_queue=backend.queue)
     scripted = iter(scores)
@@ -8073,7 +8026,7 @@ def test_fit_trains_a_regression_without_accuracy(backend, capsys, out_shape):
 
 def test_fit_names_per_sample_data_and_an_exhausted_loader(backend):
     x, y = _blobs(n=12)
-    model = _trainer_model(backend)
+    model = _mlp(backend, BLOBS_MLP)
     trainer = netcl.Trainer(model, netcl.SGD(model.parameters(), lr=0.1),
                             device_queue=backend.queue)
     samples = [(x[i], int(y[i])) for i in range(12)]
