@@ -84,6 +84,22 @@ def opencl():
     return _get_device("opencl")
 
 
+Digits = namedtuple("Digits", "x y x_train y_train x_test y_test")
+
+
+@pytest.fixture(scope="session")
+def digits():
+    """scikit-learn's 8x8 digits: x (1797, 64) float32 in [0, 1], y (1797,) labels, and the
+    tutorial's split of them (stratified, 20% for testing, random_state=0). Read-only."""
+    datasets = pytest.importorskip("sklearn.datasets")
+    model_selection = pytest.importorskip("sklearn.model_selection")
+    data = datasets.load_digits()
+    x = (data.data / 16.0).astype(np.float32)
+    x_train, x_test, y_train, y_test = model_selection.train_test_split(
+        x, data.target, test_size=0.2, random_state=0, stratify=data.target)
+    return Digits(x, data.target, x_train, y_train, x_test, y_test)
+
+
 def tensor(array, dev, dtype=None):
     """A device Tensor holding `array` (float64 kept only when dtype=np.float64 is asked)."""
     array = np.asarray(array)
@@ -2330,13 +2346,8 @@ def test_alias_modules(backend):
 # integration: the tutorial model
 # ---------------------------------------------------------------------------------------------
 
-def test_tutorial_mlp_on_digits(backend):
-    datasets = pytest.importorskip("sklearn.datasets")
-    model_selection = pytest.importorskip("sklearn.model_selection")
-    digits = datasets.load_digits()
-    x = (digits.data / 16.0).astype(np.float32)
-    x_train, x_test, y_train, y_test = model_selection.train_test_split(
-        x, digits.target, test_size=0.2, random_state=0, stratify=digits.target)
+def test_tutorial_mlp_on_digits(backend, digits):
+    x_train, y_train, x_test, y_test = digits.x_train, digits.y_train, digits.x_test, digits.y_test
     model = _mlp(backend, (64, 128, 10))
     opt = netcl.SGD(model.parameters(), lr=0.05, momentum=0.9)
     rng = np.random.default_rng(0)
@@ -2731,12 +2742,10 @@ def test_import_paths():
     assert (Conv2d, MaxPool2d) == (netcl.Conv2d, netcl.MaxPool2d)
 
 
-def test_small_cnn_learns(backend):
+def test_small_cnn_learns(backend, digits):
     """A conv-relu-pool CNN fits a batch of the digits: the whole stack trains end to end."""
-    datasets = pytest.importorskip("sklearn.datasets")
-    digits = datasets.load_digits()
-    x = (digits.images[:128] / 16).astype(np.float32).reshape(-1, 1, 8, 8)
-    y = digits.target[:128]
+    x = digits.x[:128].reshape(-1, 1, 8, 8)
+    y = digits.y[:128]
     netcl.manual_seed(0)
     q = backend.queue
     model = nn.Sequential(nn.Conv2d(1, 8, 3, padding=1, queue=q), nn.ReLU(), nn.MaxPool2d(2),
@@ -3949,20 +3958,18 @@ def test_trainer_validates_its_arguments(cpu, kwargs, needle):
 
 
 @pytest.mark.parametrize("mixed_precision", [False, True])
-def test_trainer_reaches_95_percent_on_digits(backend, mixed_precision):
+def test_trainer_reaches_95_percent_on_digits(backend, digits, mixed_precision):
     """The tutorial's Trainer run; with mixed_precision=True too (tensor cores on NVIDIA,
     float32 with a notice on PoCL and the NumPy backend)."""
-    datasets = pytest.importorskip("sklearn.datasets")
-    digits = datasets.load_digits()
-    x = (digits.data / 16.0).astype(np.float32)
+    x = digits.x
     order = np.random.default_rng(0).permutation(len(x))
     train, test = order[:1400], order[1400:]
     model = _mlp(backend, (64, 128, 10))
     trainer = netcl.Trainer(model, netcl.AdamW(model.parameters(), lr=3e-3), grad_clip=1.0,
                             device_queue=backend.queue, mixed_precision=mixed_precision)
-    train_loader = netcl.DataLoader(netcl.ArrayDataset(x[train], digits.target[train]),
+    train_loader = netcl.DataLoader(netcl.ArrayDataset(x[train], digits.y[train]),
                                     batch_size=32, seed=0)
-    test_loader = netcl.DataLoader(netcl.ArrayDataset(x[test], digits.target[test]),
+    test_loader = netcl.DataLoader(netcl.ArrayDataset(x[test], digits.y[test]),
                                    batch_size=200, shuffle=False)
     trainer.fit(train_loader, epochs=15)
     assert trainer.evaluate(test_loader)["accuracy"] >= 0.95
@@ -4351,13 +4358,8 @@ def test_one_kernel_source_builds_both_storage_types(opencl):
     assert bool(extra) == opencl.tensor_cores
 
 
-def _digits_accuracy(dev, amp):
-    datasets = pytest.importorskip("sklearn.datasets")
-    model_selection = pytest.importorskip("sklearn.model_selection")
-    digits = datasets.load_digits()
-    x_train, x_test, y_train, y_test = model_selection.train_test_split(
-        (digits.data / 16.0).astype(np.float32), digits.target, test_size=0.2, random_state=0,
-        stratify=digits.target)
+def _digits_accuracy(dev, digits, amp):
+    x_train, y_train, x_test, y_test = digits.x_train, digits.y_train, digits.x_test, digits.y_test
     model = _digits_mlp(dev)
     opt = netcl.AdamW(model.parameters(), lr=3e-3)
     scaler = netcl.AMPGradScaler(enabled=amp)
@@ -4378,12 +4380,13 @@ def _digits_accuracy(dev, amp):
 
 
 @pytest.mark.parametrize("path", ["device", "portable"])
-def test_autocast_training_reaches_the_float32_accuracy(opencl, request, path):
+def test_autocast_training_reaches_the_float32_accuracy(opencl, digits, request, path):
     """"device": what autocast does on this device (tensor cores on NVIDIA, float32 on PoCL);
     "portable": float16 storage through the portable kernels."""
     if path == "portable":
         request.getfixturevalue("portable_half")
-    single, mixed = _digits_accuracy(opencl, amp=False), _digits_accuracy(opencl, amp=True)
+    single = _digits_accuracy(opencl, digits, amp=False)
+    mixed = _digits_accuracy(opencl, digits, amp=True)
     assert single >= 0.94, f"float32 accuracy {single:.3f}"
     assert mixed >= 0.94 and abs(mixed - single) <= 0.02, f"{mixed:.3f} vs float32 {single:.3f}"
 
