@@ -49,12 +49,19 @@ from netcl import nn
 
 BACKENDS = ["cpu", "opencl"]
 
-# deadline=None: the first OpenCL call of a kernel may wait for PoCL to compile it.
-# The whole suite has to stay well under ten minutes on two cores, hence few examples.
-FD_SETTINGS = settings(max_examples=20, deadline=None,
-                       suppress_health_check=[HealthCheck.too_slow])
-XB_SETTINGS = settings(max_examples=25, deadline=None,
-                       suppress_health_check=[HealthCheck.too_slow])
+# Hypothesis settings, one per kind of test. deadline=None everywhere: the first OpenCL call
+# of a kernel may wait for PoCL to compile it. The whole suite has to stay well under ten
+# minutes on two cores, hence few examples. The function-scoped fixtures that some of these
+# tests take (monkeypatch, tmp_path) hold nothing an example changes.
+_QUIET = [HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+# an op's float64 forward and gradient against a reference and finite differences (NumPy)
+FD_SETTINGS = settings(max_examples=20, deadline=None, suppress_health_check=_QUIET)
+# the OpenCL backend against the NumPy backend (or a known answer) on random shapes
+XB_SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=_QUIET)
+# each example trains for steps or starts worker processes: optimizers, scaler, Trainer, data
+TRAINING_SETTINGS = settings(max_examples=10, deadline=None, suppress_health_check=_QUIET)
+# host-side bookkeeping only (schedules, shards): cheap, so more examples
+PROPERTY_SETTINGS = settings(max_examples=30, deadline=None, suppress_health_check=_QUIET)
 
 
 def _get_device(name):
@@ -2374,9 +2381,6 @@ def test_tutorial_mlp_on_digits(backend, digits):
 # gradients against finite differences in float64, OpenCL against NumPy
 # ---------------------------------------------------------------------------------------------
 
-CNN_SETTINGS = settings(max_examples=40, deadline=None)
-
-
 # --- references written from the definitions, one output at a time ----------------------------
 
 def conv2d_loops(x, w, b, stride, padding):
@@ -2506,7 +2510,7 @@ def run_op(op, arrays, g, device, dtype=np.float32):
 
 # --- conv2d -----------------------------------------------------------------------------------
 
-@CNN_SETTINGS
+@FD_SETTINGS
 @given(conv_cases())
 def test_conv2d_forward_and_gradients_float64(case):
     x_shape, w_shape, bias, stride, padding, seed = case
@@ -2532,7 +2536,7 @@ def test_conv2d_forward_and_gradients_float64(case):
         np.testing.assert_allclose(analytic, numeric, rtol=1e-6, atol=1e-6)
 
 
-@CNN_SETTINGS
+@XB_SETTINGS
 @given(conv_cases())
 def test_conv2d_opencl_matches_numpy(opencl, case):
     x_shape, w_shape, bias, stride, padding, seed = case
@@ -2587,7 +2591,7 @@ def test_conv2d_skips_gradients_nobody_needs(backend):
 
 # --- pooling ----------------------------------------------------------------------------------
 
-@CNN_SETTINGS
+@FD_SETTINGS
 @given(pool_cases(), st.sampled_from(["max", "avg"]))
 def test_pool_forward_and_gradients_float64(case, kind):
     x_shape, kernel, stride, padding, seed = case
@@ -2604,7 +2608,7 @@ def test_pool_forward_and_gradients_float64(case, kind):
     np.testing.assert_allclose(grad, numeric_grads(f, [x], g)[0], rtol=1e-6, atol=1e-6)
 
 
-@CNN_SETTINGS
+@XB_SETTINGS
 @given(pool_cases(), st.sampled_from(["max", "avg"]))
 def test_pool_opencl_matches_numpy(opencl, case, kind):
     x_shape, kernel, stride, padding, seed = case
@@ -2621,7 +2625,7 @@ def test_pool_opencl_matches_numpy(opencl, case, kind):
     np.testing.assert_allclose(grad, ref_grad, rtol=1e-5, atol=1e-6)
 
 
-@CNN_SETTINGS
+@XB_SETTINGS
 @given(pool_cases(), st.data())
 def test_max_pool_ties_go_to_the_first_maximum(backend, case, data):
     """Few distinct values (and -inf) make ties everywhere; the gradient follows PyTorch:
@@ -2896,7 +2900,7 @@ def _deadline(seconds):
 
 # --- order and contents
 
-@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@TRAINING_SETTINGS
 @given(n=st.integers(1, 40), batch_size=st.integers(1, 12), drop_last=st.booleans(),
        shuffle=st.booleans(), seed=st.integers(0, 2**32), kind=st.sampled_from(["arrays", "list", "samples"]))
 def test_every_sample_once_per_epoch_in_the_same_order_for_any_workers(n, batch_size, drop_last, shuffle, seed, kind):
@@ -3240,11 +3244,6 @@ def test_wiki_import_paths():
 # - torch/nn/utils/clip_grad.py, clip_grad_norm_ (_get_total_norm, _clip_grads_with_norm_).
 # ---------------------------------------------------------------------------------------------
 
-# deadline=None: the first OpenCL call of a kernel may wait for PoCL to compile it.
-OPT_SETTINGS = settings(max_examples=8, deadline=None,
-                        suppress_health_check=[HealthCheck.too_slow,
-                                               HealthCheck.function_scoped_fixture])
-
 
 def _normal(rng, *shapes):
     """float32 standard-normal arrays of the given shapes."""
@@ -3322,7 +3321,7 @@ HYPER["adamw"] = HYPER["adam"]
 
 
 @pytest.mark.parametrize("kind", ["sgd", "adam", "adamw"])
-@OPT_SETTINGS
+@TRAINING_SETTINGS
 @given(data=st.data(), shapes=SHAPES, seed=st.integers(0, 2**31 - 1))
 def test_trajectory_matches_pytorch_rule(backend, kind, data, shapes, seed):
     hyper = data.draw(HYPER[kind], label="hyper")
@@ -3398,7 +3397,7 @@ def test_gradients_assigned_by_hand_are_used(backend):
 # ---------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kind", ["adam", "adamw"])
-@OPT_SETTINGS
+@TRAINING_SETTINGS
 @given(shapes=SHAPES, seed=st.integers(0, 2**31 - 1), max_norm=st.sampled_from([0.1, 1.0, 100.0]))
 def test_fused_clip_step_equals_clip_then_step(backend, kind, shapes, seed, max_norm):
     rng = np.random.default_rng(seed)
@@ -3427,7 +3426,7 @@ def test_fused_clip_step_equals_clip_then_step(backend, kind, shapes, seed, max_
         np.testing.assert_allclose(a["exp_avg_sq"], b["exp_avg_sq"], rtol=1e-5, atol=1e-9)
 
 
-@OPT_SETTINGS
+@TRAINING_SETTINGS
 @given(shapes=SHAPES, seed=st.integers(0, 2**31 - 1),
        norm_type=st.sampled_from([2.0, 1.0, 3.0, math.inf, "inf"]),
        max_norm=st.sampled_from([0.01, 1.0, 1e4]), without_grad=st.booleans())
@@ -3709,10 +3708,6 @@ def test_warmup_cosine_validates(warmup, total, needle):
 # Trainer: the wiki's fit/evaluate pipeline, errors, History, output and checkpoints
 # ---------------------------------------------------------------------------------------------
 
-TRAINER_SETTINGS = settings(max_examples=8, deadline=None,
-                            suppress_health_check=[HealthCheck.too_slow,
-                                                   HealthCheck.function_scoped_fixture])
-
 
 def _blobs(n=96, features=8, classes=3, seed=0):
     """Separable Gaussian blobs: x (n, features) float32, y (n,) int64."""
@@ -3749,7 +3744,7 @@ def test_trainer_history_records_every_epoch(backend, capsys):
     assert out.count("epoch ") == 4
 
 
-@TRAINER_SETTINGS
+@TRAINING_SETTINGS
 @given(stride=st.integers(1, 4), bad_step=st.integers(0, 9))
 def test_trainer_non_finite_loss_names_the_step(backend, stride, bad_step):
     x, y = _blobs(n=40)
@@ -4112,9 +4107,6 @@ def test_nn_functional_is_importable():
 # references above.
 # ---------------------------------------------------------------------------------------------
 
-AMP_SETTINGS = settings(max_examples=20, deadline=None,
-                        suppress_health_check=[HealthCheck.too_slow,
-                                               HealthCheck.function_scoped_fixture])
 # Rounding a value to float16 moves it by at most half an ulp, 2**-11 relative (2**-25 absolute
 # among subnormals); 1e-6 more covers the float32 arithmetic before the rounding.
 HALF_RTOL, HALF_ATOL = 2.0 ** -11 + 1e-6, 2.0 ** -25
@@ -4435,7 +4427,7 @@ def _tensor_core_device(opencl):
     return opencl
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@XB_SETTINGS
 @given(m=st.integers(1, 300), n=st.integers(1, 300), k=st.integers(1, 300),
        layout=st.sampled_from(["nn", "nt", "tn"]), half_out=st.booleans(),
        with_bias=st.booleans(), aligned=st.booleans(), seed=st.integers(0, 2 ** 31))
@@ -4681,7 +4673,7 @@ AMP_HYPER = {"sgd": {"momentum": 0.9, "weight_decay": 0.01, "nesterov": False},
 
 
 @pytest.mark.parametrize("kind", ["sgd", "adam", "adamw"])
-@AMP_SETTINGS
+@TRAINING_SETTINGS
 @given(data=st.data(), shapes=SHAPES, seed=st.integers(0, 2**31 - 1))
 def test_scaler_trajectory_matches_pytorch(backend, kind, data, shapes, seed):
     """Steps with random finite, inf and NaN gradients: the scale and growth tracker follow
@@ -7868,7 +7860,7 @@ def _plateau_reference(metrics, lr, mode, factor, patience, threshold, threshold
     return out
 
 
-@settings(max_examples=30, deadline=None)
+@PROPERTY_SETTINGS
 @given(step_size=st.integers(1, 5), gamma=st.floats(0.05, 1.0),
        metrics=st.lists(st.sampled_from([1.0, 0.9, 0.8999, 0.5, 0.7, 2.0, math.nan]),
                         min_size=1, max_size=30),
@@ -8843,7 +8835,7 @@ def test_import_netcl_does_not_import_mpi4py():
     assert done.returncode == 0, done.stderr
 
 
-@settings(max_examples=30, deadline=None)
+@PROPERTY_SETTINGS
 @given(n=st.integers(1, 40), world=st.integers(1, 4), batch_size=st.integers(1, 5),
        drop_last=st.booleans(), shuffle=st.booleans(), seed=st.integers(0, 2**31))
 def test_dataloader_shards_split_every_epoch_among_ranks(n, world, batch_size, drop_last,
