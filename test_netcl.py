@@ -1,21 +1,32 @@
-"""netcl's foundation test suite (pytest + Hypothesis).
+"""netcl's test suite (pytest + Hypothesis).
 
-Run with `python -m pytest -q test_netcl.py`.
+Run everything with `python -m pytest -q test_netcl.py`; a subset with `-k`, by name or by
+section word: `-k op_` (every op case), `-k "scaler or autocast"`, `-k "dataloader or worker"`,
+`-k trainer`. Every test that can runs on both backends through the `backend` fixture: "cpu"
+(the NumPy backend) and "opencl" (in CI: PoCL on the CPU); `cpu` and `opencl` name one
+backend. Without an OpenCL platform the OpenCL half is skipped, unless NETCL_REQUIRE_OPENCL=1
+is set (as in CI), in which case it fails.
 
-Every test that can runs on both backends through the `backend` fixture: "cpu" (the NumPy
-backend) and "opencl" (in CI: PoCL on the CPU). Without an OpenCL platform the OpenCL half is
-skipped, unless NETCL_REQUIRE_OPENCL=1 is set (as in CI), in which case it fails.
+The sections follow netcl.py's:
+- devices (the default device, NETCL_DEVICE, set_default), the BufferPool (reuse, stats,
+  MemoryError, a flat pool over a training loop), Tensor (round trips, dtypes, views, .to());
+- autograd (accumulation, fan-out, tape lifetime, no_grad, constants, nested Tapes, threads);
+- operations. The CASES registry (`@case`) holds one entry per op and form: it draws the inputs
+  and gives a NumPy float64 reference. Two tests run every case: the forward against the
+  reference and the gradient against central finite differences in float64 on the NumPy
+  backend, and the OpenCL backend against the NumPy backend in float32 on random shapes. Then
+  each family's edges (PyTorch's conventions at NaN, ties, empty axes) and argument errors;
+- nn modules, state_dict, save / load, print(model); optimizers against NumPy transcriptions of
+  PyTorch's formulas; mixed precision (autocast, float16 storage, tensor cores, AMPGradScaler
+  against a transcription of PyTorch's GradScaler);
+- data (DataLoader order, workers, shared memory, interrupts, load_idx), the Trainer (fit,
+  evaluate, checkpoints, resume, schedules, History), the examples and import aliases, and
+  data-parallel training over MPI (`mpiexec -n 2`).
 
-What is checked, in the order of netcl.py's sections:
-- devices and the BufferPool (reuse, stats, MemoryError, a flat pool over a training loop);
-- Tensor (round trips, dtypes, views);
-- autograd semantics (accumulation, fan-out, tape lifetime, no_grad, constants, shape errors);
-- every core op: forward against a NumPy reference and gradient against central finite
-  differences in float64 on the NumPy backend; forward and backward of the OpenCL backend
-  against the NumPy backend in float32 on random shapes (Hypothesis);
-- cross_entropy's targets and errors, dropout;
-- nn modules, state_dict, save/load; SGD against PyTorch's rule; the alias modules;
-- the tutorial model (an MLP on scikit-learn's digits) reaching 95% test accuracy.
+Shared pieces: the fixtures `backend`, `cpu`, `opencl` and `digits` (scikit-learn's digits and
+the tutorial's split); `tensor`, `param`, `host`, `raises_naming`; `_mlp`, the one MLP builder;
+`_sgd_reference` and `_adam_reference`, PyTorch's optimizer rules in float64; and four
+Hypothesis settings, one per kind of test (FD_, XB_, TRAINING_ and PROPERTY_SETTINGS).
 """
 import contextlib
 import gc
@@ -141,7 +152,7 @@ def raises_naming(exc, *needles):
 
 
 # ---------------------------------------------------------------------------------------------
-# devices
+# devices: the default device, NETCL_DEVICE, set_default, the device notice
 # ---------------------------------------------------------------------------------------------
 
 def test_default_cpu_device():
@@ -195,6 +206,136 @@ def test_auto_without_opencl_gpu_is_cpu(monkeypatch):
     expected = "opencl" if has_gpu else "cpu"
     assert netcl.manager.default().backend == expected
     assert netcl.manager.default("auto").backend == expected
+
+
+# --- a machine without PyOpenCL
+
+def _run_python(script, *flags, env=None, timeout=120):
+    """Run `script` in a fresh interpreter (with `flags`) that imports this checkout's netcl;
+    return its stdout."""
+    here = os.path.dirname(os.path.abspath(netcl.__file__))
+    script = f"import sys\nsys.path.insert(0, {here!r})\n" + script
+    result = subprocess.run([sys.executable, *flags, "-c", script], env=env,
+                            capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def test_default_device_without_pyopencl_is_numpy_and_opencl_says_what_to_install(tmp_path):
+    # pocl-binary-distribution installed without PyOpenCL leaves pyopencl/.libs and no
+    # __init__.py. A regular package anywhere on sys.path wins over such a directory, so the
+    # child runs without site-packages (-S) and sees only it and NumPy.
+    site = tmp_path / "site"
+    (site / "pyopencl" / ".libs").mkdir(parents=True)
+    numpy_dir = pathlib.Path(np.__file__).parent
+    for name in ("numpy", "numpy.libs"):  # numpy.libs: the BLAS a NumPy wheel links to
+        if (numpy_dir.parent / name).exists():
+            (site / name).symlink_to(numpy_dir.parent / name)
+    env = {k: v for k, v in os.environ.items() if k != "NETCL_DEVICE"}
+    env["PYTHONPATH"] = str(site)
+    out = _run_python("""
+import pyopencl
+assert getattr(pyopencl, "__file__", None) is None, pyopencl  # the empty namespace package
+import netcl
+assert netcl.manager.default().backend == "cpu"
+assert netcl.manager.default("auto") is netcl.manager.default("cpu")
+for request in ("opencl", "gpu", "opencl:0:0"):
+    try:
+        netcl.manager.default(request)
+    except RuntimeError as error:
+        print(request, "->", error)
+    else:
+        raise AssertionError(f"default({request!r}) without PyOpenCL returned a device")
+""", "-S", env=env)
+    lines = out.splitlines()
+    assert [line.split(" ->")[0] for line in lines] == ["opencl", "gpu", "opencl:0:0"], out
+    for line in lines:
+        assert "pip install pyopencl" in line and "pocl" in line.lower(), line
+
+
+# --- manager.set_default, mixed devices, the device notice
+
+@pytest.fixture
+def chosen_default():
+    """manager.set_default, undone after the test (the rest of the suite uses the usual
+    NETCL_DEVICE-or-auto default)."""
+    yield netcl.manager.set_default
+    netcl.manager.set_default(None)
+
+
+def _other(backend):
+    """The other backend's Device: where a test's objects start before they are moved."""
+    return _get_device("opencl" if backend.backend == "cpu" else "cpu")
+
+
+def test_set_default_device_is_used_wherever_no_queue_is_given(backend, chosen_default, monkeypatch):
+    assert chosen_default(backend.backend) is backend
+    assert netcl.manager.default() is backend
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    assert netcl.Tensor.from_host(x).device is backend
+    assert netcl.Tensor.empty((2,)).device is backend
+    assert netcl.Parameter(x).device is backend
+    assert netcl.Node(x).device is backend
+    layers = [nn.Linear(3, 2), nn.Conv2d(1, 2, 3), nn.LayerNorm(3), nn.BatchNorm1d(3), nn.Embedding(4, 2)]
+    assert all(p.device is backend for layer in layers for p in layer.parameters())
+    assert layers[3].running_mean.device is backend
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+    trainer = netcl.Trainer(lambda x: model(x), netcl.optim.SGD(model.parameters(), lr=0.1))
+    assert trainer.device is backend  # a model without parameters(): the default device
+    # A Device given works too; None goes back to NETCL_DEVICE, else auto.
+    assert chosen_default(backend) is backend
+    monkeypatch.setenv("NETCL_DEVICE", "cpu")
+    assert chosen_default(None) is netcl.manager.default("cpu")
+    assert netcl.Tensor.from_host(x).device.backend == "cpu"
+
+
+def test_set_default_wins_over_netcl_device_and_default_kind_leaves_it(opencl, chosen_default, monkeypatch):
+    monkeypatch.setenv("NETCL_DEVICE", "cpu")
+    # Asking manager.default for a device does not make it the default (existing callers).
+    assert netcl.manager.default("opencl") is opencl
+    assert netcl.manager.default().backend == "cpu"
+    assert chosen_default("opencl") is opencl
+    assert netcl.manager.default() is opencl  # code's choice wins over the environment
+    assert netcl.manager.default("cpu").backend == "cpu"  # an explicit argument wins over both
+    with raises_naming(ValueError, "nonsense"):
+        chosen_default("nonsense")
+    assert netcl.manager.default() is opencl  # a rejected choice changes nothing
+
+
+def test_mixed_device_errors_say_how_to_fix_them(opencl, cpu):
+    fix = (".to(device)", "queue=device.queue")
+    x = tensor(np.ones((2, 3), np.float32), cpu)
+    w = param(np.ones((4, 3), np.float32), opencl)
+    with raises_naming(ValueError, "linear", "different devices", "NumPy", opencl.name, *fix):
+        F.linear(x, w)
+    cond = tensor(np.array([1, 0, 1]), cpu)
+    a = tensor(np.ones(3, np.float32), opencl)
+    with raises_naming(ValueError, "where", "different devices", *fix):
+        F.where(cond, a, a)
+    with netcl.Tape() as tape:
+        loss = (w * w).sum()
+    with raises_naming(ValueError, "backward", "different devices", *fix):
+        tape.backward(loss, grad=tensor(np.ones((), np.float32), cpu))
+
+
+def _netcl_env(**extra):
+    """The environment of a subprocess that imports this netcl.py, not an installed one."""
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.abspath(netcl.__file__)), **extra)
+    env.pop("NETCL_DEVICE", None)
+    return env
+
+
+def test_device_notice_is_plain_words(opencl):
+    import pyopencl as cl
+    if opencl.cl_device.type & (cl.device_type.GPU | cl.device_type.ACCELERATOR):
+        pytest.skip("the notice is printed for a CPU OpenCL device only")
+    result = subprocess.run([sys.executable, "-c", "import netcl; netcl.manager.default('opencl')"],
+                            env=_netcl_env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert (f"netcl: no OpenCL GPU found; using OpenCL CPU device "
+            f"'{opencl.cl_device.name.strip()}' ({opencl.cl_device.platform.name.strip()})"
+            in result.stderr), result.stderr
+    assert "ALL" not in result.stderr  # not the type bitfield's string
 
 
 # ---------------------------------------------------------------------------------------------
@@ -308,8 +449,51 @@ def test_pool_stays_flat_over_training(backend):
     assert hits > 0.9 * (hits + misses), f"hits {hits}, misses {misses} over steps 50..300"
 
 
+def test_pool_alloc_takes_a_non_negative_int(backend):
+    for bad in (1.5, "8", None, True, np.float32(4)):
+        with raises_naming(TypeError, "alloc", "nbytes", repr(bad)):
+            backend.pool.alloc(bad)
+    with raises_naming(ValueError, "alloc", "nbytes", "-5"):
+        backend.pool.alloc(-5)
+    backend.pool.release(backend.pool.alloc(np.int64(0)))
+
+
+def test_pool_release_refuses_a_buffer_it_does_not_own(backend):
+    pool = backend.pool
+    gc.collect()
+    gc_was_enabled = gc.isenabled()
+    gc.disable()  # a collection in between would release tensors and move the stats
+    try:
+        first = pool.alloc(5000)
+        pool.release(first)
+        before = pool.stats()
+        with raises_naming(ValueError, "release", "released already"):
+            pool.release(first)
+        assert pool.stats() == before
+        a, b = pool.alloc(5000), pool.alloc(5000)
+        assert a is not b  # a double release would have cached `first` twice
+        # Foreign buffers: another pool's, a plain array, a tensor's view (NumPy backend) or a
+        # tensor of the other backend.
+        view = netcl.Tensor.empty((8,), queue=backend.queue)
+        elsewhere = netcl.Tensor.empty((8,), queue=netcl.manager.default("cpu").queue)
+        foreign = [netcl.BufferPool(lambda nbytes: np.empty(nbytes, np.uint8)).alloc(5000),
+                   np.empty(5000, np.uint8),
+                   view.data if backend.backend == "cpu" else elsewhere.data]
+        before = pool.stats()
+        for buffer in foreign:
+            with raises_naming(ValueError, "release", "allocated elsewhere"):
+                pool.release(buffer)
+        assert pool.stats() == before
+        pool.release(a)
+        pool.release(b)
+        del view, elsewhere
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+
+
 # ---------------------------------------------------------------------------------------------
-# Tensor
+# Tensor: round trips, dtypes, views, .to()
 # ---------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, np.int32])
@@ -375,9 +559,473 @@ def test_reshape_is_a_view(backend):
     assert _shares_buffer(F.flatten(x).value, x.value, backend)
 
 
+def test_from_host_refuses_integers_outside_int32(backend):
+    for values, needle in (([0, 2**32 + 1], 2**32 + 1), ([-(2**31) - 1], -(2**31) - 1),
+                           (np.array([3, 2**63], np.uint64), 2**63),
+                           (np.array([2**31], np.uint32), 2**31)):
+        with raises_naming(ValueError, "from_host", needle):
+            tensor(np.array(values), backend)
+    edges = np.array([-(2**31), 2**31 - 1, 0])
+    np.testing.assert_array_equal(host(tensor(edges, backend)), edges)
+    with raises_naming(TypeError, "from_host", "complex"):
+        netcl.Tensor.from_host(np.array([1 + 5j]), backend.queue, np.float32)
+    with raises_naming(TypeError, "from_host", "object"):
+        tensor(np.array([1, None]), backend)
+    logits = tensor(np.zeros((2, 3)), backend)
+    with raises_naming(ValueError, "cross_entropy", 2**32 + 1):
+        F.cross_entropy(logits, np.array([0, 2**32 + 1]))
+
+
+def test_tensor_to_and_node_to(backend):
+    source = _other(backend)
+    values = np.array([[1.0, -2.0, 3.0]], np.float32)
+    t = tensor(values, source)
+    assert t.to(source) is t and t.to(source.queue) is t
+    moved = t.to(backend)
+    assert moved.device is backend and moved.dtype == np.float32
+    np.testing.assert_array_equal(moved.to_host(), values)
+    half = tensor(values, source, np.float16).to(backend)
+    assert half.dtype == np.float16
+    labels = tensor(np.array([2, 0, 1]), source).to(backend)
+    assert labels.dtype == np.int32
+    np.testing.assert_array_equal(labels.to_host(), [2, 0, 1])
+    if backend.backend == "opencl":  # label tensors keep the host copy the Trainer checks
+        np.testing.assert_array_equal(labels._labels, [2, 0, 1])
+    with raises_naming(ValueError, "Tensor.to", "nonsense"):
+        t.to("nonsense")
+    # Node.to: a new node there; inside a Tape the gradient comes back to the source device.
+    w = netcl.Parameter(tensor(values, source))
+    assert w.to(source) is w
+    with netcl.Tape() as tape:
+        on_backend = w.to(backend)
+        loss = (on_backend * on_backend).sum()
+    assert on_backend.device is backend and not isinstance(on_backend, netcl.Parameter)
+    tape.backward(loss)
+    assert w.grad.device is source
+    np.testing.assert_allclose(host(w.grad), 2 * values)
+
+
+def test_tensor_to_copies_what_the_device_holds_not_a_host_copy(opencl, cpu):
+    """An int32 tensor written from the host keeps that host copy, but the device may change
+    it later (Adam's step count counts on the device): .to() copies the current contents."""
+    model = nn.Linear(2, 2, queue=opencl.queue)
+    opt = netcl.optim.AdamW(model.parameters())
+    with netcl.Tape() as tape:
+        loss = (model(tensor(np.ones((1, 2), np.float32), opencl)) ** 2).sum()
+    tape.backward(loss)
+    opt.step()
+    np.testing.assert_array_equal(opt._step_count.to(cpu).to_host(), [1])
+    np.testing.assert_array_equal(opt._step_count.to(cpu).to(opencl)._labels, [1])
+
+
 # ---------------------------------------------------------------------------------------------
-# core ops: cases shared by the finite-difference and the cross-backend tests
+# autograd: Tape semantics, nested Tapes, threads
 # ---------------------------------------------------------------------------------------------
+
+def test_fan_out_gradients_are_summed(backend):
+    rng = np.random.default_rng(6)
+    x_host = rng.standard_normal((5, 4)).astype(np.float32)
+    a = rng.standard_normal((5, 4)).astype(np.float32)
+    x = param(x_host, backend)
+    with netcl.Tape() as tape:
+        loss = F.sum(x * a) + F.sum(F.exp(x)) + (x * x).sum()
+    tape.backward(loss)
+    expected = a + np.exp(x_host) + 2 * x_host
+    np.testing.assert_allclose(host(x.grad), expected, rtol=1e-5, atol=1e-6)
+    # An intermediate node feeding two ops.
+    z = param(x_host, backend)
+    with netcl.Tape() as tape:
+        h = F.tanh(z)
+        loss = F.sum(h * a) + F.sum(F.exp(h))
+    tape.backward(loss)
+    t = np.tanh(x_host)
+    np.testing.assert_allclose(host(z.grad), (a + np.exp(t)) * (1 - t ** 2), rtol=1e-5,
+                               atol=1e-6)
+
+
+def test_two_backward_passes_accumulate(backend):
+    rng = np.random.default_rng(7)
+    w_host = rng.standard_normal((3, 4)).astype(np.float32)
+    x_host = rng.standard_normal((6, 4)).astype(np.float32)
+    w = param(w_host, backend)
+    grads = []
+    for _ in range(3):
+        with netcl.Tape() as tape:
+            loss = F.sum(F.tanh(F.linear(x_host, w)))
+        tape.backward(loss)
+        grads.append(host(w.grad))
+    expected = ((1 - np.tanh(x_host @ w_host.T) ** 2).T @ x_host)
+    np.testing.assert_allclose(grads[0], expected, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(grads[1], 2 * grads[0], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(grads[2], 3 * grads[0], rtol=1e-6, atol=1e-6)
+
+
+def test_backward_inside_and_after_the_with_block(backend):
+    x_host = np.array([[1.0, -2.0, 3.0]], np.float32)
+    x = param(x_host, backend)
+    with netcl.Tape() as tape:
+        loss = (x * x).sum()
+        tape.backward(loss)
+    np.testing.assert_allclose(host(x.grad), 2 * x_host)
+    y = param(x_host, backend)
+    with netcl.Tape() as tape:
+        loss = (y * y * y).sum()
+    tape.backward(loss)
+    np.testing.assert_allclose(host(y.grad), 3 * x_host ** 2, rtol=1e-6)
+
+
+def test_values_readable_after_backward(backend):
+    rng = np.random.default_rng(8)
+    x_host = rng.standard_normal((4, 3)).astype(np.float32)
+    w_host = rng.standard_normal((3, 5)).astype(np.float32)
+    x, w = param(x_host, backend), param(w_host, backend)
+    with netcl.Tape() as tape:
+        h = x @ w
+        r = F.relu(h)
+        loss = r.mean()
+    tape.backward(loss)
+    np.testing.assert_allclose(host(h), x_host @ w_host, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(host(r), np.maximum(x_host @ w_host, 0), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(host(loss), np.maximum(x_host @ w_host, 0).mean(), rtol=1e-5)
+    assert host(loss).shape == ()
+    np.testing.assert_allclose(host(x), x_host)
+
+
+@pytest.mark.parametrize("kind", ["array", "tensor", "node"])
+def test_backward_grad_argument_kinds(backend, kind):
+    rng = np.random.default_rng(9)
+    x_host = rng.standard_normal((3, 4)).astype(np.float32)
+    g = rng.standard_normal((3, 4)).astype(np.float32)
+    grad = {"array": g, "tensor": tensor(g, backend),
+            "node": netcl.Node(tensor(g, backend))}[kind]
+    x = param(x_host, backend)
+    with netcl.Tape() as tape:
+        y = F.sigmoid(x)
+    tape.backward(y, grad=grad)
+    s = 1 / (1 + np.exp(-x_host))
+    np.testing.assert_allclose(host(x.grad), g * s * (1 - s), rtol=1e-5, atol=1e-6)
+
+
+def test_ops_outside_a_tape_keep_no_graph(backend):
+    x = param(np.ones((64, 64), np.float32), backend)
+    middle = x * 2.0
+    alive = weakref.ref(middle.value)
+    y = middle * x                     # a recorded mul would save `middle` for its backward
+    del middle
+    gc.collect()
+    assert alive() is None, "an op outside a Tape kept its input alive"
+    np.testing.assert_array_equal(host(y), np.full((64, 64), 2.0, np.float32))
+
+
+def test_value_from_outside_tape_is_constant(backend):
+    x_host = np.array([1.0, 2.0, -3.0], np.float32)
+    x = param(x_host, backend)
+    y = x * 3.0                        # outside any Tape
+    with netcl.Tape() as tape:
+        loss = (y * x).sum()
+    tape.backward(loss)
+    np.testing.assert_allclose(host(x.grad), 3 * x_host)
+
+
+def test_no_grad_records_nothing_inside_a_tape(backend):
+    x_host = np.array([[0.5, -1.5], [2.0, 1.0]], np.float32)
+    x = param(x_host, backend)
+    with netcl.Tape() as tape:
+        with netcl.no_grad():
+            y = x * 2.0
+        loss = (y * x).sum()
+    tape.backward(loss)
+    np.testing.assert_allclose(host(x.grad), 2 * x_host)      # 4 * x if y were recorded
+
+
+def test_ops_accept_tensors_and_arrays(backend):
+    rng = np.random.default_rng(10)
+    a_host = rng.standard_normal((3, 4)).astype(np.float32)
+    b_host = rng.standard_normal((4, 2)).astype(np.float32)
+    out = F.matmul(tensor(a_host, backend), b_host)
+    assert isinstance(out, netcl.Node)
+    assert out.value.device is backend
+    np.testing.assert_allclose(host(out), a_host @ b_host, rtol=1e-5, atol=1e-6)
+    x = param(a_host, backend)
+    with netcl.Tape() as tape:
+        loss = F.sum(F.add(x, a_host) * a_host)
+    tape.backward(loss)
+    np.testing.assert_allclose(host(x.grad), a_host, rtol=1e-6)
+    assert tuple(x.shape) == (3, 4)
+
+
+@pytest.mark.parametrize("call, op, sizes", [
+    (lambda a, b: F.matmul(a((3, 47)), b((53, 6))), "matmul", (47, 53)),
+    (lambda a, b: a((3, 47)) @ b((53, 6)), "matmul", (47, 53)),
+    (lambda a, b: F.linear(a((5, 17)), b((4, 19))), "linear", (17, 19)),
+    (lambda a, b: F.linear(a((5, 17)), b((4, 17)), b((23,))), "linear", (4, 23)),
+    (lambda a, b: F.add(a((3, 41)), b((41, 3))), "add", (41,)),
+    (lambda a, b: F.sub(a((3, 41)), b((41, 3))), "sub", (41,)),
+    (lambda a, b: F.mul(a((3, 41)), b((41, 3))), "mul", (41,)),
+    (lambda a, b: F.div(a((3, 41)), b((41, 3))), "div", (41,)),
+    (lambda a, b: F.add(a((3, 41)), b((37,))), "add", (41, 37)),
+    (lambda a, b: F.mse_loss(a((3, 41)), b((3, 37))), "mse_loss", (41, 37)),
+    (lambda a, b: F.reshape(a((3, 41)), (7, -1)), "reshape", (7, ("41", "123"))),
+])
+def test_shape_errors_name_op_and_sizes(backend, call, op, sizes):
+    def make(shape):
+        return param(np.ones(shape, np.float32), backend)
+    with raises_naming(ValueError, op, *sizes):
+        call(make, make)
+
+
+def test_cross_entropy_target_length_mismatch(backend):
+    with raises_naming(ValueError, "cross_entropy", 7, 4):
+        F.cross_entropy(param(np.zeros((7, 3), np.float32), backend), np.zeros(4, np.int64))
+
+
+def test_mixing_devices_raises(cpu, opencl):
+    a = param(np.ones((2, 3), np.float32), cpu)
+    b = param(np.ones((2, 3), np.float32), opencl)
+    with pytest.raises(ValueError):
+        F.add(a, b)
+    with pytest.raises(ValueError):
+        F.matmul(b, param(np.ones((3, 2), np.float32), cpu))
+
+
+# --- nested Tapes and threads
+
+def test_nested_tapes_outer_backward_runs_through_the_inner_tape(backend):
+    p = param(np.ones(3), backend)
+    with netcl.Tape() as outer:
+        a = p * 2.0
+        with netcl.Tape() as inner:
+            loss = (a * 3.0).sum()
+    outer.backward(loss)
+    np.testing.assert_array_equal(host(p.grad), np.full(3, 6.0, np.float32))
+    with raises_naming(RuntimeError, "backward", "already freed by a backward"):
+        inner.backward(loss)  # outer's backward freed the nodes the two tapes share
+    np.testing.assert_array_equal(host(p.grad), np.full(3, 6.0, np.float32))
+
+
+def test_nested_tapes_inner_backward_sees_only_its_own_ops(backend):
+    p = param(np.ones(3), backend)
+    q_host = np.array([1.0, 2.0, 3.0], np.float32)
+    q = param(q_host, backend)
+    with netcl.Tape() as outer:
+        a = p * 2.0
+        with netcl.Tape() as inner:
+            loss = (a * 3.0 + q * q).sum()
+    inner.backward(loss)
+    assert p.grad is None  # `a` was computed before the inner Tape opened: a constant there
+    np.testing.assert_array_equal(host(q.grad), 2 * q_host)
+    with raises_naming(RuntimeError, "backward", "already freed by a backward"):
+        outer.backward(loss)
+    assert p.grad is None
+
+
+def test_nested_tapes_refuse_a_partial_gradient_through_freed_nodes(backend):
+    p = param(np.ones(3), backend)
+    with netcl.Tape() as outer:
+        a = p * 2.0
+        with netcl.Tape() as inner:
+            b = a * 3.0
+            inner_loss = b.sum()
+        inner.backward(inner_loss)  # frees b, which the outer Tape recorded too
+        loss = (b * p).sum()        # d/dp = 12 through b and a; b's graph is gone
+    with raises_naming(RuntimeError, "backward", "freed"):
+        outer.backward(loss)
+
+
+def test_backward_of_a_loss_recorded_on_another_tape_raises(backend):
+    p = param(np.ones(3), backend)
+    other = netcl.Tape()
+    with netcl.Tape() as tape:
+        loss = (p * 2.0).sum()
+    with raises_naming(RuntimeError, "backward", "another Tape"):
+        other.backward(loss)
+    with raises_naming(RuntimeError, "backward", "another Tape"):
+        other.backward(netcl.AMPGradScaler(init_scale=4.0).scale(loss))
+    assert p.grad is None
+    tape.backward(loss)  # the refused calls left the graph whole
+    np.testing.assert_array_equal(host(p.grad), np.full(3, 2.0, np.float32))
+
+
+@contextlib.contextmanager
+def _held_in_another_thread(context):
+    """Enter `context()` in a second thread and keep it entered while the block runs here."""
+    entered, done = threading.Event(), threading.Event()
+
+    def hold():
+        with context():
+            entered.set()
+            done.wait(10)
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert entered.wait(10)
+        yield
+    finally:
+        done.set()
+        holder.join()
+
+
+def _in_threads(*targets):
+    """Run each target in its own thread, all started together and switching often (the races
+    need a switch at the wrong moment); their results, or the first error raised in one."""
+    results, errors = [None] * len(targets), []
+    barrier = threading.Barrier(len(targets))
+
+    def run(i, target):
+        try:
+            barrier.wait()
+            results[i] = target()
+        except BaseException as error:  # re-raised in the test's thread
+            errors.append(error)
+    threads = [threading.Thread(target=run, args=(i, t)) for i, t in enumerate(targets)]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(interval)
+    if errors:
+        raise errors[0]
+    return results
+
+
+def test_one_kernel_launched_from_two_threads_gets_each_launch_its_own_arguments(opencl):
+    """Device.launch from two threads at once: every result belongs to its own launch,
+    uploads and counters included."""
+    steps = 3000
+
+    def launch_many(seed, n):
+        rng = np.random.default_rng(seed)
+        a_host = rng.standard_normal(n).astype(np.float32)
+        a = netcl.Tensor.empty((n,), queue=opencl.queue)
+        opencl.upload(a.data, a_host)
+        outs = [netcl.Tensor.empty((n,), queue=opencl.queue) for _ in range(steps)]
+        for i, out in enumerate(outs):  # out = a * i
+            opencl.launch("mul_scalar", *netcl._grid(n), n, float(i), a.data, out.data)
+            if i % 100 == 0:
+                opencl.finish()
+        return a_host, outs
+    launches = opencl.launches
+    results = _in_threads(lambda: launch_many(3, 37), lambda: launch_many(4, 53))
+    assert opencl.launches - launches == 2 * steps
+    for a_host, outs in results:
+        for i, out in enumerate(outs):
+            np.testing.assert_array_equal(out.to_host(), a_host * np.float32(i))
+
+
+def test_buffer_pool_shared_by_two_threads_keeps_its_books():
+    """One thread allocating and releasing, the other also emptying the cache: no buffer is
+    handed out twice, and the stats add up to what the pool really holds."""
+    pool = netcl.BufferPool(lambda nbytes: np.empty(nbytes, np.uint8))
+    holders = {}
+
+    def churn(me, empty_cache):
+        for _ in range(2000):
+            held = [pool.alloc(256) for _ in range(3)]
+            for buffer in held:
+                assert holders.setdefault(id(buffer), me) == me, "one buffer handed out twice"
+            for buffer in held:
+                del holders[id(buffer)]
+                pool.release(buffer)
+            if empty_cache:
+                pool.empty_cache()
+            assert pool.stats()["cached_bytes"] >= 0
+    _in_threads(lambda: churn(0, False), lambda: churn(1, True))
+    stats = pool.stats()
+    assert stats["in_use_bytes"] == 0
+    assert stats["hits"] + stats["misses"] == 2 * 2000 * 3
+    cached = stats["cached_bytes"] // 256
+    for _ in range(cached + 1):  # every cached buffer is a hit, then the next one a miss
+        pool.alloc(256)
+    after = pool.stats()
+    assert (after["hits"] - stats["hits"], after["misses"] - stats["misses"]) == (cached, 1)
+    assert after["cached_bytes"] == 0
+
+
+def test_two_threads_asking_for_one_queue_get_one_device(opencl):
+    import pyopencl as cl
+    queue = cl.CommandQueue(opencl.context)
+    first, second = _in_threads(lambda: netcl.Tensor.empty((1,), queue=queue).device,
+                                lambda: netcl.Tensor.empty((1,), queue=queue).device)
+    assert first is second
+
+
+def _train_own_parameter(device, seed, rows, cols, steps):
+    """`steps` SGD steps on a parameter of this call's own: (final weight, final gradient)."""
+    rng = np.random.default_rng(seed)
+    x = tensor(rng.standard_normal((rows, cols)).astype(np.float32), device)
+    y = tensor(rng.standard_normal((rows, 3)).astype(np.float32), device)
+    w = param(0.5 * rng.standard_normal((3, cols)).astype(np.float32), device)
+    opt = netcl.SGD([w], lr=0.05, momentum=0.9)
+    for _ in range(steps):
+        with netcl.Tape() as tape:
+            loss = F.mse_loss(F.tanh(F.linear(x, w)), y)
+        opt.zero_grad()
+        tape.backward(loss)
+        opt.step()
+    return host(w), host(w.grad)
+
+
+def test_two_threads_training_own_parameters_match_one_thread(backend):
+    jobs = [(backend, 1, 8, 5, 300), (backend, 2, 16, 7, 300)]
+    expected = [_train_own_parameter(*job) for job in jobs]
+    got = _in_threads(*(lambda job=job: _train_own_parameter(*job) for job in jobs))
+    for (w, grad), (w_expected, grad_expected) in zip(got, expected):
+        np.testing.assert_array_equal(grad, grad_expected)
+        np.testing.assert_array_equal(w, w_expected)
+
+
+def test_a_tape_records_only_the_ops_of_its_own_thread(backend):
+    p = param(np.ones(3), backend)
+    with netcl.Tape() as tape:
+        (elsewhere,) = _in_threads(lambda: (p * 5.0).sum())
+        loss = (p * 2.0).sum()
+    assert not elsewhere.requires_grad  # no Tape is open in the thread that computed it
+    tape.backward(loss)
+    np.testing.assert_array_equal(host(p.grad), np.full(3, 2.0, np.float32))
+    with raises_naming(RuntimeError, "Tape", "thread"):
+        _in_threads(netcl.Tape().__enter__, lambda: None)[0].__exit__(None, None, None)
+
+
+def test_no_grad_is_per_thread(backend):
+    p = param(np.array([1.0, -2.0, 3.0], np.float32), backend)
+    with _held_in_another_thread(netcl.no_grad):
+        with netcl.Tape() as tape:
+            loss = (p * p).sum()
+        tape.backward(loss)
+    np.testing.assert_array_equal(host(p.grad), [2.0, -4.0, 6.0])
+
+    def train_in_new_thread():  # a new thread records, whatever the starting thread's mode
+        q = param(np.ones(2), backend)
+        with netcl.Tape() as tape:
+            loss = (q * 4.0).sum()
+        tape.backward(loss)
+        return host(q.grad)
+    with netcl.no_grad():
+        (grad,) = _in_threads(train_in_new_thread)
+    np.testing.assert_array_equal(grad, [4.0, 4.0])
+
+
+def test_autocast_is_per_thread(portable_half):
+    opencl = portable_half  # a device where autocast stores float16
+    x = param(np.ones((4, 8), np.float32), opencl)
+    w = param(np.ones((8, 2), np.float32), opencl)
+    with _held_in_another_thread(netcl.autocast):
+        assert (x @ w).dtype == np.float32
+    with netcl.autocast():
+        assert (x @ w).dtype == np.float16
+        (elsewhere,) = _in_threads(lambda: x @ w)  # a new thread starts with autocast off
+    assert elsewhere.dtype == np.float32
+
+
+# ---------------------------------------------------------------------------------------------
+# operations: the CASES registry, then each family's edges and errors
+# ---------------------------------------------------------------------------------------------
+
+# --- core ops: cases shared by the finite-difference and the cross-backend tests
 # A case builds the inputs of one op from Hypothesis draws and a NumPy generator:
 # fn(*nodes, *consts) runs the op; ref(*arrays) is its NumPy float64 reference (None where the
 # output is random, as dropout's); inputs get gradients, consts do not (float consts become
@@ -387,8 +1035,13 @@ def test_reshape_is_a_view(backend):
 
 Case = namedtuple("Case", "fn ref inputs consts tol seed", defaults=((), "ew", None))
 
+
 SMALL_DIM = st.integers(1, 4)                       # finite differences: few elements
+
+
 DIM = st.integers(1, 40)
+
+
 GEMM_DIM = st.one_of(st.integers(1, 70), st.sampled_from([64, 65, 127, 128, 129]))
 
 
@@ -647,6 +1300,8 @@ def _reduction_case(name, functional, method, ref):
 
 
 _reduction_case("sum", F.sum, "sum", np.sum)
+
+
 _reduction_case("mean", F.mean, "mean", np.mean)
 
 
@@ -856,6 +1511,8 @@ def _extremum_cases(name, functional, ref):
 
 
 _extremum_cases("maximum", F.maximum, np.maximum)
+
+
 _extremum_cases("minimum", F.minimum, np.minimum)
 
 
@@ -933,6 +1590,8 @@ def _variance_cases(name, functional, ref):  # ref: np.var or np.std, whose ddof
 
 
 _variance_cases("var", F.var, np.var)
+
+
 _variance_cases("std", F.std, np.std)
 
 
@@ -950,6 +1609,8 @@ def _(draw, rng, fd):
     return Case(lambda x: F.logsumexp(x, axis, keepdims=keepdims),
                 lambda x: _logsumexp_ref(x, axis, keepdims),
                 [rng.standard_normal(shape) * 3], tol="acc")
+
+
 # --- normalisation, embedding and attention: NumPy transcriptions of PyTorch's formulas
 
 ATTENTION_DIM = st.integers(1, 24)
@@ -1117,6 +1778,8 @@ def _(draw, rng, fd):
     return Case(lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, m, scale=scale),
                 lambda q, k, v, m: _attention_ref(q, k, v, m, scale=scale), inputs, [mask],
                 tol="acc")
+
+
 # --- shape ops: permute, transpose, squeeze, unsqueeze, cat, stack, split, chunk, indexing.
 # Their shapes may have zero-size dimensions; dims and indices are drawn negative too.
 
@@ -1344,6 +2007,8 @@ def _(draw, rng, fd):
         return F.index_select(x, dim, index)
     return Case(fn, lambda x, index: np.take(x, index, axis=dim), [_standard_normal(rng, shape)],
                 [index])
+
+
 # --- losses: N-d cross_entropy, ignore_index, label_smoothing, probability targets with a
 # gradient, nll_loss, binary_cross_entropy_with_logits. References transcribe PyTorch's
 # formulas (torch.nn.functional and aten/src/ATen/native/LossNLL.cpp, Loss.cpp) in float64.
@@ -1612,9 +2277,7 @@ def _forward_backward(dev, c, dtype, grad_out_seed=0):
     return y, g, grads
 
 
-# ---------------------------------------------------------------------------------------------
-# core ops: float64 reference and finite differences on the NumPy backend
-# ---------------------------------------------------------------------------------------------
+# --- core ops: float64 reference and finite differences on the NumPy backend
 
 @pytest.mark.parametrize("name", sorted(CASES))
 @FD_SETTINGS
@@ -1648,9 +2311,7 @@ def test_op_forward_and_gradient_float64(name, data, cpu):
                                    err_msg=f"{name}: gradient of input {i}")
 
 
-# ---------------------------------------------------------------------------------------------
-# core ops: the OpenCL backend against the NumPy backend, float32, random shapes
-# ---------------------------------------------------------------------------------------------
+# --- core ops: the OpenCL backend against the NumPy backend, float32, random shapes
 
 TOLERANCE = {"ew": dict(rtol=1e-5, atol=1e-6), "acc": dict(rtol=1e-4, atol=1e-4)}
 
@@ -1764,9 +2425,7 @@ def test_long_sums_over_few_columns_match_numpy(cpu, opencl, shape, axis):
         np.testing.assert_array_equal(grad_cl, grad32)
 
 
-# ---------------------------------------------------------------------------------------------
-# cross_entropy targets and errors
-# ---------------------------------------------------------------------------------------------
+# --- cross_entropy targets and errors
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_cross_entropy_index_and_one_hot_agree(backend, reduction):
@@ -1806,9 +2465,7 @@ def test_cross_entropy_wrong_one_hot_width(backend, width):
         F.cross_entropy(logits, target)
 
 
-# ---------------------------------------------------------------------------------------------
-# dropout
-# ---------------------------------------------------------------------------------------------
+# --- dropout
 
 def test_dropout_mask_scale_and_seed(backend):
     rng = np.random.default_rng(4)
@@ -1855,551 +2512,8 @@ def test_dropout_identity_when_not_training_or_p_zero(backend):
         np.testing.assert_array_equal(host(x.grad), g)
 
 
-# ---------------------------------------------------------------------------------------------
-# autograd semantics
-# ---------------------------------------------------------------------------------------------
-
-def test_fan_out_gradients_are_summed(backend):
-    rng = np.random.default_rng(6)
-    x_host = rng.standard_normal((5, 4)).astype(np.float32)
-    a = rng.standard_normal((5, 4)).astype(np.float32)
-    x = param(x_host, backend)
-    with netcl.Tape() as tape:
-        loss = F.sum(x * a) + F.sum(F.exp(x)) + (x * x).sum()
-    tape.backward(loss)
-    expected = a + np.exp(x_host) + 2 * x_host
-    np.testing.assert_allclose(host(x.grad), expected, rtol=1e-5, atol=1e-6)
-    # An intermediate node feeding two ops.
-    z = param(x_host, backend)
-    with netcl.Tape() as tape:
-        h = F.tanh(z)
-        loss = F.sum(h * a) + F.sum(F.exp(h))
-    tape.backward(loss)
-    t = np.tanh(x_host)
-    np.testing.assert_allclose(host(z.grad), (a + np.exp(t)) * (1 - t ** 2), rtol=1e-5,
-                               atol=1e-6)
-
-
-def test_two_backward_passes_accumulate(backend):
-    rng = np.random.default_rng(7)
-    w_host = rng.standard_normal((3, 4)).astype(np.float32)
-    x_host = rng.standard_normal((6, 4)).astype(np.float32)
-    w = param(w_host, backend)
-    grads = []
-    for _ in range(3):
-        with netcl.Tape() as tape:
-            loss = F.sum(F.tanh(F.linear(x_host, w)))
-        tape.backward(loss)
-        grads.append(host(w.grad))
-    expected = ((1 - np.tanh(x_host @ w_host.T) ** 2).T @ x_host)
-    np.testing.assert_allclose(grads[0], expected, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(grads[1], 2 * grads[0], rtol=1e-6, atol=1e-6)
-    np.testing.assert_allclose(grads[2], 3 * grads[0], rtol=1e-6, atol=1e-6)
-
-
-def test_backward_inside_and_after_the_with_block(backend):
-    x_host = np.array([[1.0, -2.0, 3.0]], np.float32)
-    x = param(x_host, backend)
-    with netcl.Tape() as tape:
-        loss = (x * x).sum()
-        tape.backward(loss)
-    np.testing.assert_allclose(host(x.grad), 2 * x_host)
-    y = param(x_host, backend)
-    with netcl.Tape() as tape:
-        loss = (y * y * y).sum()
-    tape.backward(loss)
-    np.testing.assert_allclose(host(y.grad), 3 * x_host ** 2, rtol=1e-6)
-
-
-def test_values_readable_after_backward(backend):
-    rng = np.random.default_rng(8)
-    x_host = rng.standard_normal((4, 3)).astype(np.float32)
-    w_host = rng.standard_normal((3, 5)).astype(np.float32)
-    x, w = param(x_host, backend), param(w_host, backend)
-    with netcl.Tape() as tape:
-        h = x @ w
-        r = F.relu(h)
-        loss = r.mean()
-    tape.backward(loss)
-    np.testing.assert_allclose(host(h), x_host @ w_host, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(host(r), np.maximum(x_host @ w_host, 0), rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(host(loss), np.maximum(x_host @ w_host, 0).mean(), rtol=1e-5)
-    assert host(loss).shape == ()
-    np.testing.assert_allclose(host(x), x_host)
-
-
-@pytest.mark.parametrize("kind", ["array", "tensor", "node"])
-def test_backward_grad_argument_kinds(backend, kind):
-    rng = np.random.default_rng(9)
-    x_host = rng.standard_normal((3, 4)).astype(np.float32)
-    g = rng.standard_normal((3, 4)).astype(np.float32)
-    grad = {"array": g, "tensor": tensor(g, backend),
-            "node": netcl.Node(tensor(g, backend))}[kind]
-    x = param(x_host, backend)
-    with netcl.Tape() as tape:
-        y = F.sigmoid(x)
-    tape.backward(y, grad=grad)
-    s = 1 / (1 + np.exp(-x_host))
-    np.testing.assert_allclose(host(x.grad), g * s * (1 - s), rtol=1e-5, atol=1e-6)
-
-
-def test_ops_outside_a_tape_keep_no_graph(backend):
-    x = param(np.ones((64, 64), np.float32), backend)
-    middle = x * 2.0
-    alive = weakref.ref(middle.value)
-    y = middle * x                     # a recorded mul would save `middle` for its backward
-    del middle
-    gc.collect()
-    assert alive() is None, "an op outside a Tape kept its input alive"
-    np.testing.assert_array_equal(host(y), np.full((64, 64), 2.0, np.float32))
-
-
-def test_value_from_outside_tape_is_constant(backend):
-    x_host = np.array([1.0, 2.0, -3.0], np.float32)
-    x = param(x_host, backend)
-    y = x * 3.0                        # outside any Tape
-    with netcl.Tape() as tape:
-        loss = (y * x).sum()
-    tape.backward(loss)
-    np.testing.assert_allclose(host(x.grad), 3 * x_host)
-
-
-def test_no_grad_records_nothing_inside_a_tape(backend):
-    x_host = np.array([[0.5, -1.5], [2.0, 1.0]], np.float32)
-    x = param(x_host, backend)
-    with netcl.Tape() as tape:
-        with netcl.no_grad():
-            y = x * 2.0
-        loss = (y * x).sum()
-    tape.backward(loss)
-    np.testing.assert_allclose(host(x.grad), 2 * x_host)      # 4 * x if y were recorded
-
-
-def test_ops_accept_tensors_and_arrays(backend):
-    rng = np.random.default_rng(10)
-    a_host = rng.standard_normal((3, 4)).astype(np.float32)
-    b_host = rng.standard_normal((4, 2)).astype(np.float32)
-    out = F.matmul(tensor(a_host, backend), b_host)
-    assert isinstance(out, netcl.Node)
-    assert out.value.device is backend
-    np.testing.assert_allclose(host(out), a_host @ b_host, rtol=1e-5, atol=1e-6)
-    x = param(a_host, backend)
-    with netcl.Tape() as tape:
-        loss = F.sum(F.add(x, a_host) * a_host)
-    tape.backward(loss)
-    np.testing.assert_allclose(host(x.grad), a_host, rtol=1e-6)
-    assert tuple(x.shape) == (3, 4)
-
-
-@pytest.mark.parametrize("call, op, sizes", [
-    (lambda a, b: F.matmul(a((3, 47)), b((53, 6))), "matmul", (47, 53)),
-    (lambda a, b: a((3, 47)) @ b((53, 6)), "matmul", (47, 53)),
-    (lambda a, b: F.linear(a((5, 17)), b((4, 19))), "linear", (17, 19)),
-    (lambda a, b: F.linear(a((5, 17)), b((4, 17)), b((23,))), "linear", (4, 23)),
-    (lambda a, b: F.add(a((3, 41)), b((41, 3))), "add", (41,)),
-    (lambda a, b: F.sub(a((3, 41)), b((41, 3))), "sub", (41,)),
-    (lambda a, b: F.mul(a((3, 41)), b((41, 3))), "mul", (41,)),
-    (lambda a, b: F.div(a((3, 41)), b((41, 3))), "div", (41,)),
-    (lambda a, b: F.add(a((3, 41)), b((37,))), "add", (41, 37)),
-    (lambda a, b: F.mse_loss(a((3, 41)), b((3, 37))), "mse_loss", (41, 37)),
-    (lambda a, b: F.reshape(a((3, 41)), (7, -1)), "reshape", (7, ("41", "123"))),
-])
-def test_shape_errors_name_op_and_sizes(backend, call, op, sizes):
-    def make(shape):
-        return param(np.ones(shape, np.float32), backend)
-    with raises_naming(ValueError, op, *sizes):
-        call(make, make)
-
-
-def test_cross_entropy_target_length_mismatch(backend):
-    with raises_naming(ValueError, "cross_entropy", 7, 4):
-        F.cross_entropy(param(np.zeros((7, 3), np.float32), backend), np.zeros(4, np.int64))
-
-
-def test_mixing_devices_raises(cpu, opencl):
-    a = param(np.ones((2, 3), np.float32), cpu)
-    b = param(np.ones((2, 3), np.float32), opencl)
-    with pytest.raises(ValueError):
-        F.add(a, b)
-    with pytest.raises(ValueError):
-        F.matmul(b, param(np.ones((3, 2), np.float32), cpu))
-
-
-# ---------------------------------------------------------------------------------------------
-# nn
-# ---------------------------------------------------------------------------------------------
-
-def _mlp(dev, sizes=(20, 32, 10), seed=0, activations=(nn.ReLU,)):
-    """The suite's MLP: a Linear between each two sizes, seeded by manual_seed(seed), and
-    between the Linears the activations in turn."""
-    netcl.manual_seed(seed)
-    layers = []
-    for i, (fan_in, fan_out) in enumerate(zip(sizes, sizes[1:])):
-        if i:
-            layers.append(activations[(i - 1) % len(activations)]())
-        layers.append(nn.Linear(fan_in, fan_out, queue=dev.queue))
-    return nn.Sequential(*layers)
-
-
-def test_named_parameters_names_and_order(backend):
-    model = _mlp(backend)
-    named = list(model.named_parameters())
-    assert [n for n, _ in named] == ["0.weight", "0.bias", "2.weight", "2.bias"]
-    assert [tuple(p.shape) for _, p in named] == [(32, 20), (32,), (10, 32), (10,)]
-    assert [id(p) for p in model.parameters()] == [id(p) for _, p in named]
-    assert all(isinstance(p, netcl.Parameter) for _, p in named)
-    assert all(p.value.device is backend for _, p in named)
-
-
-def test_linear_default_init_bounds(backend):
-    netcl.manual_seed(0)
-    layer = netcl.Linear(200, 300, queue=backend.queue)
-    bound = 1 / math.sqrt(200)
-    w = host(layer.weight)
-    b = host(layer.bias)
-    assert w.shape == (300, 200) and b.shape == (300,)
-    for values in (w, b):
-        assert np.abs(values).max() <= bound
-        assert values.max() > 0.9 * bound and values.min() < -0.9 * bound
-    # Uniform: standard deviation bound / sqrt(3).
-    assert abs(w.std() - bound / math.sqrt(3)) < 0.02 * bound
-    no_bias = netcl.Linear(5, 3, bias=False, queue=backend.queue)
-    assert [n for n, _ in no_bias.named_parameters()] == ["weight"]
-
-
-def test_manual_seed_reproducible_init(backend):
-    first = _mlp(backend, seed=11).state_dict()
-    second = _mlp(backend, seed=11).state_dict()
-    other = _mlp(backend, seed=12).state_dict()
-    for key in first:
-        np.testing.assert_array_equal(first[key], second[key])
-    assert not np.array_equal(first["0.weight"], other["0.weight"])
-
-
-def test_sequential_forward_matches_numpy(backend):
-    model = _mlp(backend)
-    state = model.state_dict()
-    x = np.random.default_rng(12).standard_normal((7, 20)).astype(np.float32)
-    expected = np.maximum(x @ state["0.weight"].T + state["0.bias"], 0) @ state["2.weight"].T \
-        + state["2.bias"]
-    np.testing.assert_allclose(host(model(tensor(x, backend))), expected, rtol=1e-5, atol=1e-5)
-
-
-def test_state_dict_layout(backend):
-    model = _mlp(backend)
-    state = model.state_dict()
-    assert isinstance(state, dict)
-    assert list(state) == ["0.weight", "0.bias", "2.weight", "2.bias"]
-    for (name, p), (key, value) in zip(model.named_parameters(), state.items()):
-        assert name == key
-        assert isinstance(value, np.ndarray) and value.dtype == np.float32
-        np.testing.assert_array_equal(value, host(p))
-
-
-def test_load_state_dict_copies_into_existing_parameters(backend):
-    source = _mlp(backend, seed=1).state_dict()
-    model = _mlp(backend, seed=2)
-    params_before = list(model.parameters())
-    opt = netcl.SGD(model.parameters(), lr=0.5)
-    model.load_state_dict(source)
-    assert [id(p) for p in model.parameters()] == [id(p) for p in params_before]
-    for key, value in model.state_dict().items():
-        np.testing.assert_array_equal(value, source[key])
-    # The optimizer built before the load updates the loaded values.
-    weight = params_before[0]
-    g = np.full((32, 20), 0.25, np.float32)
-    with netcl.Tape() as tape:
-        loss = (weight * g).sum()
-    opt.zero_grad()
-    tape.backward(loss)
-    opt.step()
-    np.testing.assert_allclose(host(weight), source["0.weight"] - 0.5 * g, rtol=1e-6, atol=1e-7)
-
-
-@pytest.mark.parametrize("change, key", [
-    (lambda s: s.pop("2.bias"), "2.bias"),
-    (lambda s: s.__setitem__("4.weight", np.zeros((3, 3), np.float32)), "4.weight"),
-    (lambda s: s.__setitem__("0.weight", np.zeros((20, 32), np.float32)), "0.weight"),
-])
-def test_load_state_dict_rejects_bad_keys_and_shapes(backend, change, key):
-    model = _mlp(backend)
-    state = model.state_dict()
-    before = {k: v.copy() for k, v in state.items()}
-    change(state)
-    with raises_naming((KeyError, ValueError, RuntimeError), key):
-        model.load_state_dict(state)
-    if key != "4.weight":
-        # Nothing is half-loaded: the parameters keep their values.
-        for k, v in model.state_dict().items():
-            np.testing.assert_array_equal(v, before[k])
-
-
-def test_train_eval_and_dropout_module(backend):
-    netcl.manual_seed(0)
-    drop = netcl.Dropout(0.5)
-    layer = netcl.Linear(10, 40, queue=backend.queue)
-    model = netcl.Sequential(layer, drop)
-    x = tensor(np.random.default_rng(13).standard_normal((30, 10)), backend)
-    assert model.training and drop.training
-    model.eval()
-    assert not model.training and not drop.training
-    out_eval = host(model(x))
-    np.testing.assert_array_equal(out_eval, host(layer(x)))
-    assert np.count_nonzero(out_eval == 0) == 0
-    model.train()
-    assert model.training and drop.training
-    out_train = host(model(x))
-    dropped = out_train == 0
-    assert 0.3 < dropped.mean() < 0.7
-    np.testing.assert_allclose(out_train[~dropped], 2 * out_eval[~dropped], rtol=1e-6)
-
-
-@pytest.mark.parametrize("module, fn", [
-    (lambda: netcl.ReLU(), F.relu), (lambda: netcl.Tanh(), F.tanh),
-    (lambda: netcl.Sigmoid(), F.sigmoid), (lambda: netcl.GELU(), F.gelu),
-    (lambda: netcl.Flatten(), F.flatten),
-])
-def test_activation_modules_match_functional(backend, module, fn):
-    x = tensor(np.random.default_rng(14).standard_normal((4, 3, 5)), backend)
-    m = module()
-    assert list(m.parameters()) == []
-    out = host(m(x))
-    np.testing.assert_array_equal(out, host(fn(x)))
-    if isinstance(m, netcl.Flatten):
-        assert out.shape == (4, 15)
-
-
-# ---------------------------------------------------------------------------------------------
-# save / load
-# ---------------------------------------------------------------------------------------------
-
-def test_save_load_round_trip(backend, tmp_path):
-    model = _mlp(backend, seed=3)
-    state = model.state_dict()
-    state["steps"] = np.array(7, np.int32)
-    path = str(tmp_path / "weights.ckpt")
-    netcl.save(state, path)
-    assert os.listdir(tmp_path) == ["weights.ckpt"]
-    loaded = netcl.load(path)
-    assert sorted(loaded) == sorted(state)
-    for key, value in state.items():
-        assert isinstance(loaded[key], np.ndarray)
-        assert loaded[key].dtype == value.dtype
-        np.testing.assert_array_equal(loaded[key], value)
-    del loaded["steps"]
-    other = _mlp(backend, seed=4)
-    other.load_state_dict(loaded)
-    x = tensor(np.ones((2, 20), np.float32), backend)
-    np.testing.assert_array_equal(host(other(x)), host(model(x)))
-
-
-class _Booby:
-    """Unpickling this creates a file: proof that a loader ran pickle."""
-
-    def __init__(self, marker):
-        self.marker = marker
-
-    def __reduce__(self):
-        return (open, (self.marker, "w"))
-
-
-def test_load_refuses_pickled_objects(tmp_path):
-    marker = str(tmp_path / "unpickled")
-    path = str(tmp_path / "evil.npz")
-    np.savez(path, weight=np.array([_Booby(marker)], dtype=object))
-    with pytest.raises(ValueError):
-        netcl.load(path)
-    assert not os.path.exists(marker), "netcl.load unpickled an object"
-
-
-def test_load_missing_key_names_it(backend, tmp_path):
-    model = _mlp(backend)
-    state = model.state_dict()
-    del state["0.bias"]
-    path = str(tmp_path / "partial.npz")
-    netcl.save(state, path)
-    with raises_naming((KeyError, ValueError, RuntimeError), "0.bias"):
-        model.load_state_dict(netcl.load(path))
-
-
-# ---------------------------------------------------------------------------------------------
-# optim.SGD
-# ---------------------------------------------------------------------------------------------
-
-def _sgd_reference(initial, grads_per_step, lrs, momentum=0.0, weight_decay=0.0, nesterov=False):
-    """PyTorch's SGD rule (torch/optim/sgd.py, _single_tensor_sgd, dampening=0) in NumPy:
-        d_p = grad + weight_decay * p
-        buf = d_p on the first step, else momentum * buf + d_p
-        d_p = d_p + momentum * buf if nesterov else buf       (only when momentum != 0)
-        p  -= lr * d_p
-    Returns the float64 parameters after each step."""
-    params = [p.astype(np.float64) for p in initial]
-    bufs = [None] * len(params)
-    history = []
-    for grads, lr in zip(grads_per_step, lrs):
-        for i, (p, g) in enumerate(zip(params, grads)):
-            d_p = g + weight_decay * p  # float64, as p is
-            if momentum:
-                bufs[i] = d_p.copy() if bufs[i] is None else momentum * bufs[i] + d_p
-                d_p = d_p + momentum * bufs[i] if nesterov else bufs[i]
-            params[i] = p - lr * d_p
-        history.append([p.copy() for p in params])
-    return history
-
-
-def _set_grads(params, grads):
-    """Give each parameter exactly `grad` through a backward pass: d/dp sum(p * g) = g."""
-    with netcl.Tape() as tape:
-        loss = sum(((p * g).sum() for p, g in zip(params, grads)), start=0.0)
-    tape.backward(loss)
-
-
-@pytest.mark.parametrize("momentum, weight_decay, nesterov", [
-    (0.0, 0.0, False), (0.9, 0.0, False), (0.0, 0.01, False), (0.5, 0.1, False),
-    (0.9, 0.01, True), (0.8, 0.0, True),
-])
-def test_sgd_matches_pytorch_rule(backend, momentum, weight_decay, nesterov):
-    rng = np.random.default_rng(15)
-    shapes = [(5, 3), (3,), (2, 2, 2)]
-    initial = [rng.standard_normal(s).astype(np.float32) for s in shapes]
-    params = [param(p, backend) for p in initial]
-    opt = netcl.SGD(params, lr=0.1, momentum=momentum, weight_decay=weight_decay,
-                    nesterov=nesterov)
-    steps = 5
-    grads_per_step = [[rng.standard_normal(s).astype(np.float32) for s in shapes]
-                      for _ in range(steps)]
-    lrs = [0.1, 0.1, 0.05, 0.05, 0.2]
-    expected = _sgd_reference(initial, grads_per_step, lrs, momentum, weight_decay, nesterov)
-    for step in range(steps):
-        opt.lr = lrs[step]
-        assert opt.lr == lrs[step]
-        opt.zero_grad()
-        _set_grads(params, grads_per_step[step])
-        opt.step()
-        for p, e in zip(params, expected[step]):
-            np.testing.assert_allclose(host(p), e, rtol=1e-5, atol=1e-6,
-                                       err_msg=f"after step {step + 1}")
-
-
-def test_sgd_zero_grad_and_untouched_parameters(backend):
-    rng = np.random.default_rng(16)
-    used_host = rng.standard_normal((4, 3)).astype(np.float32)
-    unused_host = rng.standard_normal((4, 3)).astype(np.float32)
-    used, unused = param(used_host, backend), param(unused_host, backend)
-    opt = netcl.SGD([used, unused], lr=0.1, momentum=0.9, weight_decay=0.1)
-    for _ in range(3):
-        opt.zero_grad()
-        assert used.grad is None and unused.grad is None
-        _set_grads([used], [np.ones((4, 3), np.float32)])
-        assert used.grad is not None and unused.grad is None
-        opt.step()
-    np.testing.assert_array_equal(host(unused), unused_host)
-    assert not np.allclose(host(used), used_host)
-    opt.zero_grad()
-    assert used.grad is None
-
-
-def test_sgd_state_dict_round_trip(backend):
-    rng = np.random.default_rng(17)
-    initial = rng.standard_normal((6, 2)).astype(np.float32)
-    grads = [rng.standard_normal((6, 2)).astype(np.float32) for _ in range(4)]
-    a = param(initial, backend)
-    opt_a = netcl.SGD([a], lr=0.1, momentum=0.9)
-    for g in grads[:2]:
-        opt_a.zero_grad()
-        _set_grads([a], [g])
-        opt_a.step()
-    state = opt_a.state_dict()
-    assert isinstance(state, dict)
-    b = param(host(a), backend)
-    opt_b = netcl.SGD([b], lr=0.1, momentum=0.9)
-    opt_b.load_state_dict(state)
-    for g in grads[2:]:
-        for p, opt in [(a, opt_a), (b, opt_b)]:
-            opt.zero_grad()
-            _set_grads([p], [g])
-            opt.step()
-    np.testing.assert_allclose(host(b), host(a), rtol=1e-6, atol=1e-7)
-
-
-# ---------------------------------------------------------------------------------------------
-# alias modules
-# ---------------------------------------------------------------------------------------------
-
-# (module, name there, the name of the same object in netcl). PyTorch's import paths name
-# netcl's own objects; abs, pow, max and min would hide Python's own functions inside netcl.py,
-# so netcl's flat names for them differ.
-_FUNCTIONAL_FLAT = [
-    "matmul", "linear", "add", "sub", "mul", "div", "relu", "leaky_relu", "sigmoid", "tanh",
-    "gelu", "exp", "log", "sum", "mean", "reshape", "flatten", "softmax", "log_softmax",
-    "cross_entropy", "mse_loss", "dropout", "sqrt", "rsqrt", "clamp", "silu", "maximum",
-    "minimum", "where", "masked_fill", "argmax", "var", "std", "logsumexp", "conv2d",
-    "max_pool2d", "avg_pool2d", "layer_norm", "batch_norm", "embedding",
-    "scaled_dot_product_attention", "nll_loss", "binary_cross_entropy_with_logits"]
-IMPORT_ALIASES = (
-    [("netcl.functional", name, name) for name in _FUNCTIONAL_FLAT]
-    + [("netcl.functional", "abs", "absolute"), ("netcl.functional", "pow", "power"),
-       ("netcl.functional", "max", "reduce_max"), ("netcl.functional", "min", "reduce_min")]
-    + [("netcl.nn.functional", name, name) for name in ["relu", "nll_loss"]]
-    + [("netcl.nn", name, name) for name in ["Linear", "Sequential", "Conv2d", "MaxPool2d",
-                                             "LayerNorm", "BatchNorm1d", "BatchNorm2d",
-                                             "Embedding"]]
-    + [("netcl.optim", "SGD", "SGD"), ("netcl.optim", "AMPGradScaler", "AMPGradScaler"),
-       ("netcl.amp", "AMPGradScaler", "AMPGradScaler"), ("netcl.amp", "autocast", "autocast")]
-    + [("netcl.data", name, name) for name in ["ArrayDataset", "DataLoader", "GpuBatch",
-                                               "load_idx"]]
-    + [("netcl.data.dataloader", "DataLoader", "DataLoader")])
-
-
-@pytest.mark.parametrize("module, name, flat", IMPORT_ALIASES,
-                         ids=[f"{module}.{name}" for module, name, _ in IMPORT_ALIASES])
-def test_import_path_names_netcl_s_own_object(module, name, flat):
-    assert getattr(importlib.import_module(module), name) is getattr(netcl, flat)
-
-
-def test_alias_modules(backend):
-    import netcl.autograd as ag
-    from netcl.functional import relu
-    import netcl.manager
-    assert netcl.manager.default("cpu") is netcl.manager.default("cpu")
-    x = param(np.array([[-1.0, 2.0]], np.float32), backend)
-    with ag.Tape() as tape:
-        loss = relu(x).sum()
-    tape.backward(loss)
-    np.testing.assert_array_equal(host(x.grad), [[0.0, 1.0]])
-
-
-# ---------------------------------------------------------------------------------------------
-# integration: the tutorial model
-# ---------------------------------------------------------------------------------------------
-
-def test_tutorial_mlp_on_digits(backend, digits):
-    x_train, y_train, x_test, y_test = digits.x_train, digits.y_train, digits.x_test, digits.y_test
-    model = _mlp(backend, (64, 128, 10))
-    opt = netcl.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    rng = np.random.default_rng(0)
-    batch = 32
-    for _ in range(15):
-        order = rng.permutation(len(x_train))
-        for start in range(0, len(order), batch):
-            idx = order[start:start + batch]
-            with netcl.Tape() as tape:
-                xb = tensor(x_train[idx], backend)                        # (B, 64)
-                yb = tensor(y_train[idx].astype(np.int32), backend)       # (B,) int32
-                loss = F.cross_entropy(model(xb), yb)
-            opt.zero_grad()
-            tape.backward(loss)
-            opt.step()
-    model.eval()
-    logits = host(model(tensor(x_test, backend)))
-    accuracy = (logits.argmax(axis=1) == y_test).mean()
-    assert accuracy >= 0.95, f"test accuracy {accuracy:.3f}"
-
-
-# ---------------------------------------------------------------------------------------------
-# convolution and pooling: forwards against plain loops written from the definitions,
+# --- convolution and pooling: forwards against plain loops written from the definitions,
 # gradients against finite differences in float64, OpenCL against NumPy
-# ---------------------------------------------------------------------------------------------
 
 # --- references written from the definitions, one output at a time ----------------------------
 
@@ -2780,476 +2894,2325 @@ def test_small_cnn_learns(backend, digits):
     assert losses[-1] < 0.25 * losses[0]
 
 
-# ---------------------------------------------------------------------------------------------
-# data: DataLoader, workers, shared memory, GpuBatch, load_idx
-# ---------------------------------------------------------------------------------------------
-
-# (num_workers, use_shared_mem) combinations every order test compares.
-WORKER_SETUPS = [(0, False), (2, False), (2, True)]
-
-
-# --- helpers
-
-def _samples(n):
-    """x[i] (2, 3) float32 all equal to i, y[i] = i as int64, extra[i] = i % 7 as int16."""
-    x = np.repeat(np.arange(n, dtype=np.float32), 6).reshape(n, 2, 3)
-    y = np.arange(n, dtype=np.int64)
-    return x, y, (y % 7).astype(np.int16)
-
-
-class SampleDataset:
-    """A per-sample dataset (no fancy indexing), as users write them."""
-
-    def __init__(self, n):
-        self.x, self.y, self.extra = _samples(n)
-
-    def __len__(self):
-        return len(self.y)
-
-    def __getitem__(self, index):
-        return self.x[index], self.y[index], self.extra[index]
-
-
-def _dataset(kind, n):
-    if kind == "arrays":
-        return netcl.ArrayDataset(*_samples(n))
-    if kind == "list":
-        return list(zip(*_samples(n)))
-    return SampleDataset(n)
-
-
-class FailingDataset(SampleDataset):
-    """Raises on one index, to check that a worker's error reaches the consumer."""
-
-    def __init__(self, n, bad_index):
-        super().__init__(n)
-        self.bad_index = bad_index
-
-    def __getitem__(self, index):
-        if index == self.bad_index:
-            raise ValueError(f"bad sample {index}")
-        return super().__getitem__(index)
-
-
-class SelfKillingDataset(SampleDataset):
-    """A worker that touches `bad_index` is killed by SIGKILL, as by the OOM killer."""
-
-    def __init__(self, n, bad_index):
-        super().__init__(n)
-        self.bad_index = bad_index
-        self.parent_pid = os.getpid()
-
-    def __getitem__(self, index):
-        if index == self.bad_index and os.getpid() != self.parent_pid:
-            os.kill(os.getpid(), signal.SIGKILL)
-        return super().__getitem__(index)
-
-
-def exit_soon_collate(samples):
-    """Collate that makes its worker exit (code 3) shortly after sending the batch with sample 4."""
-    if any(sample[1] == 4 for sample in samples):
-        threading.Timer(0.05, os._exit, (3,)).start()
-    return tuple(np.stack(field) for field in zip(*samples))
-
-
-class CountingDataset(SampleDataset):
-    def __init__(self, n):
-        super().__init__(n)
-        self.calls = 0
-
-    def __getitem__(self, index):
-        self.calls += 1
-        return super().__getitem__(index)
-
-
-def pad_collate(samples):
-    """Variable-length samples padded to the longest in the batch (a custom collate_fn)."""
-    width = max(len(sample[0]) for sample in samples)
-    x = np.zeros((len(samples), width), np.float32)
-    for row, (values, _) in enumerate(samples):
-        x[row, :len(values)] = values
-    return x, np.array([label for _, label in samples])
-
-
-def dict_collate(samples):
-    return {"ids": np.array([sample[1] for sample in samples]), "count": len(samples)}
-
-
-def _ids(batches):
-    return [int(i) for batch in batches for i in batch[1]]
-
-
-def _shm_names(prefix=None):
-    """The DataLoader's shared-memory blocks now in /dev/shm: this process's (named
-    netcl_<pid>_...), or those under `prefix`; other programs' blocks are not ours to count."""
-    prefix = f"netcl_{os.getpid()}_" if prefix is None else prefix
-    names = os.listdir("/dev/shm") if os.path.isdir("/dev/shm") else []
-    return {name for name in names if name.startswith(prefix)}
-
-
-def _assert_clean(shm_before, timeout=5.0):
-    """No worker process alive within `timeout` seconds, and no shared-memory block left."""
-    deadline = time.monotonic() + timeout
-    while multiprocessing.active_children():
-        if time.monotonic() > deadline:
-            pytest.fail(f"worker processes still alive after {timeout} s: {multiprocessing.active_children()}")
-        time.sleep(0.02)
-    assert _shm_names() - shm_before == set()
-
-
-@contextlib.contextmanager
-def _deadline(seconds):
-    """Fail instead of hanging: SIGALRM interrupts a blocked wait in the main thread."""
-    def expire(signum, frame):
-        raise TimeoutError(f"no result within {seconds} s")
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-
-
-# --- order and contents
-
-@TRAINING_SETTINGS
-@given(n=st.integers(1, 40), batch_size=st.integers(1, 12), drop_last=st.booleans(),
-       shuffle=st.booleans(), seed=st.integers(0, 2**32), kind=st.sampled_from(["arrays", "list", "samples"]))
-def test_every_sample_once_per_epoch_in_the_same_order_for_any_workers(n, batch_size, drop_last, shuffle, seed, kind):
-    assume(not (drop_last and n < batch_size))
-    dataset = _dataset(kind, n)
-    epochs_by_setup = []
-    with _deadline(60):
-        for num_workers, use_shared_mem in WORKER_SETUPS:
-            loader = netcl.DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, num_workers=num_workers,
-                                   use_shared_mem=use_shared_mem, drop_last=drop_last, seed=seed)
-            epochs = [list(loader) for _ in range(2)]
-            for batches in epochs:
-                assert len(batches) == len(loader) == (n // batch_size if drop_last else -(-n // batch_size))
-                for batch_no, (xb, yb, extra) in enumerate(batches):
-                    full = drop_last or batch_no < len(batches) - 1
-                    rows = batch_size if full else n - batch_no * batch_size
-                    assert xb.shape == (rows, 2, 3) and yb.shape == extra.shape == (rows,)
-                    assert (xb.dtype, yb.dtype, extra.dtype) == (np.float32, np.int64, np.int16)
-                    np.testing.assert_array_equal(xb[:, 1, 2], yb)
-                    np.testing.assert_array_equal(extra, yb % 7)
-                ids = _ids(batches)
-                assert len(ids) == len(set(ids)) == len(loader) * batch_size if drop_last else n
-                assert set(ids) <= set(range(n))
-                if not shuffle:
-                    assert ids == list(range(len(ids)))
-            epochs_by_setup.append([_ids(batches) for batches in epochs])
-    assert all(epochs == epochs_by_setup[0] for epochs in epochs_by_setup)
-
-
-def test_shuffle_changes_every_epoch_and_with_the_seed():
-    dataset = netcl.ArrayDataset(*_samples(64))
-    loader = netcl.DataLoader(dataset, batch_size=8, seed=5)
-    first, second = _ids(loader), _ids(loader)
-    assert sorted(first) == sorted(second) == list(range(64)) and first != second
-    assert _ids(netcl.DataLoader(dataset, batch_size=8, seed=5)) == first
-    assert _ids(netcl.DataLoader(dataset, batch_size=8, seed=6)) != first
-
-
-def test_seed_none_comes_from_manual_seed():
-    dataset = netcl.ArrayDataset(*_samples(64))
-    netcl.manual_seed(11)
-    first = _ids(netcl.DataLoader(dataset, batch_size=8))
-    netcl.manual_seed(11)
-    assert _ids(netcl.DataLoader(dataset, batch_size=8)) == first
-
-
-def test_array_dataset_gathers_a_batch_with_one_index():
-    x, y, extra = _samples(10)
-    dataset = netcl.ArrayDataset(x, y, extra)
-    assert len(dataset) == 10
-    xb, yb, eb = dataset[np.array([3, 1])]
-    np.testing.assert_array_equal(yb, [3, 1])
-    assert xb.shape == (2, 2, 3) and eb.dtype == np.int16
-    with pytest.raises(ValueError, match="first dimension"):
-        netcl.ArrayDataset(x, y[:9])
-
-
-@pytest.mark.parametrize("num_workers, use_shared_mem", WORKER_SETUPS)
-def test_collate_fn_receives_the_sample_tuples(num_workers, use_shared_mem):
-    dataset = [(np.arange(i % 4 + 1, dtype=np.float32), i) for i in range(30)]
-    loader = netcl.DataLoader(dataset, batch_size=4, shuffle=False, collate_fn=pad_collate,
-                           num_workers=num_workers, use_shared_mem=use_shared_mem)
-    with _deadline(30):
-        batches = list(loader)
-    assert _ids(batches) == list(range(30))
-    # pad_collate saw each batch's (values, label) tuples: all but the last hold a length-4 sample.
-    assert [xb.shape[1] for xb, _ in batches] == [4] * 7 + [2]
-    dict_batches = list(netcl.DataLoader(dataset, batch_size=4, shuffle=False, collate_fn=dict_collate,
-                                      num_workers=num_workers, use_shared_mem=use_shared_mem))
-    assert [batch["count"] for batch in dict_batches] == [4] * 7 + [2]
-
-
-def test_shared_memory_blocks_grow_for_larger_batches():
-    # Batch 0 holds short samples; later batches are wider than the blocks sized from it.
-    dataset = [(np.arange(1 + i // 8, dtype=np.float32), i) for i in range(40)]
-    shm_before = _shm_names()
-    with _deadline(30):
-        expected = list(netcl.DataLoader(dataset, batch_size=8, shuffle=False, collate_fn=pad_collate))
-        got = list(netcl.DataLoader(dataset, batch_size=8, shuffle=False, collate_fn=pad_collate,
-                                 num_workers=2, use_shared_mem=True, prefetch=1))
-    for (x_expected, y_expected), (x_got, y_got) in zip(expected, got):
-        np.testing.assert_array_equal(x_got, x_expected)
-        np.testing.assert_array_equal(y_got, y_expected)
-    _assert_clean(shm_before)
-
-
-@pytest.mark.parametrize("kwargs, message", [
-    ({"batch_size": 0}, "batch_size"),
-    ({"batch_size": 2.5}, "batch_size"),
-    ({"batch_size": True}, "batch_size"),
-    ({"num_workers": -1}, "num_workers"),
-    ({"prefetch": 0}, "prefetch"),
-    ({"seed": -3}, "seed"),
-])
-def test_bad_arguments_raise_value_error_naming_them(kwargs, message):
-    with pytest.raises(ValueError, match=message):
-        netcl.DataLoader(netcl.ArrayDataset(*_samples(10)), **kwargs)
-
-
-def test_bad_datasets_and_collate_fn_are_rejected():
-    with pytest.raises(ValueError, match="empty"):
-        netcl.DataLoader([])
-    with pytest.raises(ValueError, match="empty"):
-        netcl.DataLoader(netcl.ArrayDataset(np.zeros((0, 3)), np.zeros(0)))
-    with pytest.raises(ValueError, match="__len__"):
-        netcl.DataLoader(iter([(1, 2)]))
-    with pytest.raises(ValueError, match="collate_fn"):
-        netcl.DataLoader([(1, 2)], collate_fn=3)
-
-
-@pytest.mark.parametrize("num_workers", [0, 2])
-def test_drop_last_may_leave_no_batch(num_workers):
-    loader = netcl.DataLoader(netcl.ArrayDataset(*_samples(3)[:2]), batch_size=5, drop_last=True,
-                           num_workers=num_workers)
-    assert len(loader) == 0 and list(loader) == []  # as PyTorch
-    with pytest.raises(TypeError, match="tuple"):
-        list(netcl.DataLoader([np.zeros(2)], batch_size=1))
-
-
-# --- workers: stopping and errors
-
-@pytest.mark.parametrize("use_shared_mem", [False, True])
-def test_early_break_stops_workers_and_frees_shared_memory(use_shared_mem):
-    shm_before = _shm_names()
-    loader = netcl.DataLoader(netcl.ArrayDataset(*_samples(400)), batch_size=4, num_workers=2,
-                           use_shared_mem=use_shared_mem)
-    with _deadline(30):
-        for batch_no, _ in enumerate(loader):
-            if batch_no == 3:
-                break
-    del loader
-    _assert_clean(shm_before)
-
-
-@pytest.mark.parametrize("use_shared_mem", [False, True])
-def test_exception_in_the_consumer_stops_workers(use_shared_mem):
-    shm_before = _shm_names()
-    loader = netcl.DataLoader(SampleDataset(400), batch_size=4, num_workers=2, use_shared_mem=use_shared_mem)
-    with _deadline(30), pytest.raises(KeyError):
-        for batch in loader:
-            raise KeyError("consumer failed")
-    del loader, batch
-    _assert_clean(shm_before)
-
-
-def test_dropping_an_unstarted_iterator_stops_workers():
-    shm_before = _shm_names()
-    loader = netcl.DataLoader(netcl.ArrayDataset(*_samples(400)), batch_size=4, num_workers=2, use_shared_mem=True)
-    iterator = iter(loader)
-    assert len(multiprocessing.active_children()) == 2
-    del iterator, loader
-    _assert_clean(shm_before)
-
-
-@pytest.mark.parametrize("use_shared_mem", [False, True])
-def test_worker_exception_reaches_the_consumer_with_its_traceback(use_shared_mem):
-    shm_before = _shm_names()
-    loader = netcl.DataLoader(FailingDataset(40, bad_index=13), batch_size=4, shuffle=False, num_workers=2,
-                           use_shared_mem=use_shared_mem)
-    with _deadline(30), pytest.raises(RuntimeError) as caught:
-        list(loader)
-    message = str(caught.value)
-    assert "bad sample 13" in message and "Traceback" in message and "__getitem__" in message
-    del loader, caught
-    _assert_clean(shm_before)
-    with pytest.raises(ValueError, match="bad sample 13"):
-        list(netcl.DataLoader(FailingDataset(40, bad_index=13), batch_size=4))
-
-
-@pytest.mark.parametrize("use_shared_mem", [False, True])
-def test_killed_worker_raises_instead_of_hanging(use_shared_mem):
-    shm_before = _shm_names()
-    loader = netcl.DataLoader(SelfKillingDataset(40, bad_index=13), batch_size=4, shuffle=False, num_workers=2,
-                           use_shared_mem=use_shared_mem)
-    with _deadline(30), pytest.raises(RuntimeError, match="worker 1 .*exit code -9"):
-        list(loader)
-    del loader
-    _assert_clean(shm_before)
-
-
-def test_worker_that_exits_between_batches_raises():
-    # Worker 1 sends batch 1 and then exits: the next task sent to it finds no one listening.
-    shm_before = _shm_names()
-    loader = netcl.DataLoader(SampleDataset(40), batch_size=4, shuffle=False, num_workers=2,
-                           collate_fn=exit_soon_collate)
-    with _deadline(30), pytest.raises(RuntimeError, match="worker 1 .*exit code 3"):
-        for _ in loader:
-            time.sleep(0.2)
-    del loader
-    _assert_clean(shm_before)
-
-
-@pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
-def test_workers_under_other_start_methods(start_method):
-    if start_method not in multiprocessing.get_all_start_methods():
-        pytest.skip(f"{start_method} is not available here")
-    script = f"""
-import multiprocessing, os, sys
-import numpy as np
-sys.path[:0] = {sys.path!r}
-import netcl
-if __name__ == "__main__":
-    multiprocessing.set_start_method({start_method!r})
-    x = np.arange(600, dtype=np.float32).reshape(200, 3)
-    dataset = netcl.ArrayDataset(x, np.arange(200))
-    expected = [b[1].tolist() for b in netcl.DataLoader(dataset, batch_size=16, seed=3)]
-    for use_shared_mem in (False, True):
-        loader = netcl.DataLoader(dataset, batch_size=16, seed=3, num_workers=2, use_shared_mem=use_shared_mem)
-        assert [b[1].tolist() for b in loader] == expected
-        for batch_no, batch in enumerate(netcl.DataLoader(dataset, batch_size=16, num_workers=2,
-                                                      use_shared_mem=use_shared_mem)):
-            break
-    # A collate_fn that cannot be pickled to a spawned worker fails at iter(), leaving nothing.
-    try:
-        iter(netcl.DataLoader(dataset, num_workers=2, collate_fn=lambda samples: samples))
-    except Exception:
-        assert not multiprocessing.active_children()
+# --- PyTorch's behaviour at the edges: NumPy and integer operands, NaN, empty axis lists
+
+def test_integer_arrays_join_float_operands_as_float(backend):
+    x = param(np.arange(6.0).reshape(2, 3), backend)
+    assert (x + np.arange(3)).dtype == np.float32
+    loss = F.mse_loss(x, np.ones((2, 3), np.int64))
+    assert float(host(loss)) == pytest.approx(np.mean((np.arange(6.0) - 1) ** 2))
+    layer = nn.Linear(4, 2, queue=backend.queue)
+    pixels = np.arange(8, dtype=np.uint8).reshape(2, 4)
+    expected = pixels.astype(np.float64) @ host(layer.weight).T + host(layer.bias)
+    np.testing.assert_allclose(host(layer(pixels)), expected, rtol=1e-5)
+    relu = F.relu(netcl.Tensor.from_host(np.arange(-1, 2), backend.queue))  # int32 promotes
+    assert relu.dtype == np.float32
+    np.testing.assert_array_equal(host(relu), [0.0, 0.0, 1.0])
+
+
+def test_numpy_array_on_the_left_of_an_operator(backend):
+    x = param(np.ones((4, 5)), backend)
+    np.testing.assert_array_equal(host(np.arange(5, dtype=np.float32) * x), np.tile(np.arange(5.0), (4, 1)))
+    np.testing.assert_array_equal(host(np.ones((3, 4), np.float32) @ x), np.full((3, 5), 4.0))
+    np.testing.assert_array_equal(host(np.ones(5, np.float32) - x), np.zeros((4, 5)))
+
+
+def test_relu_gradient_passes_at_nan_as_pytorch(backend):
+    x = param([np.nan, -1.0, 2.0], backend)
+    with netcl.Tape() as tape:
+        y = F.relu(x)
+    tape.backward(y, grad=np.ones(3, np.float32))
+    np.testing.assert_array_equal(host(x.grad), [1.0, 0.0, 1.0])
+
+
+def test_reducing_over_no_listed_axis_reduces_all_as_pytorch(backend):
+    x = param(np.arange(6.0).reshape(2, 3), backend)
+    assert float(host(F.sum(x, axis=()))) == 15.0
+    assert float(host(F.mean(x, axis=()))) == 2.5
+
+
+# --- operands that are no real numbers, empty logits, reduction axes
+
+@pytest.mark.parametrize("bad, needle", [(None, "None"), ("2", "'2'"), (object(), "object"),
+                                         (np.array([1 + 5j, 2, 3]), "complex"), (1j, "1j")])
+def test_operand_that_is_not_real_numbers_raises_type_error(backend, bad, needle):
+    x = tensor(np.ones(3), backend)
+    with raises_naming(TypeError, "mul", needle):
+        F.mul(x, bad)
+    with raises_naming(TypeError, "sub", needle):
+        netcl.Node(x) - bad
+    with raises_naming(TypeError, "relu", needle):
+        F.relu(bad)
+    if bad is not None:  # grad=None is the implied seed
+        w = param(np.ones(3), backend)
+        with netcl.Tape() as tape:
+            loss = w * 2.0
+        with raises_naming(TypeError, "backward", needle):
+            tape.backward(loss, grad=bad)
+
+
+def test_bool_and_integer_operands_promote_to_float(backend):
+    x = tensor([1.0, 2.0, 3.0], backend)
+    product = F.mul(x, np.array([True, False, True]))
+    assert product.dtype == np.float32
+    np.testing.assert_array_equal(host(product), [1.0, 0.0, 3.0])
+    big = F.mul(x, np.array([2**40, 0, -(2**40)]))  # far outside int32, exact in float32
+    np.testing.assert_array_equal(host(big), [2.0**40, 0.0, -3 * 2.0**40])
+    w = param([1.0, 2.0], backend)
+    with netcl.Tape() as tape:
+        y = w * 3.0
+    tape.backward(y, grad=np.array([1, 2]))
+    assert w.grad.dtype == np.float32
+    np.testing.assert_array_equal(host(w.grad), [3.0, 6.0])
+    with netcl.Tape() as tape:
+        y = w * 3.0
+    with raises_naming(ValueError, "backward", "int32"):
+        tape.backward(y, grad=tensor(np.array([1, 2]), backend))
+
+
+@pytest.mark.parametrize("reduction, expected", [("mean", math.nan), ("sum", 0.0), ("none", None)])
+@pytest.mark.parametrize("n, c, soft", [(3, 0, True), (0, 0, True), (0, 0, False), (0, 3, False),
+                                        (0, 3, True)])
+def test_cross_entropy_of_empty_logits_as_pytorch(backend, n, c, soft, reduction, expected):
+    x = param(np.zeros((n, c)), backend)
+    target = np.full((n, c), 0.5) if soft else np.zeros(n, np.int64)
+    with netcl.Tape() as tape:
+        loss = F.cross_entropy(x, target, reduction=reduction)
+        total = F.sum(loss)
+    tape.backward(total)
+    if expected is None:
+        np.testing.assert_array_equal(host(loss), np.zeros(n, np.float32))
     else:
-        raise AssertionError("an unpicklable collate_fn was accepted")
-    print("ok", os.getpid())
-"""
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0 and result.stdout.startswith("ok "), result.stderr
-    assert "leaked" not in result.stderr, result.stderr
-    child_pid = result.stdout.split()[1]
-    assert _shm_names(f"netcl_{child_pid}_") == set()  # the child's blocks are all unlinked
+        assert loss.shape == () and np.array_equal(host(loss), expected, equal_nan=True)
+    assert host(x.grad).shape == (n, c)
 
 
-# --- device batches
-
-@pytest.mark.parametrize("backend_name", BACKENDS)
-@pytest.mark.parametrize("num_workers, use_shared_mem", [(0, False), (2, True)])
-def test_gpu_batches_hold_the_host_batch_on_the_device(backend_name, num_workers, use_shared_mem):
-    device = _get_device(backend_name)
-    x, y, extra = _samples(37)
-    dataset = netcl.ArrayDataset(x.astype(np.float64), y, extra)
-    host_batches = list(netcl.DataLoader(dataset, batch_size=8, seed=2))
-    loader = netcl.DataLoader(dataset, batch_size=8, seed=2, num_workers=num_workers, use_shared_mem=use_shared_mem)
-    assert loader.bind_queue(device.queue) is loader
-    with _deadline(60):
-        gpu_batches = list(loader)
-    assert len(gpu_batches) == len(host_batches) == 5
-    for batch, host in zip(gpu_batches, host_batches):
-        assert isinstance(batch, netcl.GpuBatch) and isinstance(batch, tuple) and len(batch) == 3
-        xb, yb, eb = batch
-        assert isinstance(xb, netcl.Tensor) and isinstance(yb, netcl.Tensor) and xb.device is device
-        assert np.dtype(xb.dtype) == np.float32 and np.dtype(yb.dtype) == np.int32
-        for field, expected in zip(batch.host, host):
-            np.testing.assert_array_equal(field, expected)
-        np.testing.assert_array_equal(xb.to_host(), host[0].astype(np.float32))
-        np.testing.assert_array_equal(yb.to_host(), host[1])
-        assert eb is batch.host[2]
-    assert not isinstance(next(iter(loader.bind_queue(None))), netcl.GpuBatch)
-    with pytest.raises(TypeError, match="tuple"):
-        next(iter(netcl.DataLoader(dataset, collate_fn=dict_collate, device_queue=device.queue)))
+def test_cross_entropy_with_no_classes_refuses_every_index(backend):
+    with raises_naming(ValueError, "cross_entropy", "label 0", "[0, 0)"):
+        F.cross_entropy(tensor(np.zeros((2, 0)), backend), np.array([0, 0]))
 
 
-@pytest.mark.parametrize("backend_name", BACKENDS)
-def test_device_queue_argument_uploads_prefetch_batches_ahead(backend_name):
-    device = _get_device(backend_name)
-    dataset = CountingDataset(20)
-    loader = netcl.DataLoader(dataset, batch_size=1, shuffle=False, prefetch=2, device_queue=device.queue)
-    iterator = iter(loader)
-    first = next(iterator)
-    # Batch 0 is handed out once batches 1 and 2 are already on their way to the device.
-    assert dataset.calls == 3 and isinstance(first, netcl.GpuBatch)
-    rest = list(iterator)
-    assert [int(batch[1].to_host()[0]) for batch in [first] + rest] == list(range(20))
+def test_reduction_axis_must_be_ints(backend):
+    x = tensor(np.ones((2, 3)), backend)
+    for name, op in (("sum", F.sum), ("mean", F.mean)):
+        for bad in ("0", 1.0, True, (0, "1"), (1.0,), {0}):
+            with raises_naming(TypeError, f"{name}: axis must be an int or a tuple of ints",
+                               repr(bad)):
+                op(x, axis=bad)
+    np.testing.assert_array_equal(host(F.sum(x, axis=[np.int64(0), -1])), 6.0)
+    with raises_naming(ValueError, "sum", "axis 2 out of range"):
+        F.sum(x, axis=2)
 
 
-# --- IDX files
-
-_IDX_CODES = {np.uint8: 0x08, np.int8: 0x09, np.int16: 0x0B, np.int32: 0x0C, np.float32: 0x0D, np.float64: 0x0E}
-
-
-def _idx_bytes(array):
-    dtype = np.dtype(array.dtype)
-    header = bytes([0, 0, _IDX_CODES[dtype.type], array.ndim])
-    header += b"".join(int(size).to_bytes(4, "big") for size in array.shape)
-    return header + array.astype(dtype.newbyteorder(">")).tobytes()
-
-
-@pytest.mark.parametrize("dtype", list(_IDX_CODES))
-@pytest.mark.parametrize("name", ["plain-idx3-ubyte", "packed-idx3-ubyte.gz", "packed-without-suffix"])
-def test_load_idx_round_trip(tmp_path, dtype, name):
-    array = (np.arange(2 * 5 * 3) - 7).reshape(2, 5, 3).astype(dtype)
-    data = _idx_bytes(array)
-    path = tmp_path / name
-    path.write_bytes(data if name.startswith("plain") else gzip.compress(data))
-    for argument in (path, str(path)):
-        loaded = netcl.load_idx(argument)
-        assert loaded.dtype == dtype and loaded.dtype.isnative
-        np.testing.assert_array_equal(loaded, array)
+def test_tanh_saturates_to_one_with_zero_gradient(backend):
+    values = np.array([10.0, -10.0, 20.0, -20.0, np.inf, -np.inf])
+    x = param(values, backend)
+    with netcl.Tape() as tape:
+        y = F.tanh(x)
+        total = F.sum(y)
+    tape.backward(total)
+    np.testing.assert_array_equal(host(y), np.sign(values))
+    np.testing.assert_array_equal(host(x.grad), np.zeros(6))
+    half = F.tanh(tensor(values, backend, np.float16))  # float16 storage: the half build
+    np.testing.assert_array_equal(host(half), np.sign(values))
+    assert np.isnan(host(F.tanh(tensor([np.nan], backend)))[0])
 
 
-def test_load_idx_reads_mnist_shaped_labels(tmp_path):
-    labels = np.arange(100, dtype=np.uint8) % 10
-    path = tmp_path / "train-labels-idx1-ubyte"
-    path.write_bytes(_idx_bytes(labels))
-    loaded = netcl.load_idx(path)
-    assert loaded.dtype == np.uint8 and loaded.shape == (100,)
+# --- elementwise and reductions
+# The conventions of PyTorch's gradients at the points the op cases keep away from, the
+# edges (NaN, infinities, empty axes, zero-size tensors) and the errors. Expected values are
+# PyTorch's, worked out from its formulas (derivatives.yaml, FunctionsManual.cpp).
+
+def _value_and_grad(dev, op, *arrays, grad=None):
+    """op(*leaves) on dev and the gradient of each leaf for an upstream gradient of ones."""
+    leaves = [param(a, dev) for a in arrays]
+    with netcl.Tape() as tape:
+        out = op(*leaves)
+    tape.backward(out, grad=np.ones(out.shape, np.float32) if grad is None else grad)
+    return (host(out), *[host(p.grad) for p in leaves])
 
 
-@pytest.mark.parametrize("corrupt, message", [
-    (lambda data: b"\x01\x00" + data[2:], "magic"),
-    (lambda data: data[:2] + b"\x07" + data[3:], "type code"),
-    (lambda data: data[:-5], "truncated"),
-    (lambda data: data[:9], "truncated"),
-    (lambda data: data[:3], "truncated"),
-    (lambda data: data + b"\x00", "trailing"),
-    (lambda data: gzip.compress(data)[:-12], "truncated"),
+def test_abs_gradient_at_zero_is_zero(backend):
+    x = np.array([0.0, -0.0, 2.0, -3.0, np.nan])
+    y, grad = _value_and_grad(backend, F.abs, x)
+    np.testing.assert_array_equal(y, [0.0, 0.0, 2.0, 3.0, np.nan])
+    np.testing.assert_array_equal(grad, [0.0, 0.0, 1.0, -1.0, 0.0])  # sgn(0) = sgn(nan) = 0
+
+
+@pytest.mark.parametrize("exponent, value, grad", [
+    # x = 0, -2, 2; torch.pow's backward: exponent * x ** (exponent - 1), 0 for exponent 0
+    (0, [1.0, 1.0, 1.0], [0.0, 0.0, 0.0]),
+    (0.5, [0.0, np.nan, math.sqrt(2)], [np.inf, np.nan, 0.5 / math.sqrt(2)]),
+    (1, [0.0, -2.0, 2.0], [1.0, 1.0, 1.0]),
+    (2, [0.0, 4.0, 4.0], [0.0, -4.0, 4.0]),
+    (3, [0.0, -8.0, 8.0], [0.0, 12.0, 12.0]),
+    (-1, [np.inf, -0.5, 0.5], [-np.inf, -0.25, -0.25]),
+    (2.5, [0.0, np.nan, 2 ** 2.5], [0.0, np.nan, 2.5 * 2 ** 1.5]),
 ])
-def test_load_idx_rejects_malformed_files_naming_them(tmp_path, corrupt, message):
-    path = tmp_path / "broken-idx3-ubyte"
-    path.write_bytes(corrupt(_idx_bytes(np.zeros((4, 28, 28), np.uint8))))
-    with pytest.raises(ValueError, match=message) as caught:
-        netcl.load_idx(path)
-    assert str(path) in str(caught.value)
+def test_pow_at_zero_and_negative_bases(backend, exponent, value, grad):
+    y, g = _value_and_grad(backend, lambda x: x ** exponent, np.array([0.0, -2.0, 2.0]))
+    np.testing.assert_allclose(y, value, rtol=1e-6)
+    np.testing.assert_allclose(g, grad, rtol=1e-6)
 
 
-def test_load_idx_missing_file_is_an_os_error(tmp_path):
-    with pytest.raises(OSError):
-        netcl.load_idx(tmp_path / "missing-idx1-ubyte")
+def test_pow_gradient_is_zero_for_exponent_zero_even_at_nan(backend):
+    y, g = _value_and_grad(backend, lambda x: F.pow(x, 0.0), np.array([np.nan, np.inf, 0.0]))
+    np.testing.assert_array_equal(y, [1.0, 1.0, 1.0])
+    np.testing.assert_array_equal(g, [0.0, 0.0, 0.0])
 
 
-# --- import paths
+def test_pow_takes_a_number_exponent(backend):
+    x = tensor(np.ones(3), backend)
+    with raises_naming(TypeError, "pow", "exponent", "Tensor"):
+        F.pow(x, x)
+    with raises_naming(TypeError, "pow", "exponent", "str"):
+        netcl.Node(x) ** "2"
+
+
+@pytest.mark.parametrize("low, high, value, grad", [
+    (2.0, 2.5, [2.0, 2.0, 2.5, 2.5, np.nan], [0.0, 1.0, 1.0, 0.0, 0.0]),  # bounds pass g
+    (3.0, 2.0, [2.0, 2.0, 2.0, 2.0, np.nan], [0.0, 0.0, 0.0, 0.0, 0.0]),  # min > max: max
+    (2.0, None, [2.0, 2.0, 2.5, 3.0, np.nan], [0.0, 1.0, 1.0, 1.0, 0.0]),
+    (None, 2.5, [1.0, 2.0, 2.5, 2.5, np.nan], [1.0, 1.0, 1.0, 0.0, 0.0]),
+])
+def test_clamp_at_the_bounds(backend, low, high, value, grad):
+    x = np.array([1.0, 2.0, 2.5, 3.0, np.nan])
+    y, g = _value_and_grad(backend, lambda x: F.clamp(x, low, high), x)
+    np.testing.assert_array_equal(y, value)
+    np.testing.assert_array_equal(g, grad)
+
+
+def test_clamp_errors(backend):
+    x = tensor(np.ones(3), backend)
+    with raises_naming(ValueError, "clamp", "min", "max"):
+        F.clamp(x)
+    with raises_naming(TypeError, "clamp", "max"):
+        F.clamp(x, 0.0, x)
+    with raises_naming(TypeError, "clamp", "min"):
+        F.clamp(x, min="0")
+
+
+def test_silu_and_tanh_gelu_far_out(backend):
+    """Large |x|: silu and the tanh GELU go to 0 and to x without inf or nan, in both
+    directions (silu checked against a float64 transcription of PyTorch's formulas)."""
+    x = np.array([-100.0, -30.0, -8.0, 8.0, 30.0, 100.0])
+    y, g = _value_and_grad(backend, F.silu, x)
+    np.testing.assert_allclose(y, x / (1 + np.exp(-x)), rtol=1e-6, atol=1e-30)
+    sig = 1 / (1 + np.exp(-x))
+    np.testing.assert_allclose(g, sig * (1 + x * (1 - sig)), rtol=1e-5, atol=1e-30)
+    x = np.array([-100.0, -30.0, 30.0, 100.0])
+    y, g = _value_and_grad(backend, lambda x: F.gelu(x, approximate="tanh"), x)
+    np.testing.assert_array_equal(y, [0.0, 0.0, 30.0, 100.0])
+    np.testing.assert_array_equal(g, [0.0, 0.0, 1.0, 1.0])
+
+
+def test_gelu_approximate_argument(backend):
+    x = tensor(np.random.default_rng(3).standard_normal((4, 5)), backend)
+    np.testing.assert_array_equal(host(F.gelu(x, "none")), host(F.gelu(x)))
+    np.testing.assert_allclose(host(F.gelu(x, approximate="tanh")),
+                               _gelu_tanh_ref(host(x).astype(np.float64)), rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(host(nn.GELU(approximate="tanh")(x)),
+                                  host(F.gelu(x, approximate="tanh")))
+    np.testing.assert_array_equal(host(nn.GELU()(x)), host(F.gelu(x)))
+    with raises_naming(ValueError, "gelu", "approximate", "'sigmoid'"):
+        F.gelu(x, approximate="sigmoid")
+    with raises_naming(ValueError, "GELU", "approximate", "'fast'"):
+        nn.GELU(approximate="fast")
+
+
+@pytest.mark.parametrize("op, value, grad_a, grad_b", [
+    # a = [1, 2, nan, 3], b = [1, 3, 1, nan]: ties split the gradient; NaN gives both all of it
+    (F.maximum, [1.0, 3.0, np.nan, np.nan], [0.5, 0.0, 1.0, 1.0], [0.5, 1.0, 1.0, 1.0]),
+    (F.minimum, [1.0, 2.0, np.nan, np.nan], [0.5, 1.0, 1.0, 1.0], [0.5, 0.0, 1.0, 1.0]),
+])
+def test_maximum_minimum_ties_and_nan(backend, op, value, grad_a, grad_b):
+    y, ga, gb = _value_and_grad(backend, op, np.array([1.0, 2.0, np.nan, 3.0]),
+                                np.array([1.0, 3.0, 1.0, np.nan]))
+    np.testing.assert_array_equal(y, value)
+    np.testing.assert_array_equal(ga, grad_a)
+    np.testing.assert_array_equal(gb, grad_b)
+
+
+def test_maximum_with_a_constant_and_shape_errors(backend):
+    y, g = _value_and_grad(backend, lambda x: F.maximum(x, 0.0), np.array([-1.0, 0.0, 2.0]))
+    np.testing.assert_array_equal(y, [0.0, 0.0, 2.0])
+    np.testing.assert_array_equal(g, [0.0, 0.5, 1.0])  # relu's twin, but a tie shares
+    for op in (F.maximum, F.minimum):
+        with raises_naming(ValueError, op.__name__, "(2, 3)", "(4,)"):
+            op(tensor(np.ones((2, 3)), backend), tensor(np.ones(4), backend))
+
+
+def test_where_selects_exactly(backend):
+    """The unchosen side never leaks, not even a NaN or an inf; signed zeros survive; the
+    gradient goes to the chosen side only."""
+    cond = np.array([True, False, True, False, True])
+    a = np.array([-0.0, np.nan, np.inf, 1.0, 2.0])
+    b = np.array([np.nan, -0.0, 5.0, -np.inf, 3.0])
+    y, ga, gb = _value_and_grad(backend, lambda a, b: F.where(cond, a, b), a, b,
+                                grad=np.full(5, 2.0, np.float32))
+    np.testing.assert_array_equal(y, [-0.0, -0.0, np.inf, -np.inf, 2.0])
+    assert list(np.signbit(y[:2])) == [True, True]
+    np.testing.assert_array_equal(ga, [2.0, 0.0, 2.0, 0.0, 2.0])
+    np.testing.assert_array_equal(gb, [0.0, 2.0, 0.0, 2.0, 0.0])
+
+
+@pytest.mark.parametrize("kind", ["bool", "int", "tensor", "node"])
+def test_where_condition_kinds(backend, kind):
+    cond = np.array([[1, 0, 3], [0, -2, 0]])
+    condition = {"bool": cond != 0, "int": cond, "tensor": tensor(cond, backend),
+                 "node": netcl.Node(tensor(cond, backend))}[kind]
+    a = np.arange(6.0).reshape(2, 3)
+    out = F.where(condition, tensor(a, backend), -1.0)
+    np.testing.assert_array_equal(host(out), np.where(cond != 0, a, -1.0))
+
+
+def test_where_broadcasts_condition_and_sides(backend):
+    cond = np.array([True, False, True])  # (3,) against (2, 3) and a scalar
+    a, b = np.arange(6.0).reshape(2, 3), np.array([10.0, 20.0, 30.0])
+    y, ga, gb = _value_and_grad(backend, lambda a, b: F.where(cond, a, b), a, b)
+    np.testing.assert_array_equal(y, np.where(cond, a, b))
+    np.testing.assert_array_equal(ga, np.broadcast_to(cond, (2, 3)).astype(np.float32))
+    np.testing.assert_array_equal(gb, [0.0, 2.0, 0.0])
+    out = F.where(tensor(cond, backend), 1.0, 0.0)  # two numbers: on the condition's device
+    assert out.device is backend and out.dtype == np.float32
+    np.testing.assert_array_equal(host(out), [1.0, 0.0, 1.0])
+
+
+def test_where_and_masked_fill_errors(backend):
+    x = tensor(np.ones((2, 3)), backend)
+    with raises_naming(TypeError, "where", "condition", "float"):
+        F.where(np.ones((2, 3)), x, x)
+    with raises_naming(TypeError, "where", "condition", "float32"):
+        F.where(x, x, x)
+    with raises_naming(TypeError, "masked_fill", "mask", "float"):
+        F.masked_fill(x, np.zeros(3), 1.0)
+    with raises_naming(TypeError, "masked_fill", "value"):
+        F.masked_fill(x, np.zeros(3, bool), x)
+    with raises_naming(ValueError, "where", "(2, 3)", "(4,)"):
+        F.where(np.ones(4, bool), x, x)
+    with raises_naming(ValueError, "masked_fill", "(2, 3)", "(2,)"):
+        x_node = netcl.Node(x)
+        x_node.masked_fill(np.ones(2, bool), 0.0)
+
+
+def test_where_condition_on_another_device_raises(cpu, opencl):
+    with raises_naming(ValueError, "where", "devices"):
+        F.where(tensor(np.ones(3, np.int32), cpu), tensor(np.ones(3), opencl), 0.0)
+
+
+def test_masked_fill_causal_attention(backend):
+    """The GPT use: scores masked above the diagonal with -inf, then softmax. Masked places
+    get probability 0 and no gradient."""
+    rng = np.random.default_rng(21)
+    scores = rng.standard_normal((2, 4, 4))
+    causal = np.tril(np.ones((4, 4)))
+    weights = rng.standard_normal((2, 4, 4)).astype(np.float32)
+    y, g = _value_and_grad(backend, lambda s: F.softmax(s.masked_fill(causal == 0, -math.inf)),
+                           scores, grad=weights)
+    masked = np.where(causal == 0, -np.inf, scores)
+    expected = np.exp(masked - masked.max(-1, keepdims=True))
+    expected /= expected.sum(-1, keepdims=True)
+    np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-7)
+    assert np.all(y[:, causal == 0] == 0)
+    # softmax's backward, then nothing where the fill was
+    expected_grad = expected * (weights - (weights * expected).sum(-1, keepdims=True))
+    np.testing.assert_allclose(g, expected_grad, rtol=1e-5, atol=1e-6)
+    assert np.all(g[:, causal == 0] == 0)
+
+
+def test_max_ties_share_the_gradient(backend):
+    x = np.array([[1.0, 3.0, 3.0], [2.0, 2.0, 2.0]])
+    y, g = _value_and_grad(backend, lambda x: F.max(x, 1), x)  # torch.amax(x, 1)
+    np.testing.assert_array_equal(y, [3.0, 2.0])
+    np.testing.assert_allclose(g, [[0, 0.5, 0.5], [1 / 3, 1 / 3, 1 / 3]], rtol=1e-7)
+    y, g = _value_and_grad(backend, lambda x: x.max(), x)  # all of x
+    assert y.shape == () and y == 3.0
+    np.testing.assert_array_equal(g, [[0, 0.5, 0.5], [0, 0, 0]])
+    y, g = _value_and_grad(backend, lambda x: F.min(x, 0, keepdims=True),
+                           np.array([[1.0, 2.0, 5.0], [1.0, 3.0, 5.0]]))
+    np.testing.assert_array_equal(y, [[1.0, 2.0, 5.0]])
+    np.testing.assert_array_equal(g, [[0.5, 1, 0.5], [0.5, 0, 0.5]])
+
+
+def test_max_with_nan(backend):
+    """NaN is the largest and the smallest; a NaN extreme ties with nothing, so its column's
+    gradient is NaN (g / 0 * 0), as PyTorch's amax backward."""
+    x = np.array([[1.0, np.nan, 3.0], [2.0, 5.0, 4.0]])
+    for op in (lambda x: F.max(x, 1), lambda x: F.min(x, 1)):
+        y, g = _value_and_grad(backend, op, x)
+        assert np.isnan(y[0]) and not np.isnan(y[1])
+        assert np.isnan(g[0]).all() and not np.isnan(g[1]).any()
+
+
+def test_argmax(backend):
+    x = np.array([[1.0, 3.0, 3.0, 0.0], [np.nan, 2.0, np.nan, 9.0], [4.0, 4.0, 4.0, 4.0]])
+    t = tensor(x, backend)
+    out = F.argmax(t, 1)
+    assert isinstance(out, netcl.Tensor) and out.dtype == np.int32
+    np.testing.assert_array_equal(host(out), [1, 0, 0])  # the first of ties; NaN is largest
+    np.testing.assert_array_equal(host(F.argmax(t, 0)), [1, 2, 1, 1])
+    np.testing.assert_array_equal(host(F.argmax(t, -1, keepdims=True)), [[1], [0], [0]])
+    assert host(F.argmax(tensor(np.array([[0.0, 1.0], [7.0, 2.0]]), backend))) == 2  # flat
+    assert F.argmax(tensor(np.array([[0.0, 1.0]]), backend), keepdims=True).shape == (1, 1)
+    assert F.argmax(netcl.Node(t), 1).shape == (3,)  # Nodes too; no gradient
+    assert F.argmax(tensor(np.zeros((0, 3)), backend), 1).shape == (0,)
+
+
+def test_reductions_over_empty_axes(backend):
+    empty = tensor(np.zeros((2, 0)), backend)
+    for op in (F.max, F.min, F.argmax):
+        name = {F.max: "max", F.min: "min", F.argmax: "argmax"}[op]
+        with raises_naming(ValueError, name, "empty", "(2, 0)"):
+            op(empty, 1)
+        with raises_naming(ValueError, name, "empty", "(2, 0)"):
+            op(empty)  # all of an empty x
+    np.testing.assert_array_equal(host(F.var(empty, 1)), [np.nan, np.nan])  # as PyTorch
+    np.testing.assert_array_equal(host(F.std(empty, 1)), [np.nan, np.nan])
+    np.testing.assert_array_equal(host(F.logsumexp(empty, 1)), [-np.inf, -np.inf])
+    assert F.var(empty).shape == () and np.isnan(host(F.var(empty)))
+    # an empty x reduced along a non-empty axis: an empty result, forward and backward
+    for op in (lambda x: F.max(x, 1), lambda x: F.min(x, 1), lambda x: F.var(x, 1),
+               lambda x: F.std(x, 1, keepdims=True), lambda x: F.logsumexp(x, -1)):
+        y, g = _value_and_grad(backend, op, np.zeros((0, 3)))
+        assert y.shape in ((0,), (0, 1)) and g.shape == (0, 3)
+
+
+@pytest.mark.parametrize("correction, value, grad", [
+    # x = [[1, 2], [3, 3]] along axis 1; torch.var's backward 2 / (N - correction) g (x - mean)
+    (0, [0.25, 0.0], [[-0.5, 0.5], [0.0, 0.0]]),
+    (1, [0.5, 0.0], [[-1.0, 1.0], [0.0, 0.0]]),
+    (0.5, [1 / 3, 0.0], [[-2 / 3, 2 / 3], [0.0, 0.0]]),
+    (2, [np.inf, np.nan], [[-np.inf, np.inf], [np.nan, np.nan]]),  # N = correction
+    (3, [np.inf, np.nan], [[1.0, -1.0], [0.0, 0.0]]),  # divides by max(N - correction, 0)
+])
+def test_var_corrections(backend, correction, value, grad):
+    x = np.array([[1.0, 2.0], [3.0, 3.0]])
+    y, g = _value_and_grad(backend, lambda x: F.var(x, 1, correction=correction), x)
+    np.testing.assert_allclose(y, value, rtol=1e-6)
+    np.testing.assert_allclose(g, grad, rtol=1e-6)
+
+
+def test_std_of_a_constant_has_zero_gradient(backend):
+    """PyTorch's std_backward masks the 1 / std of a zero std: 0, not nan."""
+    x = np.array([[1.0, 2.0], [3.0, 3.0]])
+    y, g = _value_and_grad(backend, lambda x: x.std(1), x)
+    np.testing.assert_allclose(y, [math.sqrt(0.5), 0.0], rtol=1e-6)
+    np.testing.assert_allclose(g, [[-math.sqrt(0.5), math.sqrt(0.5)], [0.0, 0.0]], rtol=1e-6)
+    y, g = _value_and_grad(backend, lambda x: F.std(x), np.full(4, 7.0))
+    assert y == 0.0
+    np.testing.assert_array_equal(g, np.zeros(4))
+
+
+def test_var_is_stable_far_from_zero(backend):
+    """Two passes: a large mean does not swamp a small spread."""
+    x = 1e4 + np.array([0.0, 1.0, 2.0, 3.0])
+    np.testing.assert_allclose(host(F.var(tensor(x, backend))), np.var(x, ddof=1), rtol=1e-6)
+
+
+def test_logsumexp_is_stable(backend):
+    x = np.array([[1000.0, 1000.0], [-1000.0, -1001.0], [np.inf, 1.0], [-np.inf, -np.inf]])
+    y, g = _value_and_grad(backend, lambda x: F.logsumexp(x, 1), x)
+    np.testing.assert_allclose(y[:2], [1000 + math.log(2), -1000 + math.log1p(math.exp(-1))],
+                               rtol=1e-6)
+    np.testing.assert_array_equal(y[2:], [np.inf, -np.inf])  # not nan: shifted by 0
+    # PyTorch's gradient, exp(x - lse), from the float32 lse: softmax up to lse's rounding
+    # (float32's spacing at 1000 is 2**-14), and exactly what PyTorch gives (0.49998546 here)
+    np.testing.assert_allclose(g[:2], np.exp(x[:2] - y[:2, None].astype(np.float64)), rtol=1e-6)
+    np.testing.assert_allclose(g[:2], [[0.5, 0.5], [1 / (1 + math.exp(-1)),
+                                                    1 / (1 + math.exp(1))]], atol=2 ** -14)
+    np.testing.assert_array_equal(g[2:], [[np.nan, 0.0], [np.nan, np.nan]])  # as PyTorch
+
+
+def test_reductions_reject_bad_axes_and_arguments(backend):
+    x = tensor(np.ones((2, 3)), backend)
+    for name, op in [("max", F.max), ("min", F.min), ("argmax", F.argmax), ("var", F.var),
+                     ("std", F.std), ("logsumexp", F.logsumexp)]:
+        with raises_naming(TypeError, name, "axis", "(0, 1)"):
+            op(x, (0, 1))
+        with raises_naming(ValueError, name, "axis", "2", "(2, 3)"):
+            op(x, 2)
+    with raises_naming(TypeError, "var", "correction"):
+        F.var(x, correction="1")
+    with raises_naming(TypeError, "logsumexp", "axis"):
+        F.logsumexp(x)  # axis is required, as torch.logsumexp's dim
+
+
+def test_reductions_of_a_zero_dimensional_tensor(backend):
+    x = np.array(5.0)
+    for op in (lambda x: F.max(x, 0), lambda x: F.min(x, -1), lambda x: F.logsumexp(x, 0)):
+        y, g = _value_and_grad(backend, op, x)
+        assert y.shape == () and y == 5.0 and g == 1.0
+    assert host(F.argmax(tensor(x, backend), 0)) == 0
+    y, g = _value_and_grad(backend, lambda x: F.var(x, correction=0), x)
+    assert y == 0.0 and g == 0.0
+
+
+@pytest.mark.parametrize("op", [
+    F.sqrt, F.rsqrt, F.abs, lambda x: x ** 2, lambda x: F.clamp(x, -1.0, 1.0), F.silu,
+    lambda x: F.gelu(x, approximate="tanh"), lambda x: F.maximum(x, x),
+    lambda x: F.minimum(x, 0.0), lambda x: F.where(np.ones((0, 3), bool), x, 1.0),
+    lambda x: x.masked_fill(np.zeros(3, bool), 2.0),
+], ids=["sqrt", "rsqrt", "abs", "pow", "clamp", "silu", "gelu_tanh", "maximum", "minimum",
+        "where", "masked_fill"])
+def test_elementwise_on_zero_size_tensors(backend, op):
+    y, g = _value_and_grad(backend, op, np.zeros((0, 3)))
+    assert y.shape == (0, 3) and g.shape == (0, 3)
+
+
+# --- normalisation, embedding and attention
+
+def _batch_norm_module_ref(batches, momentum, eps=1e-5):
+    """torch.nn.BatchNorm1d's training steps, transcribed: each batch normalised with its own
+    statistics; running_mean and running_var (unbiased variance) moved by momentum, or by
+    1 / num_batches_tracked for momentum=None. Returns the outputs and the final state."""
+    C = batches[0].shape[1]
+    running_mean, running_var = np.zeros(C), np.ones(C)
+    outputs = []
+    for count, x in enumerate(batches, start=1):
+        axes = (0,) + tuple(range(2, x.ndim))
+        n = x.size // C
+        mean, var = x.mean(axis=axes), x.var(axis=axes)
+        factor = 1.0 / count if momentum is None else momentum
+        running_mean = (1 - factor) * running_mean + factor * mean
+        running_var = (1 - factor) * running_var + factor * var * n / (n - 1)
+        outputs.append(_batch_norm_ref(x, mean, var, eps=eps))
+    return outputs, running_mean, running_var
+
+
+@pytest.mark.parametrize("shape, module", [((8, 3), netcl.BatchNorm1d),
+                                           ((5, 3, 4), netcl.BatchNorm1d),
+                                           ((4, 3, 2, 5), netcl.BatchNorm2d)])
+@pytest.mark.parametrize("momentum", [0.1, 0.5, None])
+def test_batch_norm_running_stats_and_eval_follow_pytorch(backend, shape, module, momentum):
+    rng = np.random.default_rng(40)
+    batches = [(rng.standard_normal(shape) * (i + 1) + i).astype(np.float32) for i in range(3)]
+    bn = module(3, momentum=momentum, queue=backend.queue)
+    outputs, running_mean, running_var = _batch_norm_module_ref(batches, momentum)
+    for x, expected in zip(batches, outputs):
+        np.testing.assert_allclose(host(bn(tensor(x, backend))), expected, rtol=1e-5, atol=1e-5)
+    state = bn.state_dict()
+    np.testing.assert_allclose(state["running_mean"], running_mean, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(state["running_var"], running_var, rtol=1e-5, atol=1e-6)
+    assert state["num_batches_tracked"] == 3
+    # eval: the running statistics normalise, and the gradient is weight * g / sqrt(var + eps)
+    bn.eval()
+    x = param(batches[0], backend)
+    with netcl.Tape() as tape:
+        y = bn(x)
+    np.testing.assert_allclose(host(y), _batch_norm_ref(batches[0], running_mean, running_var),
+                               rtol=1e-5, atol=1e-5)
+    g = rng.standard_normal(shape).astype(np.float32)
+    tape.backward(y, grad=tensor(g, backend))
+    channel = (1, 3) + (1,) * (len(shape) - 2)
+    np.testing.assert_allclose(host(x.grad), g / np.sqrt(running_var.reshape(channel) + 1e-5),
+                               rtol=1e-5, atol=1e-6)
+    assert bn.state_dict()["num_batches_tracked"] == 3  # eval counts nothing
+
+
+def test_batch_norm_train_eval_switching(backend):
+    rng = np.random.default_rng(41)
+    bn = netcl.BatchNorm1d(4, queue=backend.queue)
+    x = tensor(rng.standard_normal((6, 4)) * 3 + 2, backend)
+    trained = host(bn(x))
+    after_one = bn.state_dict()
+    bn.eval()
+    assert not bn.training
+    first, second = host(bn(x)), host(bn(x))
+    np.testing.assert_array_equal(first, second)  # no statistics move in eval
+    assert not np.allclose(first, trained, atol=1e-3)  # running, not batch, statistics
+    for key, value in bn.state_dict().items():
+        np.testing.assert_array_equal(value, after_one[key])
+    bn.train()
+    np.testing.assert_array_equal(host(bn(x)), trained)
+    assert bn.state_dict()["num_batches_tracked"] == 2
+    assert not np.array_equal(bn.state_dict()["running_mean"], after_one["running_mean"])
+
+
+def test_batch_norm_without_running_stats_or_affine(backend):
+    rng = np.random.default_rng(42)
+    x = rng.standard_normal((7, 3, 2)).astype(np.float32)
+    plain = netcl.BatchNorm1d(3, affine=False, track_running_stats=False, queue=backend.queue)
+    assert plain.parameters() == [] and list(plain.state_dict()) == []
+    assert plain.running_mean is None and plain.weight is None
+    plain.eval()  # without running statistics eval normalises with the batch's, as PyTorch
+    np.testing.assert_allclose(host(plain(tensor(x, backend))), _batch_norm_ref(x),
+                               rtol=1e-5, atol=1e-5)
+    stats_only = netcl.BatchNorm1d(3, affine=False, queue=backend.queue)
+    assert list(stats_only.state_dict()) == ["running_mean", "running_var", "num_batches_tracked"]
+    no_stats = netcl.BatchNorm1d(3, track_running_stats=False, queue=backend.queue)
+    np.testing.assert_allclose(host(no_stats(tensor(x, backend))), _batch_norm_ref(x),
+                               rtol=1e-5, atol=1e-5)
+    assert list(no_stats.state_dict()) == ["weight", "bias"] and no_stats.running_var is None
+
+
+def test_batch_norm_state_dict_keys_order_and_round_trip(backend, tmp_path):
+    netcl.manual_seed(0)
+    model = netcl.Sequential(netcl.Linear(4, 3, queue=backend.queue),
+                             netcl.BatchNorm1d(3, queue=backend.queue))
+    assert [n for n, _ in model.named_parameters()] == ["0.weight", "0.bias", "1.weight",
+                                                         "1.bias"]
+    assert [n for n, _ in model.named_buffers()] == ["1.running_mean", "1.running_var",
+                                                      "1.num_batches_tracked"]
+    model(tensor(np.random.default_rng(43).standard_normal((5, 4)), backend))
+    state = model.state_dict()
+    assert list(state) == ["0.weight", "0.bias", "1.weight", "1.bias", "1.running_mean",
+                           "1.running_var", "1.num_batches_tracked"]  # PyTorch's order
+    assert state["1.weight"].dtype == np.float32 and state["1.running_var"].shape == (3,)
+    counter = state["1.num_batches_tracked"]
+    assert isinstance(counter, np.ndarray) and counter.dtype == np.int64 and counter.shape == ()
+    assert counter == 1
+    np.testing.assert_array_equal(state["1.weight"], np.ones(3))  # PyTorch's initialisation
+    np.testing.assert_array_equal(state["1.bias"], np.zeros(3))
+    # A PyTorch state dict, as NumPy arrays: float32 statistics, an int64 counter.
+    torch_like = dict(state)
+    torch_like["1.running_mean"] = np.array([0.5, -1.0, 2.0], np.float32)
+    torch_like["1.running_var"] = np.array([1.5, 0.25, 4.0], np.float32)
+    torch_like["1.num_batches_tracked"] = np.array(17, np.int64)
+    other = netcl.Sequential(netcl.Linear(4, 3, queue=backend.queue),
+                             netcl.BatchNorm1d(3, queue=backend.queue))
+    other.load_state_dict(torch_like)
+    for key, value in other.state_dict().items():
+        np.testing.assert_array_equal(value, torch_like[key])
+        assert value.dtype == torch_like[key].dtype
+    netcl.save(other.state_dict(), tmp_path / "bn.npz")
+    loaded = netcl.load(tmp_path / "bn.npz")
+    assert loaded["1.num_batches_tracked"].dtype == np.int64
+    model.load_state_dict(loaded)
+    for key, value in model.state_dict().items():
+        np.testing.assert_array_equal(value, torch_like[key])
+    del torch_like["1.running_var"]
+    with raises_naming((KeyError, ValueError, RuntimeError), "1.running_var"):
+        model.load_state_dict(torch_like)
+    with raises_naming((KeyError, ValueError, RuntimeError), "1.running_mean", "(4,)"):
+        model.load_state_dict(dict(loaded, **{"1.running_mean": np.zeros(4, np.float32)}))
+
+
+def test_batch_norm_zero_size_and_errors(backend):
+    bn = netcl.BatchNorm1d(3, queue=backend.queue)
+    x = param(np.zeros((0, 3), np.float32), backend)
+    with netcl.Tape() as tape:
+        y = bn(x)
+        loss = y.sum()
+    assert y.shape == (0, 3)
+    tape.backward(loss)
+    np.testing.assert_array_equal(host(bn.weight.grad), np.zeros(3))
+    np.testing.assert_array_equal(host(bn.bias.grad), np.zeros(3))
+    state = bn.state_dict()  # an empty batch moves no statistics, but counts (PyTorch)
+    np.testing.assert_array_equal(state["running_mean"], np.zeros(3))
+    np.testing.assert_array_equal(state["running_var"], np.ones(3))
+    assert state["num_batches_tracked"] == 1
+    with raises_naming(ValueError, "more than 1 value per channel", "(1, 3)"):
+        bn(tensor(np.ones((1, 3)), backend))
+    assert bn.state_dict()["num_batches_tracked"] == 1  # a refused batch is not counted
+    with raises_naming(ValueError, "BatchNorm1d", "2D or 3D", "4D"):
+        bn(tensor(np.ones((2, 3, 2, 2)), backend))
+    with raises_naming(ValueError, "BatchNorm2d", "4D", "3D"):
+        netcl.BatchNorm2d(3, queue=backend.queue)(tensor(np.ones((2, 3, 2)), backend))
+    with raises_naming(ValueError, "batch_norm", "running_mean", "(2,)", "3"):
+        F.batch_norm(tensor(np.ones((4, 3)), backend), tensor(np.zeros(2), backend),
+                     tensor(np.ones(2), backend), training=True)
+    with raises_naming(ValueError, "batch_norm", "weight", "(2,)"):
+        F.batch_norm(tensor(np.ones((4, 3)), backend), None, None,
+                     weight=tensor(np.ones(2), backend), training=True)
+    with raises_naming(ValueError, "batch_norm", "running_mean", "training"):
+        F.batch_norm(tensor(np.ones((4, 3)), backend), None, None, training=False)
+    with raises_naming(ValueError, "batch_norm", "(N, C"):
+        F.batch_norm(tensor(np.ones(4), backend), None, None, training=True)
+    with raises_naming(ValueError, "batch_norm", "momentum"):
+        F.batch_norm(tensor(np.ones((4, 3)), backend), None, None, training=True, momentum="x")
+    with raises_naming(TypeError, "batch_norm", "running_mean"):
+        F.batch_norm(tensor(np.ones((4, 3)), backend), np.zeros(3), np.ones(3))
+    with raises_naming(ValueError, "num_features"):
+        netcl.BatchNorm1d(0)
+
+
+def test_register_buffer_and_named_buffers(backend):
+    class Counter(netcl.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale = param(np.ones(2), backend)
+            self.register_buffer("total", tensor(np.zeros(2), backend))
+            self.register_buffer("steps", np.zeros((), np.int64))
+            self.register_buffer("nothing", None)
+            self.child = netcl.Linear(2, 2, queue=backend.queue)
+
+    m = Counter()
+    assert [n for n, _ in m.named_parameters()] == ["scale", "child.weight", "child.bias"]
+    assert [n for n, _ in m.named_buffers()] == ["total", "steps"]  # None is left out
+    assert list(m.state_dict()) == ["scale", "total", "steps", "child.weight", "child.bias"]
+    m.total = tensor(np.full(2, 3.0), backend)  # a new value keeps the buffer's place
+    assert list(m.state_dict()) == ["scale", "total", "steps", "child.weight", "child.bias"]
+    np.testing.assert_array_equal(m.state_dict()["total"], [3.0, 3.0])
+    assert len(m.parameters()) == 3
+    with raises_naming(TypeError, "total"):
+        m.total = 5
+    with raises_naming(KeyError, "scale", "exists"):
+        m.register_buffer("scale", tensor(np.zeros(2), backend))
+    with raises_naming(KeyError, "a.b"):
+        m.register_buffer("a.b", None)
+    with raises_naming(TypeError, "other"):
+        m.register_buffer("other", [1.0])
+
+
+def test_layer_norm_module(backend):
+    ln = netcl.LayerNorm((2, 3), queue=backend.queue)
+    assert ln.normalized_shape == (2, 3)
+    assert [n for n, _ in ln.named_parameters()] == ["weight", "bias"]
+    np.testing.assert_array_equal(host(ln.weight), np.ones((2, 3)))
+    np.testing.assert_array_equal(host(ln.bias), np.zeros((2, 3)))
+    assert list(netcl.LayerNorm(4, bias=False).state_dict()) == ["weight"]
+    assert netcl.LayerNorm(4, elementwise_affine=False).parameters() == []
+    x = np.random.default_rng(44).standard_normal((5, 2, 3)).astype(np.float32)
+    np.testing.assert_allclose(host(ln(tensor(x, backend))), _layer_norm_ref(x, (2, 3)),
+                               rtol=1e-5, atol=1e-5)
+    with raises_naming(ValueError, "normalized_shape"):
+        netcl.LayerNorm(())
+
+
+def test_layer_norm_zero_size_and_errors(backend):
+    w, b = param(np.ones(4), backend), param(np.zeros(4), backend)
+    x = param(np.zeros((0, 4), np.float32), backend)
+    with netcl.Tape() as tape:
+        y = F.layer_norm(x, (4,), w, b)
+        loss = y.sum()
+    assert y.shape == (0, 4)
+    tape.backward(loss)
+    np.testing.assert_array_equal(host(w.grad), np.zeros(4))
+    np.testing.assert_array_equal(host(b.grad), np.zeros(4))
+    assert F.layer_norm(tensor(np.zeros((3, 0)), backend), (0,)).shape == (3, 0)
+    with raises_naming(ValueError, "layer_norm", "(2,)", "(4, 3)"):
+        F.layer_norm(tensor(np.ones((4, 3)), backend), (2,))
+    with raises_naming(ValueError, "layer_norm", "weight", "(2,)", "(3,)"):
+        F.layer_norm(tensor(np.ones((4, 3)), backend), 3, weight=tensor(np.ones(2), backend))
+    with raises_naming(ValueError, "layer_norm", "normalized_shape"):
+        F.layer_norm(tensor(np.ones((4, 3)), backend), (-3,))
+    with raises_naming(ValueError, "layer_norm", "eps"):
+        F.layer_norm(tensor(np.ones((4, 3)), backend), 3, eps=None)
+
+
+@pytest.mark.parametrize("op", ["layer_norm", "batch_norm", "attention"])
+def test_normalisation_and_attention_read_float16_storage(cpu, opencl, op):
+    """float16 storage in (autocast's activations), float32 out, on both backends alike."""
+    rng = np.random.default_rng(45)
+    x = rng.standard_normal((6, 3, 8)).astype(np.float16)
+    run = {"layer_norm": lambda x: F.layer_norm(x, 8),
+           "batch_norm": lambda x: F.batch_norm(x, None, None, training=True),
+           "attention": lambda x: F.scaled_dot_product_attention(x, x, x, is_causal=True)}[op]
+    results = []
+    for dev in (cpu, opencl):
+        node = netcl.Node(tensor(x, dev), requires_grad=True)
+        with netcl.Tape() as tape:
+            y = run(node)
+        tape.backward(y, grad=np.ones(y.shape, np.float32))
+        assert y.dtype == np.float32 and node.grad.dtype == np.float32
+        results.append((host(y), host(node.grad)))
+    (y_cpu, g_cpu), (y_cl, g_cl) = results
+    np.testing.assert_allclose(y_cl, y_cpu, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(g_cl, g_cpu, rtol=1e-4, atol=1e-5)
+
+
+def test_embedding_module_and_index_kinds(backend):
+    netcl.manual_seed(0)
+    emb = netcl.Embedding(200, 50, queue=backend.queue)
+    weight = host(emb.weight)
+    assert list(emb.state_dict()) == ["weight"] and weight.shape == (200, 50)
+    assert abs(weight.mean()) < 0.02 and abs(weight.std() - 1.0) < 0.02  # N(0, 1), as PyTorch
+    idx = np.array([[3, 0, 199], [3, 3, 7]])
+    for kind in (idx, idx.astype(np.int32), tensor(idx, backend), idx.tolist()):
+        np.testing.assert_array_equal(host(emb(kind)), weight[idx])
+    assert emb(np.int64(5)).shape == (50,)
+    assert emb(np.zeros((2, 0), np.int64)).shape == (2, 0, 50)
+
+
+def test_embedding_backward_sums_repeated_rows_in_a_fixed_order(cpu, opencl):
+    """A row picked many times gets the sum of its positions' gradients; the OpenCL gather
+    adds them in position order, as np.add.at does, so both backends agree to the bit."""
+    rng = np.random.default_rng(46)
+    idx = rng.integers(0, 5, size=(40, 30))
+    w0 = rng.standard_normal((9, 6)).astype(np.float32)
+    g = rng.standard_normal((40, 30, 6)).astype(np.float32)
+    grads = []
+    for dev in (cpu, opencl, opencl):
+        w = param(w0, dev)
+        with netcl.Tape() as tape:
+            y = F.embedding(idx, w)
+        tape.backward(y, grad=tensor(g, dev))
+        grads.append(host(w.grad))
+    expected = np.zeros((9, 6))
+    np.add.at(expected, idx.ravel(), g.reshape(-1, 6).astype(np.float64))
+    np.testing.assert_allclose(grads[0], expected, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(grads[1], grads[0])
+    np.testing.assert_array_equal(grads[2], grads[1])
+    np.testing.assert_array_equal(grads[0][5:], 0)  # rows nobody picked
+
+
+def test_embedding_zero_size_and_errors(backend):
+    w = param(np.ones((5, 3)), backend)
+    with netcl.Tape() as tape:
+        y = F.embedding(np.zeros((0,), np.int64), w)
+        loss = y.sum()
+    assert y.shape == (0, 3)
+    tape.backward(loss)
+    np.testing.assert_array_equal(host(w.grad), np.zeros((5, 3)))
+    for bad in (5, -1):
+        with raises_naming(IndexError, "embedding", f"index {bad}", "[0, 5)"):
+            F.embedding(np.array([0, bad]), w)
+    with raises_naming(IndexError, "index 9"):
+        F.embedding(tensor(np.array([9], np.int32), backend), w)
+    with raises_naming(TypeError, "embedding", "idx", "float"):
+        F.embedding(np.array([1.0]), w)
+    with raises_naming(TypeError, "embedding", "idx", "float32"):
+        F.embedding(tensor(np.array([1.0]), backend), w)
+    with raises_naming(ValueError, "embedding", "weight", "(5,)"):
+        F.embedding(np.array([1]), param(np.ones(5), backend))
+    with raises_naming(ValueError, "num_embeddings"):
+        netcl.Embedding(0, 3)
+
+
+def test_attention_row_without_keys_gives_zero(backend):
+    rng = np.random.default_rng(47)
+    q, k, v = (param(rng.standard_normal(s), backend) for s in [(2, 3, 4), (2, 5, 4), (2, 5, 6)])
+    mask = np.ones((3, 5), bool)
+    mask[1] = False  # query row 1 may attend to nothing: PyTorch gives 0, not NaN
+    with netcl.Tape() as tape:
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        loss = (y * y).sum()
+    out = host(y)
+    np.testing.assert_array_equal(out[:, 1], 0)
+    np.testing.assert_allclose(out[:, [0, 2]], _attention_ref(*map(host, (q, k, v)))[:, [0, 2]],
+                               rtol=1e-5, atol=1e-5)
+    tape.backward(loss)
+    np.testing.assert_array_equal(host(q.grad)[:, 1], 0)
+    assert all(np.isfinite(host(p.grad)).all() for p in (q, k, v))
+
+
+def test_attention_zero_size(backend):
+    rng = np.random.default_rng(48)
+    cases = [((2, 0, 4), (2, 5, 4), (2, 5, 3)),   # no queries
+             ((2, 3, 4), (2, 0, 4), (2, 0, 3)),   # no keys: zeros, as PyTorch
+             ((0, 3, 4), (0, 5, 4), (0, 5, 3))]   # no batch
+    for shapes in cases:
+        q, k, v = (param(rng.standard_normal(s), backend) for s in shapes)
+        with netcl.Tape() as tape:
+            y = F.scaled_dot_product_attention(q, k, v)
+            loss = y.sum()
+        assert y.shape == shapes[0][:-1] + (3,)
+        np.testing.assert_array_equal(host(y), 0)
+        tape.backward(loss)
+        for p, s in zip((q, k, v), shapes):
+            assert host(p.grad).shape == s
+            np.testing.assert_array_equal(host(p.grad), 0)
+
+
+def test_attention_errors(backend):
+    q, k, v = (tensor(np.ones(s), backend) for s in [(2, 3, 4), (2, 5, 4), (2, 5, 6)])
+    attention = F.scaled_dot_product_attention
+    with raises_naming(ValueError, "scaled_dot_product_attention", "attn_mask", "is_causal"):
+        attention(q, k, v, attn_mask=np.ones((3, 5), bool), is_causal=True)
+    for p in (1.5, -0.1, "0.1"):
+        with raises_naming(ValueError, "scaled_dot_product_attention", "dropout_p"):
+            attention(q, k, v, dropout_p=p)
+    with raises_naming(ValueError, "scaled_dot_product_attention", "(2, 5, 3)"):
+        attention(q, tensor(np.ones((2, 5, 3)), backend), v)
+    with raises_naming(ValueError, "scaled_dot_product_attention", "(2, 4, 6)"):
+        attention(q, k, tensor(np.ones((2, 4, 6)), backend))
+    with raises_naming(ValueError, "scaled_dot_product_attention", "(3, 3, 4)"):
+        attention(tensor(np.ones((3, 3, 4)), backend), k, v)
+    with raises_naming(ValueError, "scaled_dot_product_attention", "(4,)"):
+        attention(tensor(np.ones(4), backend), k, v)
+    with raises_naming(ValueError, "attn_mask", "(3, 4)", "(2, 3, 5)"):
+        attention(q, k, v, attn_mask=np.ones((3, 4), bool))
+    with raises_naming(TypeError, "attn_mask", "int"):
+        attention(q, k, v, attn_mask=np.ones((3, 5), np.int64))
+    with raises_naming(ValueError, "scaled_dot_product_attention", "scale"):
+        attention(q, k, v, scale="big")
+
+
+def _dropped_attention(dev, seed, p, L=40, S=30, g=None):
+    """Attention with q = k = 0 (every weight 1/S) and v = I: the output is the dropout
+    factor of each weight, / S. Returns the output and the gradient of v for `g`."""
+    q, k = param(np.zeros((L, 4)), dev), param(np.zeros((S, 4)), dev)
+    v = param(np.eye(S), dev)
+    netcl.manual_seed(seed)
+    with netcl.Tape() as tape:
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=p)
+    tape.backward(y, grad=tensor(np.ones((L, S)) if g is None else g, dev))
+    return host(y), host(v.grad)
+
+
+@pytest.mark.parametrize("p", [0.2, 0.5])
+def test_attention_dropout_statistics_and_determinism(backend, p):
+    out, grad_v = _dropped_attention(backend, 0, p)
+    factor = out * 30 * (1 - p)  # 1 for a kept weight, 0 for a dropped one
+    np.testing.assert_allclose(factor[factor > 0.5], 1, rtol=1e-5)
+    dropped = (factor < 0.5).mean()
+    assert abs(dropped - p) < 4 * math.sqrt(p * (1 - p) / factor.size)
+    again, _ = _dropped_attention(backend, 0, p)
+    np.testing.assert_array_equal(again, out)  # the same seed, the same mask
+    other, _ = _dropped_attention(backend, 1, p)
+    assert not np.array_equal(other, out)
+    # backward drops what forward dropped: dv = (P D)^T g, and P D / S is the output here
+    g = np.random.default_rng(49).standard_normal((40, 30)).astype(np.float32)
+    _, grad_v = _dropped_attention(backend, 0, p, g=g)
+    np.testing.assert_allclose(grad_v, out.T @ g, rtol=1e-5, atol=1e-5)
+
+
+def test_attention_dropout_gradient_and_backends_agree(cpu, opencl):
+    """With the mask fixed by manual_seed, dropout attention is a smooth function: its
+    gradient matches central differences (float64, NumPy backend), and the OpenCL backend,
+    whose mask is the same hash of the same seed, matches the NumPy one."""
+    rng = np.random.default_rng(50)
+    arrays = [rng.standard_normal(s) for s in [(2, 3, 4), (2, 5, 4), (2, 5, 3)]]
+    g = rng.standard_normal((2, 3, 3))
+
+    def run(dev, values, dtype=np.float64):
+        nodes = [param(a, dev, dtype) for a in values]
+        netcl.manual_seed(7)
+        with netcl.Tape() as tape:
+            y = F.scaled_dot_product_attention(*nodes, dropout_p=0.4)
+        tape.backward(y, grad=tensor(g, dev, dtype))
+        return host(y), [host(n.grad) for n in nodes]
+
+    y, grads = run(cpu, arrays)
+    eps = 1e-6
+    for i, analytic in enumerate(grads):
+        numeric = np.zeros_like(arrays[i])
+        for idx in np.ndindex(arrays[i].shape):
+            values = []
+            for shift in (eps, -eps):
+                shifted = [a.copy() for a in arrays]
+                shifted[i][idx] += shift
+                netcl.manual_seed(7)
+                values.append(float((host(F.scaled_dot_product_attention(
+                    *[tensor(a, cpu, np.float64) for a in shifted], dropout_p=0.4)) * g).sum()))
+            numeric[idx] = (values[0] - values[1]) / (2 * eps)
+        np.testing.assert_allclose(analytic, numeric, rtol=1e-5, atol=1e-7)
+    y32, grads32 = run(cpu, arrays, None)
+    y_cl, grads_cl = run(opencl, arrays, None)
+    np.testing.assert_allclose(y_cl, y32, rtol=1e-5, atol=1e-5)
+    for a, b in zip(grads_cl, grads32):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    assert (y32 == 0).any()  # some weights were dropped
+
+
+def test_tiny_attention_model_learns(backend):
+    """Embeddings, causal attention, LayerNorm and a linear head learn to copy the previous
+    token, which takes attention: the loss falls far below chance (log 6) in 50 Adam steps."""
+    netcl.manual_seed(0)
+    vocab, dim, B, T = 6, 16, 16, 8
+    emb = netcl.Embedding(vocab, dim, queue=backend.queue)
+    pos = netcl.Embedding(T, dim, queue=backend.queue)
+    projections = [netcl.Linear(dim, dim, queue=backend.queue) for _ in range(3)]
+    norm = netcl.LayerNorm(dim, queue=backend.queue)
+    head = netcl.Linear(dim, vocab, queue=backend.queue)
+    opt = netcl.Adam([p for m in [emb, pos, *projections, norm, head] for p in m.parameters()],
+                     lr=0.02)
+    rng = np.random.default_rng(51)
+    losses = []
+    for _ in range(50):
+        tokens = rng.integers(0, vocab, size=(B, T))
+        target = np.concatenate([tokens[:, :1], tokens[:, :-1]], axis=1)  # the previous token
+        with netcl.Tape() as tape:
+            x = emb(tokens) + pos(np.arange(T))                              # (B, T, C)
+            q, k, v = (projection(x) for projection in projections)
+            h = x + F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            logits = head(norm(h))                                           # (B, T, vocab)
+            loss = F.cross_entropy(F.reshape(logits, (B * T, vocab)), target.reshape(-1))
+        opt.zero_grad()
+        tape.backward(loss)
+        opt.step()
+        losses.append(float(loss.value))
+    assert np.mean(losses[-10:]) < 0.1 * math.log(vocab), losses[::10]
+
+
+# --- shape ops
+
+def _grad_of(dev, array, op, weights_seed=0, index_dtype=None):
+    """(output, gradient of the input) of sum(op(x) * w) for a random w, as host arrays."""
+    x = param(array, dev, index_dtype)
+    with netcl.Tape() as tape:
+        y = op(x)
+    w = np.random.default_rng(weights_seed).standard_normal(y.shape).astype(np.float32)
+    tape.backward(y, grad=tensor(w, dev))
+    return host(y), host(x.grad), w
+
+
+@pytest.mark.parametrize("index", [
+    np.array([3, 1, 3, 3, -2, 0]),                      # -2 is row 3 again
+    [3, 1, 3, 3, -2, 0],
+    np.array([[3, 1, 3], [3, -2, 0]]),
+])
+def test_repeated_indices_accumulate(backend, index):
+    x = np.arange(15, dtype=np.float32).reshape(5, 3)
+    y, grad, w = _grad_of(backend, x, lambda p: p[index])
+    rows = np.array([3, 1, 3, 3, 3, 0]).reshape(np.shape(index))
+    np.testing.assert_array_equal(y, x[rows])
+    w_rows = w.reshape(6, 3)
+    expected = np.zeros_like(x)  # torch's index backward: each row sums what it gave
+    expected[3] = w_rows[0] + w_rows[2] + w_rows[3] + w_rows[4]
+    expected[1], expected[0] = w_rows[1], w_rows[5]
+    np.testing.assert_allclose(grad, expected, rtol=1e-6)
+    # rows 2 and 4 were never picked: exactly 0
+    assert not grad[[2, 4]].any()
+
+
+def test_gathered_gradients_sum_in_the_same_order_on_both_backends(cpu, opencl):
+    """Many repeats of few rows: the OpenCL backward adds in the order np.add.at does."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((7, 33)).astype(np.float32)
+    index = rng.integers(-7, 7, size=(40, 25))
+    results = [_grad_of(dev, x, lambda p: p[index], 4) for dev in (cpu, opencl)]
+    np.testing.assert_array_equal(results[1][0], results[0][0])
+    np.testing.assert_array_equal(results[1][1], results[0][1])
+    select = [_grad_of(dev, x, lambda p: F.index_select(p, 1, np.abs(index[0])), 5)
+              for dev in (cpu, opencl)]
+    np.testing.assert_array_equal(select[1][1], select[0][1])
+
+
+@pytest.mark.parametrize("key", [
+    np.s_[1:3], np.s_[1:4:2], np.s_[3:], np.s_[-1], np.s_[2], np.s_[:, -1], np.s_[:, 1:3],
+    np.s_[..., 2], np.s_[..., -1, :], np.s_[None, 2], np.s_[1, None, ::3], np.s_[-3:-1, :, 1],
+    np.s_[5:9], np.s_[3:1], np.s_[:], np.s_[()], np.s_[...], np.s_[np.int64(2)],
+    np.s_[1, 2, 3], np.s_[-4, -5, -6], np.s_[::5, 1::2, ::4],
+])
+def test_getitem_basic_forms(backend, key):
+    x = np.arange(120, dtype=np.float32).reshape(4, 5, 6)
+    y, grad, w = _grad_of(backend, x, lambda p: p[key])
+    np.testing.assert_array_equal(y, x[key])
+    expected = np.zeros_like(x)
+    expected[key] = w  # the gradient lands where the values came from
+    np.testing.assert_array_equal(grad, expected)
+
+
+def test_getitem_int_array_forms(backend):
+    x = np.arange(12, dtype=np.float32).reshape(4, 3)
+    p = param(x, backend)
+    for index, rows in [([2, 0, -1], [2, 0, 3]), (np.array([2, 0, -1], np.int32), [2, 0, 3]),
+                        (np.array(1), 1), ([], np.zeros(0, int)),
+                        (np.array([[0], [3]]), [[0], [3]]),
+                        (tensor(np.array([2, 0, 3], np.int32), backend), [2, 0, 3]),
+                        (netcl.Node(tensor(np.array([-1, 1], np.int32), backend)), [3, 1])]:
+        np.testing.assert_array_equal(host(p[index]), x[np.array(rows)])
+    np.testing.assert_array_equal(host(F.index_select(p, 1, [2, 2, 0])), x[:, [2, 2, 0]])
+    np.testing.assert_array_equal(host(F.index_select(p, -1, np.array(1))), x[:, [1]])
+
+
+def test_full_slices_and_none_are_views(backend):
+    x = netcl.Node(tensor(np.arange(24, dtype=np.float32).reshape(2, 3, 4), backend))
+    for key in (np.s_[:], np.s_[None], np.s_[..., None], np.s_[:, :, 0:4], np.s_[0:2, ...]):
+        assert _shares_buffer(x[key].value, x.value, backend), key
+    assert _shares_buffer(x.unsqueeze(1).value, x.value, backend)
+    assert _shares_buffer(F.squeeze(x[None]).value, x.value, backend)
+    assert not _shares_buffer(x[1:].value, x.value, backend)  # tensors are contiguous: a copy
+
+
+def test_split_pieces_without_gradient_contribute_zeros(backend):
+    x = np.arange(14, dtype=np.float32).reshape(7, 2)
+    p = param(x, backend)
+    with netcl.Tape() as tape:
+        a, b, c, d = p.split(2)
+        loss = (b * 3.0).sum() + (d * 5.0).sum() + p.sum()  # a and c get no gradient
+    assert [piece.shape for piece in (a, b, c, d)] == [(2, 2), (2, 2), (2, 2), (1, 2)]
+    tape.backward(loss)
+    np.testing.assert_array_equal(host(p.grad)[:, 0], [1, 1, 4, 4, 1, 1, 6])
+    for piece, rows in zip((a, b, c, d), (x[0:2], x[2:4], x[4:6], x[6:])):
+        np.testing.assert_array_equal(host(piece), rows)
+
+
+def test_cat_with_constants_gives_the_parameter_its_rows(backend):
+    x = np.arange(6, dtype=np.float32).reshape(3, 2)
+    constant = np.ones((2, 2), np.float32)
+    y, grad, w = _grad_of(backend, x, lambda p: F.cat([constant, p, tensor(constant, backend)]))
+    np.testing.assert_array_equal(y, np.concatenate([constant, x, constant]))
+    np.testing.assert_array_equal(grad, w[2:5])
+
+
+def test_split_and_chunk_piece_sizes(backend):
+    """torch.split and torch.chunk's counts: chunk may give fewer pieces than asked, and a
+    dimension of size 0 gives one empty piece to split, `chunks` empty ones to chunk."""
+    def sizes(pieces, dim=0):
+        return [piece.shape[dim] for piece in pieces]
+    x = param(np.zeros((7, 0, 5), np.float32), backend)
+    assert sizes(F.chunk(x, 3)) == [3, 3, 1]
+    assert sizes(F.chunk(x, 5)) == [2, 2, 2, 1]
+    assert sizes(F.chunk(x, 9)) == [1] * 7
+    assert sizes(F.chunk(x, 3, dim=1), 1) == [0, 0, 0]
+    assert sizes(F.split(x, 2, dim=1), 1) == [0]
+    assert sizes(F.split(x, 0, dim=1), 1) == [0]
+    assert sizes(F.split(x, 10)) == [7]
+    assert sizes(F.split(x, [0, 7, 0])) == [0, 7, 0]
+    assert sizes(F.split(x, (2, 3), dim=-1), 2) == [2, 3]
+    assert sizes(x.chunk(2, -1), 2) == [3, 2]
+
+
+def test_shape_op_node_methods_and_names(backend):
+    x = np.random.default_rng(0).standard_normal((2, 1, 3, 4)).astype(np.float32)
+    p = param(x, backend)
+    np.testing.assert_array_equal(host(p.permute(3, 0, 2, 1)), x.transpose(3, 0, 2, 1))
+    np.testing.assert_array_equal(host(p.permute([3, 0, 2, 1])), x.transpose(3, 0, 2, 1))
+    np.testing.assert_array_equal(host(p.transpose(-1, 0)), np.swapaxes(x, -1, 0))
+    np.testing.assert_array_equal(host(F.transpose(p, 2, 2)), x)
+    assert p.squeeze().shape == (2, 3, 4) and p.squeeze(0).shape == (2, 1, 3, 4)
+    assert p.squeeze((1, -4)).shape == (2, 3, 4) and p.unsqueeze(-1).shape == (2, 1, 3, 4, 1)
+    assert p.unsqueeze(4).shape == (2, 1, 3, 4, 1) and p.unsqueeze(-5).shape == (1, 2, 1, 3, 4)
+    np.testing.assert_array_equal(host(p[1, 0].T), x[1, 0].T)   # .T and transpose(x) stay 2-D
+    with raises_naming(ValueError, "transpose", "2-D"):
+        F.transpose(p)
+    scalar = param(np.array(2.5, np.float32), backend)  # a 0-d tensor takes dims 0 and -1
+    assert F.transpose(scalar, 0, -1).shape == () and scalar.squeeze(0).shape == ()
+    assert scalar.unsqueeze(-1).shape == (1,) and F.permute(scalar, ()).shape == ()
+    for name in ["permute", "squeeze", "unsqueeze", "cat", "stack", "split", "chunk",
+                 "index_select", "transpose"]:
+        assert getattr(netcl, name) is getattr(F, name), name
+
+
+def test_permute_is_one_launch_of_up_to_six_moving_dimensions(opencl):
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((2, 3, 2, 3, 2, 3)).astype(np.float32)
+    p = tensor(x, opencl)
+    launches = opencl.launches
+    y = F.permute(p, (5, 3, 1, 4, 2, 0))
+    assert opencl.launches - launches == 1
+    np.testing.assert_array_equal(host(y), x.transpose(5, 3, 1, 4, 2, 0))
+    # Seven dimensions, of which the moves keep two pairs together: five move.
+    x7 = rng.standard_normal((2, 3, 2, 3, 2, 3, 2)).astype(np.float32)
+    dims = (5, 6, 3, 4, 0, 2, 1)
+    np.testing.assert_array_equal(host(F.permute(tensor(x7, opencl), dims)), x7.transpose(dims))
+    with raises_naming(ValueError, "permute", "6"):
+        F.permute(tensor(x7, opencl), (6, 4, 2, 0, 5, 3, 1))
+
+
+def test_shape_ops_move_float16_storage_exactly(opencl):
+    """float16 in, float16 out: the same bits moved (nothing is computed); the gradients are
+    float32, the very gradients of a float32 run."""
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((4, 6, 5)).astype(np.float16)
+    ops = {
+        "permute": (lambda p: p.permute(2, 0, 1), lambda a: a.transpose(2, 0, 1)),
+        "transpose_2d": (lambda p: p.transpose(0, 2), lambda a: a.transpose(2, 1, 0)),
+        "cat": (lambda p: F.cat([p, p[:, :2]], 1), lambda a: np.concatenate([a, a[:, :2]], 1)),
+        "stack": (lambda p: F.stack([p, p], -1), lambda a: np.stack([a, a], -1)),
+        "split": (lambda p: F.split(p, [1, 3, 1], -1)[1], lambda a: a[..., 1:4]),
+        "chunk": (lambda p: F.chunk(p, 2, 1)[1], lambda a: a[:, 3:]),
+        "slice": (lambda p: p[:, -1, 1::2], lambda a: a[:, -1, 1::2]),
+        "index": (lambda p: p[[3, 0, 3, -1]], lambda a: a[[3, 0, 3, -1]]),
+        "index_select": (lambda p: F.index_select(p, 1, [5, 5, 0]), lambda a: a[:, [5, 5, 0]]),
+    }
+    for name, (op, reference) in ops.items():
+        y16, grad16, _ = _grad_of(opencl, x, op, index_dtype=np.float16)
+        y32, grad32, _ = _grad_of(opencl, x.astype(np.float32), op)
+        assert y16.dtype == np.float16 and grad16.dtype == np.float32, name
+        np.testing.assert_array_equal(y16.view(np.uint16), reference(x).view(np.uint16), name)
+        np.testing.assert_array_equal(grad16, grad32, name)
+    mixed = F.cat([tensor(x, opencl), tensor(x.astype(np.float32), opencl)])
+    assert mixed.dtype == np.float32  # float16 storage met with float32 widens
+    np.testing.assert_array_equal(host(mixed), np.concatenate([x, x]).astype(np.float32))
+
+
+def test_shape_ops_move_int32_exactly(backend):
+    labels = np.array([[7, -1, 2 ** 31 - 1], [0, 5, -2 ** 31]], np.int32)  # odd bit patterns
+    t = tensor(labels, backend)
+    for out, expected in [(F.cat([t, t], 1), np.concatenate([labels, labels], 1)),
+                          (F.permute(t, (1, 0)), labels.T), (netcl.Node(t)[[1, 1, 0]],
+                                                             labels[[1, 1, 0]]),
+                          (netcl.Node(t)[:, 1:], labels[:, 1:]),
+                          (F.stack([t, t]).permute(1, 2, 0), np.stack([labels] * 2, -1))]:
+        assert out.dtype == np.int32
+        np.testing.assert_array_equal(host(out), expected)
+
+
+def _scalar(like):
+    """A 0-d parameter on like's device (uploaded: no kernel launch)."""
+    return param(np.array(0.0, np.float32), like.device)
+
+
+@pytest.mark.parametrize("call, error, words", [
+    (lambda x: F.permute(x, (0,)), ValueError, ["permute", "(0,)", "(2, 3)"]),
+    (lambda x: F.permute(x, (1, 1)), ValueError, ["permute", "repeated"]),
+    (lambda x: F.permute(x, (0, 2)), ValueError, ["permute", "dim 2", "[-2, 1]"]),
+    (lambda x: F.permute(x, (0, 1.0)), TypeError, ["permute", "1.0"]),
+    (lambda x: F.permute(x, 1), TypeError, ["permute", "dims"]),
+    (lambda x: F.transpose(x, 0), TypeError, ["transpose", "dim1"]),
+    (lambda x: x.transpose(0, -3), ValueError, ["transpose", "dim1", "-3"]),
+    (lambda x: F.squeeze(x, 2), ValueError, ["squeeze", "dim 2"]),
+    (lambda x: F.squeeze(x, (1, -1)), ValueError, ["squeeze", "repeated"]),
+    (lambda x: x.unsqueeze(3), ValueError, ["unsqueeze", "dim 3", "[-3, 2]"]),
+    (lambda x: x.unsqueeze(None), TypeError, ["unsqueeze", "dim", "None"]),
+    (lambda x: F.cat([]), ValueError, ["cat", "non-empty"]),
+    (lambda x: F.cat(x), TypeError, ["cat", "tensors", "Parameter"]),
+    (lambda x: F.cat([x, np.zeros((2, 4))]), ValueError,
+     ["cat", "(2, 3)", "(2, 4)", "dimension 0"]),
+    (lambda x: F.cat([x, np.zeros((2, 4))], dim=1), None, None),
+    (lambda x: F.cat([x, np.zeros((2, 3, 1))], 0), ValueError, ["cat", "(2, 3)", "(2, 3, 1)"]),
+    (lambda x: F.cat([x, x], dim=2), ValueError, ["cat", "dim 2"]),
+    (lambda x: F.cat([_scalar(x), _scalar(x)]), ValueError,
+     ["cat", "zero-dimensional", "position 0"]),
+    (lambda x: F.cat([x, netcl.Tensor.empty((2, 3), np.int32, queue=x.value.queue)]),
+     ValueError, ["cat", "int32", "float32"]),
+    (lambda x: F.stack([x, np.zeros((3, 2))]), ValueError,
+     ["stack", "(2, 3)", "(3, 2)", "entry 1"]),
+    (lambda x: F.stack([x, x], 3), ValueError, ["stack", "dim 3"]),
+    (lambda x: F.stack(()), ValueError, ["stack", "non-empty"]),
+    (lambda x: F.split(x, 0), ValueError, ["split", "split_size", "0"]),
+    (lambda x: F.split(x, -1, 1), ValueError, ["split", "split_size", "-1"]),
+    (lambda x: F.split(x, [1, 1], 1), ValueError, ["split", "[1, 1]", "3"]),
+    (lambda x: F.split(x, [3, -1]), ValueError, ["split", "[3, -1]"]),
+    (lambda x: F.split(x, 1.5), TypeError, ["split", "split_size_or_sections", "1.5"]),
+    (lambda x: F.split(_scalar(x), 1), ValueError, ["split", "1-dimensional"]),
+    (lambda x: F.chunk(x, 0), ValueError, ["chunk", "chunks", "0"]),
+    (lambda x: F.chunk(x, 2.0), TypeError, ["chunk", "chunks", "2.0"]),
+    (lambda x: F.chunk(x, 2, dim=-3), ValueError, ["chunk", "dim -3"]),
+    (lambda x: x[2], IndexError, ["index 2", "dimension 0", "size 2"]),
+    (lambda x: x[-3], IndexError, ["index -3", "size 2"]),
+    (lambda x: x[:, 3], IndexError, ["index 3", "dimension 1", "size 3"]),
+    (lambda x: x[0, 0, 0], IndexError, ["too many", "(2, 3)"]),
+    (lambda x: _scalar(x)[0], IndexError, ["too many", "()"]),
+    (lambda x: x[..., 0, ...], IndexError, ["ellipsis"]),
+    (lambda x: x[::-1], ValueError, ["step", "-1"]),
+    (lambda x: x[:, ::0], ValueError, ["step", "0"]),
+    (lambda x: x[1.0], TypeError, ["index", "1.0", "float"]),
+    (lambda x: x[True], TypeError, ["index", "True"]),
+    (lambda x: x["a"], TypeError, ["index", "'a'"]),
+    (lambda x: x[np.array([0, 5])], IndexError, ["index 5", "dimension 0", "size 2"]),
+    (lambda x: x[[-3, 0]], IndexError, ["index -3", "size 2"]),
+    (lambda x: x[tensor(np.array([1, 2], np.int32), x.device)], IndexError, ["index 2", "size 2"]),
+    (lambda x: x[np.array([0.0])], IndexError, ["integers", "float64"]),
+    (lambda x: x[tensor(np.array([0.0], np.float32), x.device)], IndexError, ["int32", "float32"]),
+    (lambda x: x[np.array([True, False])], IndexError, ["integers", "bool"]),
+    (lambda x: _scalar(x)[np.array([0])], IndexError, ["0-dimensional"]),
+    (lambda x: F.index_select(x, 1, [-1]), IndexError, ["index_select", "index -1", "size 3"]),
+    (lambda x: F.index_select(x, 0, [[0]]), IndexError, ["index_select", "vector", "(1, 1)"]),
+    (lambda x: F.index_select(x, 2, [0]), ValueError, ["index_select", "dim 2"]),
+])
+def test_shape_op_errors_name_the_op_and_the_value(backend, call, error, words):
+    x = param(np.zeros((2, 3), np.float32), backend)
+    launches = backend.launches
+    if error is None:  # the control: the same call with a fitting argument works
+        call(x)
+        return
+    with raises_naming(error, *words):
+        call(x)
+    assert backend.launches == launches  # raised before anything was queued
+
+
+def test_mixing_devices_in_shape_ops_raises(cpu, opencl):
+    a = param(np.ones((2, 3), np.float32), cpu)
+    b = param(np.ones((2, 3), np.float32), opencl)
+    with raises_naming(ValueError, "cat", "different devices"):
+        F.cat([a, b])
+    with raises_naming(ValueError, "index", "different devices"):
+        b[tensor(np.array([0], np.int32), cpu)]
+
+
+# --- losses and convolution options
+# The op cases above check values and gradients; these check PyTorch's edge semantics and the
+# argument errors.
+
+@pytest.mark.parametrize("op", ["cross_entropy", "cross_entropy_smoothed", "nll_loss"])
+def test_all_ignored_targets_as_pytorch(backend, op):
+    """Every target ignored: the mean is 0 / 0 = NaN, the sum 0, the losses 0, and the
+    gradient 0 (PyTorch's nll_loss and cross_entropy, with or without label_smoothing)."""
+    loss_fn = {"cross_entropy": F.cross_entropy, "nll_loss": F.nll_loss,
+               "cross_entropy_smoothed": lambda *a, **k: F.cross_entropy(*a, **k,
+                                                                         label_smoothing=0.3)}[op]
+    logits = np.random.default_rng(0).standard_normal((3, 4, 2))
+    for ignore_index, target in ((-100, np.full((3, 2), -100)), (2, np.full((3, 2), 2))):
+        for reduction, expected in (("mean", np.nan), ("sum", 0.0), ("none", np.zeros((3, 2)))):
+            x = param(logits, backend)
+            with netcl.Tape() as tape:
+                loss = loss_fn(x, target, reduction=reduction, ignore_index=ignore_index)
+                total = F.sum(loss)
+            tape.backward(total)
+            np.testing.assert_array_equal(host(loss), expected)
+            np.testing.assert_array_equal(host(x.grad), np.zeros((3, 4, 2)))
+
+
+def test_ignored_targets_do_not_count_in_the_mean(backend):
+    """"mean" divides by the number of targets that are not ignored, not by N."""
+    logits = np.random.default_rng(1).standard_normal((4, 3)).astype(np.float32)
+    target = np.array([0, -100, 2, -100])
+    loss = host(F.cross_entropy(tensor(logits, backend), target))
+    kept = host(F.cross_entropy(tensor(logits[[0, 2]], backend), target[[0, 2]]))
+    np.testing.assert_allclose(loss, kept, rtol=1e-6)
+    assert host(F.nll_loss(tensor(logits, backend), target)) == \
+        pytest.approx(-(logits[0, 0] + logits[2, 2]) / 2, rel=1e-6)
+
+
+def test_cross_entropy_nd_is_the_2d_loss_over_every_position(backend):
+    """Logits (N, C, d1, d2) are (N * d1 * d2) rows of C classes, the class axis second, as
+    PyTorch's: the loss and gradient equal those of the permuted 2-D loss."""
+    rng = np.random.default_rng(2)
+    logits = rng.standard_normal((2, 5, 3, 4)).astype(np.float32)
+    labels = rng.integers(0, 5, size=(2, 3, 4))
+    labels[0, 1] = -100
+    rows = logits.transpose(0, 2, 3, 1).reshape(-1, 5)
+    results = []
+    for x_host, t in ((logits, labels), (rows, labels.reshape(-1))):
+        x = param(x_host, backend)
+        with netcl.Tape() as tape:
+            loss = F.cross_entropy(x, t, label_smoothing=0.1)
+        tape.backward(loss)
+        results.append((host(loss), host(x.grad)))
+    np.testing.assert_allclose(results[0][0], results[1][0], rtol=1e-6)
+    np.testing.assert_allclose(results[0][1].transpose(0, 2, 3, 1).reshape(-1, 5),
+                               results[1][1], rtol=1e-5, atol=1e-7)
+    none = F.cross_entropy(tensor(logits, backend), labels, reduction="none")
+    assert none.shape == (2, 3, 4) and np.all(host(none)[0, 1] == 0)
+
+
+def test_label_smoothing_one_is_the_uniform_target(backend):
+    """label_smoothing=1 replaces every target by the uniform distribution: index and
+    probability targets then give the same loss, -mean over the classes of log_softmax."""
+    logits = np.random.default_rng(3).standard_normal((4, 6)).astype(np.float32)
+    expected = -_log_softmax(logits.astype(np.float64)).mean(axis=1).mean()
+    for target in (np.array([0, 5, 2, 2]), np.eye(6, dtype=np.float32)[[1, 1, 3, 4]]):
+        loss = F.cross_entropy(tensor(logits, backend), target, label_smoothing=1.0)
+        assert host(loss) == pytest.approx(expected, rel=1e-6)
+
+
+def test_probability_target_gets_its_gradient(backend):
+    """A probability target that requires a gradient gets -(1 - e) log_softmax(logits),
+    scaled by the reduction (PyTorch's); a target that does not is left alone, and logits
+    that need none get none."""
+    rng = np.random.default_rng(4)
+    logits = rng.standard_normal((3, 4)).astype(np.float32)
+    probs = _probabilities(rng, (3, 4)).astype(np.float32)
+    x, t = param(logits, backend), param(probs, backend)
+    with netcl.Tape() as tape:
+        loss = F.cross_entropy(x, t, label_smoothing=0.25)
+    tape.backward(loss)
+    np.testing.assert_allclose(host(t.grad), -0.75 * _log_softmax(logits) / 3, rtol=1e-5)
+    constant_logits = netcl.Node(tensor(logits, backend))
+    t = param(probs, backend)
+    with netcl.Tape() as tape:
+        loss = F.cross_entropy(constant_logits, t, reduction="sum")
+    tape.backward(loss)
+    np.testing.assert_allclose(host(t.grad), -_log_softmax(logits), rtol=1e-5)
+    assert constant_logits.grad is None
+
+
+def test_binary_cross_entropy_with_logits_is_stable(backend):
+    """PyTorch's stable formula: no overflow at large |x|, exact at x = 0; pos_weight (C,)
+    weighs the positive term of each class of (N, C)."""
+    x = tensor(np.array([[100.0, -100.0, 0.0]], np.float32), backend)
+    t = np.array([[0.0, 1.0, 0.5]], np.float32)
+    loss = host(F.binary_cross_entropy_with_logits(x, t, reduction="none"))
+    np.testing.assert_allclose(loss, [[100.0, 100.0, math.log(2)]], rtol=1e-6)
+    weighted = F.binary_cross_entropy_with_logits(x, np.ones((1, 3), np.float32), reduction="none",
+                                                  pos_weight=np.array([1.0, 3.0, 2.0], np.float32))
+    np.testing.assert_allclose(host(weighted), [[0.0, 300.0, 2 * math.log(2)]], atol=1e-6)
+
+
+@pytest.mark.parametrize("shape", [(0, 3), (2, 3, 0), (0, 3, 2)])
+def test_losses_over_zero_size_inputs(backend, shape):
+    """Nothing to average (no samples, or no positions d1): "mean" is NaN and "sum" 0, as
+    PyTorch; gradients keep the shape."""
+    target_shape = shape[:1] + shape[2:]
+    calls = [lambda x, r: F.binary_cross_entropy_with_logits(x, np.zeros(shape), reduction=r),
+             lambda x, r: F.cross_entropy(x, np.zeros(target_shape, np.int64), reduction=r),
+             lambda x, r: F.cross_entropy(x, np.zeros(shape), reduction=r),
+             lambda x, r: F.nll_loss(x, np.zeros(target_shape, np.int64), reduction=r)]
+    for call in calls:
+        for reduction, expected in (("mean", np.nan), ("sum", 0.0)):
+            x = param(np.zeros(shape), backend)
+            with netcl.Tape() as tape:
+                loss = call(x, reduction)
+            tape.backward(loss)
+            assert loss.shape == () and np.array_equal(host(loss), expected, equal_nan=True)
+            assert host(x.grad).shape == shape
+
+
+def test_binary_cross_entropy_weights_broadcast_as_pytorch(backend):
+    """weight and pos_weight broadcast to the input's shape, from any axis (here (C, 1) over
+    (N, C, L), which the kernels cannot repeat by themselves); they never grow it."""
+    rng = np.random.default_rng(5)
+    x, t = rng.standard_normal((2, 3, 4)), rng.uniform(size=(2, 3, 4))
+    weight, pos_weight = rng.uniform(0.5, 2, (3, 1)), rng.uniform(0.5, 2, (2, 1, 4))
+    loss = F.binary_cross_entropy_with_logits(tensor(x, backend), t, weight=weight,
+                                              reduction="none", pos_weight=pos_weight)
+    np.testing.assert_allclose(host(loss), _bce_with_logits_ref(x, t, weight, pos_weight, "none"),
+                               rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("call, error, words", [
+    (lambda x: F.cross_entropy(x, np.array([0, 1]), label_smoothing=1.5), ValueError,
+     ["cross_entropy", "label_smoothing", "1.5"]),
+    (lambda x: F.cross_entropy(x, np.array([0, 1]), label_smoothing=-0.1), ValueError,
+     ["cross_entropy", "label_smoothing", "-0.1"]),
+    (lambda x: F.cross_entropy(x, np.array([0, 1]), label_smoothing=math.nan), ValueError,
+     ["cross_entropy", "label_smoothing", "nan"]),
+    (lambda x: F.cross_entropy(x, np.array([0, 1]), label_smoothing="0.1"), ValueError,
+     ["cross_entropy", "label_smoothing", "'0.1'"]),
+    (lambda x: F.cross_entropy(x, np.array([0, 1]), ignore_index=1.0), TypeError,
+     ["cross_entropy", "ignore_index", "1.0"]),
+    (lambda x: F.cross_entropy(x, np.full((2, 3), 1 / 3), ignore_index=0), ValueError,
+     ["cross_entropy", "ignore_index=0", "probability"]),
+    (lambda x: F.cross_entropy(x, np.array([0, 3])), ValueError, ["cross_entropy", "label 3"]),
+    (lambda x: F.cross_entropy(x, np.array([0, 1]), reduction="avg"), ValueError,
+     ["cross_entropy", "reduction", "'avg'"]),
+    (lambda x: F.cross_entropy(x.reshape(2, 3, 1), np.zeros((2, 3), np.int64)), ValueError,
+     ["cross_entropy", "(2, 3)", "(2, 1)"]),
+    (lambda x: F.cross_entropy(x.reshape(2, 1, 3), np.full((2, 3, 1), 0.5)), ValueError,
+     ["cross_entropy", "(2, 3, 1)", "(2, 1, 3)"]),
+    (lambda x: F.cross_entropy(tensor(np.float32(1), x.device), np.array(0)), ValueError,
+     ["cross_entropy", "logits", "()"]),
+    (lambda x: F.nll_loss(x, np.full((2, 3), 1 / 3)), ValueError, ["nll_loss", "class indices"]),
+    (lambda x: F.nll_loss(x, np.array([0, -1])), ValueError, ["nll_loss", "label -1"]),
+    (lambda x: F.nll_loss(x, np.array([0, 1, 2])), ValueError, ["nll_loss", "(3,)", "(2,)"]),
+    (lambda x: F.nll_loss(x, np.array([0, 1]), ignore_index=None), TypeError,
+     ["nll_loss", "ignore_index", "None"]),
+    (lambda x: F.binary_cross_entropy_with_logits(x, np.zeros((3, 2))), ValueError,
+     ["binary_cross_entropy_with_logits", "target", "(3, 2)", "(2, 3)"]),
+    (lambda x: F.binary_cross_entropy_with_logits(x, np.zeros((2, 3)), weight=np.ones(2)),
+     ValueError, ["binary_cross_entropy_with_logits", "weight", "(2,)", "(2, 3)"]),
+    (lambda x: F.binary_cross_entropy_with_logits(x, np.zeros((2, 3)),
+                                                  pos_weight=np.ones((1, 2, 3))),
+     ValueError, ["binary_cross_entropy_with_logits", "pos_weight", "(1, 2, 3)"]),
+    (lambda x: F.binary_cross_entropy_with_logits(x, np.zeros((2, 3)), reduction=None),
+     ValueError, ["binary_cross_entropy_with_logits", "reduction", "None"]),
+])
+def test_loss_arguments_are_checked(backend, call, error, words):
+    x = param(np.zeros((2, 3)), backend)
+    launches = backend.launches
+    with raises_naming(error, *words):
+        call(x)
+    assert backend.launches == launches
+
+
+def test_loss_weights_are_constants(backend):
+    """PyTorch defines no gradient for weight or pos_weight and refuses one that requires it;
+    outside a Tape nothing is recorded, so a Parameter is just its value there."""
+    x, weight = param(np.zeros((2, 3)), backend), param(np.ones(3), backend)
+    for name in ("weight", "pos_weight"):
+        with netcl.Tape(), raises_naming(ValueError, "binary_cross_entropy_with_logits", name,
+                                         "gradient"):
+            F.binary_cross_entropy_with_logits(x, np.zeros((2, 3)), **{name: weight})
+        loss = F.binary_cross_entropy_with_logits(x, np.zeros((2, 3)), **{name: weight})
+        assert host(loss) == pytest.approx(math.log(2), rel=1e-6)
+
+
+def test_grouped_conv2d_is_one_conv2d_per_group(backend):
+    """groups=G is G ordinary convolutions side by side, each on its C/G channels with its
+    K/G filters (depthwise when G = C); dilation spreads the taps, as the definition says."""
+    rng = np.random.default_rng(6)
+    for groups, dilation in ((2, 1), (4, (2, 1))):
+        x = rng.standard_normal((2, 4, 7, 6)).astype(np.float32)
+        w = rng.standard_normal((2 * groups, 4 // groups, 3, 3)).astype(np.float32)
+        whole = host(F.conv2d(tensor(x, backend), w, padding=1, dilation=dilation, groups=groups))
+        per = len(w) // groups
+        parts = [host(F.conv2d(tensor(x[:, g * (4 // groups):(g + 1) * (4 // groups)], backend),
+                               w[g * per:(g + 1) * per], padding=1, dilation=dilation))
+                 for g in range(groups)]
+        np.testing.assert_allclose(whole, np.concatenate(parts, axis=1), rtol=1e-5, atol=1e-5)
+
+
+def test_grouped_dilated_conv2d_in_im2col_chunks(opencl, monkeypatch):
+    """A batch split into im2col chunks gives what the whole batch gives, grouped and dilated."""
+    rng = np.random.default_rng(7)
+    arrays = [rng.standard_normal(s).astype(np.float32) for s in ((5, 4, 7, 6), (6, 2, 3, 2), (6,))]
+    op = lambda x, w, b: F.conv2d(x, w, b, stride=(1, 2), padding=2, dilation=(2, 3), groups=2)
+    g = rng.standard_normal(op(*arrays).shape).astype(np.float32)
+    launches = opencl.launches
+    whole = run_op(op, arrays, g, opencl)
+    whole_launches, launches = opencl.launches - launches, opencl.launches
+    # two samples' columns per chunk: C*R*S rows of OH*OW float32 values each
+    monkeypatch.setattr(netcl, "_IM2COL_BYTES", 2 * (4 * 3 * 2) * (7 * 4) * 4)
+    chunked = run_op(op, arrays, g, opencl)
+    assert opencl.launches - launches > whole_launches  # three chunks really ran
+    for got, want in zip([chunked[0]] + chunked[1], [whole[0]] + whole[1]):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_grouped_dilated_conv2d_of_an_empty_batch(backend):
+    x = param(np.zeros((0, 4, 5, 5)), backend)
+    w = param(np.ones((6, 2, 2, 2)), backend)
+    with netcl.Tape() as tape:
+        out = F.conv2d(x, w, stride=1, padding=1, dilation=3, groups=2)
+    assert out.shape == (0, 6, 4, 4)
+    tape.backward(out, grad=np.zeros(out.shape, np.float32))
+    assert host(x.grad).shape == (0, 4, 5, 5)
+    np.testing.assert_array_equal(host(w.grad), np.zeros((6, 2, 2, 2)))
+
+
+@pytest.mark.parametrize("gemm", ["packed", "tiled"])
+@pytest.mark.usefixtures("portable_half")
+def test_autocast_grouped_dilated_conv2d_is_the_float32_result_rounded(opencl, monkeypatch,
+                                                                        gemm):
+    """Under autocast a grouped, dilated conv2d writes float16 storage: the float32 result on
+    the same values, rounded once; its gradients are the float32 ones."""
+    monkeypatch.setattr(opencl, "gemm", gemm)
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((2, 6, 8, 7)).astype(np.float16)
+    weights = [rng.standard_normal((9, 2, 3, 3)) / 5, rng.standard_normal(9)]
+    results = {}
+    for enabled, dtype in ((False, np.float32), (True, np.float16)):
+        leaves = [param(x, opencl, dtype)] + [param(w, opencl) for w in weights]
+        with netcl.Tape() as tape, netcl.autocast(enabled=enabled):
+            out = F.conv2d(*leaves, stride=(2, 1), padding=2, dilation=(2, 1), groups=3)
+        seed = np.random.default_rng(1).standard_normal(out.shape).astype(np.float16)
+        tape.backward(out, grad=seed.astype(np.float32))
+        results[enabled] = host(out), [host(p.grad) for p in leaves]
+    (single, grads32), (half, grads16) = results[False], results[True]
+    assert half.dtype == np.float16
+    np.testing.assert_array_equal(half, single.astype(np.float16))
+    for g16, g32 in zip(grads16, grads32):
+        np.testing.assert_array_equal(g16, g32)
+
+
+@pytest.mark.parametrize("call, words", [
+    (lambda t: F.conv2d(t(2, 4, 5, 5), t(3, 2, 3, 3), groups=2),
+     ["conv2d", "3 filters", "groups=2"]),
+    (lambda t: F.conv2d(t(2, 3, 5, 5), t(4, 2, 3, 3), groups=2),
+     ["conv2d", "3 channels", "expects 4", "groups=2"]),
+    (lambda t: F.conv2d(t(2, 4, 5, 5), t(4, 4, 3, 3), groups=2),
+     ["conv2d", "4 channels", "expects 8"]),
+    (lambda t: F.conv2d(t(2, 4, 5, 5), t(4, 2, 3, 3), groups=0), ["conv2d", "groups", "0"]),
+    (lambda t: F.conv2d(t(2, 4, 5, 5), t(4, 2, 3, 3), groups=2.0), ["conv2d", "groups", "2.0"]),
+    (lambda t: F.conv2d(t(2, 4, 5, 5), t(4, 4, 3, 3), groups=True), ["conv2d", "groups", "True"]),
+    (lambda t: F.conv2d(t(2, 4, 5, 5), t(4, 4, 3, 3), dilation=0), ["conv2d", "dilation", "0"]),
+    (lambda t: F.conv2d(t(2, 4, 5, 5), t(4, 4, 3, 3), dilation=(1, -2)),
+     ["conv2d", "dilation", "-2"]),
+    (lambda t: F.conv2d(t(2, 4, 5, 5), t(4, 4, 3, 3), dilation=3),
+     ["conv2d", "kernel (3, 3)", "dilation (3, 3)", "spans (7, 7)", "padded input (5, 5)"]),
+    (lambda t: nn.Conv2d(3, 4, 3, groups=2), ["Conv2d", "in_ch=3", "groups=2"]),
+    (lambda t: nn.Conv2d(4, 3, 3, groups=2), ["Conv2d", "out_ch=3", "groups=2"]),
+    (lambda t: nn.Conv2d(4, 4, 3, groups=0), ["Conv2d", "groups", "0"]),
+    (lambda t: nn.Conv2d(4, 4, 3, dilation=(0, 1)), ["Conv2d", "dilation", "(0, 1)"]),
+])
+def test_conv2d_groups_and_dilation_are_checked(backend, call, words):
+    tensor = lambda *shape: netcl.Tensor.from_host(np.zeros(shape, np.float32), backend.queue)
+    launches = backend.launches
+    with raises_naming(ValueError, *words):
+        call(tensor)
+    assert backend.launches == launches
+
+
+def test_conv2d_module_dilation_and_groups(backend):
+    """nn.Conv2d as PyTorch's: weight (out, in / groups, kh, kw), U(+-1/sqrt(fan_in)) with
+    fan_in = in / groups * kh * kw, the attributes, and the functional op underneath."""
+    netcl.manual_seed(0)
+    conv = nn.Conv2d(6, 9, (3, 2), 1, 2, (2, 1), 3, queue=backend.queue)  # PyTorch's order
+    assert (conv.dilation, conv.groups, conv.padding) == ((2, 1), 3, (2, 2))
+    state = conv.state_dict()
+    assert list(state) == ["weight", "bias"] and state["weight"].shape == (9, 2, 3, 2)
+    bound = 1 / np.sqrt(2 * 3 * 2)
+    for value in state.values():
+        assert np.abs(value).max() <= bound and np.abs(value).max() > 0.7 * bound
+    x = np.random.default_rng(9).standard_normal((2, 6, 7, 5)).astype(np.float32)
+    out = conv(tensor(x, backend))
+    np.testing.assert_array_equal(host(out), host(F.conv2d(x, conv.weight, conv.bias, padding=2,
+                                                           dilation=(2, 1), groups=3)))
+    np.testing.assert_allclose(host(out), _conv2d_ref(x.astype(np.float64), state["weight"],
+                                                      state["bias"], (1, 1), (2, 2), (2, 1), 3),
+                               rtol=1e-5, atol=1e-5)
+
+
+# --- broadcasting
+# add, sub, mul and div broadcast as NumPy and PyTorch do, and integer operands promote to
+# floating point. The gradient references transcribe PyTorch's autograd: derivatives.yaml's
+# formulas at the output's shape, then summed to each operand's shape (sum_to_size).
+
+def _sum_to_size(g, shape):
+    """torch.Tensor.sum_to_size in NumPy: sum over the leading dimensions `shape` lacks, then,
+    keeping them, over those where it has a 1."""
+    g = g.sum(axis=tuple(range(g.ndim - len(shape))))
+    return g.sum(axis=tuple(i for i, size in enumerate(shape) if size == 1), keepdims=True)
+
+
+BINARY_GRADS = {  # derivatives.yaml: d(out)/da and d(out)/db times g
+    "add": lambda a, b, g: (g, g),
+    "sub": lambda a, b, g: (g, -g),
+    "mul": lambda a, b, g: (g * b, g * a),
+    "div": lambda a, b, g: (g / b, -g * a / (b * b)),
+}
+
+
+BROADCAST_SHAPES = [
+    ((45, 65), (45, 1)), ((5, 3, 14, 16), (5, 1, 14, 1)), ((1, 32, 32, 32), (1, 32, 1, 1)),
+    ((3, 1), (1, 4)), ((1, 4), (3, 1)), ((7,), (2, 3, 7)), ((2, 1, 5), (4, 1)),
+    ((300, 2), (1, 2)), ((3, 1, 1), (3, 100, 7)),              # across work-group boundaries
+    ((), (3, 4)), ((2, 3), ()), ((), ()), ((1,), (2, 3)), ((1, 1, 1), (5,)),   # 0-d and 1s
+    ((0, 3), (3,)), ((2, 0), (2, 1)), ((0, 1), (1, 5)), ((), (0,)), ((4, 0, 2), (1, 1)),
+    ((2, 1, 3, 1, 2, 1, 2, 1), (1, 2, 1, 3, 1, 2, 1, 2)),      # 8 groups, the kernels' most
+]
+
+
+@pytest.mark.parametrize("a_shape, b_shape", BROADCAST_SHAPES)
+def test_broadcast_forward_and_gradients(backend, a_shape, b_shape):
+    rng = np.random.default_rng(len(a_shape) * 10 + len(b_shape))
+    a = np.asarray(rng.standard_normal(a_shape), np.float32)
+    b = np.asarray(_away_from_zero(rng, b_shape), np.float32)
+    shape = np.broadcast_shapes(a_shape, b_shape)
+    g = rng.standard_normal(shape).astype(np.float32)
+    a64, b64, g64 = a.astype(np.float64), b.astype(np.float64), g.astype(np.float64)
+    for name, (functional, _, ref) in BINARY.items():
+        pa, pb = param(a, backend), param(b, backend)
+        with netcl.Tape() as tape:
+            y = functional(pa, pb)
+        tape.backward(y, grad=g)
+        assert y.shape == shape, name
+        np.testing.assert_allclose(host(y), ref(a64, b64), rtol=1e-5, atol=1e-6, err_msg=name)
+        for p, grad in zip((pa, pb), BINARY_GRADS[name](a64, b64, g64)):
+            expected = _sum_to_size(np.broadcast_to(grad, shape), p.shape)
+            assert host(p.grad).shape == p.shape, name
+            np.testing.assert_allclose(host(p.grad), expected, rtol=1e-4, atol=1e-4,
+                                       err_msg=f"{name}: gradient of the {p.shape} operand")
+
+
+@pytest.mark.parametrize("a_shape, b_shape", [((3, 4), (3,)), ((2, 3), (3, 2)),
+                                              ((5, 1, 4), (2, 4, 1)), ((0,), (2,)),
+                                              ((2, 3, 4), (2, 1, 3))])
+def test_broadcast_shape_errors_name_op_and_both_shapes(backend, a_shape, b_shape):
+    a, b = np.ones(a_shape, np.float32), np.ones(b_shape, np.float32)
+    launches = backend.launches
+    for name, (functional, operator, _) in BINARY.items():
+        for call in (lambda: functional(param(a, backend), param(b, backend)),
+                     lambda: operator(param(a, backend), param(b, backend)),
+                     lambda: operator(a, param(b, backend)),      # the reflected operator
+                     lambda: operator(param(a, backend), b)):
+            with raises_naming(ValueError, name, str(a_shape), str(b_shape)):
+                call()
+    assert backend.launches == launches, "a shape error enqueued work"
+
+
+def test_broadcast_of_more_groups_than_the_kernels_index_raises(backend):
+    # 9 alternating groups: both backends refuse, so they never disagree
+    a = param(np.ones((2, 1, 2, 1, 2, 1, 2, 1, 2), np.float32), backend)
+    b = param(np.ones((1, 2, 1, 2, 1, 2, 1, 2, 1), np.float32), backend)
+    with raises_naming(ValueError, "mul", "9 groups", "8"):
+        F.mul(a, b)
+    assert F.mul(a, b.reshape(2, 2, 2, 2)).shape == (2, 1, 2, 1, 2, 2, 2, 2, 2)
+
+
+def test_node_operators_broadcast_both_ways(backend):
+    rng = np.random.default_rng(21)
+    row = rng.standard_normal(3).astype(np.float32)
+    column = _away_from_zero(rng, (4, 1)).astype(np.float32)
+    g = rng.standard_normal((4, 3)).astype(np.float32)
+    r64, c64, g64 = row.astype(np.float64), column.astype(np.float64), g.astype(np.float64)
+    calls = [  # (operator on (row, column), reference, gradient of the row)
+        (lambda r, c: r + c, r64 + c64, g64.sum(0)),
+        (lambda r, c: c - r, c64 - r64, -g64.sum(0)),
+        (lambda r, c: r * c, r64 * c64, (g64 * c64).sum(0)),
+        (lambda r, c: c / r, c64 / r64, (-g64 * c64 / r64 ** 2).sum(0)),
+        (lambda r, c: r / c, r64 / c64, (g64 / c64).sum(0)),
+    ]
+    for column_kind in ("array", "node"):
+        for fn, expected, row_grad in calls:
+            r = param(row, backend)
+            c = column if column_kind == "array" else netcl.Node(tensor(column, backend))
+            with netcl.Tape() as tape:
+                y = fn(r, c)
+            tape.backward(y, grad=g)
+            np.testing.assert_allclose(host(y), expected, rtol=1e-6, atol=1e-6)
+            np.testing.assert_allclose(host(r.grad), row_grad, rtol=1e-5, atol=1e-5)
+
+
+def test_broadcast_keeps_the_common_cases_cheap(opencl, monkeypatch):
+    """Operands of the output's shape take the kernels without index arithmetic; a bias row
+    is one launch forward and one column sum backward, as before broadcasting."""
+    names = []
+    launch = opencl.launch
+    monkeypatch.setattr(opencl, "launch", lambda name, *args, **kw: (names.append(name),
+                                                                   launch(name, *args, **kw)))
+    rng = np.random.default_rng(22)
+    for x_shape, y_shape, forward, backward in [
+            ((8, 5), (8, 5), ["add_fwd"], []), ((1, 8, 5), (8, 5), ["add_fwd"], []),
+            ((8, 5), (5,), ["add_bcast"], ["sum_axis"]),
+            ((8, 5), (8, 1), ["add_bcast"], ["sum_axis"])]:
+        x = param(rng.standard_normal(x_shape), opencl)
+        y = param(rng.standard_normal(y_shape), opencl)
+        names.clear()
+        with netcl.Tape() as tape:
+            out = x + y
+        assert names == forward, (x_shape, y_shape)
+        names.clear()
+        tape.backward(out, grad=np.ones(out.shape, np.float32))
+        assert names == backward, (x_shape, y_shape)
+
+
+def test_broadcast_float16_storage(opencl):
+    """float16 operands broadcast in float16 storage (the float32 result rounded); a float16
+    operand against a float32 one widens, as without broadcasting."""
+    rng = np.random.default_rng(23)
+    a = rng.standard_normal((6, 1, 5)).astype(np.float16)
+    b = (rng.uniform(0.5, 2, (4, 1)) * rng.choice([-1, 1], (4, 1))).astype(np.float16)
+    # backward(grad=array) gives the seed the loss's dtype: the same float16 values for both
+    g = rng.standard_normal((6, 4, 5)).astype(np.float16).astype(np.float32)
+    for name, (functional, _, ref) in BINARY.items():
+        grads = {}
+        for dtype in (np.float16, np.float32):
+            pa, pb = param(a.astype(dtype), opencl, dtype), param(b.astype(dtype), opencl, dtype)
+            with netcl.Tape() as tape:
+                y = functional(pa, pb)
+            tape.backward(y, grad=g)
+            grads[dtype] = host(pa.grad), host(pb.grad)
+            if dtype == np.float16:
+                _assert_rounded_from(host(y), ref(a.astype(np.float64), b.astype(np.float64)),
+                                     name)
+        for half_grad, float_grad in zip(grads[np.float16], grads[np.float32]):
+            assert half_grad.dtype == np.float32
+            np.testing.assert_allclose(half_grad, float_grad, rtol=1e-6, atol=1e-6,
+                                       err_msg=name)
+        mixed = functional(tensor(a, opencl), tensor(b.astype(np.float32), opencl))
+        assert mixed.dtype == np.float32
+        np.testing.assert_array_equal(host(mixed), ref(a.astype(np.float32),
+                                                       b.astype(np.float32)))
+
+
+def test_integer_tensors_promote_to_float(backend):
+    """As PyTorch: an int tensor with a float operand, or under exp and relu, computes in
+    floating point. int with int gives float32 here (PyTorch keeps int; true division is
+    float there too)."""
+    ints_host = np.array([[3, -2, 0, 7]])
+    ints = tensor(ints_host, backend)
+    assert ints.dtype == np.int32
+    floats_host = np.array([[0.5], [-1.5]], np.float32)
+    floats = tensor(floats_host, backend)
+    i64, f64 = ints_host.astype(np.float64), floats_host.astype(np.float64)
+    node = netcl.Node(ints)
+    with np.errstate(divide="ignore", invalid="ignore"):  # x / 0 and 0 / 0 in the references
+        results = [
+            (node + 0.5, i64 + 0.5), (2.0 - node, 2.0 - i64), (F.mul(ints, 0.25), i64 * 0.25),
+            (F.mul(ints, floats), i64 * f64), (F.div(floats, ints), f64 / i64),
+            (F.sub(ints, np.array([1.5])), i64 - 1.5), (node * np.arange(4), i64 * np.arange(4)),
+            (F.exp(ints), np.exp(i64)), (F.relu(ints), np.maximum(i64, 0)),
+            (F.add(ints, ints), 2 * i64), (node / node, i64 / i64), (F.sum(ints), i64.sum()),
+            (F.tanh(node), np.tanh(i64))]
+    for out, expected in results:
+        assert out.dtype == np.float32
+        np.testing.assert_allclose(host(out), expected, rtol=1e-6, atol=1e-7)
+    half = F.add(ints, tensor(np.array([0.25], np.float16), backend))  # int + half -> half
+    assert half.dtype == np.float16
+    np.testing.assert_array_equal(host(half), (i64 + 0.25).astype(np.float16))
+    w = param(floats_host, backend)
+    with netcl.Tape() as tape:
+        loss = (w * ints).sum()                        # the int operand is a constant
+    tape.backward(loss)
+    np.testing.assert_array_equal(host(w.grad), np.full((2, 1), ints_host.sum(), np.float32))
+    labels = tensor(np.array([1, 0]), backend)         # labels stay labels
+    loss = F.cross_entropy(tensor(np.zeros((2, 3)), backend), labels)
+    assert labels.dtype == np.int32
+    assert float(host(loss)) == pytest.approx(math.log(3))
+
+
+def test_leading_dimension_pieces_are_views_where_the_device_allows(opencl):
+    """split/unbind along dimension 0 make no copy when every piece starts on the device's
+    sub-buffer alignment (the pieces share x's memory, as PyTorch's views), and copy when one
+    does not; both give the same values and gradients."""
+    align = opencl.cl_device.mem_base_addr_align // 8  # bytes
+    row = align // 4  # float32 elements in one aligned row
+    for rows_per_piece, cols, views in ((2, row, True), (1, row + 1, False)):
+        host_rows = np.arange(3 * rows_per_piece * cols, dtype=np.float32).reshape(-1, cols)
+        x = param(host_rows, opencl)
+        with netcl.Tape() as tape:
+            before = opencl.launches
+            pieces = F.split(x, rows_per_piece, 0)
+            made = opencl.launches - before
+            loss = (pieces[0] * 1.0 + pieces[2] * 3.0).sum()
+        assert (made == 0) == views, (rows_per_piece, cols, made)
+        tape.backward(loss)
+        for k, piece in enumerate(pieces):
+            np.testing.assert_array_equal(piece.value.to_host(),
+                                          host_rows[k * rows_per_piece:(k + 1) * rows_per_piece])
+        expected = np.repeat(np.array([1.0, 0.0, 3.0], np.float32), rows_per_piece)
+        np.testing.assert_array_equal(x.grad.to_host(),
+                                      np.broadcast_to(expected[:, None], host_rows.shape))
+
+
+def test_unbind_matches_torch_and_checks_its_argument(backend):
+    x = np.arange(24, dtype=np.float32).reshape(2, 3, 4)
+    for dim in (0, 1, -1):
+        pieces = F.unbind(tensor(x, backend), dim)
+        assert len(pieces) == x.shape[dim]
+        for k, piece in enumerate(pieces):  # torch.unbind: the slices, the dimension removed
+            np.testing.assert_array_equal(piece.value.to_host(), np.take(x, k, axis=dim))
+    assert F.unbind(tensor(np.zeros((2, 0)), backend), 1) == ()
+    with pytest.raises(ValueError, match="unbind"):
+        F.unbind(tensor(np.float32(1.0), backend))
+    with raises_naming(ValueError, "unbind", "3"):
+        F.unbind(tensor(x, backend), 3)
+
 
 # ---------------------------------------------------------------------------------------------
-# optimizers: SGD, Adam, AdamW, clip_grad_norm, WarmupCosine against NumPy float64
+# nn modules, state_dict, save / load, print(model)
+# ---------------------------------------------------------------------------------------------
+
+def _mlp(dev, sizes=(20, 32, 10), seed=0, activations=(nn.ReLU,)):
+    """The suite's MLP: a Linear between each two sizes, seeded by manual_seed(seed), and
+    between the Linears the activations in turn."""
+    netcl.manual_seed(seed)
+    layers = []
+    for i, (fan_in, fan_out) in enumerate(zip(sizes, sizes[1:])):
+        if i:
+            layers.append(activations[(i - 1) % len(activations)]())
+        layers.append(nn.Linear(fan_in, fan_out, queue=dev.queue))
+    return nn.Sequential(*layers)
+
+
+def test_named_parameters_names_and_order(backend):
+    model = _mlp(backend)
+    named = list(model.named_parameters())
+    assert [n for n, _ in named] == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    assert [tuple(p.shape) for _, p in named] == [(32, 20), (32,), (10, 32), (10,)]
+    assert [id(p) for p in model.parameters()] == [id(p) for _, p in named]
+    assert all(isinstance(p, netcl.Parameter) for _, p in named)
+    assert all(p.value.device is backend for _, p in named)
+
+
+def test_linear_default_init_bounds(backend):
+    netcl.manual_seed(0)
+    layer = netcl.Linear(200, 300, queue=backend.queue)
+    bound = 1 / math.sqrt(200)
+    w = host(layer.weight)
+    b = host(layer.bias)
+    assert w.shape == (300, 200) and b.shape == (300,)
+    for values in (w, b):
+        assert np.abs(values).max() <= bound
+        assert values.max() > 0.9 * bound and values.min() < -0.9 * bound
+    # Uniform: standard deviation bound / sqrt(3).
+    assert abs(w.std() - bound / math.sqrt(3)) < 0.02 * bound
+    no_bias = netcl.Linear(5, 3, bias=False, queue=backend.queue)
+    assert [n for n, _ in no_bias.named_parameters()] == ["weight"]
+
+
+def test_manual_seed_reproducible_init(backend):
+    first = _mlp(backend, seed=11).state_dict()
+    second = _mlp(backend, seed=11).state_dict()
+    other = _mlp(backend, seed=12).state_dict()
+    for key in first:
+        np.testing.assert_array_equal(first[key], second[key])
+    assert not np.array_equal(first["0.weight"], other["0.weight"])
+
+
+def test_sequential_forward_matches_numpy(backend):
+    model = _mlp(backend)
+    state = model.state_dict()
+    x = np.random.default_rng(12).standard_normal((7, 20)).astype(np.float32)
+    expected = np.maximum(x @ state["0.weight"].T + state["0.bias"], 0) @ state["2.weight"].T \
+        + state["2.bias"]
+    np.testing.assert_allclose(host(model(tensor(x, backend))), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_state_dict_layout(backend):
+    model = _mlp(backend)
+    state = model.state_dict()
+    assert isinstance(state, dict)
+    assert list(state) == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    for (name, p), (key, value) in zip(model.named_parameters(), state.items()):
+        assert name == key
+        assert isinstance(value, np.ndarray) and value.dtype == np.float32
+        np.testing.assert_array_equal(value, host(p))
+
+
+def test_load_state_dict_copies_into_existing_parameters(backend):
+    source = _mlp(backend, seed=1).state_dict()
+    model = _mlp(backend, seed=2)
+    params_before = list(model.parameters())
+    opt = netcl.SGD(model.parameters(), lr=0.5)
+    model.load_state_dict(source)
+    assert [id(p) for p in model.parameters()] == [id(p) for p in params_before]
+    for key, value in model.state_dict().items():
+        np.testing.assert_array_equal(value, source[key])
+    # The optimizer built before the load updates the loaded values.
+    weight = params_before[0]
+    g = np.full((32, 20), 0.25, np.float32)
+    with netcl.Tape() as tape:
+        loss = (weight * g).sum()
+    opt.zero_grad()
+    tape.backward(loss)
+    opt.step()
+    np.testing.assert_allclose(host(weight), source["0.weight"] - 0.5 * g, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("change, key", [
+    (lambda s: s.pop("2.bias"), "2.bias"),
+    (lambda s: s.__setitem__("4.weight", np.zeros((3, 3), np.float32)), "4.weight"),
+    (lambda s: s.__setitem__("0.weight", np.zeros((20, 32), np.float32)), "0.weight"),
+])
+def test_load_state_dict_rejects_bad_keys_and_shapes(backend, change, key):
+    model = _mlp(backend)
+    state = model.state_dict()
+    before = {k: v.copy() for k, v in state.items()}
+    change(state)
+    with raises_naming((KeyError, ValueError, RuntimeError), key):
+        model.load_state_dict(state)
+    if key != "4.weight":
+        # Nothing is half-loaded: the parameters keep their values.
+        for k, v in model.state_dict().items():
+            np.testing.assert_array_equal(v, before[k])
+
+
+def test_train_eval_and_dropout_module(backend):
+    netcl.manual_seed(0)
+    drop = netcl.Dropout(0.5)
+    layer = netcl.Linear(10, 40, queue=backend.queue)
+    model = netcl.Sequential(layer, drop)
+    x = tensor(np.random.default_rng(13).standard_normal((30, 10)), backend)
+    assert model.training and drop.training
+    model.eval()
+    assert not model.training and not drop.training
+    out_eval = host(model(x))
+    np.testing.assert_array_equal(out_eval, host(layer(x)))
+    assert np.count_nonzero(out_eval == 0) == 0
+    model.train()
+    assert model.training and drop.training
+    out_train = host(model(x))
+    dropped = out_train == 0
+    assert 0.3 < dropped.mean() < 0.7
+    np.testing.assert_allclose(out_train[~dropped], 2 * out_eval[~dropped], rtol=1e-6)
+
+
+@pytest.mark.parametrize("module, fn", [
+    (lambda: netcl.ReLU(), F.relu), (lambda: netcl.Tanh(), F.tanh),
+    (lambda: netcl.Sigmoid(), F.sigmoid), (lambda: netcl.GELU(), F.gelu),
+    (lambda: netcl.Flatten(), F.flatten),
+])
+def test_activation_modules_match_functional(backend, module, fn):
+    x = tensor(np.random.default_rng(14).standard_normal((4, 3, 5)), backend)
+    m = module()
+    assert list(m.parameters()) == []
+    out = host(m(x))
+    np.testing.assert_array_equal(out, host(fn(x)))
+    if isinstance(m, netcl.Flatten):
+        assert out.shape == (4, 15)
+
+
+# --- save / load
+
+def test_save_load_round_trip(backend, tmp_path):
+    model = _mlp(backend, seed=3)
+    state = model.state_dict()
+    state["steps"] = np.array(7, np.int32)
+    path = str(tmp_path / "weights.ckpt")
+    netcl.save(state, path)
+    assert os.listdir(tmp_path) == ["weights.ckpt"]
+    loaded = netcl.load(path)
+    assert sorted(loaded) == sorted(state)
+    for key, value in state.items():
+        assert isinstance(loaded[key], np.ndarray)
+        assert loaded[key].dtype == value.dtype
+        np.testing.assert_array_equal(loaded[key], value)
+    del loaded["steps"]
+    other = _mlp(backend, seed=4)
+    other.load_state_dict(loaded)
+    x = tensor(np.ones((2, 20), np.float32), backend)
+    np.testing.assert_array_equal(host(other(x)), host(model(x)))
+
+
+class _Booby:
+    """Unpickling this creates a file: proof that a loader ran pickle."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_load_refuses_pickled_objects(tmp_path):
+    marker = str(tmp_path / "unpickled")
+    path = str(tmp_path / "evil.npz")
+    np.savez(path, weight=np.array([_Booby(marker)], dtype=object))
+    with pytest.raises(ValueError):
+        netcl.load(path)
+    assert not os.path.exists(marker), "netcl.load unpickled an object"
+
+
+def test_load_missing_key_names_it(backend, tmp_path):
+    model = _mlp(backend)
+    state = model.state_dict()
+    del state["0.bias"]
+    path = str(tmp_path / "partial.npz")
+    netcl.save(state, path)
+    with raises_naming((KeyError, ValueError, RuntimeError), "0.bias"):
+        model.load_state_dict(netcl.load(path))
+
+
+def test_reassigning_a_parameter_keeps_its_place():
+    class Layer(netcl.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = netcl.Parameter(np.ones(2, np.float32))
+            self.bias = netcl.Parameter(np.zeros(2, np.float32))
+            self.weight = netcl.Parameter(np.ones(3, np.float32))
+    assert [name for name, _ in Layer().named_parameters()] == ["weight", "bias"]
+
+
+def _same_arrays(loaded, expected):
+    assert sorted(loaded) == sorted(expected)
+    for key, value in expected.items():
+        assert loaded[key].dtype == np.asarray(value).dtype
+        np.testing.assert_array_equal(loaded[key], value)
+
+
+def test_save_on_a_full_disk_keeps_the_previous_file(tmp_path):
+    path = tmp_path / "ckpt.npz"
+    good = {"w": np.arange(12, dtype=np.float32).reshape(3, 4), "steps": np.array(7, np.int32)}
+    netcl.save(good, path)
+    # In a child, so that the file-size limit (what a full disk does to a write) stays there.
+    out = _run_python(f"""
+import resource, signal
+import numpy as np, netcl
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # past the limit, write() fails with EFBIG
+resource.setrlimit(resource.RLIMIT_FSIZE, (2048, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+try:
+    netcl.save({{"w": np.ones((64, 64), np.float32), "steps": np.array(8)}}, {str(path)!r})
+except OSError as error:
+    print("OSError:", error)
+""")
+    _same_arrays(netcl.load(path), good)
+    assert os.listdir(tmp_path) == ["ckpt.npz"]  # no temporary left behind
+    assert out.startswith("OSError:") and str(path) in out, out
+
+
+@pytest.mark.parametrize("failure", ["KeyboardInterrupt", "OSError"])
+def test_interrupted_save_keeps_the_previous_file_and_its_mode(tmp_path, monkeypatch, failure):
+    import errno
+    path = tmp_path / "ckpt.npz"
+    good = {"w": np.arange(6, dtype=np.float32), "b": np.ones(2, np.float32)}
+    netcl.save(good, path)
+    os.chmod(path, 0o604)
+    real_savez = np.savez
+
+    def savez_then_fail(file, **arrays):
+        file.write(b"PK\x03\x04" + bytes(100))  # a partial archive, then the interruption
+        raise (KeyboardInterrupt() if failure == "KeyboardInterrupt"
+               else OSError(errno.ENOSPC, "No space left on device"))
+
+    monkeypatch.setattr(np, "savez", savez_then_fail)
+    with pytest.raises(KeyboardInterrupt if failure == "KeyboardInterrupt" else OSError) as caught:
+        netcl.save({"w": np.zeros(6, np.float32)}, path)
+    monkeypatch.setattr(np, "savez", real_savez)
+    assert os.listdir(tmp_path) == ["ckpt.npz"]
+    _same_arrays(netcl.load(path), good)
+    if failure == "OSError":
+        assert str(path) in str(caught.value) and caught.value.errno == errno.ENOSPC
+    # A save that succeeds replaces the file and keeps its mode; a new file gets open()'s.
+    newer = {"w": np.full(6, 2.0, np.float32)}
+    netcl.save(newer, path)
+    _same_arrays(netcl.load(path), newer)
+    assert os.stat(path).st_mode & 0o7777 == 0o604
+    umask = os.umask(0o027)
+    try:
+        netcl.save(newer, tmp_path / "new.ckpt")
+    finally:
+        os.umask(umask)
+    assert sorted(os.listdir(tmp_path)) == ["ckpt.npz", "new.ckpt"]  # exactly the path given
+    assert os.stat(tmp_path / "new.ckpt").st_mode & 0o7777 == 0o666 & ~0o027
+
+
+def test_load_of_a_file_that_is_no_archive_names_it(tmp_path):
+    weights = np.arange(100, dtype=np.float64)
+    netcl.save({"w": weights, "b": np.zeros(5, np.float32)}, tmp_path / "good.npz")
+    raw = (tmp_path / "good.npz").read_bytes()
+    flipped = bytearray(raw)
+    flipped[raw.index(weights.tobytes()) + 8] ^= 0xFF  # one byte of "w": its CRC no longer fits
+    np.save(tmp_path / "array.npy", weights)
+    files = {"half.npz": raw[:len(raw) // 2], "cut.npz": raw[:-10], "flipped.npz": bytes(flipped),
+             "noise.bin": np.random.default_rng(0).bytes(300), "empty.npz": b""}
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+    for name in ["array.npy", *files]:
+        with raises_naming(ValueError, str(tmp_path / name), "npz"):
+            netcl.load(tmp_path / name)
+    with pytest.raises(FileNotFoundError):
+        netcl.load(tmp_path / "missing.npz")
+    netcl.save({}, tmp_path / "nothing.npz")  # an empty archive is still one
+    assert netcl.load(tmp_path / "nothing.npz") == {}
+
+
+def test_save_rejects_keys_that_are_equal_as_strings(tmp_path):
+    path = tmp_path / "ckpt.npz"
+    with raises_naming(ValueError, "save", "'1'"):
+        netcl.save({1: np.zeros(2), "1": np.ones(2)}, path)
+    assert not path.exists()
+
+
+@pytest.mark.parametrize("bad", [np.complex64, np.bool_])
+def test_load_state_dict_rejects_bool_and_complex_arrays_changing_nothing(backend, bad):
+    model = _mlp(backend, seed=3)
+    before = model.state_dict()
+    state = {key: np.full(value.shape, 0.5, value.dtype) for key, value in before.items()}
+    last = list(state)[-1]
+    state[last] = np.ones(state[last].shape, bad)
+    with raises_naming(ValueError, repr(last), str(np.dtype(bad))):
+        model.load_state_dict(state)
+    _same_arrays(model.state_dict(), before)  # the keys before it were not written either
+    state[last] = np.ones(state[last].shape, np.int64)  # integers convert, as in PyTorch
+    model.load_state_dict(state)
+    assert np.all(model.state_dict()[last] == 1.0) and model.state_dict()[last].dtype == np.float32
+
+
+# --- nested state
+
+def test_save_and_load_nested_state_as_it_was(backend, tmp_path):
+    netcl.manual_seed(3)
+    model = nn.Sequential(nn.Linear(3, 4, queue=backend.queue), nn.ReLU(),
+                          nn.Linear(4, 2, queue=backend.queue))
+    for opt in (netcl.AdamW(model.parameters(), lr=0.01),
+                netcl.SGD(model.parameters(), lr=0.1, momentum=0.9)):
+        with netcl.Tape() as tape:
+            loss = F.sum(model(tensor(np.ones((2, 3)), backend)))
+        tape.backward(loss)
+        opt.step()
+        state = opt.state_dict()
+        netcl.save(state, tmp_path / "opt.npz")
+        loaded = netcl.load(tmp_path / "opt.npz")
+        assert str(loaded) == str(state)  # types too: int keys, tuples, Python numbers
+        fresh = type(opt)(model.parameters(), lr=0.5)
+        fresh.load_state_dict(loaded)
+        assert str(fresh.state_dict()) == str(state)
+    keys = set(np.load(tmp_path / "opt.npz").files)
+    assert "state.0.momentum_buffer" in keys and "param_groups.0.lr" in keys
+    nested = {"model": model.state_dict(), "misc": [1, 2.5, True, None, "min", (3, -1.0)],
+              "empty": {}, 7: {"x": np.arange(3)}}
+    netcl.save(nested, tmp_path / "nested.npz")
+    loaded = netcl.load(tmp_path / "nested.npz")
+    assert list(loaded) == ["model", "misc", "empty", 7]
+    assert loaded["misc"] == [1, 2.5, True, None, "min", (3, -1.0)]
+    assert [type(v) for v in loaded["misc"][:3]] == [int, float, bool]
+    assert list(loaded["model"]) == ["0.weight", "0.bias", "2.weight", "2.bias"]  # dots kept
+    _same_arrays(loaded["model"], model.state_dict())
+    np.testing.assert_array_equal(loaded[7]["x"], np.arange(3))
+    # a flat dict of arrays stays the format it always was
+    netcl.save(model.state_dict(), tmp_path / "flat.npz")
+    assert set(np.load(tmp_path / "flat.npz").files) == set(model.state_dict())
+
+
+def test_save_rejects_what_a_state_cannot_hold_and_load_a_forged_structure(tmp_path):
+    path = tmp_path / "bad.npz"
+    for state, needle in (({"a": {"b": object()}}, "a.b"), ({"a": [{(1, 2): 3}]}, "(1, 2)"),
+                          ([np.zeros(2)], "dict")):
+        with raises_naming(ValueError, "save", needle):
+            netcl.save(state, path)
+        assert not path.exists()
+    for forged in ('{"dict": [["w", {"array": "missing"}]]}', '{"eval": "os.system"}',
+                   '{"dict": [["w", {"int": "w"}]]}', "[1, 2", '{"list": []}'):
+        np.savez(path, w=np.zeros(3), __netcl_tree__=np.array(forged))
+        with raises_naming(ValueError, "load", str(path)):
+            netcl.load(path)
+
+
+def test_module_to_moves_parameters_and_buffers_in_place(backend):
+    source = _other(backend)
+    netcl.manual_seed(3)
+    q = source.queue
+    model = nn.Sequential(nn.Linear(5, 4, queue=q), nn.BatchNorm1d(4, queue=q), nn.ReLU(),
+                          nn.Linear(4, 3, queue=q))
+    x = np.random.default_rng(0).standard_normal((6, 5)).astype(np.float32)
+    with netcl.Tape() as tape:  # trains the batch norm's running statistics once
+        loss = F.cross_entropy(model(tensor(x, source)), np.array([0, 1, 2, 0, 1, 2]))
+    tape.backward(loss)
+    params = dict(model.named_parameters())
+    before = {name: host(p) for name, p in params.items()}
+    grads = {name: host(p.grad) for name, p in params.items()}
+    stats = model[1].running_mean.to_host(), model[1].running_var.to_host()
+    model.eval()
+    expected = host(model(tensor(x, source)))
+
+    assert model.to(backend.backend) is model
+    assert dict(model.named_parameters()) == params  # the same Parameter objects
+    for name, p in params.items():
+        assert p.device is backend and p.grad.device is backend, name
+        np.testing.assert_array_equal(host(p), before[name], err_msg=name)
+        np.testing.assert_array_equal(host(p.grad), grads[name], err_msg=name)
+    assert model[1].running_mean.device is backend and model[1].running_var.device is backend
+    np.testing.assert_array_equal(model[1].running_mean.to_host(), stats[0])
+    np.testing.assert_array_equal(model[1].running_var.to_host(), stats[1])
+    assert isinstance(model[1].num_batches_tracked, np.ndarray)  # a host counter stays one
+    assert model[1]._buffers["running_mean"] is model[1].running_mean
+    np.testing.assert_allclose(host(model(tensor(x, backend))), expected, rtol=1e-5, atol=1e-5)
+    assert model.to(backend) is model  # already there: nothing changes
+    with raises_naming(ValueError, "Sequential.to", "device"):
+        model.to(None)
+    with raises_naming(ValueError, "Sequential.to", "nonsense"):
+        model.to("nonsense")
+
+
+# PyTorch 2's print() of the same modules (torch.nn, CPU), character for character.
+TORCH_MODEL_REPR = """\
+Sequential(
+  (0): Conv2d(1, 16, kernel_size=(3, 3), stride=(1, 1), padding=(1, 1))
+  (1): ReLU()
+  (2): MaxPool2d(kernel_size=2, stride=2, padding=0, dilation=1, ceil_mode=False)
+  (3): Conv2d(16, 32, kernel_size=(3, 5), stride=(2, 2), dilation=(2, 2), groups=2, bias=False)
+  (4): MaxPool2d(kernel_size=3, stride=1, padding=1, dilation=1, ceil_mode=False)
+  (5): Flatten(start_dim=1, end_dim=-1)
+  (6): Linear(in_features=10, out_features=5, bias=False)
+  (7): Dropout(p=0.25, inplace=False)
+  (8): GELU(approximate='none')
+  (9): GELU(approximate='tanh')
+  (10): Tanh()
+  (11): Sigmoid()
+  (12): LayerNorm((5,), eps=1e-05, elementwise_affine=True, bias=True)
+  (13): LayerNorm((4, 5), eps=1e-06, elementwise_affine=False, bias=False)
+  (14): LayerNorm((5,), eps=1e-05, elementwise_affine=True, bias=False)
+  (15): BatchNorm1d(16, eps=1e-05, momentum=0.1, affine=True, bias=True, track_running_stats=True)
+  (16): BatchNorm2d(8, eps=1e-05, momentum=None, affine=False, bias=False, track_running_stats=False)
+  (17): Embedding(10, 3)
+  (18): Sequential(
+    (0): Linear(in_features=2, out_features=2, bias=True)
+    (1): ReLU()
+  )
+  (19): Sequential()
+  (20): Flatten(start_dim=0, end_dim=2)
+)"""
+
+
+def _printed_model():
+    return nn.Sequential(
+        nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(16, 32, (3, 5), stride=2, dilation=2, groups=2, bias=False),
+        nn.MaxPool2d(3, stride=1, padding=1), nn.Flatten(), nn.Linear(10, 5, bias=False),
+        nn.Dropout(0.25), nn.GELU(), nn.GELU(approximate="tanh"), nn.Tanh(), nn.Sigmoid(),
+        nn.LayerNorm(5), nn.LayerNorm((4, 5), eps=1e-6, elementwise_affine=False),
+        nn.LayerNorm(5, bias=False), nn.BatchNorm1d(16),
+        nn.BatchNorm2d(8, momentum=None, affine=False, track_running_stats=False),
+        nn.Embedding(10, 3), nn.Sequential(nn.Linear(2, 2), nn.ReLU()), nn.Sequential(),
+        nn.Flatten(0, 2))
+
+
+def test_repr_of_a_model_is_pytorchs():
+    model = _printed_model()
+    assert repr(model) == TORCH_MODEL_REPR
+    assert repr(nn.Linear(784, 128)) == "Linear(in_features=784, out_features=128, bias=True)"
+    assert repr(nn.MaxPool2d((2, 3))) == ("MaxPool2d(kernel_size=(2, 3), stride=(2, 3), padding=0, "
+                                         "dilation=1, ceil_mode=False)")
+
+    class Net(nn.Module):  # a user's module: attribute names, sub-modules indented
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(2, 3)
+            self.block = nn.Sequential(nn.ReLU())
+
+        def forward(self, x):
+            return self.block(self.fc(x))
+
+    assert repr(Net()) == ("Net(\n  (fc): Linear(in_features=2, out_features=3, bias=True)\n"
+                           "  (block): Sequential(\n    (0): ReLU()\n  )\n)")
+
+
+def test_print_model_adds_the_parameter_count(capsys):
+    model = nn.Sequential(nn.Linear(784, 128), nn.ReLU(), nn.Linear(128, 10))
+    assert model.num_parameters() == 784 * 128 + 128 + 128 * 10 + 10
+    print(model)
+    assert capsys.readouterr().out == repr(model) + "\nTotal params: 101,770\n"
+    shared = nn.Linear(3, 3)
+    assert nn.Sequential(shared, nn.ReLU(), shared).num_parameters() == 12  # counted once
+    batch_norm = nn.BatchNorm1d(4)  # its running statistics are buffers, not parameters
+    assert batch_norm.num_parameters() == 8
+    assert nn.ReLU().num_parameters() == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# optimizers: SGD, Adam, AdamW, clip_grad_norm, schedules, state
+# ---------------------------------------------------------------------------------------------
+
+# --- optim.SGD
+
+def _sgd_reference(initial, grads_per_step, lrs, momentum=0.0, weight_decay=0.0, nesterov=False):
+    """PyTorch's SGD rule (torch/optim/sgd.py, _single_tensor_sgd, dampening=0) in NumPy:
+        d_p = grad + weight_decay * p
+        buf = d_p on the first step, else momentum * buf + d_p
+        d_p = d_p + momentum * buf if nesterov else buf       (only when momentum != 0)
+        p  -= lr * d_p
+    Returns the float64 parameters after each step."""
+    params = [p.astype(np.float64) for p in initial]
+    bufs = [None] * len(params)
+    history = []
+    for grads, lr in zip(grads_per_step, lrs):
+        for i, (p, g) in enumerate(zip(params, grads)):
+            d_p = g + weight_decay * p  # float64, as p is
+            if momentum:
+                bufs[i] = d_p.copy() if bufs[i] is None else momentum * bufs[i] + d_p
+                d_p = d_p + momentum * bufs[i] if nesterov else bufs[i]
+            params[i] = p - lr * d_p
+        history.append([p.copy() for p in params])
+    return history
+
+
+def _set_grads(params, grads):
+    """Give each parameter exactly `grad` through a backward pass: d/dp sum(p * g) = g."""
+    with netcl.Tape() as tape:
+        loss = sum(((p * g).sum() for p, g in zip(params, grads)), start=0.0)
+    tape.backward(loss)
+
+
+@pytest.mark.parametrize("momentum, weight_decay, nesterov", [
+    (0.0, 0.0, False), (0.9, 0.0, False), (0.0, 0.01, False), (0.5, 0.1, False),
+    (0.9, 0.01, True), (0.8, 0.0, True),
+])
+def test_sgd_matches_pytorch_rule(backend, momentum, weight_decay, nesterov):
+    rng = np.random.default_rng(15)
+    shapes = [(5, 3), (3,), (2, 2, 2)]
+    initial = [rng.standard_normal(s).astype(np.float32) for s in shapes]
+    params = [param(p, backend) for p in initial]
+    opt = netcl.SGD(params, lr=0.1, momentum=momentum, weight_decay=weight_decay,
+                    nesterov=nesterov)
+    steps = 5
+    grads_per_step = [[rng.standard_normal(s).astype(np.float32) for s in shapes]
+                      for _ in range(steps)]
+    lrs = [0.1, 0.1, 0.05, 0.05, 0.2]
+    expected = _sgd_reference(initial, grads_per_step, lrs, momentum, weight_decay, nesterov)
+    for step in range(steps):
+        opt.lr = lrs[step]
+        assert opt.lr == lrs[step]
+        opt.zero_grad()
+        _set_grads(params, grads_per_step[step])
+        opt.step()
+        for p, e in zip(params, expected[step]):
+            np.testing.assert_allclose(host(p), e, rtol=1e-5, atol=1e-6,
+                                       err_msg=f"after step {step + 1}")
+
+
+def test_sgd_zero_grad_and_untouched_parameters(backend):
+    rng = np.random.default_rng(16)
+    used_host = rng.standard_normal((4, 3)).astype(np.float32)
+    unused_host = rng.standard_normal((4, 3)).astype(np.float32)
+    used, unused = param(used_host, backend), param(unused_host, backend)
+    opt = netcl.SGD([used, unused], lr=0.1, momentum=0.9, weight_decay=0.1)
+    for _ in range(3):
+        opt.zero_grad()
+        assert used.grad is None and unused.grad is None
+        _set_grads([used], [np.ones((4, 3), np.float32)])
+        assert used.grad is not None and unused.grad is None
+        opt.step()
+    np.testing.assert_array_equal(host(unused), unused_host)
+    assert not np.allclose(host(used), used_host)
+    opt.zero_grad()
+    assert used.grad is None
+
+
+def test_sgd_state_dict_round_trip(backend):
+    rng = np.random.default_rng(17)
+    initial = rng.standard_normal((6, 2)).astype(np.float32)
+    grads = [rng.standard_normal((6, 2)).astype(np.float32) for _ in range(4)]
+    a = param(initial, backend)
+    opt_a = netcl.SGD([a], lr=0.1, momentum=0.9)
+    for g in grads[:2]:
+        opt_a.zero_grad()
+        _set_grads([a], [g])
+        opt_a.step()
+    state = opt_a.state_dict()
+    assert isinstance(state, dict)
+    b = param(host(a), backend)
+    opt_b = netcl.SGD([b], lr=0.1, momentum=0.9)
+    opt_b.load_state_dict(state)
+    for g in grads[2:]:
+        for p, opt in [(a, opt_a), (b, opt_b)]:
+            opt.zero_grad()
+            _set_grads([p], [g])
+            opt.step()
+    np.testing.assert_allclose(host(b), host(a), rtol=1e-6, atol=1e-7)
+
+
+# --- optimizers: SGD, Adam, AdamW, clip_grad_norm, WarmupCosine against NumPy float64
 # transcriptions of PyTorch's formulas:
 # - torch/optim/sgd.py, _single_tensor_sgd (dampening 0);
 # - torch/optim/adam.py, _single_tensor_adam, and torch/optim/adamw.py (decoupled weight
 #   decay: param.mul_(1 - lr * weight_decay));
 # - torch/nn/utils/clip_grad.py, clip_grad_norm_ (_get_total_norm, _clip_grads_with_norm_).
-# ---------------------------------------------------------------------------------------------
-
 
 def _normal(rng, *shapes):
     """float32 standard-normal arrays of the given shapes."""
@@ -3262,9 +5225,7 @@ def _make(kind, params, lr, hyper):
     return (netcl.Adam if kind == "adam" else netcl.AdamW)(params, lr=lr, **hyper)
 
 
-# ---------------------------------------------------------------------------------------------
-# references: PyTorch's formulas in NumPy float64
-# ---------------------------------------------------------------------------------------------
+# --- references: PyTorch's formulas in NumPy float64
 
 def _total_norm_reference(grads, norm_type=2.0):
     """clip_grad.py's _get_total_norm: the norm of the per-tensor norms."""
@@ -3309,11 +5270,11 @@ def _adam_reference(initial, grads_per_step, lrs, betas=(0.9, 0.999), eps=1e-8,
     return history
 
 
-# ---------------------------------------------------------------------------------------------
-# trajectories against the references
-# ---------------------------------------------------------------------------------------------
+# --- trajectories against the references
 
 SHAPES = st.lists(st.sampled_from([(3,), (4, 5), (2, 3, 2), (1,), (33,)]), min_size=1, max_size=4)
+
+
 HYPER = {
     "sgd": st.fixed_dictionaries({"momentum": st.sampled_from([0.0, 0.5, 0.9]),
                                    "weight_decay": st.sampled_from([0.0, 0.01, 0.1]),
@@ -3323,6 +5284,8 @@ HYPER = {
                                    "eps": st.sampled_from([1e-8, 1e-6, 1e-3]),
                                    "weight_decay": st.sampled_from([0.0, 0.01, 0.1])}),
 }
+
+
 HYPER["adamw"] = HYPER["adam"]
 
 
@@ -3398,9 +5361,7 @@ def test_gradients_assigned_by_hand_are_used(backend):
             assert p.grad is not None
 
 
-# ---------------------------------------------------------------------------------------------
-# fused clipping, clip_grad_norm, non-finite gradients
-# ---------------------------------------------------------------------------------------------
+# --- fused clipping, clip_grad_norm, non-finite gradients
 
 @pytest.mark.parametrize("kind", ["adam", "adamw"])
 @TRAINING_SETTINGS
@@ -3525,9 +5486,7 @@ def test_non_finite_gradient_skips_the_fused_step(backend, kind, bad):
         np.testing.assert_array_equal(host(x), host(y))
 
 
-# ---------------------------------------------------------------------------------------------
-# launches, syncs, flat buffers
-# ---------------------------------------------------------------------------------------------
+# --- launches, syncs, flat buffers
 
 def _launches_per_step(dev, layers, max_norm):
     model = _mlp(dev, (8,) * (layers + 1), seed=4)
@@ -3597,9 +5556,7 @@ def test_model_keeps_working_through_the_flat_buffers(backend):
     assert not np.allclose(host(model(x)), before)
 
 
-# ---------------------------------------------------------------------------------------------
-# state, validation, API
-# ---------------------------------------------------------------------------------------------
+# --- state, validation, API
 
 @pytest.mark.parametrize("kind", ["adam", "adamw"])
 def test_state_dict_round_trip_continues_the_trajectory(backend, kind):
@@ -3666,9 +5623,7 @@ def test_defaults_signatures_and_aliases():
     assert adamw.weight_decay == 0.01
 
 
-# ---------------------------------------------------------------------------------------------
-# WarmupCosine
-# ---------------------------------------------------------------------------------------------
+# --- WarmupCosine
 
 def _warmup_cosine_reference(s, base_lr, warmup, total, min_lr):
     """Linear warm-up from 0 to base_lr over `warmup` steps, cosine to min_lr at `total`."""
@@ -3710,370 +5665,6 @@ def test_warmup_cosine_validates(warmup, total, needle):
         netcl.WarmupCosine(opt, warmup, total)
 
 
-# ---------------------------------------------------------------------------------------------
-# Trainer: the wiki's fit/evaluate pipeline, errors, History, output and checkpoints
-# ---------------------------------------------------------------------------------------------
-
-
-def _blobs(n=96, features=8, classes=3, seed=0):
-    """Separable Gaussian blobs: x (n, features) float32, y (n,) int64."""
-    rng = np.random.default_rng(seed)
-    centers = rng.standard_normal((classes, features)) * 3
-    y = rng.integers(0, classes, n)
-    return (centers[y] + rng.standard_normal((n, features))).astype(np.float32), y
-
-
-BLOBS_MLP = (8, 16, 3)  # the sizes of the MLP (`_mlp`) that classifies `_blobs()`
-
-
-def _batches(x, y, batch_size):
-    return [(x[i:i + batch_size], y[i:i + batch_size]) for i in range(0, len(x), batch_size)]
-
-
-def test_trainer_history_records_every_epoch(backend, capsys):
-    x, y = _blobs()
-    model = _mlp(backend, BLOBS_MLP)
-    trainer = netcl.Trainer(model, netcl.AdamW(model.parameters(), lr=1e-2),
-                            device_queue=backend.queue, metrics_stride=1)
-    history = trainer.fit(_batches(x, y, 32), _batches(x, y, 48), epochs=3)
-    assert isinstance(history, list) and len(history) == 3
-    assert [h["epoch"] for h in history] == [1, 2, 3]
-    for h in history:
-        assert set(h) == {"epoch", "loss", "accuracy", "val_loss", "val_accuracy",
-                          "samples_per_s", "seconds"}
-        assert h["samples_per_s"] == pytest.approx(len(x) / h["seconds"], rel=1e-6)
-    assert history[-1]["loss"] < history[0]["loss"]
-    no_val = trainer.fit(_batches(x, y, 32), epochs=1)
-    assert "val_loss" not in no_val[0] and "val_accuracy" not in no_val[0]
-    out = capsys.readouterr().out
-    assert "\r" not in out and "\x1b" not in out  # not a terminal: plain lines only
-    assert out.count("epoch ") == 4
-
-
-@TRAINING_SETTINGS
-@given(stride=st.integers(1, 4), bad_step=st.integers(0, 9))
-def test_trainer_non_finite_loss_names_the_step(backend, stride, bad_step):
-    x, y = _blobs(n=40)
-    inner = _mlp(backend, BLOBS_MLP)
-    calls = [0]
-
-    def model(xb):  # NaN logits from training step `bad_step` on (SGD spreads it to weights)
-        factor = math.nan if calls[0] >= bad_step else 1.0
-        calls[0] += 1
-        return inner(xb) * factor
-
-    trainer = netcl.Trainer(model, netcl.SGD(inner.parameters(), lr=0.1),
-                            device_queue=backend.queue, metrics_stride=stride)
-    first_bad_metrics_step = -(-bad_step // stride) * stride
-    batches = _batches(x, y, 4)  # 10 steps per epoch
-    if first_bad_metrics_step < len(batches):
-        with raises_naming(RuntimeError, f"non-finite loss at step {first_bad_metrics_step}"):
-            trainer.fit(batches, epochs=1)
-    else:
-        trainer.fit(batches, epochs=1)
-
-
-def test_trainer_index_and_one_hot_labels_give_the_same_history(backend):
-    x, y = _blobs()
-    histories = []
-    for labels in (y, np.eye(3, dtype=np.float32)[y]):
-        model = _mlp(backend, BLOBS_MLP)
-        trainer = netcl.Trainer(model, netcl.AdamW(model.parameters(), lr=1e-2), grad_clip=1.0,
-                                device_queue=backend.queue, metrics_stride=2)
-        histories.append(trainer.fit(_batches(x, labels, 16), _batches(x, labels, 50), epochs=2))
-    for a, b in zip(*histories):
-        for key in ("loss", "accuracy", "val_loss", "val_accuracy"):
-            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), key
-
-
-def test_trainer_rejects_out_of_range_labels(backend):
-    x, y = _blobs(n=32)
-    model = _mlp(backend, BLOBS_MLP)
-    trainer = netcl.Trainer(model, netcl.SGD(model.parameters(), lr=0.1), device_queue=backend.queue)
-    bad = y.copy()
-    bad[5] = 7
-    with raises_naming(ValueError, "7"):
-        trainer.fit([(x, bad)], epochs=1)
-    with raises_naming(ValueError, "-1"):
-        trainer.fit([(x, np.full(32, -1))], epochs=1)
-    with raises_naming(ValueError, "4"):
-        trainer.fit([(x, np.eye(4, dtype=np.float32)[y])], epochs=1)
-
-
-def test_trainer_clips_through_the_fused_step_or_clip_grad_norm(backend, monkeypatch):
-    x, y = _blobs(n=48)
-    x = x * 100  # large gradients, so clipping matters
-    clip_calls = []
-    real_clip = netcl.clip_grad_norm
-    monkeypatch.setattr(netcl, "clip_grad_norm",
-                        lambda params, max_norm, *a, **k: clip_calls.append(max_norm)
-                        or real_clip(params, max_norm, *a, **k))
-    # SGD's step takes no max_norm: the Trainer clips with clip_grad_norm, then steps.
-    model = _mlp(backend, BLOBS_MLP)
-    before = [host(p) for p in model.parameters()]
-    trainer = netcl.Trainer(model, netcl.SGD(model.parameters(), lr=1.0), grad_clip=0.5,
-                            device_queue=backend.queue)
-    trainer.fit([(x, y)], epochs=1)
-    assert clip_calls == [0.5]
-    update = math.sqrt(sum(float(((host(p) - b) ** 2).sum())
-                           for p, b in zip(model.parameters(), before)))
-    assert update <= 0.5 * (1 + 1e-4)  # lr 1: the update is the clipped gradient
-    # AdamW clips inside its step: step(max_norm=...) once per batch, never clip_grad_norm.
-    model = _mlp(backend, BLOBS_MLP)
-    opt = netcl.AdamW(model.parameters(), lr=1e-3)
-    steps = []
-    real_step = opt.step
-    opt.step = lambda max_norm=None: steps.append(max_norm) or real_step(max_norm=max_norm)
-    netcl.Trainer(model, opt, grad_clip=0.5, device_queue=backend.queue).fit(
-        _batches(x, y, 16), epochs=1)
-    assert steps == [0.5, 0.5, 0.5] and clip_calls == [0.5]
-
-
-def test_trainer_evaluate_changes_nothing_and_restores_the_mode(backend, capsys):
-    x, y = _blobs(n=50)
-    model = nn.Sequential(nn.Linear(8, 16, queue=backend.queue), nn.Dropout(0.5),
-                          nn.Linear(16, 3, queue=backend.queue))
-    opt = netcl.AdamW(model.parameters(), lr=1e-2)
-    trainer = netcl.Trainer(model, opt, device_queue=backend.queue)
-    trainer.fit(_batches(x, y, 25), epochs=1)
-    params = [host(p) for p in model.parameters()]
-    grads = [host(p.grad) for p in model.parameters()]
-    state = opt.state_dict()
-    for mode in (True, False):
-        model.train(mode)
-        result = trainer.evaluate(_batches(x, y, 20))
-        assert model.training is mode
-        assert set(result) == {"loss", "accuracy"}
-        logits = host(model.eval()(tensor(x, backend)))
-        model.train(mode)
-        expected_loss = float(np.mean(
-            np.log(np.exp(logits - logits.max(1, keepdims=True)).sum(1))
-            + logits.max(1) - logits[np.arange(len(y)), y]))
-        assert result["loss"] == pytest.approx(expected_loss, rel=1e-4)
-        assert result["accuracy"] == pytest.approx((logits.argmax(1) == y).mean())
-    for p, before, g in zip(model.parameters(), params, grads):
-        np.testing.assert_array_equal(host(p), before)
-        np.testing.assert_array_equal(host(p.grad), g)
-    assert str(opt.state_dict()) == str(state)
-    assert "accuracy" in capsys.readouterr().out
-
-
-def test_trainer_checkpoint_saves_only_on_improvement(backend, tmp_path, monkeypatch):
-    x, y = _blobs(n=30)
-    model = _mlp(backend, BLOBS_MLP)
-    trainer = netcl.Trainer(model, netcl.SGD(model.parameters(), lr=0.01), device_queue=backend.queue)
-    scripted = iter([0.5, 0.4, 0.6, 0.6, 0.7])
-    monkeypatch.setattr(trainer, "_evaluate", lambda *a: {"loss": 1.0, "accuracy": next(scripted)})
-    saved = []
-    real_save = netcl.save
-    monkeypatch.setattr(netcl, "save", lambda state, path: saved.append(
-        {k: v.copy() for k, v in state.items()}) or real_save(state, path))
-    path = tmp_path / "best.npz"
-    trainer.fit(_batches(x, y, 10), _batches(x, y, 10), epochs=4, checkpoint=path)
-    assert len(saved) == 2  # epoch 1 (the first validation) and epoch 3 (0.6 > 0.5); not 0.6 again
-    loaded = netcl.load(path)
-    assert set(loaded) == set(saved[-1])
-    for key in loaded:
-        np.testing.assert_array_equal(loaded[key], saved[-1][key])
-    fresh = _mlp(backend, BLOBS_MLP, seed=1)
-    fresh.load_state_dict(loaded)
-    assert path.exists()
-    with raises_naming(ValueError, "checkpoint"):
-        netcl.Trainer(lambda xb: xb, netcl.SGD(model.parameters(), lr=0.1)).fit(
-            [], [], checkpoint=path)
-
-
-def test_trainer_accepts_any_callable_loss_and_gpu_batches(backend):
-    x, y = _blobs(n=64)
-    extra = np.arange(64)
-    w = param(np.random.default_rng(0).uniform(-0.3, 0.3, (3, 8)), backend)
-    b = param(np.zeros(3), backend)
-    model = lambda xb: F.linear(xb, w, b)  # a plain function: no train/eval/parameters
-    calls = []
-
-    def loss_fn(logits, target):
-        calls.append(1)
-        return F.cross_entropy(logits, target)
-
-    loader = netcl.DataLoader(netcl.ArrayDataset(x, y, extra), batch_size=16, seed=0,
-                              device_queue=backend.queue)
-    trainer = netcl.Trainer(model, netcl.SGD([w, b], lr=0.1), device_queue=backend.queue,
-                            loss_fn=lambda *a: 1 / 0, metrics_stride=1)
-    history = trainer.fit(loader, epochs=2, loss_fn=loss_fn)  # fit's loss_fn wins
-    assert len(calls) == 8 and history[-1]["accuracy"] > 0.5
-
-
-def test_trainer_memory_stays_flat_without_gc(backend):
-    x, y = _blobs(n=64)
-    model = _mlp(backend, BLOBS_MLP)
-    trainer = netcl.Trainer(model, netcl.AdamW(model.parameters(), lr=1e-2), grad_clip=1.0,
-                            device_queue=backend.queue, metrics_stride=3)
-    batches = _batches(x, y, 8)
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        trainer.fit(batches, epochs=2)
-        in_use = []
-        for _ in range(4):
-            trainer.fit(batches, epochs=1)
-            in_use.append(backend.pool.stats()["in_use_bytes"])
-    finally:
-        if was_enabled:
-            gc.enable()
-    assert len(set(in_use)) == 1, in_use
-
-
-def test_trainer_host_syncs_per_100_steps(opencl):
-    x, y = _blobs(n=400)
-    model = _mlp(opencl, BLOBS_MLP)
-    trainer = netcl.Trainer(model, netcl.AdamW(model.parameters(), lr=1e-2), grad_clip=1.0,
-                            device_queue=opencl.queue, metrics_stride=10)
-    batches = _batches(x, y, 4)  # 100 steps
-    trainer.fit(batches[:10], epochs=1)  # warm up: kernels built, buffers pooled
-    before = opencl.syncs
-    trainer.fit(batches, epochs=1)
-    # Two reads (loss, logits) at each of the 10 metrics steps, one read of the epoch's loss.
-    assert opencl.syncs - before == 2 * 10 + 1
-
-
-def test_trainer_mixed_precision_on_cpu_is_float32_with_a_notice(cpu, capsys):
-    x, y = _blobs()
-    histories = []
-    for mixed in (False, True):
-        model = _mlp(cpu, BLOBS_MLP)
-        trainer = netcl.Trainer(model, netcl.AdamW(model.parameters(), lr=1e-2),
-                                device_queue=cpu.queue, mixed_precision=mixed, metrics_stride=1)
-        histories.append(trainer.fit(_batches(x, y, 32), epochs=2))
-    assert "mixed precision" in capsys.readouterr().out
-    for a, b in zip(*histories):
-        assert a["loss"] == b["loss"] and a["accuracy"] == b["accuracy"]
-
-
-@pytest.mark.parametrize("kwargs, needle", [
-    ({"metrics_stride": 0}, "metrics_stride"), ({"grad_clip": -1.0}, "grad_clip"),
-    ({"loss_fn": 3}, "loss_fn")])
-def test_trainer_validates_its_arguments(cpu, kwargs, needle):
-    model = _mlp(cpu, BLOBS_MLP)
-    with raises_naming(ValueError, needle):
-        netcl.Trainer(model, netcl.SGD(model.parameters(), lr=0.1), **kwargs)
-
-
-@pytest.mark.parametrize("mixed_precision", [False, True])
-def test_trainer_reaches_95_percent_on_digits(backend, digits, mixed_precision):
-    """The tutorial's Trainer run; with mixed_precision=True too (tensor cores on NVIDIA,
-    float32 with a notice on PoCL and the NumPy backend)."""
-    x = digits.x
-    order = np.random.default_rng(0).permutation(len(x))
-    train, test = order[:1400], order[1400:]
-    model = _mlp(backend, (64, 128, 10))
-    trainer = netcl.Trainer(model, netcl.AdamW(model.parameters(), lr=3e-3), grad_clip=1.0,
-                            device_queue=backend.queue, mixed_precision=mixed_precision)
-    train_loader = netcl.DataLoader(netcl.ArrayDataset(x[train], digits.y[train]),
-                                    batch_size=32, seed=0)
-    test_loader = netcl.DataLoader(netcl.ArrayDataset(x[test], digits.y[test]),
-                                   batch_size=200, shuffle=False)
-    trainer.fit(train_loader, epochs=15)
-    assert trainer.evaluate(test_loader)["accuracy"] >= 0.95
-
-
-def test_trainer_epoch_loss_is_the_mean_over_every_step(backend):
-    x, y = _blobs(n=70)
-    model = _mlp(backend, BLOBS_MLP)
-    losses = []
-
-    def loss_fn(logits, target):
-        loss = F.cross_entropy(logits, target)
-        losses.append((loss, logits.shape[0]))
-        return loss
-
-    trainer = netcl.Trainer(model, netcl.SGD(model.parameters(), lr=0.1), loss_fn=loss_fn,
-                            device_queue=backend.queue, metrics_stride=100)
-    history = trainer.fit(_batches(x, y, 16), epochs=1)  # 5 steps, the last of 6 samples
-    expected = sum(float(host(loss)) * n for loss, n in losses) / len(x)
-    assert history[0]["loss"] == pytest.approx(expected, rel=1e-5)
-
-
-def test_trainer_non_finite_loss_stops_before_its_update(backend):
-    model = nn.Sequential(nn.Linear(4, 2, queue=backend.queue))
-    trainer = netcl.Trainer(model, netcl.SGD(model.parameters(), lr=0.1),
-                            device_queue=backend.queue, metrics_stride=1)
-    x = np.ones((8, 4), np.float32)
-    x_nan = x.copy()
-    x_nan[0, 0] = np.nan
-    y = np.zeros(8, np.int64)
-    with raises_naming(RuntimeError, "non-finite loss at step 1"):
-        trainer.fit([(x, y), (x_nan, y)])
-    assert all(np.isfinite(v).all() for v in model.state_dict().values())
-
-
-def test_trainer_accuracy_exists_for_every_epoch_and_log_every_sets_validation(backend, capsys,
-                                                                                monkeypatch):
-    x, y = _blobs(n=40)
-    model = _mlp(backend, BLOBS_MLP)
-    trainer = netcl.Trainer(model, netcl.AdamW(model.parameters(), lr=1e-2),
-                            device_queue=backend.queue)  # metrics_stride 10 > 2 steps an epoch
-    calls = []
-    real_evaluate = trainer._evaluate
-    monkeypatch.setattr(trainer, "_evaluate", lambda *a: calls.append(1) or real_evaluate(*a))
-    history = trainer.fit(_batches(x, y, 20), _batches(x, y, 40), epochs=5, log_every=2)
-    assert all(0.0 <= h["accuracy"] <= 1.0 for h in history)
-    assert len(calls) == 2  # epochs 2 and 4
-    assert [h["val_accuracy"] is not None for h in history] == [False, True, False, True, False]
-    assert capsys.readouterr().out.count("epoch ") == 5  # a line every epoch
-
-
-def test_trainer_integer_one_hot_labels_train_like_float_ones(backend):
-    x, y = _blobs()
-    histories = []
-    for dtype in (np.int64, np.float32):
-        model = _mlp(backend, BLOBS_MLP)
-        trainer = netcl.Trainer(model, netcl.SGD(model.parameters(), lr=0.1),
-                                device_queue=backend.queue, metrics_stride=1)
-        histories.append(trainer.fit(_batches(x, np.eye(3, dtype=dtype)[y], 32), epochs=2))
-    for a, b in zip(*histories):
-        assert a["loss"] == pytest.approx(b["loss"], rel=1e-6)
-        assert a["accuracy"] == b["accuracy"]
-
-
-# ---------------------------------------------------------------------------------------------
-# PyTorch's behaviour at the edges
-# ---------------------------------------------------------------------------------------------
-
-def test_integer_arrays_join_float_operands_as_float(backend):
-    x = param(np.arange(6.0).reshape(2, 3), backend)
-    assert (x + np.arange(3)).dtype == np.float32
-    loss = F.mse_loss(x, np.ones((2, 3), np.int64))
-    assert float(host(loss)) == pytest.approx(np.mean((np.arange(6.0) - 1) ** 2))
-    layer = nn.Linear(4, 2, queue=backend.queue)
-    pixels = np.arange(8, dtype=np.uint8).reshape(2, 4)
-    expected = pixels.astype(np.float64) @ host(layer.weight).T + host(layer.bias)
-    np.testing.assert_allclose(host(layer(pixels)), expected, rtol=1e-5)
-    relu = F.relu(netcl.Tensor.from_host(np.arange(-1, 2), backend.queue))  # int32 promotes
-    assert relu.dtype == np.float32
-    np.testing.assert_array_equal(host(relu), [0.0, 0.0, 1.0])
-
-
-def test_numpy_array_on_the_left_of_an_operator(backend):
-    x = param(np.ones((4, 5)), backend)
-    np.testing.assert_array_equal(host(np.arange(5, dtype=np.float32) * x), np.tile(np.arange(5.0), (4, 1)))
-    np.testing.assert_array_equal(host(np.ones((3, 4), np.float32) @ x), np.full((3, 5), 4.0))
-    np.testing.assert_array_equal(host(np.ones(5, np.float32) - x), np.zeros((4, 5)))
-
-
-def test_relu_gradient_passes_at_nan_as_pytorch(backend):
-    x = param([np.nan, -1.0, 2.0], backend)
-    with netcl.Tape() as tape:
-        y = F.relu(x)
-    tape.backward(y, grad=np.ones(3, np.float32))
-    np.testing.assert_array_equal(host(x.grad), [1.0, 0.0, 1.0])
-
-
-def test_reducing_over_no_listed_axis_reduces_all_as_pytorch(backend):
-    x = param(np.arange(6.0).reshape(2, 3), backend)
-    assert float(host(F.sum(x, axis=()))) == 15.0
-    assert float(host(F.mean(x, axis=()))) == 2.5
-
-
 def test_more_argument_checks(cpu, monkeypatch):
     x = param(np.ones((2, 2)), cpu)
     assert host(F.dropout(x, np.float32(0.0), True)).sum() == 4.0
@@ -4089,24 +5680,261 @@ def test_more_argument_checks(cpu, monkeypatch):
         netcl.manager.default()
 
 
-def test_reassigning_a_parameter_keeps_its_place():
-    class Layer(netcl.Module):
-        def __init__(self):
-            super().__init__()
-            self.weight = netcl.Parameter(np.ones(2, np.float32))
-            self.bias = netcl.Parameter(np.zeros(2, np.float32))
-            self.weight = netcl.Parameter(np.ones(3, np.float32))
-    assert [name for name, _ in Layer().named_parameters()] == ["weight", "bias"]
+def test_bad_numeric_arguments_raise_value_error(backend):
+    x = param(np.ones((2, 3)), backend)
+    with netcl.Tape() as tape:
+        loss = (x * 2.0).sum()
+    tape.backward(loss)
+    opt = netcl.AdamW([x], lr=0.1)
+    before = host(x)
+    for bad in (-1.0, "1"):
+        with raises_naming(ValueError, "max_norm", str(bad)):
+            opt.step(max_norm=bad)  # a negative max_norm would reverse the update
+        with raises_naming(ValueError, "max_norm"):
+            netcl.clip_grad_norm([x], bad)
+    np.testing.assert_array_equal(host(x), before)
+    with raises_naming(ValueError, "reshape", "2.5"):
+        F.reshape(x, (2.5, 2))
+    with raises_naming(ValueError, "softmax", "axis"):
+        F.softmax(x, axis=(0, 1))
+    with raises_naming(ValueError, "negative_slope"):
+        F.leaky_relu(x, "0.1")
+    with raises_naming(ValueError, "init_scale"):
+        netcl.AMPGradScaler(init_scale="big")
 
 
-# --- mixed precision
+def _state_variant(state, change):
+    """A copy of an optimizer's state_dict (its dicts copied) with `change` applied to it."""
+    copy = {"state": {i: dict(entry) for i, entry in state["state"].items()},
+            "param_groups": [dict(group) for group in state["param_groups"]]}
+    change(copy)
+    return copy
+
+
+def _trained_optimizer(kind, backend):
+    params = [param(np.arange(6.0).reshape(2, 3) / 7, backend), param([0.5, -0.25], backend)]
+    opt = _make(kind, params, 0.1, {"momentum": 0.9} if kind == "sgd" else {})
+    for grads in ([np.ones((2, 3)), np.array([1.0, -2.0])], [np.full((2, 3), 0.5), np.ones(2)]):
+        opt.zero_grad()
+        _set_grads(params, grads)
+        opt.step()
+    return opt
+
+
+def _group(**changes):
+    return lambda state: state["param_groups"][0].update(changes)
+
+
+def _entry(index, **changes):
+    return lambda state: state["state"][index].update(changes)
+
+
+_SGD_REJECTED = [
+    (_group(lr=-3), ValueError, "Invalid learning rate: -3"),
+    (_group(lr="fast"), ValueError, "Invalid learning rate: fast"),
+    (_group(momentum=-1), ValueError, "Invalid momentum value: -1"),
+    (_group(momentum=0.0, nesterov=True), ValueError, "Nesterov momentum requires momentum > 0"),
+    (_group(weight_decay=-0.5), ValueError, "Invalid weight_decay value: -0.5"),
+    (_group(params=[0]), ValueError, "the state is for 1 parameters"),
+    (_entry(1, momentum_buffer=np.zeros(3)), ValueError, "momentum_buffer 1 has shape (3,)"),
+    (_entry(1, momentum_buffer=np.zeros(2, complex)), TypeError, "momentum_buffer 1"),
+    (lambda state: state.update(state={5: {"momentum_buffer": np.zeros(2)}, **state["state"]}),
+     ValueError, "state for parameter 5"),
+]
+
+
+_ADAM_REJECTED = [
+    (_group(lr=-3), ValueError, "Invalid learning rate: -3"),
+    (_group(betas=(1.0, 0.999)), ValueError, "Invalid beta parameter at index 0: 1.0"),
+    (_group(eps=-1e-8), ValueError, "Invalid epsilon value: -1e-08"),
+    (_group(weight_decay=-0.5), ValueError, "Invalid weight_decay value: -0.5"),
+    (_entry(1, exp_avg_sq=np.zeros(3)), ValueError, "exp_avg_sq of parameter 1 has shape (3,)"),
+    (_entry(1, exp_avg=np.zeros(2, complex)), TypeError, "exp_avg of parameter 1"),
+    (_entry(1, step=2**40), ValueError, "step of parameter 1"),
+    (_entry(1, step=-1), ValueError, "step of parameter 1"),
+    (_entry(0, step=1.5), ValueError, "step of parameter 0"),
+]
+
+
+@pytest.mark.parametrize("kind, change, error, message",
+                         [("sgd", *case) for case in _SGD_REJECTED]
+                         + [(kind, *case) for kind in ("adam", "adamw") for case in _ADAM_REJECTED])
+def test_optimizer_load_state_dict_rejects_a_bad_state_and_changes_nothing(backend, kind, change,
+                                                                           error, message):
+    opt = _trained_optimizer(kind, backend)
+    before = opt.state_dict()
+    with raises_naming(error, message):
+        opt.load_state_dict(_state_variant(before, change))
+    np.testing.assert_equal(opt.state_dict(), before)
+
+
+def test_sgd_load_state_dict_keeps_buffers_float(backend):
+    opt = _trained_optimizer("sgd", backend)
+    state = _state_variant(opt.state_dict(), _entry(1, momentum_buffer=np.array([2, -1])))
+    opt.load_state_dict(state)
+    assert opt.momentum_buffers[1].dtype == np.float32
+    np.testing.assert_array_equal(host(opt.momentum_buffers[1]), [2.0, -1.0])
+
+
+def test_learning_rate_assignment_is_checked(backend):
+    for kind in ("sgd", "adam", "adamw"):
+        opt = _trained_optimizer(kind, backend)
+        for bad in ("fast", -3, None, math.nan):
+            with raises_naming(ValueError, "Invalid learning rate", str(bad), "lr"):
+                opt.lr = bad
+            assert opt.lr == 0.1
+        opt.lr = np.float32(0.5)
+        assert opt.lr == 0.5 and type(opt.lr) is float
+        schedule = netcl.WarmupCosine(opt, warmup_steps=2, total_steps=4)
+        for _ in range(4):
+            opt.step()
+            schedule.step()
+        assert opt.lr == 0.0
+
+
+def _step_lr_reference(lrs_before, step_size, gamma, epochs):
+    """PyTorch's StepLR.get_lr, chained: at each non-zero multiple of step_size, lr * gamma."""
+    lr, out = lrs_before, []
+    for last_epoch in range(1, epochs + 1):
+        if last_epoch % step_size == 0:
+            lr = lr * gamma
+        out.append(lr)
+    return out
+
+
+def _plateau_reference(metrics, lr, mode, factor, patience, threshold, threshold_mode, cooldown,
+                       min_lr, eps):
+    """PyTorch's ReduceLROnPlateau.step, transcribed: the lr after each step(metric)."""
+    best = math.inf if mode == "min" else -math.inf
+    bad = cooldown_counter = 0
+    out = []
+    for current in metrics:
+        if mode == "min" and threshold_mode == "rel":
+            better = current < best * (1.0 - threshold)
+        elif mode == "min":
+            better = current < best - threshold
+        elif threshold_mode == "rel":
+            better = current > best * (threshold + 1.0)
+        else:
+            better = current > best + threshold
+        if better:
+            best, bad = current, 0
+        else:
+            bad += 1
+        if cooldown_counter > 0:
+            cooldown_counter -= 1
+            bad = 0
+        if bad > patience:
+            new_lr = max(lr * factor, min_lr)
+            if lr - new_lr > eps:
+                lr = new_lr
+            cooldown_counter, bad = cooldown, 0
+        out.append(lr)
+    return out
+
+
+@PROPERTY_SETTINGS
+@given(step_size=st.integers(1, 5), gamma=st.floats(0.05, 1.0),
+       metrics=st.lists(st.sampled_from([1.0, 0.9, 0.8999, 0.5, 0.7, 2.0, math.nan]),
+                        min_size=1, max_size=30),
+       mode=st.sampled_from(["min", "max"]), threshold_mode=st.sampled_from(["rel", "abs"]),
+       patience=st.integers(0, 3), cooldown=st.integers(0, 2),
+       threshold=st.sampled_from([0.0, 1e-4, 0.05]), min_lr=st.sampled_from([0.0, 0.004]))
+def test_step_lr_and_reduce_lr_on_plateau_follow_pytorch(step_size, gamma, metrics, mode,
+                                                         threshold_mode, patience, cooldown,
+                                                         threshold, min_lr):
+    cpu = netcl.manager.default("cpu")
+    opt = netcl.SGD([param(np.zeros(2), cpu)], lr=0.1)
+    schedule = netcl.StepLR(opt, step_size, gamma)
+    lrs = []
+    for _ in range(12):
+        schedule.step()
+        lrs.append(opt.lr)
+    assert lrs == _step_lr_reference(0.1, step_size, gamma, 12)
+    opt.lr = 0.1
+    kwargs = dict(mode=mode, factor=0.5, patience=patience, threshold=threshold,
+                  threshold_mode=threshold_mode, cooldown=cooldown, min_lr=min_lr, eps=1e-8)
+    plateau = netcl.optim.lr_scheduler.ReduceLROnPlateau(opt, **kwargs)
+    lrs = []
+    for i, metric in enumerate(metrics):
+        plateau.step(metric)
+        lrs.append(opt.lr)
+        if i == len(metrics) // 2:  # a fresh schedule from the state continues the same
+            opt.lr, state = opt.lr, plateau.state_dict()
+            plateau = netcl.ReduceLROnPlateau(opt)
+            plateau.load_state_dict(state)
+    assert lrs == _plateau_reference(metrics, 0.1, **kwargs)
+    moved = netcl.StepLR(netcl.SGD(opt.params, lr=0.3), step_size, gamma)
+    moved.load_state_dict(schedule.state_dict())
+    assert moved.optimizer.lr == schedule.optimizer.lr and moved.last_epoch == 12
+
+
+@pytest.mark.parametrize("make, needle", [
+    (lambda opt: netcl.StepLR(opt, 0), "step_size"), (lambda opt: netcl.StepLR(opt, 2.0), "step_size"),
+    (lambda opt: netcl.StepLR(opt, 2, gamma=-1), "gamma"),
+    (lambda opt: netcl.ReduceLROnPlateau(opt, mode="up"), "mode"),
+    (lambda opt: netcl.ReduceLROnPlateau(opt, factor=1.0), "factor"),
+    (lambda opt: netcl.ReduceLROnPlateau(opt, threshold_mode="x"), "threshold_mode"),
+    (lambda opt: netcl.ReduceLROnPlateau(opt, patience=-1), "patience"),
+    (lambda opt: netcl.ReduceLROnPlateau(opt, min_lr=-1), "min_lr")])
+def test_schedules_validate_their_arguments(cpu, make, needle):
+    with raises_naming(ValueError, needle):
+        make(netcl.SGD([param(np.zeros(2), cpu)], lr=0.1))
+
+
+def test_module_to_after_adam_raises_until_the_optimizer_is_gone(backend):
+    source = _other(backend)
+    model = nn.Sequential(nn.Linear(3, 2, queue=source.queue))
+    opt = netcl.optim.AdamW(model.parameters(), lr=0.1)
+    with raises_naming(ValueError, "'0.weight'", "AdamW", "before creating the optimizer"):
+        model.to(backend)
+    assert all(p.device is source for p in model.parameters())  # nothing moved
+    del opt
+    gc.collect()
+    model.to(backend)
+    opt = netcl.optim.AdamW(model.parameters(), lr=0.1)
+    before = host(model[0].weight)
+    x = tensor(np.ones((4, 3), np.float32), backend)
+    with netcl.Tape() as tape:
+        loss = F.cross_entropy(model(x), np.array([0, 1, 0, 1]))
+    opt.zero_grad()
+    tape.backward(loss)
+    opt.step()
+    assert model[0].weight.device is backend
+    assert not np.array_equal(host(model[0].weight), before)
+
+
+def test_sgd_follows_a_moved_model_until_it_has_momentum(backend):
+    source = _other(backend)
+    model = nn.Sequential(nn.Linear(3, 2, queue=source.queue))
+    opt = netcl.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x = np.ones((4, 3), np.float32)
+
+    def step(dev):
+        with netcl.Tape() as tape:
+            loss = F.cross_entropy(model(tensor(x, dev)), np.array([0, 1, 0, 1]))
+        opt.zero_grad()
+        tape.backward(loss)
+        opt.step()
+
+    model.to(backend)  # before the first step: SGD holds the same Parameters
+    before = host(model[0].weight)
+    step(backend)
+    assert not np.array_equal(host(model[0].weight), before)
+    model.to(source)  # now its momentum buffers are on `backend`
+    with raises_naming(ValueError, "SGD.step", "momentum", "before creating the optimizer"):
+        step(source)
+
+
 # ---------------------------------------------------------------------------------------------
+# mixed precision: autocast, float16 storage, tensor cores, AMPGradScaler
+# ---------------------------------------------------------------------------------------------
+
 # autocast (float16 storage, float32 arithmetic) and AMPGradScaler. The scaler is checked
 # against a NumPy transcription of PyTorch's GradScaler (torch/amp/grad_scaler.py: scale,
 # unscale_, step, update) with aten's kernels (aten/src/ATen/native/cuda/AmpKernels.cu:
 # _amp_foreach_non_finite_check_and_unscale_, _amp_update_scale_), followed by the optimizer
 # references above.
-# ---------------------------------------------------------------------------------------------
 
 # Rounding a value to float16 moves it by at most half an ulp, 2**-11 relative (2**-25 absolute
 # among subnormals); 1e-6 more covers the float32 arithmetic before the rounding.
@@ -4668,7 +6496,11 @@ def _moments(opt, kind):
 
 AMP_MODES = {"sgd": ["step", "unscale_step", "unscale_clip_step"],
              "adam": ["step", "step_max_norm", "unscale_step", "unscale_clip_step"]}
+
+
 AMP_MODES["adamw"] = AMP_MODES["adam"]
+
+
 AMP_HYPER = {"sgd": {"momentum": 0.9, "weight_decay": 0.01, "nesterov": False},
              "adam": {"weight_decay": 0.01}, "adamw": {"weight_decay": 0.05}}
 
@@ -4932,165 +6764,529 @@ def test_amp_optimizer_launches_do_not_grow_with_parameter_count(backend):
     assert counts == [0, 0] if backend.backend == "cpu" else counts == [5, 5]
 
 
-def test_bad_numeric_arguments_raise_value_error(backend):
-    x = param(np.ones((2, 3)), backend)
-    with netcl.Tape() as tape:
-        loss = (x * 2.0).sum()
-    tape.backward(loss)
-    opt = netcl.AdamW([x], lr=0.1)
-    before = host(x)
-    for bad in (-1.0, "1"):
-        with raises_naming(ValueError, "max_norm", str(bad)):
-            opt.step(max_norm=bad)  # a negative max_norm would reverse the update
-        with raises_naming(ValueError, "max_norm"):
-            netcl.clip_grad_norm([x], bad)
-    np.testing.assert_array_equal(host(x), before)
-    with raises_naming(ValueError, "reshape", "2.5"):
-        F.reshape(x, (2.5, 2))
-    with raises_naming(ValueError, "softmax", "axis"):
-        F.softmax(x, axis=(0, 1))
-    with raises_naming(ValueError, "negative_slope"):
-        F.leaky_relu(x, "0.1")
-    with raises_naming(ValueError, "init_scale"):
-        netcl.AMPGradScaler(init_scale="big")
+_SCALER_REJECTED = [
+    ({"scale": -1.0}, ValueError, "scale must be positive and finite"),
+    ({"scale": math.inf}, ValueError, "scale must be positive and finite"),
+    ({"growth_factor": 0.5}, ValueError, "The growth factor must be > 1.0"),
+    ({"backoff_factor": 2.0}, ValueError, "The backoff factor must be < 1.0"),
+    ({"growth_interval": 0}, ValueError, "growth_interval must be a positive integer"),
+    ({"_growth_tracker": -1}, ValueError, "_growth_tracker"),
+    ({"growth_factor": 4.0, "_growth_tracker": None}, KeyError, "_growth_tracker"),  # missing
+]
+
+
+@pytest.mark.parametrize("changes, error, message", _SCALER_REJECTED)
+def test_scaler_load_state_dict_rejects_a_bad_state_and_changes_nothing(backend, changes, error,
+                                                                        message):
+    scaler = netcl.AMPGradScaler(init_scale=8.0, growth_interval=3)
+    p = param(np.zeros(3), backend)
+    _scaled_backward(scaler, [p], [np.ones(3, np.float32)])  # the device state exists
+    scaler.step(netcl.SGD([p], lr=0.1))
+    scaler.update()
+    before = scaler.state_dict()
+    state = {key: value for key, value in {**before, **changes}.items() if value is not None}
+    assert state != before
+    with raises_naming(error, message):
+        scaler.load_state_dict(state)
+    assert scaler.state_dict() == before
+
+
+def test_scaler_state_survives_save_and_load(backend, tmp_path):
+    scaler = netcl.AMPGradScaler(init_scale=8.0, growth_interval=3)
+    state = dict(scaler.state_dict(), scale=32.0, _growth_tracker=2)
+    netcl.save(state, tmp_path / "scaler.npz")
+    fresh = netcl.AMPGradScaler()
+    fresh.load_state_dict(netcl.load(tmp_path / "scaler.npz"))  # 0-d arrays
+    assert fresh.state_dict() == state
+
+
+HALF_NEW_OP_CASES = [
+    ("sqrt", _one(low=0.1), F.sqrt, np.sqrt, True),
+    ("rsqrt", _one(low=0.1), F.rsqrt, lambda x: 1 / np.sqrt(x), True),
+    ("abs", _one(), F.abs, np.abs, True),
+    ("pow", _one(), lambda x: x ** 3, lambda x: x ** 3, True),
+    ("clamp", _one(), lambda x: F.clamp(x, -0.5, 0.7), lambda x: np.clip(x, -0.5, 0.7), True),
+    ("silu", _one(), F.silu, lambda x: x / (1 + np.exp(-x)), True),
+    ("gelu_tanh", _one(), lambda x: F.gelu(x, approximate="tanh"), _gelu_tanh_ref, True),
+    ("maximum", _two(), F.maximum, np.maximum, True),
+    ("minimum_row", _two((5,)), F.minimum, np.minimum, True),
+    ("where", _two((5,)), lambda a, b: F.where(np.arange(5) % 2 == 0, a, b),
+     lambda a, b: np.where(np.arange(5) % 2 == 0, a, b), True),
+    ("masked_fill", _one(), lambda x: x.masked_fill(np.arange(5) > 2, -3.0),
+     lambda x: np.where(np.arange(5) > 2, -3.0, x), True),
+    ("max_axis1", _one(), lambda x: F.max(x, 1), lambda x: x.max(1), False),
+    ("min", _one(), F.min, np.min, False),
+    ("var_axis0", _one(), lambda x: F.var(x, 0), lambda x: x.var(0, ddof=1), False),
+    ("std", _one(), F.std, lambda x: x.std(ddof=1), False),
+    ("logsumexp", _one(), lambda x: F.logsumexp(x, -1), lambda x: _logsumexp_ref(x, -1, False),
+     False),
+]
+
+
+@pytest.mark.parametrize("case", HALF_NEW_OP_CASES, ids=[c[0] for c in HALF_NEW_OP_CASES])
+def test_float16_storage_new_ops(opencl, case):
+    """test_float16_storage_ops for these ops: float16 in, float16 out for the elementwise
+    ones, float32 for the reductions, float32 gradients either way."""
+    test_float16_storage_ops(opencl, case)
 
 
 # ---------------------------------------------------------------------------------------------
-# reliability: files: devices without PyOpenCL, atomic save, load and load_idx errors
+# data: DataLoader, workers, shared memory, GpuBatch, load_idx
 # ---------------------------------------------------------------------------------------------
 
-def _run_python(script, *flags, env=None, timeout=120):
-    """Run `script` in a fresh interpreter (with `flags`) that imports this checkout's netcl;
-    return its stdout."""
-    here = os.path.dirname(os.path.abspath(netcl.__file__))
-    script = f"import sys\nsys.path.insert(0, {here!r})\n" + script
-    result = subprocess.run([sys.executable, *flags, "-c", script], env=env,
-                            capture_output=True, text=True, timeout=timeout)
-    assert result.returncode == 0, result.stderr
-    return result.stdout
+# (num_workers, use_shared_mem) combinations every order test compares.
+WORKER_SETUPS = [(0, False), (2, False), (2, True)]
 
 
-def test_default_device_without_pyopencl_is_numpy_and_opencl_says_what_to_install(tmp_path):
-    # pocl-binary-distribution installed without PyOpenCL leaves pyopencl/.libs and no
-    # __init__.py. A regular package anywhere on sys.path wins over such a directory, so the
-    # child runs without site-packages (-S) and sees only it and NumPy.
-    site = tmp_path / "site"
-    (site / "pyopencl" / ".libs").mkdir(parents=True)
-    numpy_dir = pathlib.Path(np.__file__).parent
-    for name in ("numpy", "numpy.libs"):  # numpy.libs: the BLAS a NumPy wheel links to
-        if (numpy_dir.parent / name).exists():
-            (site / name).symlink_to(numpy_dir.parent / name)
-    env = {k: v for k, v in os.environ.items() if k != "NETCL_DEVICE"}
-    env["PYTHONPATH"] = str(site)
-    out = _run_python("""
-import pyopencl
-assert getattr(pyopencl, "__file__", None) is None, pyopencl  # the empty namespace package
-import netcl
-assert netcl.manager.default().backend == "cpu"
-assert netcl.manager.default("auto") is netcl.manager.default("cpu")
-for request in ("opencl", "gpu", "opencl:0:0"):
+# --- helpers
+
+def _samples(n):
+    """x[i] (2, 3) float32 all equal to i, y[i] = i as int64, extra[i] = i % 7 as int16."""
+    x = np.repeat(np.arange(n, dtype=np.float32), 6).reshape(n, 2, 3)
+    y = np.arange(n, dtype=np.int64)
+    return x, y, (y % 7).astype(np.int16)
+
+
+class SampleDataset:
+    """A per-sample dataset (no fancy indexing), as users write them."""
+
+    def __init__(self, n):
+        self.x, self.y, self.extra = _samples(n)
+
+    def __len__(self):
+        return len(self.y)
+
+    def __getitem__(self, index):
+        return self.x[index], self.y[index], self.extra[index]
+
+
+def _dataset(kind, n):
+    if kind == "arrays":
+        return netcl.ArrayDataset(*_samples(n))
+    if kind == "list":
+        return list(zip(*_samples(n)))
+    return SampleDataset(n)
+
+
+class FailingDataset(SampleDataset):
+    """Raises on one index, to check that a worker's error reaches the consumer."""
+
+    def __init__(self, n, bad_index):
+        super().__init__(n)
+        self.bad_index = bad_index
+
+    def __getitem__(self, index):
+        if index == self.bad_index:
+            raise ValueError(f"bad sample {index}")
+        return super().__getitem__(index)
+
+
+class SelfKillingDataset(SampleDataset):
+    """A worker that touches `bad_index` is killed by SIGKILL, as by the OOM killer."""
+
+    def __init__(self, n, bad_index):
+        super().__init__(n)
+        self.bad_index = bad_index
+        self.parent_pid = os.getpid()
+
+    def __getitem__(self, index):
+        if index == self.bad_index and os.getpid() != self.parent_pid:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().__getitem__(index)
+
+
+def exit_soon_collate(samples):
+    """Collate that makes its worker exit (code 3) shortly after sending the batch with sample 4."""
+    if any(sample[1] == 4 for sample in samples):
+        threading.Timer(0.05, os._exit, (3,)).start()
+    return tuple(np.stack(field) for field in zip(*samples))
+
+
+class CountingDataset(SampleDataset):
+    def __init__(self, n):
+        super().__init__(n)
+        self.calls = 0
+
+    def __getitem__(self, index):
+        self.calls += 1
+        return super().__getitem__(index)
+
+
+def pad_collate(samples):
+    """Variable-length samples padded to the longest in the batch (a custom collate_fn)."""
+    width = max(len(sample[0]) for sample in samples)
+    x = np.zeros((len(samples), width), np.float32)
+    for row, (values, _) in enumerate(samples):
+        x[row, :len(values)] = values
+    return x, np.array([label for _, label in samples])
+
+
+def dict_collate(samples):
+    return {"ids": np.array([sample[1] for sample in samples]), "count": len(samples)}
+
+
+def _ids(batches):
+    return [int(i) for batch in batches for i in batch[1]]
+
+
+def _shm_names(prefix=None):
+    """The DataLoader's shared-memory blocks now in /dev/shm: this process's (named
+    netcl_<pid>_...), or those under `prefix`; other programs' blocks are not ours to count."""
+    prefix = f"netcl_{os.getpid()}_" if prefix is None else prefix
+    names = os.listdir("/dev/shm") if os.path.isdir("/dev/shm") else []
+    return {name for name in names if name.startswith(prefix)}
+
+
+def _assert_clean(shm_before, timeout=5.0):
+    """No worker process alive within `timeout` seconds, and no shared-memory block left."""
+    deadline = time.monotonic() + timeout
+    while multiprocessing.active_children():
+        if time.monotonic() > deadline:
+            pytest.fail(f"worker processes still alive after {timeout} s: {multiprocessing.active_children()}")
+        time.sleep(0.02)
+    assert _shm_names() - shm_before == set()
+
+
+@contextlib.contextmanager
+def _deadline(seconds):
+    """Fail instead of hanging: SIGALRM interrupts a blocked wait in the main thread."""
+    def expire(signum, frame):
+        raise TimeoutError(f"no result within {seconds} s")
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
     try:
-        netcl.manager.default(request)
-    except RuntimeError as error:
-        print(request, "->", error)
-    else:
-        raise AssertionError(f"default({request!r}) without PyOpenCL returned a device")
-""", "-S", env=env)
-    lines = out.splitlines()
-    assert [line.split(" ->")[0] for line in lines] == ["opencl", "gpu", "opencl:0:0"], out
-    for line in lines:
-        assert "pip install pyopencl" in line and "pocl" in line.lower(), line
-
-
-def _same_arrays(loaded, expected):
-    assert sorted(loaded) == sorted(expected)
-    for key, value in expected.items():
-        assert loaded[key].dtype == np.asarray(value).dtype
-        np.testing.assert_array_equal(loaded[key], value)
-
-
-def test_save_on_a_full_disk_keeps_the_previous_file(tmp_path):
-    path = tmp_path / "ckpt.npz"
-    good = {"w": np.arange(12, dtype=np.float32).reshape(3, 4), "steps": np.array(7, np.int32)}
-    netcl.save(good, path)
-    # In a child, so that the file-size limit (what a full disk does to a write) stays there.
-    out = _run_python(f"""
-import resource, signal
-import numpy as np, netcl
-signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # past the limit, write() fails with EFBIG
-resource.setrlimit(resource.RLIMIT_FSIZE, (2048, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
-try:
-    netcl.save({{"w": np.ones((64, 64), np.float32), "steps": np.array(8)}}, {str(path)!r})
-except OSError as error:
-    print("OSError:", error)
-""")
-    _same_arrays(netcl.load(path), good)
-    assert os.listdir(tmp_path) == ["ckpt.npz"]  # no temporary left behind
-    assert out.startswith("OSError:") and str(path) in out, out
-
-
-@pytest.mark.parametrize("failure", ["KeyboardInterrupt", "OSError"])
-def test_interrupted_save_keeps_the_previous_file_and_its_mode(tmp_path, monkeypatch, failure):
-    import errno
-    path = tmp_path / "ckpt.npz"
-    good = {"w": np.arange(6, dtype=np.float32), "b": np.ones(2, np.float32)}
-    netcl.save(good, path)
-    os.chmod(path, 0o604)
-    real_savez = np.savez
-
-    def savez_then_fail(file, **arrays):
-        file.write(b"PK\x03\x04" + bytes(100))  # a partial archive, then the interruption
-        raise (KeyboardInterrupt() if failure == "KeyboardInterrupt"
-               else OSError(errno.ENOSPC, "No space left on device"))
-
-    monkeypatch.setattr(np, "savez", savez_then_fail)
-    with pytest.raises(KeyboardInterrupt if failure == "KeyboardInterrupt" else OSError) as caught:
-        netcl.save({"w": np.zeros(6, np.float32)}, path)
-    monkeypatch.setattr(np, "savez", real_savez)
-    assert os.listdir(tmp_path) == ["ckpt.npz"]
-    _same_arrays(netcl.load(path), good)
-    if failure == "OSError":
-        assert str(path) in str(caught.value) and caught.value.errno == errno.ENOSPC
-    # A save that succeeds replaces the file and keeps its mode; a new file gets open()'s.
-    newer = {"w": np.full(6, 2.0, np.float32)}
-    netcl.save(newer, path)
-    _same_arrays(netcl.load(path), newer)
-    assert os.stat(path).st_mode & 0o7777 == 0o604
-    umask = os.umask(0o027)
-    try:
-        netcl.save(newer, tmp_path / "new.ckpt")
+        yield
     finally:
-        os.umask(umask)
-    assert sorted(os.listdir(tmp_path)) == ["ckpt.npz", "new.ckpt"]  # exactly the path given
-    assert os.stat(tmp_path / "new.ckpt").st_mode & 0o7777 == 0o666 & ~0o027
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
-def test_fit_checkpoint_that_fails_to_save_names_it_and_keeps_the_best(backend, tmp_path,
-                                                                      monkeypatch):
-    import errno
-    x, y = _blobs(n=30)
-    model = _mlp(backend, BLOBS_MLP)
-    trainer = netcl.Trainer(model, netcl.SGD(model.parameters(), lr=0.1), device_queue=backend.queue)
-    scripted = iter([0.5, 0.6])
-    monkeypatch.setattr(trainer, "_evaluate", lambda *a: {"loss": 1.0, "accuracy": next(scripted)})
-    real_savez, saved = np.savez, []
+# --- order and contents
 
-    def savez_fails_the_second_time(file, **arrays):
-        saved.append({key: value.copy() for key, value in arrays.items()})
-        if len(saved) == 2:
-            file.write(b"PK\x03\x04")
-            raise OSError(errno.ENOSPC, "No space left on device")
-        real_savez(file, **arrays)
+@TRAINING_SETTINGS
+@given(n=st.integers(1, 40), batch_size=st.integers(1, 12), drop_last=st.booleans(),
+       shuffle=st.booleans(), seed=st.integers(0, 2**32), kind=st.sampled_from(["arrays", "list", "samples"]))
+def test_every_sample_once_per_epoch_in_the_same_order_for_any_workers(n, batch_size, drop_last, shuffle, seed, kind):
+    assume(not (drop_last and n < batch_size))
+    dataset = _dataset(kind, n)
+    epochs_by_setup = []
+    with _deadline(60):
+        for num_workers, use_shared_mem in WORKER_SETUPS:
+            loader = netcl.DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, num_workers=num_workers,
+                                   use_shared_mem=use_shared_mem, drop_last=drop_last, seed=seed)
+            epochs = [list(loader) for _ in range(2)]
+            for batches in epochs:
+                assert len(batches) == len(loader) == (n // batch_size if drop_last else -(-n // batch_size))
+                for batch_no, (xb, yb, extra) in enumerate(batches):
+                    full = drop_last or batch_no < len(batches) - 1
+                    rows = batch_size if full else n - batch_no * batch_size
+                    assert xb.shape == (rows, 2, 3) and yb.shape == extra.shape == (rows,)
+                    assert (xb.dtype, yb.dtype, extra.dtype) == (np.float32, np.int64, np.int16)
+                    np.testing.assert_array_equal(xb[:, 1, 2], yb)
+                    np.testing.assert_array_equal(extra, yb % 7)
+                ids = _ids(batches)
+                assert len(ids) == len(set(ids)) == len(loader) * batch_size if drop_last else n
+                assert set(ids) <= set(range(n))
+                if not shuffle:
+                    assert ids == list(range(len(ids)))
+            epochs_by_setup.append([_ids(batches) for batches in epochs])
+    assert all(epochs == epochs_by_setup[0] for epochs in epochs_by_setup)
 
-    monkeypatch.setattr(np, "savez", savez_fails_the_second_time)
-    path = tmp_path / "best.npz"
-    with pytest.raises(OSError) as caught:
-        trainer.fit(_batches(x, y, 10), _batches(x, y, 10), epochs=2, checkpoint=path)
-    assert len(saved) == 2 and os.listdir(tmp_path) == ["best.npz"]
-    best = netcl.load(path)
-    _same_arrays(best, saved[0])
-    _mlp(backend, BLOBS_MLP, seed=1).load_state_dict(best)
-    assert str(path) in str(caught.value) and "No space left" in str(caught.value)
+
+def test_shuffle_changes_every_epoch_and_with_the_seed():
+    dataset = netcl.ArrayDataset(*_samples(64))
+    loader = netcl.DataLoader(dataset, batch_size=8, seed=5)
+    first, second = _ids(loader), _ids(loader)
+    assert sorted(first) == sorted(second) == list(range(64)) and first != second
+    assert _ids(netcl.DataLoader(dataset, batch_size=8, seed=5)) == first
+    assert _ids(netcl.DataLoader(dataset, batch_size=8, seed=6)) != first
+
+
+def test_seed_none_comes_from_manual_seed():
+    dataset = netcl.ArrayDataset(*_samples(64))
+    netcl.manual_seed(11)
+    first = _ids(netcl.DataLoader(dataset, batch_size=8))
+    netcl.manual_seed(11)
+    assert _ids(netcl.DataLoader(dataset, batch_size=8)) == first
+
+
+def test_array_dataset_gathers_a_batch_with_one_index():
+    x, y, extra = _samples(10)
+    dataset = netcl.ArrayDataset(x, y, extra)
+    assert len(dataset) == 10
+    xb, yb, eb = dataset[np.array([3, 1])]
+    np.testing.assert_array_equal(yb, [3, 1])
+    assert xb.shape == (2, 2, 3) and eb.dtype == np.int16
+    with pytest.raises(ValueError, match="first dimension"):
+        netcl.ArrayDataset(x, y[:9])
+
+
+@pytest.mark.parametrize("num_workers, use_shared_mem", WORKER_SETUPS)
+def test_collate_fn_receives_the_sample_tuples(num_workers, use_shared_mem):
+    dataset = [(np.arange(i % 4 + 1, dtype=np.float32), i) for i in range(30)]
+    loader = netcl.DataLoader(dataset, batch_size=4, shuffle=False, collate_fn=pad_collate,
+                           num_workers=num_workers, use_shared_mem=use_shared_mem)
+    with _deadline(30):
+        batches = list(loader)
+    assert _ids(batches) == list(range(30))
+    # pad_collate saw each batch's (values, label) tuples: all but the last hold a length-4 sample.
+    assert [xb.shape[1] for xb, _ in batches] == [4] * 7 + [2]
+    dict_batches = list(netcl.DataLoader(dataset, batch_size=4, shuffle=False, collate_fn=dict_collate,
+                                      num_workers=num_workers, use_shared_mem=use_shared_mem))
+    assert [batch["count"] for batch in dict_batches] == [4] * 7 + [2]
+
+
+def test_shared_memory_blocks_grow_for_larger_batches():
+    # Batch 0 holds short samples; later batches are wider than the blocks sized from it.
+    dataset = [(np.arange(1 + i // 8, dtype=np.float32), i) for i in range(40)]
+    shm_before = _shm_names()
+    with _deadline(30):
+        expected = list(netcl.DataLoader(dataset, batch_size=8, shuffle=False, collate_fn=pad_collate))
+        got = list(netcl.DataLoader(dataset, batch_size=8, shuffle=False, collate_fn=pad_collate,
+                                 num_workers=2, use_shared_mem=True, prefetch=1))
+    for (x_expected, y_expected), (x_got, y_got) in zip(expected, got):
+        np.testing.assert_array_equal(x_got, x_expected)
+        np.testing.assert_array_equal(y_got, y_expected)
+    _assert_clean(shm_before)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"batch_size": 0}, "batch_size"),
+    ({"batch_size": 2.5}, "batch_size"),
+    ({"batch_size": True}, "batch_size"),
+    ({"num_workers": -1}, "num_workers"),
+    ({"prefetch": 0}, "prefetch"),
+    ({"seed": -3}, "seed"),
+])
+def test_bad_arguments_raise_value_error_naming_them(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        netcl.DataLoader(netcl.ArrayDataset(*_samples(10)), **kwargs)
+
+
+def test_bad_datasets_and_collate_fn_are_rejected():
+    with pytest.raises(ValueError, match="empty"):
+        netcl.DataLoader([])
+    with pytest.raises(ValueError, match="empty"):
+        netcl.DataLoader(netcl.ArrayDataset(np.zeros((0, 3)), np.zeros(0)))
+    with pytest.raises(ValueError, match="__len__"):
+        netcl.DataLoader(iter([(1, 2)]))
+    with pytest.raises(ValueError, match="collate_fn"):
+        netcl.DataLoader([(1, 2)], collate_fn=3)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_drop_last_may_leave_no_batch(num_workers):
+    loader = netcl.DataLoader(netcl.ArrayDataset(*_samples(3)[:2]), batch_size=5, drop_last=True,
+                           num_workers=num_workers)
+    assert len(loader) == 0 and list(loader) == []  # as PyTorch
+    with pytest.raises(TypeError, match="tuple"):
+        list(netcl.DataLoader([np.zeros(2)], batch_size=1))
+
+
+# --- workers: stopping and errors
+
+@pytest.mark.parametrize("use_shared_mem", [False, True])
+def test_early_break_stops_workers_and_frees_shared_memory(use_shared_mem):
+    shm_before = _shm_names()
+    loader = netcl.DataLoader(netcl.ArrayDataset(*_samples(400)), batch_size=4, num_workers=2,
+                           use_shared_mem=use_shared_mem)
+    with _deadline(30):
+        for batch_no, _ in enumerate(loader):
+            if batch_no == 3:
+                break
+    del loader
+    _assert_clean(shm_before)
+
+
+@pytest.mark.parametrize("use_shared_mem", [False, True])
+def test_exception_in_the_consumer_stops_workers(use_shared_mem):
+    shm_before = _shm_names()
+    loader = netcl.DataLoader(SampleDataset(400), batch_size=4, num_workers=2, use_shared_mem=use_shared_mem)
+    with _deadline(30), pytest.raises(KeyError):
+        for batch in loader:
+            raise KeyError("consumer failed")
+    del loader, batch
+    _assert_clean(shm_before)
+
+
+def test_dropping_an_unstarted_iterator_stops_workers():
+    shm_before = _shm_names()
+    loader = netcl.DataLoader(netcl.ArrayDataset(*_samples(400)), batch_size=4, num_workers=2, use_shared_mem=True)
+    iterator = iter(loader)
+    assert len(multiprocessing.active_children()) == 2
+    del iterator, loader
+    _assert_clean(shm_before)
+
+
+@pytest.mark.parametrize("use_shared_mem", [False, True])
+def test_worker_exception_reaches_the_consumer_with_its_traceback(use_shared_mem):
+    shm_before = _shm_names()
+    loader = netcl.DataLoader(FailingDataset(40, bad_index=13), batch_size=4, shuffle=False, num_workers=2,
+                           use_shared_mem=use_shared_mem)
+    with _deadline(30), pytest.raises(RuntimeError) as caught:
+        list(loader)
+    message = str(caught.value)
+    assert "bad sample 13" in message and "Traceback" in message and "__getitem__" in message
+    del loader, caught
+    _assert_clean(shm_before)
+    with pytest.raises(ValueError, match="bad sample 13"):
+        list(netcl.DataLoader(FailingDataset(40, bad_index=13), batch_size=4))
+
+
+@pytest.mark.parametrize("use_shared_mem", [False, True])
+def test_killed_worker_raises_instead_of_hanging(use_shared_mem):
+    shm_before = _shm_names()
+    loader = netcl.DataLoader(SelfKillingDataset(40, bad_index=13), batch_size=4, shuffle=False, num_workers=2,
+                           use_shared_mem=use_shared_mem)
+    with _deadline(30), pytest.raises(RuntimeError, match="worker 1 .*exit code -9"):
+        list(loader)
+    del loader
+    _assert_clean(shm_before)
+
+
+def test_worker_that_exits_between_batches_raises():
+    # Worker 1 sends batch 1 and then exits: the next task sent to it finds no one listening.
+    shm_before = _shm_names()
+    loader = netcl.DataLoader(SampleDataset(40), batch_size=4, shuffle=False, num_workers=2,
+                           collate_fn=exit_soon_collate)
+    with _deadline(30), pytest.raises(RuntimeError, match="worker 1 .*exit code 3"):
+        for _ in loader:
+            time.sleep(0.2)
+    del loader
+    _assert_clean(shm_before)
+
+
+@pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
+def test_workers_under_other_start_methods(start_method):
+    if start_method not in multiprocessing.get_all_start_methods():
+        pytest.skip(f"{start_method} is not available here")
+    script = f"""
+import multiprocessing, os, sys
+import numpy as np
+sys.path[:0] = {sys.path!r}
+import netcl
+if __name__ == "__main__":
+    multiprocessing.set_start_method({start_method!r})
+    x = np.arange(600, dtype=np.float32).reshape(200, 3)
+    dataset = netcl.ArrayDataset(x, np.arange(200))
+    expected = [b[1].tolist() for b in netcl.DataLoader(dataset, batch_size=16, seed=3)]
+    for use_shared_mem in (False, True):
+        loader = netcl.DataLoader(dataset, batch_size=16, seed=3, num_workers=2, use_shared_mem=use_shared_mem)
+        assert [b[1].tolist() for b in loader] == expected
+        for batch_no, batch in enumerate(netcl.DataLoader(dataset, batch_size=16, num_workers=2,
+                                                      use_shared_mem=use_shared_mem)):
+            break
+    # A collate_fn that cannot be pickled to a spawned worker fails at iter(), leaving nothing.
+    try:
+        iter(netcl.DataLoader(dataset, num_workers=2, collate_fn=lambda samples: samples))
+    except Exception:
+        assert not multiprocessing.active_children()
+    else:
+        raise AssertionError("an unpicklable collate_fn was accepted")
+    print("ok", os.getpid())
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.startswith("ok "), result.stderr
+    assert "leaked" not in result.stderr, result.stderr
+    child_pid = result.stdout.split()[1]
+    assert _shm_names(f"netcl_{child_pid}_") == set()  # the child's blocks are all unlinked
+
+
+# --- device batches
+
+@pytest.mark.parametrize("backend_name", BACKENDS)
+@pytest.mark.parametrize("num_workers, use_shared_mem", [(0, False), (2, True)])
+def test_gpu_batches_hold_the_host_batch_on_the_device(backend_name, num_workers, use_shared_mem):
+    device = _get_device(backend_name)
+    x, y, extra = _samples(37)
+    dataset = netcl.ArrayDataset(x.astype(np.float64), y, extra)
+    host_batches = list(netcl.DataLoader(dataset, batch_size=8, seed=2))
+    loader = netcl.DataLoader(dataset, batch_size=8, seed=2, num_workers=num_workers, use_shared_mem=use_shared_mem)
+    assert loader.bind_queue(device.queue) is loader
+    with _deadline(60):
+        gpu_batches = list(loader)
+    assert len(gpu_batches) == len(host_batches) == 5
+    for batch, host in zip(gpu_batches, host_batches):
+        assert isinstance(batch, netcl.GpuBatch) and isinstance(batch, tuple) and len(batch) == 3
+        xb, yb, eb = batch
+        assert isinstance(xb, netcl.Tensor) and isinstance(yb, netcl.Tensor) and xb.device is device
+        assert np.dtype(xb.dtype) == np.float32 and np.dtype(yb.dtype) == np.int32
+        for field, expected in zip(batch.host, host):
+            np.testing.assert_array_equal(field, expected)
+        np.testing.assert_array_equal(xb.to_host(), host[0].astype(np.float32))
+        np.testing.assert_array_equal(yb.to_host(), host[1])
+        assert eb is batch.host[2]
+    assert not isinstance(next(iter(loader.bind_queue(None))), netcl.GpuBatch)
+    with pytest.raises(TypeError, match="tuple"):
+        next(iter(netcl.DataLoader(dataset, collate_fn=dict_collate, device_queue=device.queue)))
+
+
+@pytest.mark.parametrize("backend_name", BACKENDS)
+def test_device_queue_argument_uploads_prefetch_batches_ahead(backend_name):
+    device = _get_device(backend_name)
+    dataset = CountingDataset(20)
+    loader = netcl.DataLoader(dataset, batch_size=1, shuffle=False, prefetch=2, device_queue=device.queue)
+    iterator = iter(loader)
+    first = next(iterator)
+    # Batch 0 is handed out once batches 1 and 2 are already on their way to the device.
+    assert dataset.calls == 3 and isinstance(first, netcl.GpuBatch)
+    rest = list(iterator)
+    assert [int(batch[1].to_host()[0]) for batch in [first] + rest] == list(range(20))
+
+
+# --- IDX files
+
+_IDX_CODES = {np.uint8: 0x08, np.int8: 0x09, np.int16: 0x0B, np.int32: 0x0C, np.float32: 0x0D, np.float64: 0x0E}
+
+
+def _idx_bytes(array):
+    dtype = np.dtype(array.dtype)
+    header = bytes([0, 0, _IDX_CODES[dtype.type], array.ndim])
+    header += b"".join(int(size).to_bytes(4, "big") for size in array.shape)
+    return header + array.astype(dtype.newbyteorder(">")).tobytes()
+
+
+@pytest.mark.parametrize("dtype", list(_IDX_CODES))
+@pytest.mark.parametrize("name", ["plain-idx3-ubyte", "packed-idx3-ubyte.gz", "packed-without-suffix"])
+def test_load_idx_round_trip(tmp_path, dtype, name):
+    array = (np.arange(2 * 5 * 3) - 7).reshape(2, 5, 3).astype(dtype)
+    data = _idx_bytes(array)
+    path = tmp_path / name
+    path.write_bytes(data if name.startswith("plain") else gzip.compress(data))
+    for argument in (path, str(path)):
+        loaded = netcl.load_idx(argument)
+        assert loaded.dtype == dtype and loaded.dtype.isnative
+        np.testing.assert_array_equal(loaded, array)
+
+
+def test_load_idx_reads_mnist_shaped_labels(tmp_path):
+    labels = np.arange(100, dtype=np.uint8) % 10
+    path = tmp_path / "train-labels-idx1-ubyte"
+    path.write_bytes(_idx_bytes(labels))
+    loaded = netcl.load_idx(path)
+    assert loaded.dtype == np.uint8 and loaded.shape == (100,)
+
+
+@pytest.mark.parametrize("corrupt, message", [
+    (lambda data: b"\x01\x00" + data[2:], "magic"),
+    (lambda data: data[:2] + b"\x07" + data[3:], "type code"),
+    (lambda data: data[:-5], "truncated"),
+    (lambda data: data[:9], "truncated"),
+    (lambda data: data[:3], "truncated"),
+    (lambda data: data + b"\x00", "trailing"),
+    (lambda data: gzip.compress(data)[:-12], "truncated"),
+])
+def test_load_idx_rejects_malformed_files_naming_them(tmp_path, corrupt, message):
+    path = tmp_path / "broken-idx3-ubyte"
+    path.write_bytes(corrupt(_idx_bytes(np.zeros((4, 28, 28), np.uint8))))
+    with pytest.raises(ValueError, match=message) as caught:
+        netcl.load_idx(path)
+    assert str(path) in str(caught.value)
+
+
+def test_load_idx_missing_file_is_an_os_error(tmp_path):
+    with pytest.raises(OSError):
+        netcl.load_idx(tmp_path / "missing-idx1-ubyte")
 
 
 def test_load_idx_stops_reading_a_gzip_file_after_the_declared_size(tmp_path):
@@ -5157,2208 +7353,7 @@ def test_load_idx_names_the_file_for_impossible_dimensions(tmp_path):
     assert peak < 4 << 20  # a read buffer, not the declared size
 
 
-def test_load_of_a_file_that_is_no_archive_names_it(tmp_path):
-    weights = np.arange(100, dtype=np.float64)
-    netcl.save({"w": weights, "b": np.zeros(5, np.float32)}, tmp_path / "good.npz")
-    raw = (tmp_path / "good.npz").read_bytes()
-    flipped = bytearray(raw)
-    flipped[raw.index(weights.tobytes()) + 8] ^= 0xFF  # one byte of "w": its CRC no longer fits
-    np.save(tmp_path / "array.npy", weights)
-    files = {"half.npz": raw[:len(raw) // 2], "cut.npz": raw[:-10], "flipped.npz": bytes(flipped),
-             "noise.bin": np.random.default_rng(0).bytes(300), "empty.npz": b""}
-    for name, data in files.items():
-        (tmp_path / name).write_bytes(data)
-    for name in ["array.npy", *files]:
-        with raises_naming(ValueError, str(tmp_path / name), "npz"):
-            netcl.load(tmp_path / name)
-    with pytest.raises(FileNotFoundError):
-        netcl.load(tmp_path / "missing.npz")
-    netcl.save({}, tmp_path / "nothing.npz")  # an empty archive is still one
-    assert netcl.load(tmp_path / "nothing.npz") == {}
-
-
-def test_save_rejects_keys_that_are_equal_as_strings(tmp_path):
-    path = tmp_path / "ckpt.npz"
-    with raises_naming(ValueError, "save", "'1'"):
-        netcl.save({1: np.zeros(2), "1": np.ones(2)}, path)
-    assert not path.exists()
-
-
-@pytest.mark.parametrize("bad", [np.complex64, np.bool_])
-def test_load_state_dict_rejects_bool_and_complex_arrays_changing_nothing(backend, bad):
-    model = _mlp(backend, seed=3)
-    before = model.state_dict()
-    state = {key: np.full(value.shape, 0.5, value.dtype) for key, value in before.items()}
-    last = list(state)[-1]
-    state[last] = np.ones(state[last].shape, bad)
-    with raises_naming(ValueError, repr(last), str(np.dtype(bad))):
-        model.load_state_dict(state)
-    _same_arrays(model.state_dict(), before)  # the keys before it were not written either
-    state[last] = np.ones(state[last].shape, np.int64)  # integers convert, as in PyTorch
-    model.load_state_dict(state)
-    assert np.all(model.state_dict()[last] == 1.0) and model.state_dict()[last].dtype == np.float32
-
-
-# reliability: validation: operands, BufferPool, optimizer state, Trainer inputs
-# ---------------------------------------------------------------------------------------------
-
-@pytest.mark.parametrize("bad, needle", [(None, "None"), ("2", "'2'"), (object(), "object"),
-                                         (np.array([1 + 5j, 2, 3]), "complex"), (1j, "1j")])
-def test_operand_that_is_not_real_numbers_raises_type_error(backend, bad, needle):
-    x = tensor(np.ones(3), backend)
-    with raises_naming(TypeError, "mul", needle):
-        F.mul(x, bad)
-    with raises_naming(TypeError, "sub", needle):
-        netcl.Node(x) - bad
-    with raises_naming(TypeError, "relu", needle):
-        F.relu(bad)
-    if bad is not None:  # grad=None is the implied seed
-        w = param(np.ones(3), backend)
-        with netcl.Tape() as tape:
-            loss = w * 2.0
-        with raises_naming(TypeError, "backward", needle):
-            tape.backward(loss, grad=bad)
-
-
-def test_bool_and_integer_operands_promote_to_float(backend):
-    x = tensor([1.0, 2.0, 3.0], backend)
-    product = F.mul(x, np.array([True, False, True]))
-    assert product.dtype == np.float32
-    np.testing.assert_array_equal(host(product), [1.0, 0.0, 3.0])
-    big = F.mul(x, np.array([2**40, 0, -(2**40)]))  # far outside int32, exact in float32
-    np.testing.assert_array_equal(host(big), [2.0**40, 0.0, -3 * 2.0**40])
-    w = param([1.0, 2.0], backend)
-    with netcl.Tape() as tape:
-        y = w * 3.0
-    tape.backward(y, grad=np.array([1, 2]))
-    assert w.grad.dtype == np.float32
-    np.testing.assert_array_equal(host(w.grad), [3.0, 6.0])
-    with netcl.Tape() as tape:
-        y = w * 3.0
-    with raises_naming(ValueError, "backward", "int32"):
-        tape.backward(y, grad=tensor(np.array([1, 2]), backend))
-
-
-def test_from_host_refuses_integers_outside_int32(backend):
-    for values, needle in (([0, 2**32 + 1], 2**32 + 1), ([-(2**31) - 1], -(2**31) - 1),
-                           (np.array([3, 2**63], np.uint64), 2**63),
-                           (np.array([2**31], np.uint32), 2**31)):
-        with raises_naming(ValueError, "from_host", needle):
-            tensor(np.array(values), backend)
-    edges = np.array([-(2**31), 2**31 - 1, 0])
-    np.testing.assert_array_equal(host(tensor(edges, backend)), edges)
-    with raises_naming(TypeError, "from_host", "complex"):
-        netcl.Tensor.from_host(np.array([1 + 5j]), backend.queue, np.float32)
-    with raises_naming(TypeError, "from_host", "object"):
-        tensor(np.array([1, None]), backend)
-    logits = tensor(np.zeros((2, 3)), backend)
-    with raises_naming(ValueError, "cross_entropy", 2**32 + 1):
-        F.cross_entropy(logits, np.array([0, 2**32 + 1]))
-
-
-def test_pool_alloc_takes_a_non_negative_int(backend):
-    for bad in (1.5, "8", None, True, np.float32(4)):
-        with raises_naming(TypeError, "alloc", "nbytes", repr(bad)):
-            backend.pool.alloc(bad)
-    with raises_naming(ValueError, "alloc", "nbytes", "-5"):
-        backend.pool.alloc(-5)
-    backend.pool.release(backend.pool.alloc(np.int64(0)))
-
-
-def test_pool_release_refuses_a_buffer_it_does_not_own(backend):
-    pool = backend.pool
-    gc.collect()
-    gc_was_enabled = gc.isenabled()
-    gc.disable()  # a collection in between would release tensors and move the stats
-    try:
-        first = pool.alloc(5000)
-        pool.release(first)
-        before = pool.stats()
-        with raises_naming(ValueError, "release", "released already"):
-            pool.release(first)
-        assert pool.stats() == before
-        a, b = pool.alloc(5000), pool.alloc(5000)
-        assert a is not b  # a double release would have cached `first` twice
-        # Foreign buffers: another pool's, a plain array, a tensor's view (NumPy backend) or a
-        # tensor of the other backend.
-        view = netcl.Tensor.empty((8,), queue=backend.queue)
-        elsewhere = netcl.Tensor.empty((8,), queue=netcl.manager.default("cpu").queue)
-        foreign = [netcl.BufferPool(lambda nbytes: np.empty(nbytes, np.uint8)).alloc(5000),
-                   np.empty(5000, np.uint8),
-                   view.data if backend.backend == "cpu" else elsewhere.data]
-        before = pool.stats()
-        for buffer in foreign:
-            with raises_naming(ValueError, "release", "allocated elsewhere"):
-                pool.release(buffer)
-        assert pool.stats() == before
-        pool.release(a)
-        pool.release(b)
-        del view, elsewhere
-    finally:
-        if gc_was_enabled:
-            gc.enable()
-
-
-def _state_variant(state, change):
-    """A copy of an optimizer's state_dict (its dicts copied) with `change` applied to it."""
-    copy = {"state": {i: dict(entry) for i, entry in state["state"].items()},
-            "param_groups": [dict(group) for group in state["param_groups"]]}
-    change(copy)
-    return copy
-
-
-def _trained_optimizer(kind, backend):
-    params = [param(np.arange(6.0).reshape(2, 3) / 7, backend), param([0.5, -0.25], backend)]
-    opt = _make(kind, params, 0.1, {"momentum": 0.9} if kind == "sgd" else {})
-    for grads in ([np.ones((2, 3)), np.array([1.0, -2.0])], [np.full((2, 3), 0.5), np.ones(2)]):
-        opt.zero_grad()
-        _set_grads(params, grads)
-        opt.step()
-    return opt
-
-
-def _group(**changes):
-    return lambda state: state["param_groups"][0].update(changes)
-
-
-def _entry(index, **changes):
-    return lambda state: state["state"][index].update(changes)
-
-
-_SGD_REJECTED = [
-    (_group(lr=-3), ValueError, "Invalid learning rate: -3"),
-    (_group(lr="fast"), ValueError, "Invalid learning rate: fast"),
-    (_group(momentum=-1), ValueError, "Invalid momentum value: -1"),
-    (_group(momentum=0.0, nesterov=True), ValueError, "Nesterov momentum requires momentum > 0"),
-    (_group(weight_decay=-0.5), ValueError, "Invalid weight_decay value: -0.5"),
-    (_group(params=[0]), ValueError, "the state is for 1 parameters"),
-    (_entry(1, momentum_buffer=np.zeros(3)), ValueError, "momentum_buffer 1 has shape (3,)"),
-    (_entry(1, momentum_buffer=np.zeros(2, complex)), TypeError, "momentum_buffer 1"),
-    (lambda state: state.update(state={5: {"momentum_buffer": np.zeros(2)}, **state["state"]}),
-     ValueError, "state for parameter 5"),
-]
-_ADAM_REJECTED = [
-    (_group(lr=-3), ValueError, "Invalid learning rate: -3"),
-    (_group(betas=(1.0, 0.999)), ValueError, "Invalid beta parameter at index 0: 1.0"),
-    (_group(eps=-1e-8), ValueError, "Invalid epsilon value: -1e-08"),
-    (_group(weight_decay=-0.5), ValueError, "Invalid weight_decay value: -0.5"),
-    (_entry(1, exp_avg_sq=np.zeros(3)), ValueError, "exp_avg_sq of parameter 1 has shape (3,)"),
-    (_entry(1, exp_avg=np.zeros(2, complex)), TypeError, "exp_avg of parameter 1"),
-    (_entry(1, step=2**40), ValueError, "step of parameter 1"),
-    (_entry(1, step=-1), ValueError, "step of parameter 1"),
-    (_entry(0, step=1.5), ValueError, "step of parameter 0"),
-]
-
-
-@pytest.mark.parametrize("kind, change, error, message",
-                         [("sgd", *case) for case in _SGD_REJECTED]
-                         + [(kind, *case) for kind in ("adam", "adamw") for case in _ADAM_REJECTED])
-def test_optimizer_load_state_dict_rejects_a_bad_state_and_changes_nothing(backend, kind, change,
-                                                                           error, message):
-    opt = _trained_optimizer(kind, backend)
-    before = opt.state_dict()
-    with raises_naming(error, message):
-        opt.load_state_dict(_state_variant(before, change))
-    np.testing.assert_equal(opt.state_dict(), before)
-
-
-def test_sgd_load_state_dict_keeps_buffers_float(backend):
-    opt = _trained_optimizer("sgd", backend)
-    state = _state_variant(opt.state_dict(), _entry(1, momentum_buffer=np.array([2, -1])))
-    opt.load_state_dict(state)
-    assert opt.momentum_buffers[1].dtype == np.float32
-    np.testing.assert_array_equal(host(opt.momentum_buffers[1]), [2.0, -1.0])
-
-
-def test_learning_rate_assignment_is_checked(backend):
-    for kind in ("sgd", "adam", "adamw"):
-        opt = _trained_optimizer(kind, backend)
-        for bad in ("fast", -3, None, math.nan):
-            with raises_naming(ValueError, "Invalid learning rate", str(bad), "lr"):
-                opt.lr = bad
-            assert opt.lr == 0.1
-        opt.lr = np.float32(0.5)
-        assert opt.lr == 0.5 and type(opt.lr) is float
-        schedule = netcl.WarmupCosine(opt, warmup_steps=2, total_steps=4)
-        for _ in range(4):
-            opt.step()
-            schedule.step()
-        assert opt.lr == 0.0
-
-
-_SCALER_REJECTED = [
-    ({"scale": -1.0}, ValueError, "scale must be positive and finite"),
-    ({"scale": math.inf}, ValueError, "scale must be positive and finite"),
-    ({"growth_factor": 0.5}, ValueError, "The growth factor must be > 1.0"),
-    ({"backoff_factor": 2.0}, ValueError, "The backoff factor must be < 1.0"),
-    ({"growth_interval": 0}, ValueError, "growth_interval must be a positive integer"),
-    ({"_growth_tracker": -1}, ValueError, "_growth_tracker"),
-    ({"growth_factor": 4.0, "_growth_tracker": None}, KeyError, "_growth_tracker"),  # missing
-]
-
-
-@pytest.mark.parametrize("changes, error, message", _SCALER_REJECTED)
-def test_scaler_load_state_dict_rejects_a_bad_state_and_changes_nothing(backend, changes, error,
-                                                                        message):
-    scaler = netcl.AMPGradScaler(init_scale=8.0, growth_interval=3)
-    p = param(np.zeros(3), backend)
-    _scaled_backward(scaler, [p], [np.ones(3, np.float32)])  # the device state exists
-    scaler.step(netcl.SGD([p], lr=0.1))
-    scaler.update()
-    before = scaler.state_dict()
-    state = {key: value for key, value in {**before, **changes}.items() if value is not None}
-    assert state != before
-    with raises_naming(error, message):
-        scaler.load_state_dict(state)
-    assert scaler.state_dict() == before
-
-
-def test_scaler_state_survives_save_and_load(backend, tmp_path):
-    scaler = netcl.AMPGradScaler(init_scale=8.0, growth_interval=3)
-    state = dict(scaler.state_dict(), scale=32.0, _growth_tracker=2)
-    netcl.save(state, tmp_path / "scaler.npz")
-    fresh = netcl.AMPGradScaler()
-    fresh.load_state_dict(netcl.load(tmp_path / "scaler.npz"))  # 0-d arrays
-    assert fresh.state_dict() == state
-
-
-@pytest.mark.parametrize("reduction, expected", [("mean", math.nan), ("sum", 0.0), ("none", None)])
-@pytest.mark.parametrize("n, c, soft", [(3, 0, True), (0, 0, True), (0, 0, False), (0, 3, False),
-                                        (0, 3, True)])
-def test_cross_entropy_of_empty_logits_as_pytorch(backend, n, c, soft, reduction, expected):
-    x = param(np.zeros((n, c)), backend)
-    target = np.full((n, c), 0.5) if soft else np.zeros(n, np.int64)
-    with netcl.Tape() as tape:
-        loss = F.cross_entropy(x, target, reduction=reduction)
-        total = F.sum(loss)
-    tape.backward(total)
-    if expected is None:
-        np.testing.assert_array_equal(host(loss), np.zeros(n, np.float32))
-    else:
-        assert loss.shape == () and np.array_equal(host(loss), expected, equal_nan=True)
-    assert host(x.grad).shape == (n, c)
-
-
-def test_cross_entropy_with_no_classes_refuses_every_index(backend):
-    with raises_naming(ValueError, "cross_entropy", "label 0", "[0, 0)"):
-        F.cross_entropy(tensor(np.zeros((2, 0)), backend), np.array([0, 0]))
-
-
-def test_reduction_axis_must_be_ints(backend):
-    x = tensor(np.ones((2, 3)), backend)
-    for name, op in (("sum", F.sum), ("mean", F.mean)):
-        for bad in ("0", 1.0, True, (0, "1"), (1.0,), {0}):
-            with raises_naming(TypeError, f"{name}: axis must be an int or a tuple of ints",
-                               repr(bad)):
-                op(x, axis=bad)
-    np.testing.assert_array_equal(host(F.sum(x, axis=[np.int64(0), -1])), 6.0)
-    with raises_naming(ValueError, "sum", "axis 2 out of range"):
-        F.sum(x, axis=2)
-
-
-def test_trainer_refuses_an_empty_batch(backend):
-    x, y = _blobs(n=8)
-    model = _mlp(backend, BLOBS_MLP)
-    trainer = netcl.Trainer(model, netcl.SGD(model.parameters(), lr=0.1),
-                            device_queue=backend.queue)
-    batches = [(x[:4], y[:4]), (x[:0], y[:0])]
-    with raises_naming(ValueError, "empty batch", "(0, 8)"):
-        trainer.fit(batches)
-    with raises_naming(ValueError, "empty batch", "(0, 8)"):
-        trainer.evaluate(batches)
-
-
-@pytest.mark.parametrize("on_device", [False, True])
-def test_trainer_trains_on_integer_inputs_as_on_their_float_values(backend, on_device, capsys):
-    x, y = _blobs(n=48)
-    images = np.clip(x * 20 + 128, 0, 255).astype(np.uint8)  # uint8 "pixels"
-    results = []
-    for inputs in (images, images.astype(np.float32)):
-        model = _mlp(backend, BLOBS_MLP)
-        loader = netcl.DataLoader(netcl.ArrayDataset(inputs, y), batch_size=16, shuffle=False,
-                                  device_queue=backend.queue if on_device else None)
-        trainer = netcl.Trainer(model, netcl.SGD(model.parameters(), lr=1e-4),
-                                device_queue=backend.queue, metrics_stride=1)
-        history = trainer.fit(loader, loader, epochs=2)
-        results.append(([(h["loss"], h["accuracy"], h["val_loss"]) for h in history],
-                        model.state_dict()))
-    (history_u8, state_u8), (history_f32, state_f32) = results
-    assert history_u8 == history_f32
-    np.testing.assert_equal(state_u8, state_f32)
-
-
-def test_trainer_needs_class_scores_from_the_model(backend, capsys):
-    x, y = _blobs(n=16)
-    inner = _mlp(backend, BLOBS_MLP)
-    model = lambda xb: F.sum(inner(xb), axis=1)  # (N,), not (N, C)
-    trainer = netcl.Trainer(model, netcl.SGD(inner.parameters(), lr=0.1),
-                            device_queue=backend.queue, loss_fn=lambda out, t: F.mean(out * out))
-    for run in (trainer.fit, trainer.evaluate):
-        with raises_naming(ValueError, "Trainer", "(16,)", "class scores (N, C)"):
-            run(_batches(x, y, 16))
-    # A regression output (N, 1) against float targets (N, 1) with its own loss keeps working.
-    head = param(np.full((1, 3), 0.1), backend)
-    regression = netcl.Trainer(lambda xb: F.linear(inner(xb), head),
-                               netcl.SGD([head], lr=1e-3), device_queue=backend.queue,
-                               loss_fn=F.mse_loss)
-    history = regression.fit(_batches(x, y[:, None].astype(np.float32), 8))
-    assert math.isfinite(history[0]["loss"])
-
-
-def test_tanh_saturates_to_one_with_zero_gradient(backend):
-    values = np.array([10.0, -10.0, 20.0, -20.0, np.inf, -np.inf])
-    x = param(values, backend)
-    with netcl.Tape() as tape:
-        y = F.tanh(x)
-        total = F.sum(y)
-    tape.backward(total)
-    np.testing.assert_array_equal(host(y), np.sign(values))
-    np.testing.assert_array_equal(host(x.grad), np.zeros(6))
-    half = F.tanh(tensor(values, backend, np.float16))  # float16 storage: the half build
-    np.testing.assert_array_equal(host(half), np.sign(values))
-    assert np.isnan(host(F.tanh(tensor([np.nan], backend)))[0])
-
-
-# ---------------------------------------------------------------------------------------------
-# reliability: autograd: nested Tapes and threads
-# ---------------------------------------------------------------------------------------------
-
-def test_nested_tapes_outer_backward_runs_through_the_inner_tape(backend):
-    p = param(np.ones(3), backend)
-    with netcl.Tape() as outer:
-        a = p * 2.0
-        with netcl.Tape() as inner:
-            loss = (a * 3.0).sum()
-    outer.backward(loss)
-    np.testing.assert_array_equal(host(p.grad), np.full(3, 6.0, np.float32))
-    with raises_naming(RuntimeError, "backward", "already freed by a backward"):
-        inner.backward(loss)  # outer's backward freed the nodes the two tapes share
-    np.testing.assert_array_equal(host(p.grad), np.full(3, 6.0, np.float32))
-
-
-def test_nested_tapes_inner_backward_sees_only_its_own_ops(backend):
-    p = param(np.ones(3), backend)
-    q_host = np.array([1.0, 2.0, 3.0], np.float32)
-    q = param(q_host, backend)
-    with netcl.Tape() as outer:
-        a = p * 2.0
-        with netcl.Tape() as inner:
-            loss = (a * 3.0 + q * q).sum()
-    inner.backward(loss)
-    assert p.grad is None  # `a` was computed before the inner Tape opened: a constant there
-    np.testing.assert_array_equal(host(q.grad), 2 * q_host)
-    with raises_naming(RuntimeError, "backward", "already freed by a backward"):
-        outer.backward(loss)
-    assert p.grad is None
-
-
-def test_nested_tapes_refuse_a_partial_gradient_through_freed_nodes(backend):
-    p = param(np.ones(3), backend)
-    with netcl.Tape() as outer:
-        a = p * 2.0
-        with netcl.Tape() as inner:
-            b = a * 3.0
-            inner_loss = b.sum()
-        inner.backward(inner_loss)  # frees b, which the outer Tape recorded too
-        loss = (b * p).sum()        # d/dp = 12 through b and a; b's graph is gone
-    with raises_naming(RuntimeError, "backward", "freed"):
-        outer.backward(loss)
-
-
-def test_backward_of_a_loss_recorded_on_another_tape_raises(backend):
-    p = param(np.ones(3), backend)
-    other = netcl.Tape()
-    with netcl.Tape() as tape:
-        loss = (p * 2.0).sum()
-    with raises_naming(RuntimeError, "backward", "another Tape"):
-        other.backward(loss)
-    with raises_naming(RuntimeError, "backward", "another Tape"):
-        other.backward(netcl.AMPGradScaler(init_scale=4.0).scale(loss))
-    assert p.grad is None
-    tape.backward(loss)  # the refused calls left the graph whole
-    np.testing.assert_array_equal(host(p.grad), np.full(3, 2.0, np.float32))
-
-
-@contextlib.contextmanager
-def _held_in_another_thread(context):
-    """Enter `context()` in a second thread and keep it entered while the block runs here."""
-    entered, done = threading.Event(), threading.Event()
-
-    def hold():
-        with context():
-            entered.set()
-            done.wait(10)
-    holder = threading.Thread(target=hold)
-    holder.start()
-    try:
-        assert entered.wait(10)
-        yield
-    finally:
-        done.set()
-        holder.join()
-
-
-def _in_threads(*targets):
-    """Run each target in its own thread, all started together and switching often (the races
-    need a switch at the wrong moment); their results, or the first error raised in one."""
-    results, errors = [None] * len(targets), []
-    barrier = threading.Barrier(len(targets))
-
-    def run(i, target):
-        try:
-            barrier.wait()
-            results[i] = target()
-        except BaseException as error:  # re-raised in the test's thread
-            errors.append(error)
-    threads = [threading.Thread(target=run, args=(i, t)) for i, t in enumerate(targets)]
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(1e-5)
-    try:
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-    finally:
-        sys.setswitchinterval(interval)
-    if errors:
-        raise errors[0]
-    return results
-
-
-def test_one_kernel_launched_from_two_threads_gets_each_launch_its_own_arguments(opencl):
-    """Device.launch from two threads at once: every result belongs to its own launch,
-    uploads and counters included."""
-    steps = 3000
-
-    def launch_many(seed, n):
-        rng = np.random.default_rng(seed)
-        a_host = rng.standard_normal(n).astype(np.float32)
-        a = netcl.Tensor.empty((n,), queue=opencl.queue)
-        opencl.upload(a.data, a_host)
-        outs = [netcl.Tensor.empty((n,), queue=opencl.queue) for _ in range(steps)]
-        for i, out in enumerate(outs):  # out = a * i
-            opencl.launch("mul_scalar", *netcl._grid(n), n, float(i), a.data, out.data)
-            if i % 100 == 0:
-                opencl.finish()
-        return a_host, outs
-    launches = opencl.launches
-    results = _in_threads(lambda: launch_many(3, 37), lambda: launch_many(4, 53))
-    assert opencl.launches - launches == 2 * steps
-    for a_host, outs in results:
-        for i, out in enumerate(outs):
-            np.testing.assert_array_equal(out.to_host(), a_host * np.float32(i))
-
-
-def test_buffer_pool_shared_by_two_threads_keeps_its_books():
-    """One thread allocating and releasing, the other also emptying the cache: no buffer is
-    handed out twice, and the stats add up to what the pool really holds."""
-    pool = netcl.BufferPool(lambda nbytes: np.empty(nbytes, np.uint8))
-    holders = {}
-
-    def churn(me, empty_cache):
-        for _ in range(2000):
-            held = [pool.alloc(256) for _ in range(3)]
-            for buffer in held:
-                assert holders.setdefault(id(buffer), me) == me, "one buffer handed out twice"
-            for buffer in held:
-                del holders[id(buffer)]
-                pool.release(buffer)
-            if empty_cache:
-                pool.empty_cache()
-            assert pool.stats()["cached_bytes"] >= 0
-    _in_threads(lambda: churn(0, False), lambda: churn(1, True))
-    stats = pool.stats()
-    assert stats["in_use_bytes"] == 0
-    assert stats["hits"] + stats["misses"] == 2 * 2000 * 3
-    cached = stats["cached_bytes"] // 256
-    for _ in range(cached + 1):  # every cached buffer is a hit, then the next one a miss
-        pool.alloc(256)
-    after = pool.stats()
-    assert (after["hits"] - stats["hits"], after["misses"] - stats["misses"]) == (cached, 1)
-    assert after["cached_bytes"] == 0
-
-
-def test_two_threads_asking_for_one_queue_get_one_device(opencl):
-    import pyopencl as cl
-    queue = cl.CommandQueue(opencl.context)
-    first, second = _in_threads(lambda: netcl.Tensor.empty((1,), queue=queue).device,
-                                lambda: netcl.Tensor.empty((1,), queue=queue).device)
-    assert first is second
-
-
-def _train_own_parameter(device, seed, rows, cols, steps):
-    """`steps` SGD steps on a parameter of this call's own: (final weight, final gradient)."""
-    rng = np.random.default_rng(seed)
-    x = tensor(rng.standard_normal((rows, cols)).astype(np.float32), device)
-    y = tensor(rng.standard_normal((rows, 3)).astype(np.float32), device)
-    w = param(0.5 * rng.standard_normal((3, cols)).astype(np.float32), device)
-    opt = netcl.SGD([w], lr=0.05, momentum=0.9)
-    for _ in range(steps):
-        with netcl.Tape() as tape:
-            loss = F.mse_loss(F.tanh(F.linear(x, w)), y)
-        opt.zero_grad()
-        tape.backward(loss)
-        opt.step()
-    return host(w), host(w.grad)
-
-
-def test_two_threads_training_own_parameters_match_one_thread(backend):
-    jobs = [(backend, 1, 8, 5, 300), (backend, 2, 16, 7, 300)]
-    expected = [_train_own_parameter(*job) for job in jobs]
-    got = _in_threads(*(lambda job=job: _train_own_parameter(*job) for job in jobs))
-    for (w, grad), (w_expected, grad_expected) in zip(got, expected):
-        np.testing.assert_array_equal(grad, grad_expected)
-        np.testing.assert_array_equal(w, w_expected)
-
-
-def test_a_tape_records_only_the_ops_of_its_own_thread(backend):
-    p = param(np.ones(3), backend)
-    with netcl.Tape() as tape:
-        (elsewhere,) = _in_threads(lambda: (p * 5.0).sum())
-        loss = (p * 2.0).sum()
-    assert not elsewhere.requires_grad  # no Tape is open in the thread that computed it
-    tape.backward(loss)
-    np.testing.assert_array_equal(host(p.grad), np.full(3, 2.0, np.float32))
-    with raises_naming(RuntimeError, "Tape", "thread"):
-        _in_threads(netcl.Tape().__enter__, lambda: None)[0].__exit__(None, None, None)
-
-
-def test_no_grad_is_per_thread(backend):
-    p = param(np.array([1.0, -2.0, 3.0], np.float32), backend)
-    with _held_in_another_thread(netcl.no_grad):
-        with netcl.Tape() as tape:
-            loss = (p * p).sum()
-        tape.backward(loss)
-    np.testing.assert_array_equal(host(p.grad), [2.0, -4.0, 6.0])
-
-    def train_in_new_thread():  # a new thread records, whatever the starting thread's mode
-        q = param(np.ones(2), backend)
-        with netcl.Tape() as tape:
-            loss = (q * 4.0).sum()
-        tape.backward(loss)
-        return host(q.grad)
-    with netcl.no_grad():
-        (grad,) = _in_threads(train_in_new_thread)
-    np.testing.assert_array_equal(grad, [4.0, 4.0])
-
-
-def test_autocast_is_per_thread(portable_half):
-    opencl = portable_half  # a device where autocast stores float16
-    x = param(np.ones((4, 8), np.float32), opencl)
-    w = param(np.ones((8, 2), np.float32), opencl)
-    with _held_in_another_thread(netcl.autocast):
-        assert (x @ w).dtype == np.float32
-    with netcl.autocast():
-        assert (x @ w).dtype == np.float16
-        (elsewhere,) = _in_threads(lambda: x @ w)  # a new thread starts with autocast off
-    assert elsewhere.dtype == np.float32
-
-
-# ---------------------------------------------------------------------------------------------
-# elementwise and reductions
-# ---------------------------------------------------------------------------------------------
-# The conventions of PyTorch's gradients at the points the op cases keep away from, the
-# edges (NaN, infinities, empty axes, zero-size tensors) and the errors. Expected values are
-# PyTorch's, worked out from its formulas (derivatives.yaml, FunctionsManual.cpp).
-
-def _value_and_grad(dev, op, *arrays, grad=None):
-    """op(*leaves) on dev and the gradient of each leaf for an upstream gradient of ones."""
-    leaves = [param(a, dev) for a in arrays]
-    with netcl.Tape() as tape:
-        out = op(*leaves)
-    tape.backward(out, grad=np.ones(out.shape, np.float32) if grad is None else grad)
-    return (host(out), *[host(p.grad) for p in leaves])
-
-
-def test_abs_gradient_at_zero_is_zero(backend):
-    x = np.array([0.0, -0.0, 2.0, -3.0, np.nan])
-    y, grad = _value_and_grad(backend, F.abs, x)
-    np.testing.assert_array_equal(y, [0.0, 0.0, 2.0, 3.0, np.nan])
-    np.testing.assert_array_equal(grad, [0.0, 0.0, 1.0, -1.0, 0.0])  # sgn(0) = sgn(nan) = 0
-
-
-@pytest.mark.parametrize("exponent, value, grad", [
-    # x = 0, -2, 2; torch.pow's backward: exponent * x ** (exponent - 1), 0 for exponent 0
-    (0, [1.0, 1.0, 1.0], [0.0, 0.0, 0.0]),
-    (0.5, [0.0, np.nan, math.sqrt(2)], [np.inf, np.nan, 0.5 / math.sqrt(2)]),
-    (1, [0.0, -2.0, 2.0], [1.0, 1.0, 1.0]),
-    (2, [0.0, 4.0, 4.0], [0.0, -4.0, 4.0]),
-    (3, [0.0, -8.0, 8.0], [0.0, 12.0, 12.0]),
-    (-1, [np.inf, -0.5, 0.5], [-np.inf, -0.25, -0.25]),
-    (2.5, [0.0, np.nan, 2 ** 2.5], [0.0, np.nan, 2.5 * 2 ** 1.5]),
-])
-def test_pow_at_zero_and_negative_bases(backend, exponent, value, grad):
-    y, g = _value_and_grad(backend, lambda x: x ** exponent, np.array([0.0, -2.0, 2.0]))
-    np.testing.assert_allclose(y, value, rtol=1e-6)
-    np.testing.assert_allclose(g, grad, rtol=1e-6)
-
-
-def test_pow_gradient_is_zero_for_exponent_zero_even_at_nan(backend):
-    y, g = _value_and_grad(backend, lambda x: F.pow(x, 0.0), np.array([np.nan, np.inf, 0.0]))
-    np.testing.assert_array_equal(y, [1.0, 1.0, 1.0])
-    np.testing.assert_array_equal(g, [0.0, 0.0, 0.0])
-
-
-def test_pow_takes_a_number_exponent(backend):
-    x = tensor(np.ones(3), backend)
-    with raises_naming(TypeError, "pow", "exponent", "Tensor"):
-        F.pow(x, x)
-    with raises_naming(TypeError, "pow", "exponent", "str"):
-        netcl.Node(x) ** "2"
-
-
-@pytest.mark.parametrize("low, high, value, grad", [
-    (2.0, 2.5, [2.0, 2.0, 2.5, 2.5, np.nan], [0.0, 1.0, 1.0, 0.0, 0.0]),  # bounds pass g
-    (3.0, 2.0, [2.0, 2.0, 2.0, 2.0, np.nan], [0.0, 0.0, 0.0, 0.0, 0.0]),  # min > max: max
-    (2.0, None, [2.0, 2.0, 2.5, 3.0, np.nan], [0.0, 1.0, 1.0, 1.0, 0.0]),
-    (None, 2.5, [1.0, 2.0, 2.5, 2.5, np.nan], [1.0, 1.0, 1.0, 0.0, 0.0]),
-])
-def test_clamp_at_the_bounds(backend, low, high, value, grad):
-    x = np.array([1.0, 2.0, 2.5, 3.0, np.nan])
-    y, g = _value_and_grad(backend, lambda x: F.clamp(x, low, high), x)
-    np.testing.assert_array_equal(y, value)
-    np.testing.assert_array_equal(g, grad)
-
-
-def test_clamp_errors(backend):
-    x = tensor(np.ones(3), backend)
-    with raises_naming(ValueError, "clamp", "min", "max"):
-        F.clamp(x)
-    with raises_naming(TypeError, "clamp", "max"):
-        F.clamp(x, 0.0, x)
-    with raises_naming(TypeError, "clamp", "min"):
-        F.clamp(x, min="0")
-
-
-def test_silu_and_tanh_gelu_far_out(backend):
-    """Large |x|: silu and the tanh GELU go to 0 and to x without inf or nan, in both
-    directions (silu checked against a float64 transcription of PyTorch's formulas)."""
-    x = np.array([-100.0, -30.0, -8.0, 8.0, 30.0, 100.0])
-    y, g = _value_and_grad(backend, F.silu, x)
-    np.testing.assert_allclose(y, x / (1 + np.exp(-x)), rtol=1e-6, atol=1e-30)
-    sig = 1 / (1 + np.exp(-x))
-    np.testing.assert_allclose(g, sig * (1 + x * (1 - sig)), rtol=1e-5, atol=1e-30)
-    x = np.array([-100.0, -30.0, 30.0, 100.0])
-    y, g = _value_and_grad(backend, lambda x: F.gelu(x, approximate="tanh"), x)
-    np.testing.assert_array_equal(y, [0.0, 0.0, 30.0, 100.0])
-    np.testing.assert_array_equal(g, [0.0, 0.0, 1.0, 1.0])
-
-
-def test_gelu_approximate_argument(backend):
-    x = tensor(np.random.default_rng(3).standard_normal((4, 5)), backend)
-    np.testing.assert_array_equal(host(F.gelu(x, "none")), host(F.gelu(x)))
-    np.testing.assert_allclose(host(F.gelu(x, approximate="tanh")),
-                               _gelu_tanh_ref(host(x).astype(np.float64)), rtol=1e-5, atol=1e-6)
-    np.testing.assert_array_equal(host(nn.GELU(approximate="tanh")(x)),
-                                  host(F.gelu(x, approximate="tanh")))
-    np.testing.assert_array_equal(host(nn.GELU()(x)), host(F.gelu(x)))
-    with raises_naming(ValueError, "gelu", "approximate", "'sigmoid'"):
-        F.gelu(x, approximate="sigmoid")
-    with raises_naming(ValueError, "GELU", "approximate", "'fast'"):
-        nn.GELU(approximate="fast")
-
-
-@pytest.mark.parametrize("op, value, grad_a, grad_b", [
-    # a = [1, 2, nan, 3], b = [1, 3, 1, nan]: ties split the gradient; NaN gives both all of it
-    (F.maximum, [1.0, 3.0, np.nan, np.nan], [0.5, 0.0, 1.0, 1.0], [0.5, 1.0, 1.0, 1.0]),
-    (F.minimum, [1.0, 2.0, np.nan, np.nan], [0.5, 1.0, 1.0, 1.0], [0.5, 0.0, 1.0, 1.0]),
-])
-def test_maximum_minimum_ties_and_nan(backend, op, value, grad_a, grad_b):
-    y, ga, gb = _value_and_grad(backend, op, np.array([1.0, 2.0, np.nan, 3.0]),
-                                np.array([1.0, 3.0, 1.0, np.nan]))
-    np.testing.assert_array_equal(y, value)
-    np.testing.assert_array_equal(ga, grad_a)
-    np.testing.assert_array_equal(gb, grad_b)
-
-
-def test_maximum_with_a_constant_and_shape_errors(backend):
-    y, g = _value_and_grad(backend, lambda x: F.maximum(x, 0.0), np.array([-1.0, 0.0, 2.0]))
-    np.testing.assert_array_equal(y, [0.0, 0.0, 2.0])
-    np.testing.assert_array_equal(g, [0.0, 0.5, 1.0])  # relu's twin, but a tie shares
-    for op in (F.maximum, F.minimum):
-        with raises_naming(ValueError, op.__name__, "(2, 3)", "(4,)"):
-            op(tensor(np.ones((2, 3)), backend), tensor(np.ones(4), backend))
-
-
-def test_where_selects_exactly(backend):
-    """The unchosen side never leaks, not even a NaN or an inf; signed zeros survive; the
-    gradient goes to the chosen side only."""
-    cond = np.array([True, False, True, False, True])
-    a = np.array([-0.0, np.nan, np.inf, 1.0, 2.0])
-    b = np.array([np.nan, -0.0, 5.0, -np.inf, 3.0])
-    y, ga, gb = _value_and_grad(backend, lambda a, b: F.where(cond, a, b), a, b,
-                                grad=np.full(5, 2.0, np.float32))
-    np.testing.assert_array_equal(y, [-0.0, -0.0, np.inf, -np.inf, 2.0])
-    assert list(np.signbit(y[:2])) == [True, True]
-    np.testing.assert_array_equal(ga, [2.0, 0.0, 2.0, 0.0, 2.0])
-    np.testing.assert_array_equal(gb, [0.0, 2.0, 0.0, 2.0, 0.0])
-
-
-@pytest.mark.parametrize("kind", ["bool", "int", "tensor", "node"])
-def test_where_condition_kinds(backend, kind):
-    cond = np.array([[1, 0, 3], [0, -2, 0]])
-    condition = {"bool": cond != 0, "int": cond, "tensor": tensor(cond, backend),
-                 "node": netcl.Node(tensor(cond, backend))}[kind]
-    a = np.arange(6.0).reshape(2, 3)
-    out = F.where(condition, tensor(a, backend), -1.0)
-    np.testing.assert_array_equal(host(out), np.where(cond != 0, a, -1.0))
-
-
-def test_where_broadcasts_condition_and_sides(backend):
-    cond = np.array([True, False, True])  # (3,) against (2, 3) and a scalar
-    a, b = np.arange(6.0).reshape(2, 3), np.array([10.0, 20.0, 30.0])
-    y, ga, gb = _value_and_grad(backend, lambda a, b: F.where(cond, a, b), a, b)
-    np.testing.assert_array_equal(y, np.where(cond, a, b))
-    np.testing.assert_array_equal(ga, np.broadcast_to(cond, (2, 3)).astype(np.float32))
-    np.testing.assert_array_equal(gb, [0.0, 2.0, 0.0])
-    out = F.where(tensor(cond, backend), 1.0, 0.0)  # two numbers: on the condition's device
-    assert out.device is backend and out.dtype == np.float32
-    np.testing.assert_array_equal(host(out), [1.0, 0.0, 1.0])
-
-
-def test_where_and_masked_fill_errors(backend):
-    x = tensor(np.ones((2, 3)), backend)
-    with raises_naming(TypeError, "where", "condition", "float"):
-        F.where(np.ones((2, 3)), x, x)
-    with raises_naming(TypeError, "where", "condition", "float32"):
-        F.where(x, x, x)
-    with raises_naming(TypeError, "masked_fill", "mask", "float"):
-        F.masked_fill(x, np.zeros(3), 1.0)
-    with raises_naming(TypeError, "masked_fill", "value"):
-        F.masked_fill(x, np.zeros(3, bool), x)
-    with raises_naming(ValueError, "where", "(2, 3)", "(4,)"):
-        F.where(np.ones(4, bool), x, x)
-    with raises_naming(ValueError, "masked_fill", "(2, 3)", "(2,)"):
-        x_node = netcl.Node(x)
-        x_node.masked_fill(np.ones(2, bool), 0.0)
-
-
-def test_where_condition_on_another_device_raises(cpu, opencl):
-    with raises_naming(ValueError, "where", "devices"):
-        F.where(tensor(np.ones(3, np.int32), cpu), tensor(np.ones(3), opencl), 0.0)
-
-
-def test_masked_fill_causal_attention(backend):
-    """The GPT use: scores masked above the diagonal with -inf, then softmax. Masked places
-    get probability 0 and no gradient."""
-    rng = np.random.default_rng(21)
-    scores = rng.standard_normal((2, 4, 4))
-    causal = np.tril(np.ones((4, 4)))
-    weights = rng.standard_normal((2, 4, 4)).astype(np.float32)
-    y, g = _value_and_grad(backend, lambda s: F.softmax(s.masked_fill(causal == 0, -math.inf)),
-                           scores, grad=weights)
-    masked = np.where(causal == 0, -np.inf, scores)
-    expected = np.exp(masked - masked.max(-1, keepdims=True))
-    expected /= expected.sum(-1, keepdims=True)
-    np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-7)
-    assert np.all(y[:, causal == 0] == 0)
-    # softmax's backward, then nothing where the fill was
-    expected_grad = expected * (weights - (weights * expected).sum(-1, keepdims=True))
-    np.testing.assert_allclose(g, expected_grad, rtol=1e-5, atol=1e-6)
-    assert np.all(g[:, causal == 0] == 0)
-
-
-def test_max_ties_share_the_gradient(backend):
-    x = np.array([[1.0, 3.0, 3.0], [2.0, 2.0, 2.0]])
-    y, g = _value_and_grad(backend, lambda x: F.max(x, 1), x)  # torch.amax(x, 1)
-    np.testing.assert_array_equal(y, [3.0, 2.0])
-    np.testing.assert_allclose(g, [[0, 0.5, 0.5], [1 / 3, 1 / 3, 1 / 3]], rtol=1e-7)
-    y, g = _value_and_grad(backend, lambda x: x.max(), x)  # all of x
-    assert y.shape == () and y == 3.0
-    np.testing.assert_array_equal(g, [[0, 0.5, 0.5], [0, 0, 0]])
-    y, g = _value_and_grad(backend, lambda x: F.min(x, 0, keepdims=True),
-                           np.array([[1.0, 2.0, 5.0], [1.0, 3.0, 5.0]]))
-    np.testing.assert_array_equal(y, [[1.0, 2.0, 5.0]])
-    np.testing.assert_array_equal(g, [[0.5, 1, 0.5], [0.5, 0, 0.5]])
-
-
-def test_max_with_nan(backend):
-    """NaN is the largest and the smallest; a NaN extreme ties with nothing, so its column's
-    gradient is NaN (g / 0 * 0), as PyTorch's amax backward."""
-    x = np.array([[1.0, np.nan, 3.0], [2.0, 5.0, 4.0]])
-    for op in (lambda x: F.max(x, 1), lambda x: F.min(x, 1)):
-        y, g = _value_and_grad(backend, op, x)
-        assert np.isnan(y[0]) and not np.isnan(y[1])
-        assert np.isnan(g[0]).all() and not np.isnan(g[1]).any()
-
-
-def test_argmax(backend):
-    x = np.array([[1.0, 3.0, 3.0, 0.0], [np.nan, 2.0, np.nan, 9.0], [4.0, 4.0, 4.0, 4.0]])
-    t = tensor(x, backend)
-    out = F.argmax(t, 1)
-    assert isinstance(out, netcl.Tensor) and out.dtype == np.int32
-    np.testing.assert_array_equal(host(out), [1, 0, 0])  # the first of ties; NaN is largest
-    np.testing.assert_array_equal(host(F.argmax(t, 0)), [1, 2, 1, 1])
-    np.testing.assert_array_equal(host(F.argmax(t, -1, keepdims=True)), [[1], [0], [0]])
-    assert host(F.argmax(tensor(np.array([[0.0, 1.0], [7.0, 2.0]]), backend))) == 2  # flat
-    assert F.argmax(tensor(np.array([[0.0, 1.0]]), backend), keepdims=True).shape == (1, 1)
-    assert F.argmax(netcl.Node(t), 1).shape == (3,)  # Nodes too; no gradient
-    assert F.argmax(tensor(np.zeros((0, 3)), backend), 1).shape == (0,)
-
-
-def test_reductions_over_empty_axes(backend):
-    empty = tensor(np.zeros((2, 0)), backend)
-    for op in (F.max, F.min, F.argmax):
-        name = {F.max: "max", F.min: "min", F.argmax: "argmax"}[op]
-        with raises_naming(ValueError, name, "empty", "(2, 0)"):
-            op(empty, 1)
-        with raises_naming(ValueError, name, "empty", "(2, 0)"):
-            op(empty)  # all of an empty x
-    np.testing.assert_array_equal(host(F.var(empty, 1)), [np.nan, np.nan])  # as PyTorch
-    np.testing.assert_array_equal(host(F.std(empty, 1)), [np.nan, np.nan])
-    np.testing.assert_array_equal(host(F.logsumexp(empty, 1)), [-np.inf, -np.inf])
-    assert F.var(empty).shape == () and np.isnan(host(F.var(empty)))
-    # an empty x reduced along a non-empty axis: an empty result, forward and backward
-    for op in (lambda x: F.max(x, 1), lambda x: F.min(x, 1), lambda x: F.var(x, 1),
-               lambda x: F.std(x, 1, keepdims=True), lambda x: F.logsumexp(x, -1)):
-        y, g = _value_and_grad(backend, op, np.zeros((0, 3)))
-        assert y.shape in ((0,), (0, 1)) and g.shape == (0, 3)
-
-
-@pytest.mark.parametrize("correction, value, grad", [
-    # x = [[1, 2], [3, 3]] along axis 1; torch.var's backward 2 / (N - correction) g (x - mean)
-    (0, [0.25, 0.0], [[-0.5, 0.5], [0.0, 0.0]]),
-    (1, [0.5, 0.0], [[-1.0, 1.0], [0.0, 0.0]]),
-    (0.5, [1 / 3, 0.0], [[-2 / 3, 2 / 3], [0.0, 0.0]]),
-    (2, [np.inf, np.nan], [[-np.inf, np.inf], [np.nan, np.nan]]),  # N = correction
-    (3, [np.inf, np.nan], [[1.0, -1.0], [0.0, 0.0]]),  # divides by max(N - correction, 0)
-])
-def test_var_corrections(backend, correction, value, grad):
-    x = np.array([[1.0, 2.0], [3.0, 3.0]])
-    y, g = _value_and_grad(backend, lambda x: F.var(x, 1, correction=correction), x)
-    np.testing.assert_allclose(y, value, rtol=1e-6)
-    np.testing.assert_allclose(g, grad, rtol=1e-6)
-
-
-def test_std_of_a_constant_has_zero_gradient(backend):
-    """PyTorch's std_backward masks the 1 / std of a zero std: 0, not nan."""
-    x = np.array([[1.0, 2.0], [3.0, 3.0]])
-    y, g = _value_and_grad(backend, lambda x: x.std(1), x)
-    np.testing.assert_allclose(y, [math.sqrt(0.5), 0.0], rtol=1e-6)
-    np.testing.assert_allclose(g, [[-math.sqrt(0.5), math.sqrt(0.5)], [0.0, 0.0]], rtol=1e-6)
-    y, g = _value_and_grad(backend, lambda x: F.std(x), np.full(4, 7.0))
-    assert y == 0.0
-    np.testing.assert_array_equal(g, np.zeros(4))
-
-
-def test_var_is_stable_far_from_zero(backend):
-    """Two passes: a large mean does not swamp a small spread."""
-    x = 1e4 + np.array([0.0, 1.0, 2.0, 3.0])
-    np.testing.assert_allclose(host(F.var(tensor(x, backend))), np.var(x, ddof=1), rtol=1e-6)
-
-
-def test_logsumexp_is_stable(backend):
-    x = np.array([[1000.0, 1000.0], [-1000.0, -1001.0], [np.inf, 1.0], [-np.inf, -np.inf]])
-    y, g = _value_and_grad(backend, lambda x: F.logsumexp(x, 1), x)
-    np.testing.assert_allclose(y[:2], [1000 + math.log(2), -1000 + math.log1p(math.exp(-1))],
-                               rtol=1e-6)
-    np.testing.assert_array_equal(y[2:], [np.inf, -np.inf])  # not nan: shifted by 0
-    # PyTorch's gradient, exp(x - lse), from the float32 lse: softmax up to lse's rounding
-    # (float32's spacing at 1000 is 2**-14), and exactly what PyTorch gives (0.49998546 here)
-    np.testing.assert_allclose(g[:2], np.exp(x[:2] - y[:2, None].astype(np.float64)), rtol=1e-6)
-    np.testing.assert_allclose(g[:2], [[0.5, 0.5], [1 / (1 + math.exp(-1)),
-                                                    1 / (1 + math.exp(1))]], atol=2 ** -14)
-    np.testing.assert_array_equal(g[2:], [[np.nan, 0.0], [np.nan, np.nan]])  # as PyTorch
-
-
-def test_reductions_reject_bad_axes_and_arguments(backend):
-    x = tensor(np.ones((2, 3)), backend)
-    for name, op in [("max", F.max), ("min", F.min), ("argmax", F.argmax), ("var", F.var),
-                     ("std", F.std), ("logsumexp", F.logsumexp)]:
-        with raises_naming(TypeError, name, "axis", "(0, 1)"):
-            op(x, (0, 1))
-        with raises_naming(ValueError, name, "axis", "2", "(2, 3)"):
-            op(x, 2)
-    with raises_naming(TypeError, "var", "correction"):
-        F.var(x, correction="1")
-    with raises_naming(TypeError, "logsumexp", "axis"):
-        F.logsumexp(x)  # axis is required, as torch.logsumexp's dim
-
-
-def test_reductions_of_a_zero_dimensional_tensor(backend):
-    x = np.array(5.0)
-    for op in (lambda x: F.max(x, 0), lambda x: F.min(x, -1), lambda x: F.logsumexp(x, 0)):
-        y, g = _value_and_grad(backend, op, x)
-        assert y.shape == () and y == 5.0 and g == 1.0
-    assert host(F.argmax(tensor(x, backend), 0)) == 0
-    y, g = _value_and_grad(backend, lambda x: F.var(x, correction=0), x)
-    assert y == 0.0 and g == 0.0
-
-
-@pytest.mark.parametrize("op", [
-    F.sqrt, F.rsqrt, F.abs, lambda x: x ** 2, lambda x: F.clamp(x, -1.0, 1.0), F.silu,
-    lambda x: F.gelu(x, approximate="tanh"), lambda x: F.maximum(x, x),
-    lambda x: F.minimum(x, 0.0), lambda x: F.where(np.ones((0, 3), bool), x, 1.0),
-    lambda x: x.masked_fill(np.zeros(3, bool), 2.0),
-], ids=["sqrt", "rsqrt", "abs", "pow", "clamp", "silu", "gelu_tanh", "maximum", "minimum",
-        "where", "masked_fill"])
-def test_elementwise_on_zero_size_tensors(backend, op):
-    y, g = _value_and_grad(backend, op, np.zeros((0, 3)))
-    assert y.shape == (0, 3) and g.shape == (0, 3)
-
-
-HALF_NEW_OP_CASES = [
-    ("sqrt", _one(low=0.1), F.sqrt, np.sqrt, True),
-    ("rsqrt", _one(low=0.1), F.rsqrt, lambda x: 1 / np.sqrt(x), True),
-    ("abs", _one(), F.abs, np.abs, True),
-    ("pow", _one(), lambda x: x ** 3, lambda x: x ** 3, True),
-    ("clamp", _one(), lambda x: F.clamp(x, -0.5, 0.7), lambda x: np.clip(x, -0.5, 0.7), True),
-    ("silu", _one(), F.silu, lambda x: x / (1 + np.exp(-x)), True),
-    ("gelu_tanh", _one(), lambda x: F.gelu(x, approximate="tanh"), _gelu_tanh_ref, True),
-    ("maximum", _two(), F.maximum, np.maximum, True),
-    ("minimum_row", _two((5,)), F.minimum, np.minimum, True),
-    ("where", _two((5,)), lambda a, b: F.where(np.arange(5) % 2 == 0, a, b),
-     lambda a, b: np.where(np.arange(5) % 2 == 0, a, b), True),
-    ("masked_fill", _one(), lambda x: x.masked_fill(np.arange(5) > 2, -3.0),
-     lambda x: np.where(np.arange(5) > 2, -3.0, x), True),
-    ("max_axis1", _one(), lambda x: F.max(x, 1), lambda x: x.max(1), False),
-    ("min", _one(), F.min, np.min, False),
-    ("var_axis0", _one(), lambda x: F.var(x, 0), lambda x: x.var(0, ddof=1), False),
-    ("std", _one(), F.std, lambda x: x.std(ddof=1), False),
-    ("logsumexp", _one(), lambda x: F.logsumexp(x, -1), lambda x: _logsumexp_ref(x, -1, False),
-     False),
-]
-
-
-@pytest.mark.parametrize("case", HALF_NEW_OP_CASES, ids=[c[0] for c in HALF_NEW_OP_CASES])
-def test_float16_storage_new_ops(opencl, case):
-    """test_float16_storage_ops for these ops: float16 in, float16 out for the elementwise
-    ones, float32 for the reductions, float32 gradients either way."""
-    test_float16_storage_ops(opencl, case)
-# normalisation, embedding and attention
-# ---------------------------------------------------------------------------------------------
-
-def _batch_norm_module_ref(batches, momentum, eps=1e-5):
-    """torch.nn.BatchNorm1d's training steps, transcribed: each batch normalised with its own
-    statistics; running_mean and running_var (unbiased variance) moved by momentum, or by
-    1 / num_batches_tracked for momentum=None. Returns the outputs and the final state."""
-    C = batches[0].shape[1]
-    running_mean, running_var = np.zeros(C), np.ones(C)
-    outputs = []
-    for count, x in enumerate(batches, start=1):
-        axes = (0,) + tuple(range(2, x.ndim))
-        n = x.size // C
-        mean, var = x.mean(axis=axes), x.var(axis=axes)
-        factor = 1.0 / count if momentum is None else momentum
-        running_mean = (1 - factor) * running_mean + factor * mean
-        running_var = (1 - factor) * running_var + factor * var * n / (n - 1)
-        outputs.append(_batch_norm_ref(x, mean, var, eps=eps))
-    return outputs, running_mean, running_var
-
-
-@pytest.mark.parametrize("shape, module", [((8, 3), netcl.BatchNorm1d),
-                                           ((5, 3, 4), netcl.BatchNorm1d),
-                                           ((4, 3, 2, 5), netcl.BatchNorm2d)])
-@pytest.mark.parametrize("momentum", [0.1, 0.5, None])
-def test_batch_norm_running_stats_and_eval_follow_pytorch(backend, shape, module, momentum):
-    rng = np.random.default_rng(40)
-    batches = [(rng.standard_normal(shape) * (i + 1) + i).astype(np.float32) for i in range(3)]
-    bn = module(3, momentum=momentum, queue=backend.queue)
-    outputs, running_mean, running_var = _batch_norm_module_ref(batches, momentum)
-    for x, expected in zip(batches, outputs):
-        np.testing.assert_allclose(host(bn(tensor(x, backend))), expected, rtol=1e-5, atol=1e-5)
-    state = bn.state_dict()
-    np.testing.assert_allclose(state["running_mean"], running_mean, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(state["running_var"], running_var, rtol=1e-5, atol=1e-6)
-    assert state["num_batches_tracked"] == 3
-    # eval: the running statistics normalise, and the gradient is weight * g / sqrt(var + eps)
-    bn.eval()
-    x = param(batches[0], backend)
-    with netcl.Tape() as tape:
-        y = bn(x)
-    np.testing.assert_allclose(host(y), _batch_norm_ref(batches[0], running_mean, running_var),
-                               rtol=1e-5, atol=1e-5)
-    g = rng.standard_normal(shape).astype(np.float32)
-    tape.backward(y, grad=tensor(g, backend))
-    channel = (1, 3) + (1,) * (len(shape) - 2)
-    np.testing.assert_allclose(host(x.grad), g / np.sqrt(running_var.reshape(channel) + 1e-5),
-                               rtol=1e-5, atol=1e-6)
-    assert bn.state_dict()["num_batches_tracked"] == 3  # eval counts nothing
-
-
-def test_batch_norm_train_eval_switching(backend):
-    rng = np.random.default_rng(41)
-    bn = netcl.BatchNorm1d(4, queue=backend.queue)
-    x = tensor(rng.standard_normal((6, 4)) * 3 + 2, backend)
-    trained = host(bn(x))
-    after_one = bn.state_dict()
-    bn.eval()
-    assert not bn.training
-    first, second = host(bn(x)), host(bn(x))
-    np.testing.assert_array_equal(first, second)  # no statistics move in eval
-    assert not np.allclose(first, trained, atol=1e-3)  # running, not batch, statistics
-    for key, value in bn.state_dict().items():
-        np.testing.assert_array_equal(value, after_one[key])
-    bn.train()
-    np.testing.assert_array_equal(host(bn(x)), trained)
-    assert bn.state_dict()["num_batches_tracked"] == 2
-    assert not np.array_equal(bn.state_dict()["running_mean"], after_one["running_mean"])
-
-
-def test_batch_norm_without_running_stats_or_affine(backend):
-    rng = np.random.default_rng(42)
-    x = rng.standard_normal((7, 3, 2)).astype(np.float32)
-    plain = netcl.BatchNorm1d(3, affine=False, track_running_stats=False, queue=backend.queue)
-    assert plain.parameters() == [] and list(plain.state_dict()) == []
-    assert plain.running_mean is None and plain.weight is None
-    plain.eval()  # without running statistics eval normalises with the batch's, as PyTorch
-    np.testing.assert_allclose(host(plain(tensor(x, backend))), _batch_norm_ref(x),
-                               rtol=1e-5, atol=1e-5)
-    stats_only = netcl.BatchNorm1d(3, affine=False, queue=backend.queue)
-    assert list(stats_only.state_dict()) == ["running_mean", "running_var", "num_batches_tracked"]
-    no_stats = netcl.BatchNorm1d(3, track_running_stats=False, queue=backend.queue)
-    np.testing.assert_allclose(host(no_stats(tensor(x, backend))), _batch_norm_ref(x),
-                               rtol=1e-5, atol=1e-5)
-    assert list(no_stats.state_dict()) == ["weight", "bias"] and no_stats.running_var is None
-
-
-def test_batch_norm_state_dict_keys_order_and_round_trip(backend, tmp_path):
-    netcl.manual_seed(0)
-    model = netcl.Sequential(netcl.Linear(4, 3, queue=backend.queue),
-                             netcl.BatchNorm1d(3, queue=backend.queue))
-    assert [n for n, _ in model.named_parameters()] == ["0.weight", "0.bias", "1.weight",
-                                                         "1.bias"]
-    assert [n for n, _ in model.named_buffers()] == ["1.running_mean", "1.running_var",
-                                                      "1.num_batches_tracked"]
-    model(tensor(np.random.default_rng(43).standard_normal((5, 4)), backend))
-    state = model.state_dict()
-    assert list(state) == ["0.weight", "0.bias", "1.weight", "1.bias", "1.running_mean",
-                           "1.running_var", "1.num_batches_tracked"]  # PyTorch's order
-    assert state["1.weight"].dtype == np.float32 and state["1.running_var"].shape == (3,)
-    counter = state["1.num_batches_tracked"]
-    assert isinstance(counter, np.ndarray) and counter.dtype == np.int64 and counter.shape == ()
-    assert counter == 1
-    np.testing.assert_array_equal(state["1.weight"], np.ones(3))  # PyTorch's initialisation
-    np.testing.assert_array_equal(state["1.bias"], np.zeros(3))
-    # A PyTorch state dict, as NumPy arrays: float32 statistics, an int64 counter.
-    torch_like = dict(state)
-    torch_like["1.running_mean"] = np.array([0.5, -1.0, 2.0], np.float32)
-    torch_like["1.running_var"] = np.array([1.5, 0.25, 4.0], np.float32)
-    torch_like["1.num_batches_tracked"] = np.array(17, np.int64)
-    other = netcl.Sequential(netcl.Linear(4, 3, queue=backend.queue),
-                             netcl.BatchNorm1d(3, queue=backend.queue))
-    other.load_state_dict(torch_like)
-    for key, value in other.state_dict().items():
-        np.testing.assert_array_equal(value, torch_like[key])
-        assert value.dtype == torch_like[key].dtype
-    netcl.save(other.state_dict(), tmp_path / "bn.npz")
-    loaded = netcl.load(tmp_path / "bn.npz")
-    assert loaded["1.num_batches_tracked"].dtype == np.int64
-    model.load_state_dict(loaded)
-    for key, value in model.state_dict().items():
-        np.testing.assert_array_equal(value, torch_like[key])
-    del torch_like["1.running_var"]
-    with raises_naming((KeyError, ValueError, RuntimeError), "1.running_var"):
-        model.load_state_dict(torch_like)
-    with raises_naming((KeyError, ValueError, RuntimeError), "1.running_mean", "(4,)"):
-        model.load_state_dict(dict(loaded, **{"1.running_mean": np.zeros(4, np.float32)}))
-
-
-def test_batch_norm_zero_size_and_errors(backend):
-    bn = netcl.BatchNorm1d(3, queue=backend.queue)
-    x = param(np.zeros((0, 3), np.float32), backend)
-    with netcl.Tape() as tape:
-        y = bn(x)
-        loss = y.sum()
-    assert y.shape == (0, 3)
-    tape.backward(loss)
-    np.testing.assert_array_equal(host(bn.weight.grad), np.zeros(3))
-    np.testing.assert_array_equal(host(bn.bias.grad), np.zeros(3))
-    state = bn.state_dict()  # an empty batch moves no statistics, but counts (PyTorch)
-    np.testing.assert_array_equal(state["running_mean"], np.zeros(3))
-    np.testing.assert_array_equal(state["running_var"], np.ones(3))
-    assert state["num_batches_tracked"] == 1
-    with raises_naming(ValueError, "more than 1 value per channel", "(1, 3)"):
-        bn(tensor(np.ones((1, 3)), backend))
-    assert bn.state_dict()["num_batches_tracked"] == 1  # a refused batch is not counted
-    with raises_naming(ValueError, "BatchNorm1d", "2D or 3D", "4D"):
-        bn(tensor(np.ones((2, 3, 2, 2)), backend))
-    with raises_naming(ValueError, "BatchNorm2d", "4D", "3D"):
-        netcl.BatchNorm2d(3, queue=backend.queue)(tensor(np.ones((2, 3, 2)), backend))
-    with raises_naming(ValueError, "batch_norm", "running_mean", "(2,)", "3"):
-        F.batch_norm(tensor(np.ones((4, 3)), backend), tensor(np.zeros(2), backend),
-                     tensor(np.ones(2), backend), training=True)
-    with raises_naming(ValueError, "batch_norm", "weight", "(2,)"):
-        F.batch_norm(tensor(np.ones((4, 3)), backend), None, None,
-                     weight=tensor(np.ones(2), backend), training=True)
-    with raises_naming(ValueError, "batch_norm", "running_mean", "training"):
-        F.batch_norm(tensor(np.ones((4, 3)), backend), None, None, training=False)
-    with raises_naming(ValueError, "batch_norm", "(N, C"):
-        F.batch_norm(tensor(np.ones(4), backend), None, None, training=True)
-    with raises_naming(ValueError, "batch_norm", "momentum"):
-        F.batch_norm(tensor(np.ones((4, 3)), backend), None, None, training=True, momentum="x")
-    with raises_naming(TypeError, "batch_norm", "running_mean"):
-        F.batch_norm(tensor(np.ones((4, 3)), backend), np.zeros(3), np.ones(3))
-    with raises_naming(ValueError, "num_features"):
-        netcl.BatchNorm1d(0)
-
-
-def test_register_buffer_and_named_buffers(backend):
-    class Counter(netcl.Module):
-        def __init__(self):
-            super().__init__()
-            self.scale = param(np.ones(2), backend)
-            self.register_buffer("total", tensor(np.zeros(2), backend))
-            self.register_buffer("steps", np.zeros((), np.int64))
-            self.register_buffer("nothing", None)
-            self.child = netcl.Linear(2, 2, queue=backend.queue)
-
-    m = Counter()
-    assert [n for n, _ in m.named_parameters()] == ["scale", "child.weight", "child.bias"]
-    assert [n for n, _ in m.named_buffers()] == ["total", "steps"]  # None is left out
-    assert list(m.state_dict()) == ["scale", "total", "steps", "child.weight", "child.bias"]
-    m.total = tensor(np.full(2, 3.0), backend)  # a new value keeps the buffer's place
-    assert list(m.state_dict()) == ["scale", "total", "steps", "child.weight", "child.bias"]
-    np.testing.assert_array_equal(m.state_dict()["total"], [3.0, 3.0])
-    assert len(m.parameters()) == 3
-    with raises_naming(TypeError, "total"):
-        m.total = 5
-    with raises_naming(KeyError, "scale", "exists"):
-        m.register_buffer("scale", tensor(np.zeros(2), backend))
-    with raises_naming(KeyError, "a.b"):
-        m.register_buffer("a.b", None)
-    with raises_naming(TypeError, "other"):
-        m.register_buffer("other", [1.0])
-
-
-def test_layer_norm_module(backend):
-    ln = netcl.LayerNorm((2, 3), queue=backend.queue)
-    assert ln.normalized_shape == (2, 3)
-    assert [n for n, _ in ln.named_parameters()] == ["weight", "bias"]
-    np.testing.assert_array_equal(host(ln.weight), np.ones((2, 3)))
-    np.testing.assert_array_equal(host(ln.bias), np.zeros((2, 3)))
-    assert list(netcl.LayerNorm(4, bias=False).state_dict()) == ["weight"]
-    assert netcl.LayerNorm(4, elementwise_affine=False).parameters() == []
-    x = np.random.default_rng(44).standard_normal((5, 2, 3)).astype(np.float32)
-    np.testing.assert_allclose(host(ln(tensor(x, backend))), _layer_norm_ref(x, (2, 3)),
-                               rtol=1e-5, atol=1e-5)
-    with raises_naming(ValueError, "normalized_shape"):
-        netcl.LayerNorm(())
-
-
-def test_layer_norm_zero_size_and_errors(backend):
-    w, b = param(np.ones(4), backend), param(np.zeros(4), backend)
-    x = param(np.zeros((0, 4), np.float32), backend)
-    with netcl.Tape() as tape:
-        y = F.layer_norm(x, (4,), w, b)
-        loss = y.sum()
-    assert y.shape == (0, 4)
-    tape.backward(loss)
-    np.testing.assert_array_equal(host(w.grad), np.zeros(4))
-    np.testing.assert_array_equal(host(b.grad), np.zeros(4))
-    assert F.layer_norm(tensor(np.zeros((3, 0)), backend), (0,)).shape == (3, 0)
-    with raises_naming(ValueError, "layer_norm", "(2,)", "(4, 3)"):
-        F.layer_norm(tensor(np.ones((4, 3)), backend), (2,))
-    with raises_naming(ValueError, "layer_norm", "weight", "(2,)", "(3,)"):
-        F.layer_norm(tensor(np.ones((4, 3)), backend), 3, weight=tensor(np.ones(2), backend))
-    with raises_naming(ValueError, "layer_norm", "normalized_shape"):
-        F.layer_norm(tensor(np.ones((4, 3)), backend), (-3,))
-    with raises_naming(ValueError, "layer_norm", "eps"):
-        F.layer_norm(tensor(np.ones((4, 3)), backend), 3, eps=None)
-
-
-@pytest.mark.parametrize("op", ["layer_norm", "batch_norm", "attention"])
-def test_normalisation_and_attention_read_float16_storage(cpu, opencl, op):
-    """float16 storage in (autocast's activations), float32 out, on both backends alike."""
-    rng = np.random.default_rng(45)
-    x = rng.standard_normal((6, 3, 8)).astype(np.float16)
-    run = {"layer_norm": lambda x: F.layer_norm(x, 8),
-           "batch_norm": lambda x: F.batch_norm(x, None, None, training=True),
-           "attention": lambda x: F.scaled_dot_product_attention(x, x, x, is_causal=True)}[op]
-    results = []
-    for dev in (cpu, opencl):
-        node = netcl.Node(tensor(x, dev), requires_grad=True)
-        with netcl.Tape() as tape:
-            y = run(node)
-        tape.backward(y, grad=np.ones(y.shape, np.float32))
-        assert y.dtype == np.float32 and node.grad.dtype == np.float32
-        results.append((host(y), host(node.grad)))
-    (y_cpu, g_cpu), (y_cl, g_cl) = results
-    np.testing.assert_allclose(y_cl, y_cpu, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(g_cl, g_cpu, rtol=1e-4, atol=1e-5)
-
-
-def test_embedding_module_and_index_kinds(backend):
-    netcl.manual_seed(0)
-    emb = netcl.Embedding(200, 50, queue=backend.queue)
-    weight = host(emb.weight)
-    assert list(emb.state_dict()) == ["weight"] and weight.shape == (200, 50)
-    assert abs(weight.mean()) < 0.02 and abs(weight.std() - 1.0) < 0.02  # N(0, 1), as PyTorch
-    idx = np.array([[3, 0, 199], [3, 3, 7]])
-    for kind in (idx, idx.astype(np.int32), tensor(idx, backend), idx.tolist()):
-        np.testing.assert_array_equal(host(emb(kind)), weight[idx])
-    assert emb(np.int64(5)).shape == (50,)
-    assert emb(np.zeros((2, 0), np.int64)).shape == (2, 0, 50)
-
-
-def test_embedding_backward_sums_repeated_rows_in_a_fixed_order(cpu, opencl):
-    """A row picked many times gets the sum of its positions' gradients; the OpenCL gather
-    adds them in position order, as np.add.at does, so both backends agree to the bit."""
-    rng = np.random.default_rng(46)
-    idx = rng.integers(0, 5, size=(40, 30))
-    w0 = rng.standard_normal((9, 6)).astype(np.float32)
-    g = rng.standard_normal((40, 30, 6)).astype(np.float32)
-    grads = []
-    for dev in (cpu, opencl, opencl):
-        w = param(w0, dev)
-        with netcl.Tape() as tape:
-            y = F.embedding(idx, w)
-        tape.backward(y, grad=tensor(g, dev))
-        grads.append(host(w.grad))
-    expected = np.zeros((9, 6))
-    np.add.at(expected, idx.ravel(), g.reshape(-1, 6).astype(np.float64))
-    np.testing.assert_allclose(grads[0], expected, rtol=1e-5, atol=1e-5)
-    np.testing.assert_array_equal(grads[1], grads[0])
-    np.testing.assert_array_equal(grads[2], grads[1])
-    np.testing.assert_array_equal(grads[0][5:], 0)  # rows nobody picked
-
-
-def test_embedding_zero_size_and_errors(backend):
-    w = param(np.ones((5, 3)), backend)
-    with netcl.Tape() as tape:
-        y = F.embedding(np.zeros((0,), np.int64), w)
-        loss = y.sum()
-    assert y.shape == (0, 3)
-    tape.backward(loss)
-    np.testing.assert_array_equal(host(w.grad), np.zeros((5, 3)))
-    for bad in (5, -1):
-        with raises_naming(IndexError, "embedding", f"index {bad}", "[0, 5)"):
-            F.embedding(np.array([0, bad]), w)
-    with raises_naming(IndexError, "index 9"):
-        F.embedding(tensor(np.array([9], np.int32), backend), w)
-    with raises_naming(TypeError, "embedding", "idx", "float"):
-        F.embedding(np.array([1.0]), w)
-    with raises_naming(TypeError, "embedding", "idx", "float32"):
-        F.embedding(tensor(np.array([1.0]), backend), w)
-    with raises_naming(ValueError, "embedding", "weight", "(5,)"):
-        F.embedding(np.array([1]), param(np.ones(5), backend))
-    with raises_naming(ValueError, "num_embeddings"):
-        netcl.Embedding(0, 3)
-
-
-def test_attention_row_without_keys_gives_zero(backend):
-    rng = np.random.default_rng(47)
-    q, k, v = (param(rng.standard_normal(s), backend) for s in [(2, 3, 4), (2, 5, 4), (2, 5, 6)])
-    mask = np.ones((3, 5), bool)
-    mask[1] = False  # query row 1 may attend to nothing: PyTorch gives 0, not NaN
-    with netcl.Tape() as tape:
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        loss = (y * y).sum()
-    out = host(y)
-    np.testing.assert_array_equal(out[:, 1], 0)
-    np.testing.assert_allclose(out[:, [0, 2]], _attention_ref(*map(host, (q, k, v)))[:, [0, 2]],
-                               rtol=1e-5, atol=1e-5)
-    tape.backward(loss)
-    np.testing.assert_array_equal(host(q.grad)[:, 1], 0)
-    assert all(np.isfinite(host(p.grad)).all() for p in (q, k, v))
-
-
-def test_attention_zero_size(backend):
-    rng = np.random.default_rng(48)
-    cases = [((2, 0, 4), (2, 5, 4), (2, 5, 3)),   # no queries
-             ((2, 3, 4), (2, 0, 4), (2, 0, 3)),   # no keys: zeros, as PyTorch
-             ((0, 3, 4), (0, 5, 4), (0, 5, 3))]   # no batch
-    for shapes in cases:
-        q, k, v = (param(rng.standard_normal(s), backend) for s in shapes)
-        with netcl.Tape() as tape:
-            y = F.scaled_dot_product_attention(q, k, v)
-            loss = y.sum()
-        assert y.shape == shapes[0][:-1] + (3,)
-        np.testing.assert_array_equal(host(y), 0)
-        tape.backward(loss)
-        for p, s in zip((q, k, v), shapes):
-            assert host(p.grad).shape == s
-            np.testing.assert_array_equal(host(p.grad), 0)
-
-
-def test_attention_errors(backend):
-    q, k, v = (tensor(np.ones(s), backend) for s in [(2, 3, 4), (2, 5, 4), (2, 5, 6)])
-    attention = F.scaled_dot_product_attention
-    with raises_naming(ValueError, "scaled_dot_product_attention", "attn_mask", "is_causal"):
-        attention(q, k, v, attn_mask=np.ones((3, 5), bool), is_causal=True)
-    for p in (1.5, -0.1, "0.1"):
-        with raises_naming(ValueError, "scaled_dot_product_attention", "dropout_p"):
-            attention(q, k, v, dropout_p=p)
-    with raises_naming(ValueError, "scaled_dot_product_attention", "(2, 5, 3)"):
-        attention(q, tensor(np.ones((2, 5, 3)), backend), v)
-    with raises_naming(ValueError, "scaled_dot_product_attention", "(2, 4, 6)"):
-        attention(q, k, tensor(np.ones((2, 4, 6)), backend))
-    with raises_naming(ValueError, "scaled_dot_product_attention", "(3, 3, 4)"):
-        attention(tensor(np.ones((3, 3, 4)), backend), k, v)
-    with raises_naming(ValueError, "scaled_dot_product_attention", "(4,)"):
-        attention(tensor(np.ones(4), backend), k, v)
-    with raises_naming(ValueError, "attn_mask", "(3, 4)", "(2, 3, 5)"):
-        attention(q, k, v, attn_mask=np.ones((3, 4), bool))
-    with raises_naming(TypeError, "attn_mask", "int"):
-        attention(q, k, v, attn_mask=np.ones((3, 5), np.int64))
-    with raises_naming(ValueError, "scaled_dot_product_attention", "scale"):
-        attention(q, k, v, scale="big")
-
-
-def _dropped_attention(dev, seed, p, L=40, S=30, g=None):
-    """Attention with q = k = 0 (every weight 1/S) and v = I: the output is the dropout
-    factor of each weight, / S. Returns the output and the gradient of v for `g`."""
-    q, k = param(np.zeros((L, 4)), dev), param(np.zeros((S, 4)), dev)
-    v = param(np.eye(S), dev)
-    netcl.manual_seed(seed)
-    with netcl.Tape() as tape:
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=p)
-    tape.backward(y, grad=tensor(np.ones((L, S)) if g is None else g, dev))
-    return host(y), host(v.grad)
-
-
-@pytest.mark.parametrize("p", [0.2, 0.5])
-def test_attention_dropout_statistics_and_determinism(backend, p):
-    out, grad_v = _dropped_attention(backend, 0, p)
-    factor = out * 30 * (1 - p)  # 1 for a kept weight, 0 for a dropped one
-    np.testing.assert_allclose(factor[factor > 0.5], 1, rtol=1e-5)
-    dropped = (factor < 0.5).mean()
-    assert abs(dropped - p) < 4 * math.sqrt(p * (1 - p) / factor.size)
-    again, _ = _dropped_attention(backend, 0, p)
-    np.testing.assert_array_equal(again, out)  # the same seed, the same mask
-    other, _ = _dropped_attention(backend, 1, p)
-    assert not np.array_equal(other, out)
-    # backward drops what forward dropped: dv = (P D)^T g, and P D / S is the output here
-    g = np.random.default_rng(49).standard_normal((40, 30)).astype(np.float32)
-    _, grad_v = _dropped_attention(backend, 0, p, g=g)
-    np.testing.assert_allclose(grad_v, out.T @ g, rtol=1e-5, atol=1e-5)
-
-
-def test_attention_dropout_gradient_and_backends_agree(cpu, opencl):
-    """With the mask fixed by manual_seed, dropout attention is a smooth function: its
-    gradient matches central differences (float64, NumPy backend), and the OpenCL backend,
-    whose mask is the same hash of the same seed, matches the NumPy one."""
-    rng = np.random.default_rng(50)
-    arrays = [rng.standard_normal(s) for s in [(2, 3, 4), (2, 5, 4), (2, 5, 3)]]
-    g = rng.standard_normal((2, 3, 3))
-
-    def run(dev, values, dtype=np.float64):
-        nodes = [param(a, dev, dtype) for a in values]
-        netcl.manual_seed(7)
-        with netcl.Tape() as tape:
-            y = F.scaled_dot_product_attention(*nodes, dropout_p=0.4)
-        tape.backward(y, grad=tensor(g, dev, dtype))
-        return host(y), [host(n.grad) for n in nodes]
-
-    y, grads = run(cpu, arrays)
-    eps = 1e-6
-    for i, analytic in enumerate(grads):
-        numeric = np.zeros_like(arrays[i])
-        for idx in np.ndindex(arrays[i].shape):
-            values = []
-            for shift in (eps, -eps):
-                shifted = [a.copy() for a in arrays]
-                shifted[i][idx] += shift
-                netcl.manual_seed(7)
-                values.append(float((host(F.scaled_dot_product_attention(
-                    *[tensor(a, cpu, np.float64) for a in shifted], dropout_p=0.4)) * g).sum()))
-            numeric[idx] = (values[0] - values[1]) / (2 * eps)
-        np.testing.assert_allclose(analytic, numeric, rtol=1e-5, atol=1e-7)
-    y32, grads32 = run(cpu, arrays, None)
-    y_cl, grads_cl = run(opencl, arrays, None)
-    np.testing.assert_allclose(y_cl, y32, rtol=1e-5, atol=1e-5)
-    for a, b in zip(grads_cl, grads32):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
-    assert (y32 == 0).any()  # some weights were dropped
-
-
-def test_tiny_attention_model_learns(backend):
-    """Embeddings, causal attention, LayerNorm and a linear head learn to copy the previous
-    token, which takes attention: the loss falls far below chance (log 6) in 50 Adam steps."""
-    netcl.manual_seed(0)
-    vocab, dim, B, T = 6, 16, 16, 8
-    emb = netcl.Embedding(vocab, dim, queue=backend.queue)
-    pos = netcl.Embedding(T, dim, queue=backend.queue)
-    projections = [netcl.Linear(dim, dim, queue=backend.queue) for _ in range(3)]
-    norm = netcl.LayerNorm(dim, queue=backend.queue)
-    head = netcl.Linear(dim, vocab, queue=backend.queue)
-    opt = netcl.Adam([p for m in [emb, pos, *projections, norm, head] for p in m.parameters()],
-                     lr=0.02)
-    rng = np.random.default_rng(51)
-    losses = []
-    for _ in range(50):
-        tokens = rng.integers(0, vocab, size=(B, T))
-        target = np.concatenate([tokens[:, :1], tokens[:, :-1]], axis=1)  # the previous token
-        with netcl.Tape() as tape:
-            x = emb(tokens) + pos(np.arange(T))                              # (B, T, C)
-            q, k, v = (projection(x) for projection in projections)
-            h = x + F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            logits = head(norm(h))                                           # (B, T, vocab)
-            loss = F.cross_entropy(F.reshape(logits, (B * T, vocab)), target.reshape(-1))
-        opt.zero_grad()
-        tape.backward(loss)
-        opt.step()
-        losses.append(float(loss.value))
-    assert np.mean(losses[-10:]) < 0.1 * math.log(vocab), losses[::10]
-# shape ops
-# ---------------------------------------------------------------------------------------------
-
-def _grad_of(dev, array, op, weights_seed=0, index_dtype=None):
-    """(output, gradient of the input) of sum(op(x) * w) for a random w, as host arrays."""
-    x = param(array, dev, index_dtype)
-    with netcl.Tape() as tape:
-        y = op(x)
-    w = np.random.default_rng(weights_seed).standard_normal(y.shape).astype(np.float32)
-    tape.backward(y, grad=tensor(w, dev))
-    return host(y), host(x.grad), w
-
-
-@pytest.mark.parametrize("index", [
-    np.array([3, 1, 3, 3, -2, 0]),                      # -2 is row 3 again
-    [3, 1, 3, 3, -2, 0],
-    np.array([[3, 1, 3], [3, -2, 0]]),
-])
-def test_repeated_indices_accumulate(backend, index):
-    x = np.arange(15, dtype=np.float32).reshape(5, 3)
-    y, grad, w = _grad_of(backend, x, lambda p: p[index])
-    rows = np.array([3, 1, 3, 3, 3, 0]).reshape(np.shape(index))
-    np.testing.assert_array_equal(y, x[rows])
-    w_rows = w.reshape(6, 3)
-    expected = np.zeros_like(x)  # torch's index backward: each row sums what it gave
-    expected[3] = w_rows[0] + w_rows[2] + w_rows[3] + w_rows[4]
-    expected[1], expected[0] = w_rows[1], w_rows[5]
-    np.testing.assert_allclose(grad, expected, rtol=1e-6)
-    # rows 2 and 4 were never picked: exactly 0
-    assert not grad[[2, 4]].any()
-
-
-def test_gathered_gradients_sum_in_the_same_order_on_both_backends(cpu, opencl):
-    """Many repeats of few rows: the OpenCL backward adds in the order np.add.at does."""
-    rng = np.random.default_rng(3)
-    x = rng.standard_normal((7, 33)).astype(np.float32)
-    index = rng.integers(-7, 7, size=(40, 25))
-    results = [_grad_of(dev, x, lambda p: p[index], 4) for dev in (cpu, opencl)]
-    np.testing.assert_array_equal(results[1][0], results[0][0])
-    np.testing.assert_array_equal(results[1][1], results[0][1])
-    select = [_grad_of(dev, x, lambda p: F.index_select(p, 1, np.abs(index[0])), 5)
-              for dev in (cpu, opencl)]
-    np.testing.assert_array_equal(select[1][1], select[0][1])
-
-
-@pytest.mark.parametrize("key", [
-    np.s_[1:3], np.s_[1:4:2], np.s_[3:], np.s_[-1], np.s_[2], np.s_[:, -1], np.s_[:, 1:3],
-    np.s_[..., 2], np.s_[..., -1, :], np.s_[None, 2], np.s_[1, None, ::3], np.s_[-3:-1, :, 1],
-    np.s_[5:9], np.s_[3:1], np.s_[:], np.s_[()], np.s_[...], np.s_[np.int64(2)],
-    np.s_[1, 2, 3], np.s_[-4, -5, -6], np.s_[::5, 1::2, ::4],
-])
-def test_getitem_basic_forms(backend, key):
-    x = np.arange(120, dtype=np.float32).reshape(4, 5, 6)
-    y, grad, w = _grad_of(backend, x, lambda p: p[key])
-    np.testing.assert_array_equal(y, x[key])
-    expected = np.zeros_like(x)
-    expected[key] = w  # the gradient lands where the values came from
-    np.testing.assert_array_equal(grad, expected)
-
-
-def test_getitem_int_array_forms(backend):
-    x = np.arange(12, dtype=np.float32).reshape(4, 3)
-    p = param(x, backend)
-    for index, rows in [([2, 0, -1], [2, 0, 3]), (np.array([2, 0, -1], np.int32), [2, 0, 3]),
-                        (np.array(1), 1), ([], np.zeros(0, int)),
-                        (np.array([[0], [3]]), [[0], [3]]),
-                        (tensor(np.array([2, 0, 3], np.int32), backend), [2, 0, 3]),
-                        (netcl.Node(tensor(np.array([-1, 1], np.int32), backend)), [3, 1])]:
-        np.testing.assert_array_equal(host(p[index]), x[np.array(rows)])
-    np.testing.assert_array_equal(host(F.index_select(p, 1, [2, 2, 0])), x[:, [2, 2, 0]])
-    np.testing.assert_array_equal(host(F.index_select(p, -1, np.array(1))), x[:, [1]])
-
-
-def test_full_slices_and_none_are_views(backend):
-    x = netcl.Node(tensor(np.arange(24, dtype=np.float32).reshape(2, 3, 4), backend))
-    for key in (np.s_[:], np.s_[None], np.s_[..., None], np.s_[:, :, 0:4], np.s_[0:2, ...]):
-        assert _shares_buffer(x[key].value, x.value, backend), key
-    assert _shares_buffer(x.unsqueeze(1).value, x.value, backend)
-    assert _shares_buffer(F.squeeze(x[None]).value, x.value, backend)
-    assert not _shares_buffer(x[1:].value, x.value, backend)  # tensors are contiguous: a copy
-
-
-def test_split_pieces_without_gradient_contribute_zeros(backend):
-    x = np.arange(14, dtype=np.float32).reshape(7, 2)
-    p = param(x, backend)
-    with netcl.Tape() as tape:
-        a, b, c, d = p.split(2)
-        loss = (b * 3.0).sum() + (d * 5.0).sum() + p.sum()  # a and c get no gradient
-    assert [piece.shape for piece in (a, b, c, d)] == [(2, 2), (2, 2), (2, 2), (1, 2)]
-    tape.backward(loss)
-    np.testing.assert_array_equal(host(p.grad)[:, 0], [1, 1, 4, 4, 1, 1, 6])
-    for piece, rows in zip((a, b, c, d), (x[0:2], x[2:4], x[4:6], x[6:])):
-        np.testing.assert_array_equal(host(piece), rows)
-
-
-def test_cat_with_constants_gives_the_parameter_its_rows(backend):
-    x = np.arange(6, dtype=np.float32).reshape(3, 2)
-    constant = np.ones((2, 2), np.float32)
-    y, grad, w = _grad_of(backend, x, lambda p: F.cat([constant, p, tensor(constant, backend)]))
-    np.testing.assert_array_equal(y, np.concatenate([constant, x, constant]))
-    np.testing.assert_array_equal(grad, w[2:5])
-
-
-def test_split_and_chunk_piece_sizes(backend):
-    """torch.split and torch.chunk's counts: chunk may give fewer pieces than asked, and a
-    dimension of size 0 gives one empty piece to split, `chunks` empty ones to chunk."""
-    def sizes(pieces, dim=0):
-        return [piece.shape[dim] for piece in pieces]
-    x = param(np.zeros((7, 0, 5), np.float32), backend)
-    assert sizes(F.chunk(x, 3)) == [3, 3, 1]
-    assert sizes(F.chunk(x, 5)) == [2, 2, 2, 1]
-    assert sizes(F.chunk(x, 9)) == [1] * 7
-    assert sizes(F.chunk(x, 3, dim=1), 1) == [0, 0, 0]
-    assert sizes(F.split(x, 2, dim=1), 1) == [0]
-    assert sizes(F.split(x, 0, dim=1), 1) == [0]
-    assert sizes(F.split(x, 10)) == [7]
-    assert sizes(F.split(x, [0, 7, 0])) == [0, 7, 0]
-    assert sizes(F.split(x, (2, 3), dim=-1), 2) == [2, 3]
-    assert sizes(x.chunk(2, -1), 2) == [3, 2]
-
-
-def test_shape_op_node_methods_and_names(backend):
-    x = np.random.default_rng(0).standard_normal((2, 1, 3, 4)).astype(np.float32)
-    p = param(x, backend)
-    np.testing.assert_array_equal(host(p.permute(3, 0, 2, 1)), x.transpose(3, 0, 2, 1))
-    np.testing.assert_array_equal(host(p.permute([3, 0, 2, 1])), x.transpose(3, 0, 2, 1))
-    np.testing.assert_array_equal(host(p.transpose(-1, 0)), np.swapaxes(x, -1, 0))
-    np.testing.assert_array_equal(host(F.transpose(p, 2, 2)), x)
-    assert p.squeeze().shape == (2, 3, 4) and p.squeeze(0).shape == (2, 1, 3, 4)
-    assert p.squeeze((1, -4)).shape == (2, 3, 4) and p.unsqueeze(-1).shape == (2, 1, 3, 4, 1)
-    assert p.unsqueeze(4).shape == (2, 1, 3, 4, 1) and p.unsqueeze(-5).shape == (1, 2, 1, 3, 4)
-    np.testing.assert_array_equal(host(p[1, 0].T), x[1, 0].T)   # .T and transpose(x) stay 2-D
-    with raises_naming(ValueError, "transpose", "2-D"):
-        F.transpose(p)
-    scalar = param(np.array(2.5, np.float32), backend)  # a 0-d tensor takes dims 0 and -1
-    assert F.transpose(scalar, 0, -1).shape == () and scalar.squeeze(0).shape == ()
-    assert scalar.unsqueeze(-1).shape == (1,) and F.permute(scalar, ()).shape == ()
-    for name in ["permute", "squeeze", "unsqueeze", "cat", "stack", "split", "chunk",
-                 "index_select", "transpose"]:
-        assert getattr(netcl, name) is getattr(F, name), name
-
-
-def test_permute_is_one_launch_of_up_to_six_moving_dimensions(opencl):
-    rng = np.random.default_rng(1)
-    x = rng.standard_normal((2, 3, 2, 3, 2, 3)).astype(np.float32)
-    p = tensor(x, opencl)
-    launches = opencl.launches
-    y = F.permute(p, (5, 3, 1, 4, 2, 0))
-    assert opencl.launches - launches == 1
-    np.testing.assert_array_equal(host(y), x.transpose(5, 3, 1, 4, 2, 0))
-    # Seven dimensions, of which the moves keep two pairs together: five move.
-    x7 = rng.standard_normal((2, 3, 2, 3, 2, 3, 2)).astype(np.float32)
-    dims = (5, 6, 3, 4, 0, 2, 1)
-    np.testing.assert_array_equal(host(F.permute(tensor(x7, opencl), dims)), x7.transpose(dims))
-    with raises_naming(ValueError, "permute", "6"):
-        F.permute(tensor(x7, opencl), (6, 4, 2, 0, 5, 3, 1))
-
-
-def test_shape_ops_move_float16_storage_exactly(opencl):
-    """float16 in, float16 out: the same bits moved (nothing is computed); the gradients are
-    float32, the very gradients of a float32 run."""
-    rng = np.random.default_rng(2)
-    x = rng.standard_normal((4, 6, 5)).astype(np.float16)
-    ops = {
-        "permute": (lambda p: p.permute(2, 0, 1), lambda a: a.transpose(2, 0, 1)),
-        "transpose_2d": (lambda p: p.transpose(0, 2), lambda a: a.transpose(2, 1, 0)),
-        "cat": (lambda p: F.cat([p, p[:, :2]], 1), lambda a: np.concatenate([a, a[:, :2]], 1)),
-        "stack": (lambda p: F.stack([p, p], -1), lambda a: np.stack([a, a], -1)),
-        "split": (lambda p: F.split(p, [1, 3, 1], -1)[1], lambda a: a[..., 1:4]),
-        "chunk": (lambda p: F.chunk(p, 2, 1)[1], lambda a: a[:, 3:]),
-        "slice": (lambda p: p[:, -1, 1::2], lambda a: a[:, -1, 1::2]),
-        "index": (lambda p: p[[3, 0, 3, -1]], lambda a: a[[3, 0, 3, -1]]),
-        "index_select": (lambda p: F.index_select(p, 1, [5, 5, 0]), lambda a: a[:, [5, 5, 0]]),
-    }
-    for name, (op, reference) in ops.items():
-        y16, grad16, _ = _grad_of(opencl, x, op, index_dtype=np.float16)
-        y32, grad32, _ = _grad_of(opencl, x.astype(np.float32), op)
-        assert y16.dtype == np.float16 and grad16.dtype == np.float32, name
-        np.testing.assert_array_equal(y16.view(np.uint16), reference(x).view(np.uint16), name)
-        np.testing.assert_array_equal(grad16, grad32, name)
-    mixed = F.cat([tensor(x, opencl), tensor(x.astype(np.float32), opencl)])
-    assert mixed.dtype == np.float32  # float16 storage met with float32 widens
-    np.testing.assert_array_equal(host(mixed), np.concatenate([x, x]).astype(np.float32))
-
-
-def test_shape_ops_move_int32_exactly(backend):
-    labels = np.array([[7, -1, 2 ** 31 - 1], [0, 5, -2 ** 31]], np.int32)  # odd bit patterns
-    t = tensor(labels, backend)
-    for out, expected in [(F.cat([t, t], 1), np.concatenate([labels, labels], 1)),
-                          (F.permute(t, (1, 0)), labels.T), (netcl.Node(t)[[1, 1, 0]],
-                                                             labels[[1, 1, 0]]),
-                          (netcl.Node(t)[:, 1:], labels[:, 1:]),
-                          (F.stack([t, t]).permute(1, 2, 0), np.stack([labels] * 2, -1))]:
-        assert out.dtype == np.int32
-        np.testing.assert_array_equal(host(out), expected)
-
-
-def _scalar(like):
-    """A 0-d parameter on like's device (uploaded: no kernel launch)."""
-    return param(np.array(0.0, np.float32), like.device)
-
-
-@pytest.mark.parametrize("call, error, words", [
-    (lambda x: F.permute(x, (0,)), ValueError, ["permute", "(0,)", "(2, 3)"]),
-    (lambda x: F.permute(x, (1, 1)), ValueError, ["permute", "repeated"]),
-    (lambda x: F.permute(x, (0, 2)), ValueError, ["permute", "dim 2", "[-2, 1]"]),
-    (lambda x: F.permute(x, (0, 1.0)), TypeError, ["permute", "1.0"]),
-    (lambda x: F.permute(x, 1), TypeError, ["permute", "dims"]),
-    (lambda x: F.transpose(x, 0), TypeError, ["transpose", "dim1"]),
-    (lambda x: x.transpose(0, -3), ValueError, ["transpose", "dim1", "-3"]),
-    (lambda x: F.squeeze(x, 2), ValueError, ["squeeze", "dim 2"]),
-    (lambda x: F.squeeze(x, (1, -1)), ValueError, ["squeeze", "repeated"]),
-    (lambda x: x.unsqueeze(3), ValueError, ["unsqueeze", "dim 3", "[-3, 2]"]),
-    (lambda x: x.unsqueeze(None), TypeError, ["unsqueeze", "dim", "None"]),
-    (lambda x: F.cat([]), ValueError, ["cat", "non-empty"]),
-    (lambda x: F.cat(x), TypeError, ["cat", "tensors", "Parameter"]),
-    (lambda x: F.cat([x, np.zeros((2, 4))]), ValueError,
-     ["cat", "(2, 3)", "(2, 4)", "dimension 0"]),
-    (lambda x: F.cat([x, np.zeros((2, 4))], dim=1), None, None),
-    (lambda x: F.cat([x, np.zeros((2, 3, 1))], 0), ValueError, ["cat", "(2, 3)", "(2, 3, 1)"]),
-    (lambda x: F.cat([x, x], dim=2), ValueError, ["cat", "dim 2"]),
-    (lambda x: F.cat([_scalar(x), _scalar(x)]), ValueError,
-     ["cat", "zero-dimensional", "position 0"]),
-    (lambda x: F.cat([x, netcl.Tensor.empty((2, 3), np.int32, queue=x.value.queue)]),
-     ValueError, ["cat", "int32", "float32"]),
-    (lambda x: F.stack([x, np.zeros((3, 2))]), ValueError,
-     ["stack", "(2, 3)", "(3, 2)", "entry 1"]),
-    (lambda x: F.stack([x, x], 3), ValueError, ["stack", "dim 3"]),
-    (lambda x: F.stack(()), ValueError, ["stack", "non-empty"]),
-    (lambda x: F.split(x, 0), ValueError, ["split", "split_size", "0"]),
-    (lambda x: F.split(x, -1, 1), ValueError, ["split", "split_size", "-1"]),
-    (lambda x: F.split(x, [1, 1], 1), ValueError, ["split", "[1, 1]", "3"]),
-    (lambda x: F.split(x, [3, -1]), ValueError, ["split", "[3, -1]"]),
-    (lambda x: F.split(x, 1.5), TypeError, ["split", "split_size_or_sections", "1.5"]),
-    (lambda x: F.split(_scalar(x), 1), ValueError, ["split", "1-dimensional"]),
-    (lambda x: F.chunk(x, 0), ValueError, ["chunk", "chunks", "0"]),
-    (lambda x: F.chunk(x, 2.0), TypeError, ["chunk", "chunks", "2.0"]),
-    (lambda x: F.chunk(x, 2, dim=-3), ValueError, ["chunk", "dim -3"]),
-    (lambda x: x[2], IndexError, ["index 2", "dimension 0", "size 2"]),
-    (lambda x: x[-3], IndexError, ["index -3", "size 2"]),
-    (lambda x: x[:, 3], IndexError, ["index 3", "dimension 1", "size 3"]),
-    (lambda x: x[0, 0, 0], IndexError, ["too many", "(2, 3)"]),
-    (lambda x: _scalar(x)[0], IndexError, ["too many", "()"]),
-    (lambda x: x[..., 0, ...], IndexError, ["ellipsis"]),
-    (lambda x: x[::-1], ValueError, ["step", "-1"]),
-    (lambda x: x[:, ::0], ValueError, ["step", "0"]),
-    (lambda x: x[1.0], TypeError, ["index", "1.0", "float"]),
-    (lambda x: x[True], TypeError, ["index", "True"]),
-    (lambda x: x["a"], TypeError, ["index", "'a'"]),
-    (lambda x: x[np.array([0, 5])], IndexError, ["index 5", "dimension 0", "size 2"]),
-    (lambda x: x[[-3, 0]], IndexError, ["index -3", "size 2"]),
-    (lambda x: x[tensor(np.array([1, 2], np.int32), x.device)], IndexError, ["index 2", "size 2"]),
-    (lambda x: x[np.array([0.0])], IndexError, ["integers", "float64"]),
-    (lambda x: x[tensor(np.array([0.0], np.float32), x.device)], IndexError, ["int32", "float32"]),
-    (lambda x: x[np.array([True, False])], IndexError, ["integers", "bool"]),
-    (lambda x: _scalar(x)[np.array([0])], IndexError, ["0-dimensional"]),
-    (lambda x: F.index_select(x, 1, [-1]), IndexError, ["index_select", "index -1", "size 3"]),
-    (lambda x: F.index_select(x, 0, [[0]]), IndexError, ["index_select", "vector", "(1, 1)"]),
-    (lambda x: F.index_select(x, 2, [0]), ValueError, ["index_select", "dim 2"]),
-])
-def test_shape_op_errors_name_the_op_and_the_value(backend, call, error, words):
-    x = param(np.zeros((2, 3), np.float32), backend)
-    launches = backend.launches
-    if error is None:  # the control: the same call with a fitting argument works
-        call(x)
-        return
-    with raises_naming(error, *words):
-        call(x)
-    assert backend.launches == launches  # raised before anything was queued
-
-
-def test_mixing_devices_in_shape_ops_raises(cpu, opencl):
-    a = param(np.ones((2, 3), np.float32), cpu)
-    b = param(np.ones((2, 3), np.float32), opencl)
-    with raises_naming(ValueError, "cat", "different devices"):
-        F.cat([a, b])
-    with raises_naming(ValueError, "index", "different devices"):
-        b[tensor(np.array([0], np.int32), cpu)]
-# losses and convolution options
-# ---------------------------------------------------------------------------------------------
-# The op cases above check values and gradients; these check PyTorch's edge semantics and the
-# argument errors.
-
-@pytest.mark.parametrize("op", ["cross_entropy", "cross_entropy_smoothed", "nll_loss"])
-def test_all_ignored_targets_as_pytorch(backend, op):
-    """Every target ignored: the mean is 0 / 0 = NaN, the sum 0, the losses 0, and the
-    gradient 0 (PyTorch's nll_loss and cross_entropy, with or without label_smoothing)."""
-    loss_fn = {"cross_entropy": F.cross_entropy, "nll_loss": F.nll_loss,
-               "cross_entropy_smoothed": lambda *a, **k: F.cross_entropy(*a, **k,
-                                                                         label_smoothing=0.3)}[op]
-    logits = np.random.default_rng(0).standard_normal((3, 4, 2))
-    for ignore_index, target in ((-100, np.full((3, 2), -100)), (2, np.full((3, 2), 2))):
-        for reduction, expected in (("mean", np.nan), ("sum", 0.0), ("none", np.zeros((3, 2)))):
-            x = param(logits, backend)
-            with netcl.Tape() as tape:
-                loss = loss_fn(x, target, reduction=reduction, ignore_index=ignore_index)
-                total = F.sum(loss)
-            tape.backward(total)
-            np.testing.assert_array_equal(host(loss), expected)
-            np.testing.assert_array_equal(host(x.grad), np.zeros((3, 4, 2)))
-
-
-def test_ignored_targets_do_not_count_in_the_mean(backend):
-    """"mean" divides by the number of targets that are not ignored, not by N."""
-    logits = np.random.default_rng(1).standard_normal((4, 3)).astype(np.float32)
-    target = np.array([0, -100, 2, -100])
-    loss = host(F.cross_entropy(tensor(logits, backend), target))
-    kept = host(F.cross_entropy(tensor(logits[[0, 2]], backend), target[[0, 2]]))
-    np.testing.assert_allclose(loss, kept, rtol=1e-6)
-    assert host(F.nll_loss(tensor(logits, backend), target)) == \
-        pytest.approx(-(logits[0, 0] + logits[2, 2]) / 2, rel=1e-6)
-
-
-def test_cross_entropy_nd_is_the_2d_loss_over_every_position(backend):
-    """Logits (N, C, d1, d2) are (N * d1 * d2) rows of C classes, the class axis second, as
-    PyTorch's: the loss and gradient equal those of the permuted 2-D loss."""
-    rng = np.random.default_rng(2)
-    logits = rng.standard_normal((2, 5, 3, 4)).astype(np.float32)
-    labels = rng.integers(0, 5, size=(2, 3, 4))
-    labels[0, 1] = -100
-    rows = logits.transpose(0, 2, 3, 1).reshape(-1, 5)
-    results = []
-    for x_host, t in ((logits, labels), (rows, labels.reshape(-1))):
-        x = param(x_host, backend)
-        with netcl.Tape() as tape:
-            loss = F.cross_entropy(x, t, label_smoothing=0.1)
-        tape.backward(loss)
-        results.append((host(loss), host(x.grad)))
-    np.testing.assert_allclose(results[0][0], results[1][0], rtol=1e-6)
-    np.testing.assert_allclose(results[0][1].transpose(0, 2, 3, 1).reshape(-1, 5),
-                               results[1][1], rtol=1e-5, atol=1e-7)
-    none = F.cross_entropy(tensor(logits, backend), labels, reduction="none")
-    assert none.shape == (2, 3, 4) and np.all(host(none)[0, 1] == 0)
-
-
-def test_label_smoothing_one_is_the_uniform_target(backend):
-    """label_smoothing=1 replaces every target by the uniform distribution: index and
-    probability targets then give the same loss, -mean over the classes of log_softmax."""
-    logits = np.random.default_rng(3).standard_normal((4, 6)).astype(np.float32)
-    expected = -_log_softmax(logits.astype(np.float64)).mean(axis=1).mean()
-    for target in (np.array([0, 5, 2, 2]), np.eye(6, dtype=np.float32)[[1, 1, 3, 4]]):
-        loss = F.cross_entropy(tensor(logits, backend), target, label_smoothing=1.0)
-        assert host(loss) == pytest.approx(expected, rel=1e-6)
-
-
-def test_probability_target_gets_its_gradient(backend):
-    """A probability target that requires a gradient gets -(1 - e) log_softmax(logits),
-    scaled by the reduction (PyTorch's); a target that does not is left alone, and logits
-    that need none get none."""
-    rng = np.random.default_rng(4)
-    logits = rng.standard_normal((3, 4)).astype(np.float32)
-    probs = _probabilities(rng, (3, 4)).astype(np.float32)
-    x, t = param(logits, backend), param(probs, backend)
-    with netcl.Tape() as tape:
-        loss = F.cross_entropy(x, t, label_smoothing=0.25)
-    tape.backward(loss)
-    np.testing.assert_allclose(host(t.grad), -0.75 * _log_softmax(logits) / 3, rtol=1e-5)
-    constant_logits = netcl.Node(tensor(logits, backend))
-    t = param(probs, backend)
-    with netcl.Tape() as tape:
-        loss = F.cross_entropy(constant_logits, t, reduction="sum")
-    tape.backward(loss)
-    np.testing.assert_allclose(host(t.grad), -_log_softmax(logits), rtol=1e-5)
-    assert constant_logits.grad is None
-
-
-def test_binary_cross_entropy_with_logits_is_stable(backend):
-    """PyTorch's stable formula: no overflow at large |x|, exact at x = 0; pos_weight (C,)
-    weighs the positive term of each class of (N, C)."""
-    x = tensor(np.array([[100.0, -100.0, 0.0]], np.float32), backend)
-    t = np.array([[0.0, 1.0, 0.5]], np.float32)
-    loss = host(F.binary_cross_entropy_with_logits(x, t, reduction="none"))
-    np.testing.assert_allclose(loss, [[100.0, 100.0, math.log(2)]], rtol=1e-6)
-    weighted = F.binary_cross_entropy_with_logits(x, np.ones((1, 3), np.float32), reduction="none",
-                                                  pos_weight=np.array([1.0, 3.0, 2.0], np.float32))
-    np.testing.assert_allclose(host(weighted), [[0.0, 300.0, 2 * math.log(2)]], atol=1e-6)
-
-
-@pytest.mark.parametrize("shape", [(0, 3), (2, 3, 0), (0, 3, 2)])
-def test_losses_over_zero_size_inputs(backend, shape):
-    """Nothing to average (no samples, or no positions d1): "mean" is NaN and "sum" 0, as
-    PyTorch; gradients keep the shape."""
-    target_shape = shape[:1] + shape[2:]
-    calls = [lambda x, r: F.binary_cross_entropy_with_logits(x, np.zeros(shape), reduction=r),
-             lambda x, r: F.cross_entropy(x, np.zeros(target_shape, np.int64), reduction=r),
-             lambda x, r: F.cross_entropy(x, np.zeros(shape), reduction=r),
-             lambda x, r: F.nll_loss(x, np.zeros(target_shape, np.int64), reduction=r)]
-    for call in calls:
-        for reduction, expected in (("mean", np.nan), ("sum", 0.0)):
-            x = param(np.zeros(shape), backend)
-            with netcl.Tape() as tape:
-                loss = call(x, reduction)
-            tape.backward(loss)
-            assert loss.shape == () and np.array_equal(host(loss), expected, equal_nan=True)
-            assert host(x.grad).shape == shape
-
-
-def test_binary_cross_entropy_weights_broadcast_as_pytorch(backend):
-    """weight and pos_weight broadcast to the input's shape, from any axis (here (C, 1) over
-    (N, C, L), which the kernels cannot repeat by themselves); they never grow it."""
-    rng = np.random.default_rng(5)
-    x, t = rng.standard_normal((2, 3, 4)), rng.uniform(size=(2, 3, 4))
-    weight, pos_weight = rng.uniform(0.5, 2, (3, 1)), rng.uniform(0.5, 2, (2, 1, 4))
-    loss = F.binary_cross_entropy_with_logits(tensor(x, backend), t, weight=weight,
-                                              reduction="none", pos_weight=pos_weight)
-    np.testing.assert_allclose(host(loss), _bce_with_logits_ref(x, t, weight, pos_weight, "none"),
-                               rtol=1e-5, atol=1e-6)
-
-
-@pytest.mark.parametrize("call, error, words", [
-    (lambda x: F.cross_entropy(x, np.array([0, 1]), label_smoothing=1.5), ValueError,
-     ["cross_entropy", "label_smoothing", "1.5"]),
-    (lambda x: F.cross_entropy(x, np.array([0, 1]), label_smoothing=-0.1), ValueError,
-     ["cross_entropy", "label_smoothing", "-0.1"]),
-    (lambda x: F.cross_entropy(x, np.array([0, 1]), label_smoothing=math.nan), ValueError,
-     ["cross_entropy", "label_smoothing", "nan"]),
-    (lambda x: F.cross_entropy(x, np.array([0, 1]), label_smoothing="0.1"), ValueError,
-     ["cross_entropy", "label_smoothing", "'0.1'"]),
-    (lambda x: F.cross_entropy(x, np.array([0, 1]), ignore_index=1.0), TypeError,
-     ["cross_entropy", "ignore_index", "1.0"]),
-    (lambda x: F.cross_entropy(x, np.full((2, 3), 1 / 3), ignore_index=0), ValueError,
-     ["cross_entropy", "ignore_index=0", "probability"]),
-    (lambda x: F.cross_entropy(x, np.array([0, 3])), ValueError, ["cross_entropy", "label 3"]),
-    (lambda x: F.cross_entropy(x, np.array([0, 1]), reduction="avg"), ValueError,
-     ["cross_entropy", "reduction", "'avg'"]),
-    (lambda x: F.cross_entropy(x.reshape(2, 3, 1), np.zeros((2, 3), np.int64)), ValueError,
-     ["cross_entropy", "(2, 3)", "(2, 1)"]),
-    (lambda x: F.cross_entropy(x.reshape(2, 1, 3), np.full((2, 3, 1), 0.5)), ValueError,
-     ["cross_entropy", "(2, 3, 1)", "(2, 1, 3)"]),
-    (lambda x: F.cross_entropy(tensor(np.float32(1), x.device), np.array(0)), ValueError,
-     ["cross_entropy", "logits", "()"]),
-    (lambda x: F.nll_loss(x, np.full((2, 3), 1 / 3)), ValueError, ["nll_loss", "class indices"]),
-    (lambda x: F.nll_loss(x, np.array([0, -1])), ValueError, ["nll_loss", "label -1"]),
-    (lambda x: F.nll_loss(x, np.array([0, 1, 2])), ValueError, ["nll_loss", "(3,)", "(2,)"]),
-    (lambda x: F.nll_loss(x, np.array([0, 1]), ignore_index=None), TypeError,
-     ["nll_loss", "ignore_index", "None"]),
-    (lambda x: F.binary_cross_entropy_with_logits(x, np.zeros((3, 2))), ValueError,
-     ["binary_cross_entropy_with_logits", "target", "(3, 2)", "(2, 3)"]),
-    (lambda x: F.binary_cross_entropy_with_logits(x, np.zeros((2, 3)), weight=np.ones(2)),
-     ValueError, ["binary_cross_entropy_with_logits", "weight", "(2,)", "(2, 3)"]),
-    (lambda x: F.binary_cross_entropy_with_logits(x, np.zeros((2, 3)),
-                                                  pos_weight=np.ones((1, 2, 3))),
-     ValueError, ["binary_cross_entropy_with_logits", "pos_weight", "(1, 2, 3)"]),
-    (lambda x: F.binary_cross_entropy_with_logits(x, np.zeros((2, 3)), reduction=None),
-     ValueError, ["binary_cross_entropy_with_logits", "reduction", "None"]),
-])
-def test_loss_arguments_are_checked(backend, call, error, words):
-    x = param(np.zeros((2, 3)), backend)
-    launches = backend.launches
-    with raises_naming(error, *words):
-        call(x)
-    assert backend.launches == launches
-
-
-def test_loss_weights_are_constants(backend):
-    """PyTorch defines no gradient for weight or pos_weight and refuses one that requires it;
-    outside a Tape nothing is recorded, so a Parameter is just its value there."""
-    x, weight = param(np.zeros((2, 3)), backend), param(np.ones(3), backend)
-    for name in ("weight", "pos_weight"):
-        with netcl.Tape(), raises_naming(ValueError, "binary_cross_entropy_with_logits", name,
-                                         "gradient"):
-            F.binary_cross_entropy_with_logits(x, np.zeros((2, 3)), **{name: weight})
-        loss = F.binary_cross_entropy_with_logits(x, np.zeros((2, 3)), **{name: weight})
-        assert host(loss) == pytest.approx(math.log(2), rel=1e-6)
-
-
-def test_grouped_conv2d_is_one_conv2d_per_group(backend):
-    """groups=G is G ordinary convolutions side by side, each on its C/G channels with its
-    K/G filters (depthwise when G = C); dilation spreads the taps, as the definition says."""
-    rng = np.random.default_rng(6)
-    for groups, dilation in ((2, 1), (4, (2, 1))):
-        x = rng.standard_normal((2, 4, 7, 6)).astype(np.float32)
-        w = rng.standard_normal((2 * groups, 4 // groups, 3, 3)).astype(np.float32)
-        whole = host(F.conv2d(tensor(x, backend), w, padding=1, dilation=dilation, groups=groups))
-        per = len(w) // groups
-        parts = [host(F.conv2d(tensor(x[:, g * (4 // groups):(g + 1) * (4 // groups)], backend),
-                               w[g * per:(g + 1) * per], padding=1, dilation=dilation))
-                 for g in range(groups)]
-        np.testing.assert_allclose(whole, np.concatenate(parts, axis=1), rtol=1e-5, atol=1e-5)
-
-
-def test_grouped_dilated_conv2d_in_im2col_chunks(opencl, monkeypatch):
-    """A batch split into im2col chunks gives what the whole batch gives, grouped and dilated."""
-    rng = np.random.default_rng(7)
-    arrays = [rng.standard_normal(s).astype(np.float32) for s in ((5, 4, 7, 6), (6, 2, 3, 2), (6,))]
-    op = lambda x, w, b: F.conv2d(x, w, b, stride=(1, 2), padding=2, dilation=(2, 3), groups=2)
-    g = rng.standard_normal(op(*arrays).shape).astype(np.float32)
-    launches = opencl.launches
-    whole = run_op(op, arrays, g, opencl)
-    whole_launches, launches = opencl.launches - launches, opencl.launches
-    # two samples' columns per chunk: C*R*S rows of OH*OW float32 values each
-    monkeypatch.setattr(netcl, "_IM2COL_BYTES", 2 * (4 * 3 * 2) * (7 * 4) * 4)
-    chunked = run_op(op, arrays, g, opencl)
-    assert opencl.launches - launches > whole_launches  # three chunks really ran
-    for got, want in zip([chunked[0]] + chunked[1], [whole[0]] + whole[1]):
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
-
-
-def test_grouped_dilated_conv2d_of_an_empty_batch(backend):
-    x = param(np.zeros((0, 4, 5, 5)), backend)
-    w = param(np.ones((6, 2, 2, 2)), backend)
-    with netcl.Tape() as tape:
-        out = F.conv2d(x, w, stride=1, padding=1, dilation=3, groups=2)
-    assert out.shape == (0, 6, 4, 4)
-    tape.backward(out, grad=np.zeros(out.shape, np.float32))
-    assert host(x.grad).shape == (0, 4, 5, 5)
-    np.testing.assert_array_equal(host(w.grad), np.zeros((6, 2, 2, 2)))
-
-
-@pytest.mark.parametrize("gemm", ["packed", "tiled"])
-@pytest.mark.usefixtures("portable_half")
-def test_autocast_grouped_dilated_conv2d_is_the_float32_result_rounded(opencl, monkeypatch,
-                                                                        gemm):
-    """Under autocast a grouped, dilated conv2d writes float16 storage: the float32 result on
-    the same values, rounded once; its gradients are the float32 ones."""
-    monkeypatch.setattr(opencl, "gemm", gemm)
-    rng = np.random.default_rng(8)
-    x = rng.standard_normal((2, 6, 8, 7)).astype(np.float16)
-    weights = [rng.standard_normal((9, 2, 3, 3)) / 5, rng.standard_normal(9)]
-    results = {}
-    for enabled, dtype in ((False, np.float32), (True, np.float16)):
-        leaves = [param(x, opencl, dtype)] + [param(w, opencl) for w in weights]
-        with netcl.Tape() as tape, netcl.autocast(enabled=enabled):
-            out = F.conv2d(*leaves, stride=(2, 1), padding=2, dilation=(2, 1), groups=3)
-        seed = np.random.default_rng(1).standard_normal(out.shape).astype(np.float16)
-        tape.backward(out, grad=seed.astype(np.float32))
-        results[enabled] = host(out), [host(p.grad) for p in leaves]
-    (single, grads32), (half, grads16) = results[False], results[True]
-    assert half.dtype == np.float16
-    np.testing.assert_array_equal(half, single.astype(np.float16))
-    for g16, g32 in zip(grads16, grads32):
-        np.testing.assert_array_equal(g16, g32)
-
-
-@pytest.mark.parametrize("call, words", [
-    (lambda t: F.conv2d(t(2, 4, 5, 5), t(3, 2, 3, 3), groups=2),
-     ["conv2d", "3 filters", "groups=2"]),
-    (lambda t: F.conv2d(t(2, 3, 5, 5), t(4, 2, 3, 3), groups=2),
-     ["conv2d", "3 channels", "expects 4", "groups=2"]),
-    (lambda t: F.conv2d(t(2, 4, 5, 5), t(4, 4, 3, 3), groups=2),
-     ["conv2d", "4 channels", "expects 8"]),
-    (lambda t: F.conv2d(t(2, 4, 5, 5), t(4, 2, 3, 3), groups=0), ["conv2d", "groups", "0"]),
-    (lambda t: F.conv2d(t(2, 4, 5, 5), t(4, 2, 3, 3), groups=2.0), ["conv2d", "groups", "2.0"]),
-    (lambda t: F.conv2d(t(2, 4, 5, 5), t(4, 4, 3, 3), groups=True), ["conv2d", "groups", "True"]),
-    (lambda t: F.conv2d(t(2, 4, 5, 5), t(4, 4, 3, 3), dilation=0), ["conv2d", "dilation", "0"]),
-    (lambda t: F.conv2d(t(2, 4, 5, 5), t(4, 4, 3, 3), dilation=(1, -2)),
-     ["conv2d", "dilation", "-2"]),
-    (lambda t: F.conv2d(t(2, 4, 5, 5), t(4, 4, 3, 3), dilation=3),
-     ["conv2d", "kernel (3, 3)", "dilation (3, 3)", "spans (7, 7)", "padded input (5, 5)"]),
-    (lambda t: nn.Conv2d(3, 4, 3, groups=2), ["Conv2d", "in_ch=3", "groups=2"]),
-    (lambda t: nn.Conv2d(4, 3, 3, groups=2), ["Conv2d", "out_ch=3", "groups=2"]),
-    (lambda t: nn.Conv2d(4, 4, 3, groups=0), ["Conv2d", "groups", "0"]),
-    (lambda t: nn.Conv2d(4, 4, 3, dilation=(0, 1)), ["Conv2d", "dilation", "(0, 1)"]),
-])
-def test_conv2d_groups_and_dilation_are_checked(backend, call, words):
-    tensor = lambda *shape: netcl.Tensor.from_host(np.zeros(shape, np.float32), backend.queue)
-    launches = backend.launches
-    with raises_naming(ValueError, *words):
-        call(tensor)
-    assert backend.launches == launches
-
-
-def test_conv2d_module_dilation_and_groups(backend):
-    """nn.Conv2d as PyTorch's: weight (out, in / groups, kh, kw), U(+-1/sqrt(fan_in)) with
-    fan_in = in / groups * kh * kw, the attributes, and the functional op underneath."""
-    netcl.manual_seed(0)
-    conv = nn.Conv2d(6, 9, (3, 2), 1, 2, (2, 1), 3, queue=backend.queue)  # PyTorch's order
-    assert (conv.dilation, conv.groups, conv.padding) == ((2, 1), 3, (2, 2))
-    state = conv.state_dict()
-    assert list(state) == ["weight", "bias"] and state["weight"].shape == (9, 2, 3, 2)
-    bound = 1 / np.sqrt(2 * 3 * 2)
-    for value in state.values():
-        assert np.abs(value).max() <= bound and np.abs(value).max() > 0.7 * bound
-    x = np.random.default_rng(9).standard_normal((2, 6, 7, 5)).astype(np.float32)
-    out = conv(tensor(x, backend))
-    np.testing.assert_array_equal(host(out), host(F.conv2d(x, conv.weight, conv.bias, padding=2,
-                                                           dilation=(2, 1), groups=3)))
-    np.testing.assert_allclose(host(out), _conv2d_ref(x.astype(np.float64), state["weight"],
-                                                      state["bias"], (1, 1), (2, 2), (2, 1), 3),
-                               rtol=1e-5, atol=1e-5)
-# broadcasting
-# ---------------------------------------------------------------------------------------------
-# add, sub, mul and div broadcast as NumPy and PyTorch do, and integer operands promote to
-# floating point. The gradient references transcribe PyTorch's autograd: derivatives.yaml's
-# formulas at the output's shape, then summed to each operand's shape (sum_to_size).
-
-def _sum_to_size(g, shape):
-    """torch.Tensor.sum_to_size in NumPy: sum over the leading dimensions `shape` lacks, then,
-    keeping them, over those where it has a 1."""
-    g = g.sum(axis=tuple(range(g.ndim - len(shape))))
-    return g.sum(axis=tuple(i for i, size in enumerate(shape) if size == 1), keepdims=True)
-
-
-BINARY_GRADS = {  # derivatives.yaml: d(out)/da and d(out)/db times g
-    "add": lambda a, b, g: (g, g),
-    "sub": lambda a, b, g: (g, -g),
-    "mul": lambda a, b, g: (g * b, g * a),
-    "div": lambda a, b, g: (g / b, -g * a / (b * b)),
-}
-
-BROADCAST_SHAPES = [
-    ((45, 65), (45, 1)), ((5, 3, 14, 16), (5, 1, 14, 1)), ((1, 32, 32, 32), (1, 32, 1, 1)),
-    ((3, 1), (1, 4)), ((1, 4), (3, 1)), ((7,), (2, 3, 7)), ((2, 1, 5), (4, 1)),
-    ((300, 2), (1, 2)), ((3, 1, 1), (3, 100, 7)),              # across work-group boundaries
-    ((), (3, 4)), ((2, 3), ()), ((), ()), ((1,), (2, 3)), ((1, 1, 1), (5,)),   # 0-d and 1s
-    ((0, 3), (3,)), ((2, 0), (2, 1)), ((0, 1), (1, 5)), ((), (0,)), ((4, 0, 2), (1, 1)),
-    ((2, 1, 3, 1, 2, 1, 2, 1), (1, 2, 1, 3, 1, 2, 1, 2)),      # 8 groups, the kernels' most
-]
-
-
-@pytest.mark.parametrize("a_shape, b_shape", BROADCAST_SHAPES)
-def test_broadcast_forward_and_gradients(backend, a_shape, b_shape):
-    rng = np.random.default_rng(len(a_shape) * 10 + len(b_shape))
-    a = np.asarray(rng.standard_normal(a_shape), np.float32)
-    b = np.asarray(_away_from_zero(rng, b_shape), np.float32)
-    shape = np.broadcast_shapes(a_shape, b_shape)
-    g = rng.standard_normal(shape).astype(np.float32)
-    a64, b64, g64 = a.astype(np.float64), b.astype(np.float64), g.astype(np.float64)
-    for name, (functional, _, ref) in BINARY.items():
-        pa, pb = param(a, backend), param(b, backend)
-        with netcl.Tape() as tape:
-            y = functional(pa, pb)
-        tape.backward(y, grad=g)
-        assert y.shape == shape, name
-        np.testing.assert_allclose(host(y), ref(a64, b64), rtol=1e-5, atol=1e-6, err_msg=name)
-        for p, grad in zip((pa, pb), BINARY_GRADS[name](a64, b64, g64)):
-            expected = _sum_to_size(np.broadcast_to(grad, shape), p.shape)
-            assert host(p.grad).shape == p.shape, name
-            np.testing.assert_allclose(host(p.grad), expected, rtol=1e-4, atol=1e-4,
-                                       err_msg=f"{name}: gradient of the {p.shape} operand")
-
-
-@pytest.mark.parametrize("a_shape, b_shape", [((3, 4), (3,)), ((2, 3), (3, 2)),
-                                              ((5, 1, 4), (2, 4, 1)), ((0,), (2,)),
-                                              ((2, 3, 4), (2, 1, 3))])
-def test_broadcast_shape_errors_name_op_and_both_shapes(backend, a_shape, b_shape):
-    a, b = np.ones(a_shape, np.float32), np.ones(b_shape, np.float32)
-    launches = backend.launches
-    for name, (functional, operator, _) in BINARY.items():
-        for call in (lambda: functional(param(a, backend), param(b, backend)),
-                     lambda: operator(param(a, backend), param(b, backend)),
-                     lambda: operator(a, param(b, backend)),      # the reflected operator
-                     lambda: operator(param(a, backend), b)):
-            with raises_naming(ValueError, name, str(a_shape), str(b_shape)):
-                call()
-    assert backend.launches == launches, "a shape error enqueued work"
-
-
-def test_broadcast_of_more_groups_than_the_kernels_index_raises(backend):
-    # 9 alternating groups: both backends refuse, so they never disagree
-    a = param(np.ones((2, 1, 2, 1, 2, 1, 2, 1, 2), np.float32), backend)
-    b = param(np.ones((1, 2, 1, 2, 1, 2, 1, 2, 1), np.float32), backend)
-    with raises_naming(ValueError, "mul", "9 groups", "8"):
-        F.mul(a, b)
-    assert F.mul(a, b.reshape(2, 2, 2, 2)).shape == (2, 1, 2, 1, 2, 2, 2, 2, 2)
-
-
-def test_node_operators_broadcast_both_ways(backend):
-    rng = np.random.default_rng(21)
-    row = rng.standard_normal(3).astype(np.float32)
-    column = _away_from_zero(rng, (4, 1)).astype(np.float32)
-    g = rng.standard_normal((4, 3)).astype(np.float32)
-    r64, c64, g64 = row.astype(np.float64), column.astype(np.float64), g.astype(np.float64)
-    calls = [  # (operator on (row, column), reference, gradient of the row)
-        (lambda r, c: r + c, r64 + c64, g64.sum(0)),
-        (lambda r, c: c - r, c64 - r64, -g64.sum(0)),
-        (lambda r, c: r * c, r64 * c64, (g64 * c64).sum(0)),
-        (lambda r, c: c / r, c64 / r64, (-g64 * c64 / r64 ** 2).sum(0)),
-        (lambda r, c: r / c, r64 / c64, (g64 / c64).sum(0)),
-    ]
-    for column_kind in ("array", "node"):
-        for fn, expected, row_grad in calls:
-            r = param(row, backend)
-            c = column if column_kind == "array" else netcl.Node(tensor(column, backend))
-            with netcl.Tape() as tape:
-                y = fn(r, c)
-            tape.backward(y, grad=g)
-            np.testing.assert_allclose(host(y), expected, rtol=1e-6, atol=1e-6)
-            np.testing.assert_allclose(host(r.grad), row_grad, rtol=1e-5, atol=1e-5)
-
-
-def test_broadcast_keeps_the_common_cases_cheap(opencl, monkeypatch):
-    """Operands of the output's shape take the kernels without index arithmetic; a bias row
-    is one launch forward and one column sum backward, as before broadcasting."""
-    names = []
-    launch = opencl.launch
-    monkeypatch.setattr(opencl, "launch", lambda name, *args, **kw: (names.append(name),
-                                                                   launch(name, *args, **kw)))
-    rng = np.random.default_rng(22)
-    for x_shape, y_shape, forward, backward in [
-            ((8, 5), (8, 5), ["add_fwd"], []), ((1, 8, 5), (8, 5), ["add_fwd"], []),
-            ((8, 5), (5,), ["add_bcast"], ["sum_axis"]),
-            ((8, 5), (8, 1), ["add_bcast"], ["sum_axis"])]:
-        x = param(rng.standard_normal(x_shape), opencl)
-        y = param(rng.standard_normal(y_shape), opencl)
-        names.clear()
-        with netcl.Tape() as tape:
-            out = x + y
-        assert names == forward, (x_shape, y_shape)
-        names.clear()
-        tape.backward(out, grad=np.ones(out.shape, np.float32))
-        assert names == backward, (x_shape, y_shape)
-
-
-def test_broadcast_float16_storage(opencl):
-    """float16 operands broadcast in float16 storage (the float32 result rounded); a float16
-    operand against a float32 one widens, as without broadcasting."""
-    rng = np.random.default_rng(23)
-    a = rng.standard_normal((6, 1, 5)).astype(np.float16)
-    b = (rng.uniform(0.5, 2, (4, 1)) * rng.choice([-1, 1], (4, 1))).astype(np.float16)
-    # backward(grad=array) gives the seed the loss's dtype: the same float16 values for both
-    g = rng.standard_normal((6, 4, 5)).astype(np.float16).astype(np.float32)
-    for name, (functional, _, ref) in BINARY.items():
-        grads = {}
-        for dtype in (np.float16, np.float32):
-            pa, pb = param(a.astype(dtype), opencl, dtype), param(b.astype(dtype), opencl, dtype)
-            with netcl.Tape() as tape:
-                y = functional(pa, pb)
-            tape.backward(y, grad=g)
-            grads[dtype] = host(pa.grad), host(pb.grad)
-            if dtype == np.float16:
-                _assert_rounded_from(host(y), ref(a.astype(np.float64), b.astype(np.float64)),
-                                     name)
-        for half_grad, float_grad in zip(grads[np.float16], grads[np.float32]):
-            assert half_grad.dtype == np.float32
-            np.testing.assert_allclose(half_grad, float_grad, rtol=1e-6, atol=1e-6,
-                                       err_msg=name)
-        mixed = functional(tensor(a, opencl), tensor(b.astype(np.float32), opencl))
-        assert mixed.dtype == np.float32
-        np.testing.assert_array_equal(host(mixed), ref(a.astype(np.float32),
-                                                       b.astype(np.float32)))
-
-
-def test_integer_tensors_promote_to_float(backend):
-    """As PyTorch: an int tensor with a float operand, or under exp and relu, computes in
-    floating point. int with int gives float32 here (PyTorch keeps int; true division is
-    float there too)."""
-    ints_host = np.array([[3, -2, 0, 7]])
-    ints = tensor(ints_host, backend)
-    assert ints.dtype == np.int32
-    floats_host = np.array([[0.5], [-1.5]], np.float32)
-    floats = tensor(floats_host, backend)
-    i64, f64 = ints_host.astype(np.float64), floats_host.astype(np.float64)
-    node = netcl.Node(ints)
-    with np.errstate(divide="ignore", invalid="ignore"):  # x / 0 and 0 / 0 in the references
-        results = [
-            (node + 0.5, i64 + 0.5), (2.0 - node, 2.0 - i64), (F.mul(ints, 0.25), i64 * 0.25),
-            (F.mul(ints, floats), i64 * f64), (F.div(floats, ints), f64 / i64),
-            (F.sub(ints, np.array([1.5])), i64 - 1.5), (node * np.arange(4), i64 * np.arange(4)),
-            (F.exp(ints), np.exp(i64)), (F.relu(ints), np.maximum(i64, 0)),
-            (F.add(ints, ints), 2 * i64), (node / node, i64 / i64), (F.sum(ints), i64.sum()),
-            (F.tanh(node), np.tanh(i64))]
-    for out, expected in results:
-        assert out.dtype == np.float32
-        np.testing.assert_allclose(host(out), expected, rtol=1e-6, atol=1e-7)
-    half = F.add(ints, tensor(np.array([0.25], np.float16), backend))  # int + half -> half
-    assert half.dtype == np.float16
-    np.testing.assert_array_equal(host(half), (i64 + 0.25).astype(np.float16))
-    w = param(floats_host, backend)
-    with netcl.Tape() as tape:
-        loss = (w * ints).sum()                        # the int operand is a constant
-    tape.backward(loss)
-    np.testing.assert_array_equal(host(w.grad), np.full((2, 1), ints_host.sum(), np.float32))
-    labels = tensor(np.array([1, 0]), backend)         # labels stay labels
-    loss = F.cross_entropy(tensor(np.zeros((2, 3)), backend), labels)
-    assert labels.dtype == np.int32
-    assert float(host(loss)) == pytest.approx(math.log(3))
-# reliability: data: interrupts, shared memory, prefetch and timeout
-# ---------------------------------------------------------------------------------------------
+# --- interrupts, shared memory, prefetch and timeout
 
 def _leftovers(pid):
     """What a process still holds of the DataLoader's: its child processes (but for
@@ -7643,92 +7638,407 @@ def test_bad_timeouts_are_rejected():
     netcl.DataLoader(dataset, timeout=0)
 
 
-def test_leading_dimension_pieces_are_views_where_the_device_allows(opencl):
-    """split/unbind along dimension 0 make no copy when every piece starts on the device's
-    sub-buffer alignment (the pieces share x's memory, as PyTorch's views), and copy when one
-    does not; both give the same values and gradients."""
-    align = opencl.cl_device.mem_base_addr_align // 8  # bytes
-    row = align // 4  # float32 elements in one aligned row
-    for rows_per_piece, cols, views in ((2, row, True), (1, row + 1, False)):
-        host_rows = np.arange(3 * rows_per_piece * cols, dtype=np.float32).reshape(-1, cols)
-        x = param(host_rows, opencl)
-        with netcl.Tape() as tape:
-            before = opencl.launches
-            pieces = F.split(x, rows_per_piece, 0)
-            made = opencl.launches - before
-            loss = (pieces[0] * 1.0 + pieces[2] * 3.0).sum()
-        assert (made == 0) == views, (rows_per_piece, cols, made)
-        tape.backward(loss)
-        for k, piece in enumerate(pieces):
-            np.testing.assert_array_equal(piece.value.to_host(),
-                                          host_rows[k * rows_per_piece:(k + 1) * rows_per_piece])
-        expected = np.repeat(np.array([1.0, 0.0, 3.0], np.float32), rows_per_piece)
-        np.testing.assert_array_equal(x.grad.to_host(),
-                                      np.broadcast_to(expected[:, None], host_rows.shape))
-
-
-def test_unbind_matches_torch_and_checks_its_argument(backend):
-    x = np.arange(24, dtype=np.float32).reshape(2, 3, 4)
-    for dim in (0, 1, -1):
-        pieces = F.unbind(tensor(x, backend), dim)
-        assert len(pieces) == x.shape[dim]
-        for k, piece in enumerate(pieces):  # torch.unbind: the slices, the dimension removed
-            np.testing.assert_array_equal(piece.value.to_host(), np.take(x, k, axis=dim))
-    assert F.unbind(tensor(np.zeros((2, 0)), backend), 1) == ()
-    with pytest.raises(ValueError, match="unbind"):
-        F.unbind(tensor(np.float32(1.0), backend))
-    with raises_naming(ValueError, "unbind", "3"):
-        F.unbind(tensor(x, backend), 3)
 # ---------------------------------------------------------------------------------------------
-# training loop: resume, schedules, early stopping, progress, History
+# Trainer: fit / evaluate, checkpoints, resume, schedules, History, progress
 # ---------------------------------------------------------------------------------------------
 
-def test_save_and_load_nested_state_as_it_was(backend, tmp_path):
-    netcl.manual_seed(3)
-    model = nn.Sequential(nn.Linear(3, 4, queue=backend.queue), nn.ReLU(),
-                          nn.Linear(4, 2, queue=backend.queue))
-    for opt in (netcl.AdamW(model.parameters(), lr=0.01),
-                netcl.SGD(model.parameters(), lr=0.1, momentum=0.9)):
-        with netcl.Tape() as tape:
-            loss = F.sum(model(tensor(np.ones((2, 3)), backend)))
-        tape.backward(loss)
-        opt.step()
-        state = opt.state_dict()
-        netcl.save(state, tmp_path / "opt.npz")
-        loaded = netcl.load(tmp_path / "opt.npz")
-        assert str(loaded) == str(state)  # types too: int keys, tuples, Python numbers
-        fresh = type(opt)(model.parameters(), lr=0.5)
-        fresh.load_state_dict(loaded)
-        assert str(fresh.state_dict()) == str(state)
-    keys = set(np.load(tmp_path / "opt.npz").files)
-    assert "state.0.momentum_buffer" in keys and "param_groups.0.lr" in keys
-    nested = {"model": model.state_dict(), "misc": [1, 2.5, True, None, "min", (3, -1.0)],
-              "empty": {}, 7: {"x": np.arange(3)}}
-    netcl.save(nested, tmp_path / "nested.npz")
-    loaded = netcl.load(tmp_path / "nested.npz")
-    assert list(loaded) == ["model", "misc", "empty", 7]
-    assert loaded["misc"] == [1, 2.5, True, None, "min", (3, -1.0)]
-    assert [type(v) for v in loaded["misc"][:3]] == [int, float, bool]
-    assert list(loaded["model"]) == ["0.weight", "0.bias", "2.weight", "2.bias"]  # dots kept
-    _same_arrays(loaded["model"], model.state_dict())
-    np.testing.assert_array_equal(loaded[7]["x"], np.arange(3))
-    # a flat dict of arrays stays the format it always was
-    netcl.save(model.state_dict(), tmp_path / "flat.npz")
-    assert set(np.load(tmp_path / "flat.npz").files) == set(model.state_dict())
+# --- the wiki's fit/evaluate pipeline, errors, History, output and checkpoints
+
+def _blobs(n=96, features=8, classes=3, seed=0):
+    """Separable Gaussian blobs: x (n, features) float32, y (n,) int64."""
+    rng = np.random.default_rng(seed)
+    centers = rng.standard_normal((classes, features)) * 3
+    y = rng.integers(0, classes, n)
+    return (centers[y] + rng.standard_normal((n, features))).astype(np.float32), y
 
 
-def test_save_rejects_what_a_state_cannot_hold_and_load_a_forged_structure(tmp_path):
-    path = tmp_path / "bad.npz"
-    for state, needle in (({"a": {"b": object()}}, "a.b"), ({"a": [{(1, 2): 3}]}, "(1, 2)"),
-                          ([np.zeros(2)], "dict")):
-        with raises_naming(ValueError, "save", needle):
-            netcl.save(state, path)
-        assert not path.exists()
-    for forged in ('{"dict": [["w", {"array": "missing"}]]}', '{"eval": "os.system"}',
-                   '{"dict": [["w", {"int": "w"}]]}', "[1, 2", '{"list": []}'):
-        np.savez(path, w=np.zeros(3), __netcl_tree__=np.array(forged))
-        with raises_naming(ValueError, "load", str(path)):
-            netcl.load(path)
+BLOBS_MLP = (8, 16, 3)  # the sizes of the MLP (`_mlp`) that classifies `_blobs()`
+
+
+def _batches(x, y, batch_size):
+    return [(x[i:i + batch_size], y[i:i + batch_size]) for i in range(0, len(x), batch_size)]
+
+
+def test_trainer_history_records_every_epoch(backend, capsys):
+    x, y = _blobs()
+    model = _mlp(backend, BLOBS_MLP)
+    trainer = netcl.Trainer(model, netcl.AdamW(model.parameters(), lr=1e-2),
+                            device_queue=backend.queue, metrics_stride=1)
+    history = trainer.fit(_batches(x, y, 32), _batches(x, y, 48), epochs=3)
+    assert isinstance(history, list) and len(history) == 3
+    assert [h["epoch"] for h in history] == [1, 2, 3]
+    for h in history:
+        assert set(h) == {"epoch", "loss", "accuracy", "val_loss", "val_accuracy",
+                          "samples_per_s", "seconds"}
+        assert h["samples_per_s"] == pytest.approx(len(x) / h["seconds"], rel=1e-6)
+    assert history[-1]["loss"] < history[0]["loss"]
+    no_val = trainer.fit(_batches(x, y, 32), epochs=1)
+    assert "val_loss" not in no_val[0] and "val_accuracy" not in no_val[0]
+    out = capsys.readouterr().out
+    assert "\r" not in out and "\x1b" not in out  # not a terminal: plain lines only
+    assert out.count("epoch ") == 4
+
+
+@TRAINING_SETTINGS
+@given(stride=st.integers(1, 4), bad_step=st.integers(0, 9))
+def test_trainer_non_finite_loss_names_the_step(backend, stride, bad_step):
+    x, y = _blobs(n=40)
+    inner = _mlp(backend, BLOBS_MLP)
+    calls = [0]
+
+    def model(xb):  # NaN logits from training step `bad_step` on (SGD spreads it to weights)
+        factor = math.nan if calls[0] >= bad_step else 1.0
+        calls[0] += 1
+        return inner(xb) * factor
+
+    trainer = netcl.Trainer(model, netcl.SGD(inner.parameters(), lr=0.1),
+                            device_queue=backend.queue, metrics_stride=stride)
+    first_bad_metrics_step = -(-bad_step // stride) * stride
+    batches = _batches(x, y, 4)  # 10 steps per epoch
+    if first_bad_metrics_step < len(batches):
+        with raises_naming(RuntimeError, f"non-finite loss at step {first_bad_metrics_step}"):
+            trainer.fit(batches, epochs=1)
+    else:
+        trainer.fit(batches, epochs=1)
+
+
+def test_trainer_index_and_one_hot_labels_give_the_same_history(backend):
+    x, y = _blobs()
+    histories = []
+    for labels in (y, np.eye(3, dtype=np.float32)[y]):
+        model = _mlp(backend, BLOBS_MLP)
+        trainer = netcl.Trainer(model, netcl.AdamW(model.parameters(), lr=1e-2), grad_clip=1.0,
+                                device_queue=backend.queue, metrics_stride=2)
+        histories.append(trainer.fit(_batches(x, labels, 16), _batches(x, labels, 50), epochs=2))
+    for a, b in zip(*histories):
+        for key in ("loss", "accuracy", "val_loss", "val_accuracy"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), key
+
+
+def test_trainer_rejects_out_of_range_labels(backend):
+    x, y = _blobs(n=32)
+    model = _mlp(backend, BLOBS_MLP)
+    trainer = netcl.Trainer(model, netcl.SGD(model.parameters(), lr=0.1), device_queue=backend.queue)
+    bad = y.copy()
+    bad[5] = 7
+    with raises_naming(ValueError, "7"):
+        trainer.fit([(x, bad)], epochs=1)
+    with raises_naming(ValueError, "-1"):
+        trainer.fit([(x, np.full(32, -1))], epochs=1)
+    with raises_naming(ValueError, "4"):
+        trainer.fit([(x, np.eye(4, dtype=np.float32)[y])], epochs=1)
+
+
+def test_trainer_clips_through_the_fused_step_or_clip_grad_norm(backend, monkeypatch):
+    x, y = _blobs(n=48)
+    x = x * 100  # large gradients, so clipping matters
+    clip_calls = []
+    real_clip = netcl.clip_grad_norm
+    monkeypatch.setattr(netcl, "clip_grad_norm",
+                        lambda params, max_norm, *a, **k: clip_calls.append(max_norm)
+                        or real_clip(params, max_norm, *a, **k))
+    # SGD's step takes no max_norm: the Trainer clips with clip_grad_norm, then steps.
+    model = _mlp(backend, BLOBS_MLP)
+    before = [host(p) for p in model.parameters()]
+    trainer = netcl.Trainer(model, netcl.SGD(model.parameters(), lr=1.0), grad_clip=0.5,
+                            device_queue=backend.queue)
+    trainer.fit([(x, y)], epochs=1)
+    assert clip_calls == [0.5]
+    update = math.sqrt(sum(float(((host(p) - b) ** 2).sum())
+                           for p, b in zip(model.parameters(), before)))
+    assert update <= 0.5 * (1 + 1e-4)  # lr 1: the update is the clipped gradient
+    # AdamW clips inside its step: step(max_norm=...) once per batch, never clip_grad_norm.
+    model = _mlp(backend, BLOBS_MLP)
+    opt = netcl.AdamW(model.parameters(), lr=1e-3)
+    steps = []
+    real_step = opt.step
+    opt.step = lambda max_norm=None: steps.append(max_norm) or real_step(max_norm=max_norm)
+    netcl.Trainer(model, opt, grad_clip=0.5, device_queue=backend.queue).fit(
+        _batches(x, y, 16), epochs=1)
+    assert steps == [0.5, 0.5, 0.5] and clip_calls == [0.5]
+
+
+def test_trainer_evaluate_changes_nothing_and_restores_the_mode(backend, capsys):
+    x, y = _blobs(n=50)
+    model = nn.Sequential(nn.Linear(8, 16, queue=backend.queue), nn.Dropout(0.5),
+                          nn.Linear(16, 3, queue=backend.queue))
+    opt = netcl.AdamW(model.parameters(), lr=1e-2)
+    trainer = netcl.Trainer(model, opt, device_queue=backend.queue)
+    trainer.fit(_batches(x, y, 25), epochs=1)
+    params = [host(p) for p in model.parameters()]
+    grads = [host(p.grad) for p in model.parameters()]
+    state = opt.state_dict()
+    for mode in (True, False):
+        model.train(mode)
+        result = trainer.evaluate(_batches(x, y, 20))
+        assert model.training is mode
+        assert set(result) == {"loss", "accuracy"}
+        logits = host(model.eval()(tensor(x, backend)))
+        model.train(mode)
+        expected_loss = float(np.mean(
+            np.log(np.exp(logits - logits.max(1, keepdims=True)).sum(1))
+            + logits.max(1) - logits[np.arange(len(y)), y]))
+        assert result["loss"] == pytest.approx(expected_loss, rel=1e-4)
+        assert result["accuracy"] == pytest.approx((logits.argmax(1) == y).mean())
+    for p, before, g in zip(model.parameters(), params, grads):
+        np.testing.assert_array_equal(host(p), before)
+        np.testing.assert_array_equal(host(p.grad), g)
+    assert str(opt.state_dict()) == str(state)
+    assert "accuracy" in capsys.readouterr().out
+
+
+def test_trainer_checkpoint_saves_only_on_improvement(backend, tmp_path, monkeypatch):
+    x, y = _blobs(n=30)
+    model = _mlp(backend, BLOBS_MLP)
+    trainer = netcl.Trainer(model, netcl.SGD(model.parameters(), lr=0.01), device_queue=backend.queue)
+    scripted = iter([0.5, 0.4, 0.6, 0.6, 0.7])
+    monkeypatch.setattr(trainer, "_evaluate", lambda *a: {"loss": 1.0, "accuracy": next(scripted)})
+    saved = []
+    real_save = netcl.save
+    monkeypatch.setattr(netcl, "save", lambda state, path: saved.append(
+        {k: v.copy() for k, v in state.items()}) or real_save(state, path))
+    path = tmp_path / "best.npz"
+    trainer.fit(_batches(x, y, 10), _batches(x, y, 10), epochs=4, checkpoint=path)
+    assert len(saved) == 2  # epoch 1 (the first validation) and epoch 3 (0.6 > 0.5); not 0.6 again
+    loaded = netcl.load(path)
+    assert set(loaded) == set(saved[-1])
+    for key in loaded:
+        np.testing.assert_array_equal(loaded[key], saved[-1][key])
+    fresh = _mlp(backend, BLOBS_MLP, seed=1)
+    fresh.load_state_dict(loaded)
+    assert path.exists()
+    with raises_naming(ValueError, "checkpoint"):
+        netcl.Trainer(lambda xb: xb, netcl.SGD(model.parameters(), lr=0.1)).fit(
+            [], [], checkpoint=path)
+
+
+def test_trainer_accepts_any_callable_loss_and_gpu_batches(backend):
+    x, y = _blobs(n=64)
+    extra = np.arange(64)
+    w = param(np.random.default_rng(0).uniform(-0.3, 0.3, (3, 8)), backend)
+    b = param(np.zeros(3), backend)
+    model = lambda xb: F.linear(xb, w, b)  # a plain function: no train/eval/parameters
+    calls = []
+
+    def loss_fn(logits, target):
+        calls.append(1)
+        return F.cross_entropy(logits, target)
+
+    loader = netcl.DataLoader(netcl.ArrayDataset(x, y, extra), batch_size=16, seed=0,
+                              device_queue=backend.queue)
+    trainer = netcl.Trainer(model, netcl.SGD([w, b], lr=0.1), device_queue=backend.queue,
+                            loss_fn=lambda *a: 1 / 0, metrics_stride=1)
+    history = trainer.fit(loader, epochs=2, loss_fn=loss_fn)  # fit's loss_fn wins
+    assert len(calls) == 8 and history[-1]["accuracy"] > 0.5
+
+
+def test_trainer_memory_stays_flat_without_gc(backend):
+    x, y = _blobs(n=64)
+    model = _mlp(backend, BLOBS_MLP)
+    trainer = netcl.Trainer(model, netcl.AdamW(model.parameters(), lr=1e-2), grad_clip=1.0,
+                            device_queue=backend.queue, metrics_stride=3)
+    batches = _batches(x, y, 8)
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        trainer.fit(batches, epochs=2)
+        in_use = []
+        for _ in range(4):
+            trainer.fit(batches, epochs=1)
+            in_use.append(backend.pool.stats()["in_use_bytes"])
+    finally:
+        if was_enabled:
+            gc.enable()
+    assert len(set(in_use)) == 1, in_use
+
+
+def test_trainer_host_syncs_per_100_steps(opencl):
+    x, y = _blobs(n=400)
+    model = _mlp(opencl, BLOBS_MLP)
+    trainer = netcl.Trainer(model, netcl.AdamW(model.parameters(), lr=1e-2), grad_clip=1.0,
+                            device_queue=opencl.queue, metrics_stride=10)
+    batches = _batches(x, y, 4)  # 100 steps
+    trainer.fit(batches[:10], epochs=1)  # warm up: kernels built, buffers pooled
+    before = opencl.syncs
+    trainer.fit(batches, epochs=1)
+    # Two reads (loss, logits) at each of the 10 metrics steps, one read of the epoch's loss.
+    assert opencl.syncs - before == 2 * 10 + 1
+
+
+def test_trainer_mixed_precision_on_cpu_is_float32_with_a_notice(cpu, capsys):
+    x, y = _blobs()
+    histories = []
+    for mixed in (False, True):
+        model = _mlp(cpu, BLOBS_MLP)
+        trainer = netcl.Trainer(model, netcl.AdamW(model.parameters(), lr=1e-2),
+                                device_queue=cpu.queue, mixed_precision=mixed, metrics_stride=1)
+        histories.append(trainer.fit(_batches(x, y, 32), epochs=2))
+    assert "mixed precision" in capsys.readouterr().out
+    for a, b in zip(*histories):
+        assert a["loss"] == b["loss"] and a["accuracy"] == b["accuracy"]
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    ({"metrics_stride": 0}, "metrics_stride"), ({"grad_clip": -1.0}, "grad_clip"),
+    ({"loss_fn": 3}, "loss_fn")])
+def test_trainer_validates_its_arguments(cpu, kwargs, needle):
+    model = _mlp(cpu, BLOBS_MLP)
+    with raises_naming(ValueError, needle):
+        netcl.Trainer(model, netcl.SGD(model.parameters(), lr=0.1), **kwargs)
+
+
+@pytest.mark.parametrize("mixed_precision", [False, True])
+def test_trainer_reaches_95_percent_on_digits(backend, digits, mixed_precision):
+    """The tutorial's Trainer run; with mixed_precision=True too (tensor cores on NVIDIA,
+    float32 with a notice on PoCL and the NumPy backend)."""
+    x = digits.x
+    order = np.random.default_rng(0).permutation(len(x))
+    train, test = order[:1400], order[1400:]
+    model = _mlp(backend, (64, 128, 10))
+    trainer = netcl.Trainer(model, netcl.AdamW(model.parameters(), lr=3e-3), grad_clip=1.0,
+                            device_queue=backend.queue, mixed_precision=mixed_precision)
+    train_loader = netcl.DataLoader(netcl.ArrayDataset(x[train], digits.y[train]),
+                                    batch_size=32, seed=0)
+    test_loader = netcl.DataLoader(netcl.ArrayDataset(x[test], digits.y[test]),
+                                   batch_size=200, shuffle=False)
+    trainer.fit(train_loader, epochs=15)
+    assert trainer.evaluate(test_loader)["accuracy"] >= 0.95
+
+
+def test_trainer_epoch_loss_is_the_mean_over_every_step(backend):
+    x, y = _blobs(n=70)
+    model = _mlp(backend, BLOBS_MLP)
+    losses = []
+
+    def loss_fn(logits, target):
+        loss = F.cross_entropy(logits, target)
+        losses.append((loss, logits.shape[0]))
+        return loss
+
+    trainer = netcl.Trainer(model, netcl.SGD(model.parameters(), lr=0.1), loss_fn=loss_fn,
+                            device_queue=backend.queue, metrics_stride=100)
+    history = trainer.fit(_batches(x, y, 16), epochs=1)  # 5 steps, the last of 6 samples
+    expected = sum(float(host(loss)) * n for loss, n in losses) / len(x)
+    assert history[0]["loss"] == pytest.approx(expected, rel=1e-5)
+
+
+def test_trainer_non_finite_loss_stops_before_its_update(backend):
+    model = nn.Sequential(nn.Linear(4, 2, queue=backend.queue))
+    trainer = netcl.Trainer(model, netcl.SGD(model.parameters(), lr=0.1),
+                            device_queue=backend.queue, metrics_stride=1)
+    x = np.ones((8, 4), np.float32)
+    x_nan = x.copy()
+    x_nan[0, 0] = np.nan
+    y = np.zeros(8, np.int64)
+    with raises_naming(RuntimeError, "non-finite loss at step 1"):
+        trainer.fit([(x, y), (x_nan, y)])
+    assert all(np.isfinite(v).all() for v in model.state_dict().values())
+
+
+def test_trainer_accuracy_exists_for_every_epoch_and_log_every_sets_validation(backend, capsys,
+                                                                                monkeypatch):
+    x, y = _blobs(n=40)
+    model = _mlp(backend, BLOBS_MLP)
+    trainer = netcl.Trainer(model, netcl.AdamW(model.parameters(), lr=1e-2),
+                            device_queue=backend.queue)  # metrics_stride 10 > 2 steps an epoch
+    calls = []
+    real_evaluate = trainer._evaluate
+    monkeypatch.setattr(trainer, "_evaluate", lambda *a: calls.append(1) or real_evaluate(*a))
+    history = trainer.fit(_batches(x, y, 20), _batches(x, y, 40), epochs=5, log_every=2)
+    assert all(0.0 <= h["accuracy"] <= 1.0 for h in history)
+    assert len(calls) == 2  # epochs 2 and 4
+    assert [h["val_accuracy"] is not None for h in history] == [False, True, False, True, False]
+    assert capsys.readouterr().out.count("epoch ") == 5  # a line every epoch
+
+
+def test_trainer_integer_one_hot_labels_train_like_float_ones(backend):
+    x, y = _blobs()
+    histories = []
+    for dtype in (np.int64, np.float32):
+        model = _mlp(backend, BLOBS_MLP)
+        trainer = netcl.Trainer(model, netcl.SGD(model.parameters(), lr=0.1),
+                                device_queue=backend.queue, metrics_stride=1)
+        histories.append(trainer.fit(_batches(x, np.eye(3, dtype=dtype)[y], 32), epochs=2))
+    for a, b in zip(*histories):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-6)
+        assert a["accuracy"] == b["accuracy"]
+
+
+def test_fit_checkpoint_that_fails_to_save_names_it_and_keeps_the_best(backend, tmp_path,
+                                                                      monkeypatch):
+    import errno
+    x, y = _blobs(n=30)
+    model = _mlp(backend, BLOBS_MLP)
+    trainer = netcl.Trainer(model, netcl.SGD(model.parameters(), lr=0.1), device_queue=backend.queue)
+    scripted = iter([0.5, 0.6])
+    monkeypatch.setattr(trainer, "_evaluate", lambda *a: {"loss": 1.0, "accuracy": next(scripted)})
+    real_savez, saved = np.savez, []
+
+    def savez_fails_the_second_time(file, **arrays):
+        saved.append({key: value.copy() for key, value in arrays.items()})
+        if len(saved) == 2:
+            file.write(b"PK\x03\x04")
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_savez(file, **arrays)
+
+    monkeypatch.setattr(np, "savez", savez_fails_the_second_time)
+    path = tmp_path / "best.npz"
+    with pytest.raises(OSError) as caught:
+        trainer.fit(_batches(x, y, 10), _batches(x, y, 10), epochs=2, checkpoint=path)
+    assert len(saved) == 2 and os.listdir(tmp_path) == ["best.npz"]
+    best = netcl.load(path)
+    _same_arrays(best, saved[0])
+    _mlp(backend, BLOBS_MLP, seed=1).load_state_dict(best)
+    assert str(path) in str(caught.value) and "No space left" in str(caught.value)
+
+
+def test_trainer_refuses_an_empty_batch(backend):
+    x, y = _blobs(n=8)
+    model = _mlp(backend, BLOBS_MLP)
+    trainer = netcl.Trainer(model, netcl.SGD(model.parameters(), lr=0.1),
+                            device_queue=backend.queue)
+    batches = [(x[:4], y[:4]), (x[:0], y[:0])]
+    with raises_naming(ValueError, "empty batch", "(0, 8)"):
+        trainer.fit(batches)
+    with raises_naming(ValueError, "empty batch", "(0, 8)"):
+        trainer.evaluate(batches)
+
+
+@pytest.mark.parametrize("on_device", [False, True])
+def test_trainer_trains_on_integer_inputs_as_on_their_float_values(backend, on_device, capsys):
+    x, y = _blobs(n=48)
+    images = np.clip(x * 20 + 128, 0, 255).astype(np.uint8)  # uint8 "pixels"
+    results = []
+    for inputs in (images, images.astype(np.float32)):
+        model = _mlp(backend, BLOBS_MLP)
+        loader = netcl.DataLoader(netcl.ArrayDataset(inputs, y), batch_size=16, shuffle=False,
+                                  device_queue=backend.queue if on_device else None)
+        trainer = netcl.Trainer(model, netcl.SGD(model.parameters(), lr=1e-4),
+                                device_queue=backend.queue, metrics_stride=1)
+        history = trainer.fit(loader, loader, epochs=2)
+        results.append(([(h["loss"], h["accuracy"], h["val_loss"]) for h in history],
+                        model.state_dict()))
+    (history_u8, state_u8), (history_f32, state_f32) = results
+    assert history_u8 == history_f32
+    np.testing.assert_equal(state_u8, state_f32)
+
+
+def test_trainer_needs_class_scores_from_the_model(backend, capsys):
+    x, y = _blobs(n=16)
+    inner = _mlp(backend, BLOBS_MLP)
+    model = lambda xb: F.sum(inner(xb), axis=1)  # (N,), not (N, C)
+    trainer = netcl.Trainer(model, netcl.SGD(inner.parameters(), lr=0.1),
+                            device_queue=backend.queue, loss_fn=lambda out, t: F.mean(out * out))
+    for run in (trainer.fit, trainer.evaluate):
+        with raises_naming(ValueError, "Trainer", "(16,)", "class scores (N, C)"):
+            run(_batches(x, y, 16))
+    # A regression output (N, 1) against float targets (N, 1) with its own loss keeps working.
+    head = param(np.full((1, 3), 0.1), backend)
+    regression = netcl.Trainer(lambda xb: F.linear(inner(xb), head),
+                               netcl.SGD([head], lr=1e-3), device_queue=backend.queue,
+                               loss_fn=F.mse_loss)
+    history = regression.fit(_batches(x, y[:, None].astype(np.float32), 8))
+    assert math.isfinite(history[0]["loss"])
 
 
 def _resume_run(dev, epochs, tmp_path, resume=None, training_checkpoint=None, mixed=False):
@@ -7790,96 +8100,6 @@ def test_resume_needs_a_training_checkpoint_and_its_scheduler(cpu, tmp_path):
                     scheduler=netcl.StepLR(opt, 1))
     assert trainer.fit(_batches(x, y, 16), epochs=1, resume=tmp_path / "run.npz",
                        scheduler=netcl.StepLR(opt, 1)) == []  # epoch 1 is done already
-
-
-def _step_lr_reference(lrs_before, step_size, gamma, epochs):
-    """PyTorch's StepLR.get_lr, chained: at each non-zero multiple of step_size, lr * gamma."""
-    lr, out = lrs_before, []
-    for last_epoch in range(1, epochs + 1):
-        if last_epoch % step_size == 0:
-            lr = lr * gamma
-        out.append(lr)
-    return out
-
-
-def _plateau_reference(metrics, lr, mode, factor, patience, threshold, threshold_mode, cooldown,
-                       min_lr, eps):
-    """PyTorch's ReduceLROnPlateau.step, transcribed: the lr after each step(metric)."""
-    best = math.inf if mode == "min" else -math.inf
-    bad = cooldown_counter = 0
-    out = []
-    for current in metrics:
-        if mode == "min" and threshold_mode == "rel":
-            better = current < best * (1.0 - threshold)
-        elif mode == "min":
-            better = current < best - threshold
-        elif threshold_mode == "rel":
-            better = current > best * (threshold + 1.0)
-        else:
-            better = current > best + threshold
-        if better:
-            best, bad = current, 0
-        else:
-            bad += 1
-        if cooldown_counter > 0:
-            cooldown_counter -= 1
-            bad = 0
-        if bad > patience:
-            new_lr = max(lr * factor, min_lr)
-            if lr - new_lr > eps:
-                lr = new_lr
-            cooldown_counter, bad = cooldown, 0
-        out.append(lr)
-    return out
-
-
-@PROPERTY_SETTINGS
-@given(step_size=st.integers(1, 5), gamma=st.floats(0.05, 1.0),
-       metrics=st.lists(st.sampled_from([1.0, 0.9, 0.8999, 0.5, 0.7, 2.0, math.nan]),
-                        min_size=1, max_size=30),
-       mode=st.sampled_from(["min", "max"]), threshold_mode=st.sampled_from(["rel", "abs"]),
-       patience=st.integers(0, 3), cooldown=st.integers(0, 2),
-       threshold=st.sampled_from([0.0, 1e-4, 0.05]), min_lr=st.sampled_from([0.0, 0.004]))
-def test_step_lr_and_reduce_lr_on_plateau_follow_pytorch(step_size, gamma, metrics, mode,
-                                                         threshold_mode, patience, cooldown,
-                                                         threshold, min_lr):
-    cpu = netcl.manager.default("cpu")
-    opt = netcl.SGD([param(np.zeros(2), cpu)], lr=0.1)
-    schedule = netcl.StepLR(opt, step_size, gamma)
-    lrs = []
-    for _ in range(12):
-        schedule.step()
-        lrs.append(opt.lr)
-    assert lrs == _step_lr_reference(0.1, step_size, gamma, 12)
-    opt.lr = 0.1
-    kwargs = dict(mode=mode, factor=0.5, patience=patience, threshold=threshold,
-                  threshold_mode=threshold_mode, cooldown=cooldown, min_lr=min_lr, eps=1e-8)
-    plateau = netcl.optim.lr_scheduler.ReduceLROnPlateau(opt, **kwargs)
-    lrs = []
-    for i, metric in enumerate(metrics):
-        plateau.step(metric)
-        lrs.append(opt.lr)
-        if i == len(metrics) // 2:  # a fresh schedule from the state continues the same
-            opt.lr, state = opt.lr, plateau.state_dict()
-            plateau = netcl.ReduceLROnPlateau(opt)
-            plateau.load_state_dict(state)
-    assert lrs == _plateau_reference(metrics, 0.1, **kwargs)
-    moved = netcl.StepLR(netcl.SGD(opt.params, lr=0.3), step_size, gamma)
-    moved.load_state_dict(schedule.state_dict())
-    assert moved.optimizer.lr == schedule.optimizer.lr and moved.last_epoch == 12
-
-
-@pytest.mark.parametrize("make, needle", [
-    (lambda opt: netcl.StepLR(opt, 0), "step_size"), (lambda opt: netcl.StepLR(opt, 2.0), "step_size"),
-    (lambda opt: netcl.StepLR(opt, 2, gamma=-1), "gamma"),
-    (lambda opt: netcl.ReduceLROnPlateau(opt, mode="up"), "mode"),
-    (lambda opt: netcl.ReduceLROnPlateau(opt, factor=1.0), "factor"),
-    (lambda opt: netcl.ReduceLROnPlateau(opt, threshold_mode="x"), "threshold_mode"),
-    (lambda opt: netcl.ReduceLROnPlateau(opt, patience=-1), "patience"),
-    (lambda opt: netcl.ReduceLROnPlateau(opt, min_lr=-1), "min_lr")])
-def test_schedules_validate_their_arguments(cpu, make, needle):
-    with raises_naming(ValueError, needle):
-        make(netcl.SGD([param(np.zeros(2), cpu)], lr=0.1))
 
 
 class _LrSpy(netcl.SGD):
@@ -8125,165 +8345,6 @@ def test_fit_progress_on_a_terminal_leaves_only_the_epoch_lines(backend, tmp_pat
     assert "evaluate:" not in raw
     assert "epoch 1/2 [" in raw and "8/8" in raw and "ETA" in raw  # the bar names its epoch
     assert "epoch 2/2 validating..." in raw
-# ---------------------------------------------------------------------------------------------
-# devices, model printing, examples: .to(), manager.set_default, the Trainer's device,
-# the device notice, kernel builds outside the first epoch, print(model), running examples
-# ---------------------------------------------------------------------------------------------
-
-@pytest.fixture
-def chosen_default():
-    """manager.set_default, undone after the test (the rest of the suite uses the usual
-    NETCL_DEVICE-or-auto default)."""
-    yield netcl.manager.set_default
-    netcl.manager.set_default(None)
-
-
-def _other(backend):
-    """The other backend's Device: where a test's objects start before they are moved."""
-    return _get_device("opencl" if backend.backend == "cpu" else "cpu")
-
-
-def test_set_default_device_is_used_wherever_no_queue_is_given(backend, chosen_default, monkeypatch):
-    assert chosen_default(backend.backend) is backend
-    assert netcl.manager.default() is backend
-    x = np.arange(6, dtype=np.float32).reshape(2, 3)
-    assert netcl.Tensor.from_host(x).device is backend
-    assert netcl.Tensor.empty((2,)).device is backend
-    assert netcl.Parameter(x).device is backend
-    assert netcl.Node(x).device is backend
-    layers = [nn.Linear(3, 2), nn.Conv2d(1, 2, 3), nn.LayerNorm(3), nn.BatchNorm1d(3), nn.Embedding(4, 2)]
-    assert all(p.device is backend for layer in layers for p in layer.parameters())
-    assert layers[3].running_mean.device is backend
-    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
-    trainer = netcl.Trainer(lambda x: model(x), netcl.optim.SGD(model.parameters(), lr=0.1))
-    assert trainer.device is backend  # a model without parameters(): the default device
-    # A Device given works too; None goes back to NETCL_DEVICE, else auto.
-    assert chosen_default(backend) is backend
-    monkeypatch.setenv("NETCL_DEVICE", "cpu")
-    assert chosen_default(None) is netcl.manager.default("cpu")
-    assert netcl.Tensor.from_host(x).device.backend == "cpu"
-
-
-def test_set_default_wins_over_netcl_device_and_default_kind_leaves_it(opencl, chosen_default, monkeypatch):
-    monkeypatch.setenv("NETCL_DEVICE", "cpu")
-    # Asking manager.default for a device does not make it the default (existing callers).
-    assert netcl.manager.default("opencl") is opencl
-    assert netcl.manager.default().backend == "cpu"
-    assert chosen_default("opencl") is opencl
-    assert netcl.manager.default() is opencl  # code's choice wins over the environment
-    assert netcl.manager.default("cpu").backend == "cpu"  # an explicit argument wins over both
-    with raises_naming(ValueError, "nonsense"):
-        chosen_default("nonsense")
-    assert netcl.manager.default() is opencl  # a rejected choice changes nothing
-
-
-def test_module_to_moves_parameters_and_buffers_in_place(backend):
-    source = _other(backend)
-    netcl.manual_seed(3)
-    q = source.queue
-    model = nn.Sequential(nn.Linear(5, 4, queue=q), nn.BatchNorm1d(4, queue=q), nn.ReLU(),
-                          nn.Linear(4, 3, queue=q))
-    x = np.random.default_rng(0).standard_normal((6, 5)).astype(np.float32)
-    with netcl.Tape() as tape:  # trains the batch norm's running statistics once
-        loss = F.cross_entropy(model(tensor(x, source)), np.array([0, 1, 2, 0, 1, 2]))
-    tape.backward(loss)
-    params = dict(model.named_parameters())
-    before = {name: host(p) for name, p in params.items()}
-    grads = {name: host(p.grad) for name, p in params.items()}
-    stats = model[1].running_mean.to_host(), model[1].running_var.to_host()
-    model.eval()
-    expected = host(model(tensor(x, source)))
-
-    assert model.to(backend.backend) is model
-    assert dict(model.named_parameters()) == params  # the same Parameter objects
-    for name, p in params.items():
-        assert p.device is backend and p.grad.device is backend, name
-        np.testing.assert_array_equal(host(p), before[name], err_msg=name)
-        np.testing.assert_array_equal(host(p.grad), grads[name], err_msg=name)
-    assert model[1].running_mean.device is backend and model[1].running_var.device is backend
-    np.testing.assert_array_equal(model[1].running_mean.to_host(), stats[0])
-    np.testing.assert_array_equal(model[1].running_var.to_host(), stats[1])
-    assert isinstance(model[1].num_batches_tracked, np.ndarray)  # a host counter stays one
-    assert model[1]._buffers["running_mean"] is model[1].running_mean
-    np.testing.assert_allclose(host(model(tensor(x, backend))), expected, rtol=1e-5, atol=1e-5)
-    assert model.to(backend) is model  # already there: nothing changes
-    with raises_naming(ValueError, "Sequential.to", "device"):
-        model.to(None)
-    with raises_naming(ValueError, "Sequential.to", "nonsense"):
-        model.to("nonsense")
-
-
-def test_tensor_to_and_node_to(backend):
-    source = _other(backend)
-    values = np.array([[1.0, -2.0, 3.0]], np.float32)
-    t = tensor(values, source)
-    assert t.to(source) is t and t.to(source.queue) is t
-    moved = t.to(backend)
-    assert moved.device is backend and moved.dtype == np.float32
-    np.testing.assert_array_equal(moved.to_host(), values)
-    half = tensor(values, source, np.float16).to(backend)
-    assert half.dtype == np.float16
-    labels = tensor(np.array([2, 0, 1]), source).to(backend)
-    assert labels.dtype == np.int32
-    np.testing.assert_array_equal(labels.to_host(), [2, 0, 1])
-    if backend.backend == "opencl":  # label tensors keep the host copy the Trainer checks
-        np.testing.assert_array_equal(labels._labels, [2, 0, 1])
-    with raises_naming(ValueError, "Tensor.to", "nonsense"):
-        t.to("nonsense")
-    # Node.to: a new node there; inside a Tape the gradient comes back to the source device.
-    w = netcl.Parameter(tensor(values, source))
-    assert w.to(source) is w
-    with netcl.Tape() as tape:
-        on_backend = w.to(backend)
-        loss = (on_backend * on_backend).sum()
-    assert on_backend.device is backend and not isinstance(on_backend, netcl.Parameter)
-    tape.backward(loss)
-    assert w.grad.device is source
-    np.testing.assert_allclose(host(w.grad), 2 * values)
-
-
-def test_module_to_after_adam_raises_until_the_optimizer_is_gone(backend):
-    source = _other(backend)
-    model = nn.Sequential(nn.Linear(3, 2, queue=source.queue))
-    opt = netcl.optim.AdamW(model.parameters(), lr=0.1)
-    with raises_naming(ValueError, "'0.weight'", "AdamW", "before creating the optimizer"):
-        model.to(backend)
-    assert all(p.device is source for p in model.parameters())  # nothing moved
-    del opt
-    gc.collect()
-    model.to(backend)
-    opt = netcl.optim.AdamW(model.parameters(), lr=0.1)
-    before = host(model[0].weight)
-    x = tensor(np.ones((4, 3), np.float32), backend)
-    with netcl.Tape() as tape:
-        loss = F.cross_entropy(model(x), np.array([0, 1, 0, 1]))
-    opt.zero_grad()
-    tape.backward(loss)
-    opt.step()
-    assert model[0].weight.device is backend
-    assert not np.array_equal(host(model[0].weight), before)
-
-
-def test_sgd_follows_a_moved_model_until_it_has_momentum(backend):
-    source = _other(backend)
-    model = nn.Sequential(nn.Linear(3, 2, queue=source.queue))
-    opt = netcl.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    x = np.ones((4, 3), np.float32)
-
-    def step(dev):
-        with netcl.Tape() as tape:
-            loss = F.cross_entropy(model(tensor(x, dev)), np.array([0, 1, 0, 1]))
-        opt.zero_grad()
-        tape.backward(loss)
-        opt.step()
-
-    model.to(backend)  # before the first step: SGD holds the same Parameters
-    before = host(model[0].weight)
-    step(backend)
-    assert not np.array_equal(host(model[0].weight), before)
-    model.to(source)  # now its momentum buffers are on `backend`
-    with raises_naming(ValueError, "SGD.step", "momentum", "before creating the optimizer"):
-        step(source)
 
 
 def test_trainer_takes_its_device_from_the_model(backend, chosen_default):
@@ -8309,42 +8370,6 @@ def test_trainer_device_errors_name_the_devices(opencl, cpu):
         netcl.Trainer(model, opt, device_queue=cpu.queue)
     assert netcl.Trainer(model, opt, device_queue=opencl.queue).device is opencl
     assert netcl.Trainer(model, opt, device_queue="opencl").device is opencl
-
-
-def test_mixed_device_errors_say_how_to_fix_them(opencl, cpu):
-    fix = (".to(device)", "queue=device.queue")
-    x = tensor(np.ones((2, 3), np.float32), cpu)
-    w = param(np.ones((4, 3), np.float32), opencl)
-    with raises_naming(ValueError, "linear", "different devices", "NumPy", opencl.name, *fix):
-        F.linear(x, w)
-    cond = tensor(np.array([1, 0, 1]), cpu)
-    a = tensor(np.ones(3, np.float32), opencl)
-    with raises_naming(ValueError, "where", "different devices", *fix):
-        F.where(cond, a, a)
-    with netcl.Tape() as tape:
-        loss = (w * w).sum()
-    with raises_naming(ValueError, "backward", "different devices", *fix):
-        tape.backward(loss, grad=tensor(np.ones((), np.float32), cpu))
-
-
-def _netcl_env(**extra):
-    """The environment of a subprocess that imports this netcl.py, not an installed one."""
-    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.abspath(netcl.__file__)), **extra)
-    env.pop("NETCL_DEVICE", None)
-    return env
-
-
-def test_device_notice_is_plain_words(opencl):
-    import pyopencl as cl
-    if opencl.cl_device.type & (cl.device_type.GPU | cl.device_type.ACCELERATOR):
-        pytest.skip("the notice is printed for a CPU OpenCL device only")
-    result = subprocess.run([sys.executable, "-c", "import netcl; netcl.manager.default('opencl')"],
-                            env=_netcl_env(), capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr
-    assert (f"netcl: no OpenCL GPU found; using OpenCL CPU device "
-            f"'{opencl.cl_device.name.strip()}' ({opencl.cl_device.platform.name.strip()})"
-            in result.stderr), result.stderr
-    assert "ALL" not in result.stderr  # not the type bitfield's string
 
 
 def _digits_batches(n=64):
@@ -8374,79 +8399,33 @@ def test_no_kernel_build_during_the_first_epoch(opencl, monkeypatch, mixed_preci
     assert (device.builds, device.build_seconds) == built
 
 
-# PyTorch 2's print() of the same modules (torch.nn, CPU), character for character.
-TORCH_MODEL_REPR = """\
-Sequential(
-  (0): Conv2d(1, 16, kernel_size=(3, 3), stride=(1, 1), padding=(1, 1))
-  (1): ReLU()
-  (2): MaxPool2d(kernel_size=2, stride=2, padding=0, dilation=1, ceil_mode=False)
-  (3): Conv2d(16, 32, kernel_size=(3, 5), stride=(2, 2), dilation=(2, 2), groups=2, bias=False)
-  (4): MaxPool2d(kernel_size=3, stride=1, padding=1, dilation=1, ceil_mode=False)
-  (5): Flatten(start_dim=1, end_dim=-1)
-  (6): Linear(in_features=10, out_features=5, bias=False)
-  (7): Dropout(p=0.25, inplace=False)
-  (8): GELU(approximate='none')
-  (9): GELU(approximate='tanh')
-  (10): Tanh()
-  (11): Sigmoid()
-  (12): LayerNorm((5,), eps=1e-05, elementwise_affine=True, bias=True)
-  (13): LayerNorm((4, 5), eps=1e-06, elementwise_affine=False, bias=False)
-  (14): LayerNorm((5,), eps=1e-05, elementwise_affine=True, bias=False)
-  (15): BatchNorm1d(16, eps=1e-05, momentum=0.1, affine=True, bias=True, track_running_stats=True)
-  (16): BatchNorm2d(8, eps=1e-05, momentum=None, affine=False, bias=False, track_running_stats=False)
-  (17): Embedding(10, 3)
-  (18): Sequential(
-    (0): Linear(in_features=2, out_features=2, bias=True)
-    (1): ReLU()
-  )
-  (19): Sequential()
-  (20): Flatten(start_dim=0, end_dim=2)
-)"""
+# ---------------------------------------------------------------------------------------------
+# examples: the tutorial model, the example scripts
+# ---------------------------------------------------------------------------------------------
 
+# --- the tutorial model
 
-def _printed_model():
-    return nn.Sequential(
-        nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Conv2d(16, 32, (3, 5), stride=2, dilation=2, groups=2, bias=False),
-        nn.MaxPool2d(3, stride=1, padding=1), nn.Flatten(), nn.Linear(10, 5, bias=False),
-        nn.Dropout(0.25), nn.GELU(), nn.GELU(approximate="tanh"), nn.Tanh(), nn.Sigmoid(),
-        nn.LayerNorm(5), nn.LayerNorm((4, 5), eps=1e-6, elementwise_affine=False),
-        nn.LayerNorm(5, bias=False), nn.BatchNorm1d(16),
-        nn.BatchNorm2d(8, momentum=None, affine=False, track_running_stats=False),
-        nn.Embedding(10, 3), nn.Sequential(nn.Linear(2, 2), nn.ReLU()), nn.Sequential(),
-        nn.Flatten(0, 2))
-
-
-def test_repr_of_a_model_is_pytorchs():
-    model = _printed_model()
-    assert repr(model) == TORCH_MODEL_REPR
-    assert repr(nn.Linear(784, 128)) == "Linear(in_features=784, out_features=128, bias=True)"
-    assert repr(nn.MaxPool2d((2, 3))) == ("MaxPool2d(kernel_size=(2, 3), stride=(2, 3), padding=0, "
-                                         "dilation=1, ceil_mode=False)")
-
-    class Net(nn.Module):  # a user's module: attribute names, sub-modules indented
-        def __init__(self):
-            super().__init__()
-            self.fc = nn.Linear(2, 3)
-            self.block = nn.Sequential(nn.ReLU())
-
-        def forward(self, x):
-            return self.block(self.fc(x))
-
-    assert repr(Net()) == ("Net(\n  (fc): Linear(in_features=2, out_features=3, bias=True)\n"
-                           "  (block): Sequential(\n    (0): ReLU()\n  )\n)")
-
-
-def test_print_model_adds_the_parameter_count(capsys):
-    model = nn.Sequential(nn.Linear(784, 128), nn.ReLU(), nn.Linear(128, 10))
-    assert model.num_parameters() == 784 * 128 + 128 + 128 * 10 + 10
-    print(model)
-    assert capsys.readouterr().out == repr(model) + "\nTotal params: 101,770\n"
-    shared = nn.Linear(3, 3)
-    assert nn.Sequential(shared, nn.ReLU(), shared).num_parameters() == 12  # counted once
-    batch_norm = nn.BatchNorm1d(4)  # its running statistics are buffers, not parameters
-    assert batch_norm.num_parameters() == 8
-    assert nn.ReLU().num_parameters() == 0
+def test_tutorial_mlp_on_digits(backend, digits):
+    x_train, y_train, x_test, y_test = digits.x_train, digits.y_train, digits.x_test, digits.y_test
+    model = _mlp(backend, (64, 128, 10))
+    opt = netcl.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    rng = np.random.default_rng(0)
+    batch = 32
+    for _ in range(15):
+        order = rng.permutation(len(x_train))
+        for start in range(0, len(order), batch):
+            idx = order[start:start + batch]
+            with netcl.Tape() as tape:
+                xb = tensor(x_train[idx], backend)                        # (B, 64)
+                yb = tensor(y_train[idx].astype(np.int32), backend)       # (B,) int32
+                loss = F.cross_entropy(model(xb), yb)
+            opt.zero_grad()
+            tape.backward(loss)
+            opt.step()
+    model.eval()
+    logits = host(model(tensor(x_test, backend)))
+    accuracy = (logits.argmax(axis=1) == y_test).mean()
+    assert accuracy >= 0.95, f"test accuracy {accuracy:.3f}"
 
 
 EXAMPLES = pathlib.Path(__file__).resolve().parent / "examples"
@@ -8533,24 +8512,65 @@ def test_mnist_example_names_the_files_it_tried(tmp_path):
         _mnist_example().load_mnist(str(tmp_path))
 
 
-def test_tensor_to_copies_what_the_device_holds_not_a_host_copy(opencl, cpu):
-    """An int32 tensor written from the host keeps that host copy, but the device may change
-    it later (Adam's step count counts on the device): .to() copies the current contents."""
-    model = nn.Linear(2, 2, queue=opencl.queue)
-    opt = netcl.optim.AdamW(model.parameters())
-    with netcl.Tape() as tape:
-        loss = (model(tensor(np.ones((1, 2), np.float32), opencl)) ** 2).sum()
+# ---------------------------------------------------------------------------------------------
+# import aliases
+# ---------------------------------------------------------------------------------------------
+
+# (module, name there, the name of the same object in netcl). PyTorch's import paths name
+# netcl's own objects; abs, pow, max and min would hide Python's own functions inside netcl.py,
+# so netcl's flat names for them differ.
+_FUNCTIONAL_FLAT = [
+    "matmul", "linear", "add", "sub", "mul", "div", "relu", "leaky_relu", "sigmoid", "tanh",
+    "gelu", "exp", "log", "sum", "mean", "reshape", "flatten", "softmax", "log_softmax",
+    "cross_entropy", "mse_loss", "dropout", "sqrt", "rsqrt", "clamp", "silu", "maximum",
+    "minimum", "where", "masked_fill", "argmax", "var", "std", "logsumexp", "conv2d",
+    "max_pool2d", "avg_pool2d", "layer_norm", "batch_norm", "embedding",
+    "scaled_dot_product_attention", "nll_loss", "binary_cross_entropy_with_logits"]
+
+
+IMPORT_ALIASES = (
+    [("netcl.functional", name, name) for name in _FUNCTIONAL_FLAT]
+    + [("netcl.functional", "abs", "absolute"), ("netcl.functional", "pow", "power"),
+       ("netcl.functional", "max", "reduce_max"), ("netcl.functional", "min", "reduce_min")]
+    + [("netcl.nn.functional", name, name) for name in ["relu", "nll_loss"]]
+    + [("netcl.nn", name, name) for name in ["Linear", "Sequential", "Conv2d", "MaxPool2d",
+                                             "LayerNorm", "BatchNorm1d", "BatchNorm2d",
+                                             "Embedding"]]
+    + [("netcl.optim", "SGD", "SGD"), ("netcl.optim", "AMPGradScaler", "AMPGradScaler"),
+       ("netcl.amp", "AMPGradScaler", "AMPGradScaler"), ("netcl.amp", "autocast", "autocast")]
+    + [("netcl.data", name, name) for name in ["ArrayDataset", "DataLoader", "GpuBatch",
+                                               "load_idx"]]
+    + [("netcl.data.dataloader", "DataLoader", "DataLoader")])
+
+
+@pytest.mark.parametrize("module, name, flat", IMPORT_ALIASES,
+                         ids=[f"{module}.{name}" for module, name, _ in IMPORT_ALIASES])
+def test_import_path_names_netcl_s_own_object(module, name, flat):
+    assert getattr(importlib.import_module(module), name) is getattr(netcl, flat)
+
+
+def test_alias_modules(backend):
+    import netcl.autograd as ag
+    from netcl.functional import relu
+    import netcl.manager
+    assert netcl.manager.default("cpu") is netcl.manager.default("cpu")
+    x = param(np.array([[-1.0, 2.0]], np.float32), backend)
+    with ag.Tape() as tape:
+        loss = relu(x).sum()
     tape.backward(loss)
-    opt.step()
-    np.testing.assert_array_equal(opt._step_count.to(cpu).to_host(), [1])
-    np.testing.assert_array_equal(opt._step_count.to(cpu).to(opencl)._labels, [1])
+    np.testing.assert_array_equal(host(x.grad), [[0.0, 1.0]])
+
+
 # ---------------------------------------------------------------------------------------------
-# data-parallel training over MPI
+# distributed: data-parallel training over MPI
 # ---------------------------------------------------------------------------------------------
+
 # The multi-rank tests run scripts under `mpiexec -n 2` (mpich's wheel, from the test extra),
 # with one thread per rank: the machine has two cores.
 
 import json  # noqa: E402
+
+
 import shutil  # noqa: E402
 
 
