@@ -1,8 +1,14 @@
 // kernels.cl — every OpenCL kernel netcl runs, in OpenCL C 1.2.
 //
-// The sections follow netcl.py's order, so the two files can be read side by side:
-// autograd (gradient accumulation) -> operations (elementwise, GEMM, reductions, softmax,
-// cross-entropy, convolution and pooling, dropout) -> optimizers -> mixed precision.
+// The sections are netcl.py's, in its order, and so are the sub-sections, under the same
+// banners, so the two files can be read side by side. Each kernel sits in the sub-section of
+// the netcl.py function that launches it (but for the tensor-core probe, kept beside the
+// kernels it vouches for), and a section or sub-section without kernels is left out:
+// device & kernels (the two builds) -> autograd (gradient accumulation) -> operations
+// (float16 storage, elementwise, matrix products, shape ops, reductions, softmax and losses,
+// convolution and pooling, dropout, normalisation, embedding and attention) -> optimizers
+// -> mixed precision. A helper sits in the first sub-section that uses it: OpenCL C wants a
+// function defined before its first call.
 //
 // Conventions:
 // - Every kernel takes its sizes first, then runtime scalars, then buffers; a shape comment
@@ -22,6 +28,8 @@
 // In the float build act_t is float and LOAD/STORE are plain accesses: that build is exactly
 // the float32 library. Each kernel says which of its buffers are act_t; a kernel has the same
 // name and arguments in both builds.
+
+// ============================================================================ device & kernels
 #ifndef HALF_STORAGE
 #define HALF_STORAGE 0
 #endif
@@ -41,7 +49,7 @@ typedef float act_t;
 #define STORE(p, i, v) ((p)[i] = (v))
 #endif
 
-// ---------------------------------------------------------------------------- autograd
+// ============================================================================ autograd
 
 // dst (n) += alpha * src (n), in place: a leaf's .grad accumulating a second backward pass,
 // a convolution's weight gradient summed over chunks, the Trainer's epoch loss.
@@ -51,9 +59,24 @@ __kernel void accumulate(const int n, const float alpha, __global float* dst,
     if (i < n) dst[i] += alpha * src[i];
 }
 
-// ---------------------------------------------------------------------------- operations
-// --- elementwise, one input: out (n) = f(x, alpha). alpha is the op's scalar (a slope, a
-// constant operand), unused by most. x and out are activations (act_t).
+// ============================================================================ operations
+// --- float16 storage -------------------------------------------------------------------------
+// Casts between float16 storage and float32, for operands that must change storage: in the
+// half build cast_to_act rounds to half (nearest even, overflow to inf) and cast_from_act
+// widens exactly; in the float build both are copies. x, out (n).
+__kernel void cast_to_act(const int n, __global const float* x, __global act_t* out) {
+    const int i = get_global_id(0);
+    if (i < n) STORE(out, i, x[i]);
+}
+
+__kernel void cast_from_act(const int n, __global const act_t* x, __global float* out) {
+    const int i = get_global_id(0);
+    if (i < n) out[i] = LOAD(x, i);
+}
+
+// --- elementwise, one input ------------------------------------------------------------------
+// out (n) = f(x, alpha). alpha is the op's scalar (a slope, a constant operand), unused by
+// most. x and out are activations (act_t).
 #define UNARY(NAME, EXPR)                                                               \
 __kernel void NAME(const int n, const float alpha,                                      \
                    __global const act_t* x_, __global act_t* out) {                     \
@@ -97,7 +120,7 @@ float gelu_tanh_slope(const float x) {
 
 UNARY(gelu_tanh_fwd, x * gelu_tanh_s(x))
 
-// --- their gradients: out (n) = dL/dx from g = dL/dout and s, the saved input x or output y
+// Their gradients: out (n) = dL/dx from g = dL/dout and s, the saved input x or output y
 // (an activation, act_t); g and out are gradients (float).
 #define UNARY_GRAD(NAME, EXPR)                                                          \
 __kernel void NAME(const int n, const float alpha, __global const float* g_,            \
@@ -145,7 +168,8 @@ __kernel void clamp_bwd(const int n, const float low, const float high, __global
     }
 }
 
-// --- elementwise, two inputs: out (n) = f(a, b), the operands broadcast as in NumPy.
+// --- elementwise, two inputs -----------------------------------------------------------------
+// out (n) = f(a, b), the operands broadcast as in NumPy.
 // a, b and out are act_t (netcl.py widens a float16 operand met with a float32 one).
 // NAME_fwd: both operands hold out's n elements in out's order (no index arithmetic).
 // NAME_bcast: broadcast_t maps out's index to each operand's. netcl.py (_broadcast) sees out as
@@ -226,7 +250,8 @@ __kernel void int_to_act(const int n, __global const int* x, __global act_t* out
     if (i < n) STORE(out, i, (float)x[i]);
 }
 
-// --- maximum, minimum and selection: BINARY kernels, launched like add's.
+// --- maximum, minimum and selection ----------------------------------------------------------
+// BINARY kernels, launched like add's.
 BINARY(maximum, (a > b || isnan(a)) ? a : b)  // NaN on either side gives NaN, as PyTorch
 BINARY(minimum, (a < b || isnan(a)) ? a : b)
 // a's share of the gradient of maximum(a, b): 1 where it won, 0 where it lost, half on a tie
@@ -242,90 +267,8 @@ __kernel void nonzero_mask(const int n, __global const int* cond, __global act_t
     if (i < n) STORE(mask, i, cond[i] != 0 ? 1.0f : 0.0f);
 }
 
-// x (rows, cols) -> out (cols, rows), both act_t
-__kernel void transpose2d(const int rows, const int cols, __global const act_t* x,
-                          __global act_t* out) {
-    const int c = get_global_id(0), r = get_global_id(1);
-    if (r < rows && c < cols) STORE(out, c * rows + r, LOAD(x, r * cols + c));
-}
-
-// float16 storage <-> float32, for operands that must change storage: in the half build
-// cast_to_act rounds to half (nearest even, overflow to inf) and cast_from_act widens
-// exactly; in the float build both are copies. x, out (n).
-__kernel void cast_to_act(const int n, __global const float* x, __global act_t* out) {
-    const int i = get_global_id(0);
-    if (i < n) STORE(out, i, x[i]);
-}
-
-__kernel void cast_from_act(const int n, __global const act_t* x, __global float* out) {
-    const int i = get_global_id(0);
-    if (i < n) out[i] = LOAD(x, i);
-}
-
-// --- shape ops: permute, row copies (cat, stack, split, chunk, slicing) and row gathers
-// (integer-array indexing, index_select). They only move values: x and out are act_t in the
-// forward pass, and the float build moves the gradients back.
-
-// x -> out (n elements), out = x with its dimensions permuted, seen as (s0, ..., s5): netcl.py
-// merges the dimensions that move together and pads to six with size-1 dimensions in front.
-// Index k of out steps t_k elements in x; s0 is implied by n.
-__kernel void permute_axes(const int n, const int s1, const int s2, const int s3, const int s4,
-                           const int s5, const int t0, const int t1, const int t2, const int t3,
-                           const int t4, const int t5, __global const act_t* x,
-                           __global act_t* out) {
-    const int i = get_global_id(0);
-    if (i >= n) return;
-    int rest = i, src = 0;
-    src += (rest % s5) * t5; rest /= s5;
-    src += (rest % s4) * t4; rest /= s4;
-    src += (rest % s3) * t3; rest /= s3;
-    src += (rest % s2) * t2; rest /= s2;
-    src += (rest % s1) * t1; rest /= s1;
-    src += rest * t0;
-    STORE(out, i, LOAD(x, src));
-}
-
-// x (outer, x_rows, inner) -> out (outer, out_rows, inner): row out_start + j * out_step of
-// out gets row x_start + j * x_step of x, for j < n. cat writes each input at its offset,
-// split and slicing take rows out, and their backward passes put the gradients back.
-__kernel void copy_rows(const int outer, const int n, const int inner, const int x_rows,
-                        const int out_rows, const int x_start, const int x_step,
-                        const int out_start, const int out_step, __global const act_t* x,
-                        __global act_t* out) {
-    const int i = get_global_id(0);
-    if (i >= outer * n * inner) return;
-    const int k = i % inner, j = (i / inner) % n, o = i / (n * inner);
-    STORE(out, (o * out_rows + out_start + j * out_step) * inner + k,
-          LOAD(x, (o * x_rows + x_start + j * x_step) * inner + k));
-}
-
-// x (outer, rows, inner) -> out (outer, m, inner), out[o, j, k] = x[o, index[j], k], every
-// index in [0, rows) (netcl.py checks them).
-__kernel void gather_rows(const int outer, const int rows, const int m, const int inner,
-                          __global const int* index, __global const act_t* x,
-                          __global act_t* out) {
-    const int i = get_global_id(0);
-    if (i >= outer * m * inner) return;
-    const int k = i % inner, j = (i / inner) % m, o = i / (m * inner);
-    STORE(out, i, LOAD(x, (o * rows + index[j]) * inner + k));
-}
-
-// Its backward without atomics: g (outer, m, inner) -> out (outer, rows, inner), float. Each
-// work-item owns one element of out and sums g over the positions gathered from its row r,
-// order[starts[r]] .. order[starts[r + 1] - 1] (positions sorted stably by index, netcl.py),
-// so a row never gathered gets 0 and the sum runs in increasing position on every device.
-__kernel void gather_rows_bwd(const int outer, const int rows, const int m, const int inner,
-                              __global const int* starts, __global const int* order,
-                              __global const float* g, __global float* out) {
-    const int i = get_global_id(0);
-    if (i >= outer * rows * inner) return;
-    const int k = i % inner, r = (i / inner) % rows, o = i / (rows * inner);
-    float acc = 0.0f;
-    for (int s = starts[r]; s < starts[r + 1]; ++s) acc += g[(o * m + order[s]) * inner + k];
-    out[i] = acc;
-}
-
-// --- GEMM: C (M, N) = op(A) (M, K) @ op(B) (K, N) [+ bias (N)], op = identity or transpose.
+// --- matrix products -------------------------------------------------------------------------
+// GEMM: C (M, N) = op(A) (M, K) @ op(B) (K, N) [+ bias (N)], op = identity or transpose.
 // Backward needs A^T B and A B^T; the layout is a macro argument, so no transpose is ever
 // materialised. A 16x16 work-group computes a TILE x TILE block of C, TILE = 16 * WPT, each
 // work-item a WPT x WPT block of it, staging 16-deep slices of op(A) and op(B) in local
@@ -441,12 +384,12 @@ GEMM(gemm_nn_split, 4, 1, act_t, A_ROWMAJOR, 1, float, B_ROWMAJOR, 0, act_t)
 GEMM(gemm_nt_split, 4, 1, act_t, A_ROWMAJOR, 1, float, B_COLMAJOR, 1, act_t)
 GEMM(gemm_tn_split, 4, 1, float, A_COLMAJOR, 0, act_t, B_ROWMAJOR, 0, float)
 
-// --- GEMM on NVIDIA tensor cores, through inline PTX (built only where TENSOR_CORES is 1: the
-// half build on a device whose probe below succeeded, netcl.py: Device._build_half). The same
-// product as the GEMM family above, with both operands in float16 storage, accumulation in
-// float32 by `mma.sync.aligned.m16n8k16` (16x8 outputs from a 16x16 by 16x8 product per
-// warp), and C written as half (act_t) or float. Each work-group computes a BM x BN block of
-// C with (BM / WM) x (BN / WN) warps, each a WM x WN tile:
+// GEMM on NVIDIA tensor cores, through inline PTX (built only where TENSOR_CORES is 1: the
+// half build on a device whose probe below succeeded, netcl.py: Device._half_program). The
+// same product as the GEMM family above, with both operands in float16 storage, accumulation
+// in float32 by `mma.sync.aligned.m16n8k16` (16x8 outputs from a 16x16 by 16x8 product per
+// warp), and C written as half (act_t) or float. Each work-group computes a BM x BN block of C
+// with (BM / WM) x (BN / WN) warps, each a WM x WN tile:
 // - Global -> local: `cp.async` copies 16 bytes (8 halves) per instruction without passing
 //   through registers, STAGES k-tiles of depth TC_BK ahead (a pipeline with one barrier
 //   per k-tile). A copy past the matrix's edge reads 0 bytes and zero-fills, so ragged M, N
@@ -667,7 +610,7 @@ __kernel void tensor_core_probe(__global const uint* A, __global const uint* Bt,
 }
 #endif  // TENSOR_CORES
 
-// --- GEMM for CPU devices (PoCL). Local memory is slow there and wide vector loads are
+// GEMM for CPU devices (PoCL). Local memory is slow there and wide vector loads are
 // fast, so both operands are first packed (transposing if asked, padding with zeros) into
 // layouts whose rows are aligned float8 runs: Ap (Mp, K) with Mp a multiple of 4, and
 // Bp (K, Np) with Np a multiple of 16. Each work-item then computes a 4x16 block of C with
@@ -746,8 +689,81 @@ __kernel void gemm_packed(const int M, const int N, const int K, const int a_k, 
             STORE(C, (row + r) * N + col + c, out[r][c] + (has_bias ? bias[col + c] : 0.0f));
 }
 
-// --- reductions. A reduction over one axis sees x as (outer, R, inner) and reduces R.
+// x (rows, cols) -> out (cols, rows), both act_t
+__kernel void transpose2d(const int rows, const int cols, __global const act_t* x,
+                          __global act_t* out) {
+    const int c = get_global_id(0), r = get_global_id(1);
+    if (r < rows && c < cols) STORE(out, c * rows + r, LOAD(x, r * cols + c));
+}
+
+// --- shape ops -------------------------------------------------------------------------------
+// Permutes, row copies (cat, stack, split, chunk, slicing) and row gathers (integer-array
+// indexing, index_select). They only move values: x and out are act_t in the forward pass,
+// and the float build moves the gradients back.
+
+// x -> out (n elements), out = x with its dimensions permuted, seen as (s0, ..., s5): netcl.py
+// merges the dimensions that move together and pads to six with size-1 dimensions in front.
+// Index k of out steps t_k elements in x; s0 is implied by n.
+__kernel void permute_axes(const int n, const int s1, const int s2, const int s3, const int s4,
+                           const int s5, const int t0, const int t1, const int t2, const int t3,
+                           const int t4, const int t5, __global const act_t* x,
+                           __global act_t* out) {
+    const int i = get_global_id(0);
+    if (i >= n) return;
+    int rest = i, src = 0;
+    src += (rest % s5) * t5; rest /= s5;
+    src += (rest % s4) * t4; rest /= s4;
+    src += (rest % s3) * t3; rest /= s3;
+    src += (rest % s2) * t2; rest /= s2;
+    src += (rest % s1) * t1; rest /= s1;
+    src += rest * t0;
+    STORE(out, i, LOAD(x, src));
+}
+
+// x (outer, x_rows, inner) -> out (outer, out_rows, inner): row out_start + j * out_step of
+// out gets row x_start + j * x_step of x, for j < n. cat writes each input at its offset,
+// split and slicing take rows out, and their backward passes put the gradients back.
+__kernel void copy_rows(const int outer, const int n, const int inner, const int x_rows,
+                        const int out_rows, const int x_start, const int x_step,
+                        const int out_start, const int out_step, __global const act_t* x,
+                        __global act_t* out) {
+    const int i = get_global_id(0);
+    if (i >= outer * n * inner) return;
+    const int k = i % inner, j = (i / inner) % n, o = i / (n * inner);
+    STORE(out, (o * out_rows + out_start + j * out_step) * inner + k,
+          LOAD(x, (o * x_rows + x_start + j * x_step) * inner + k));
+}
+
+// x (outer, rows, inner) -> out (outer, m, inner), out[o, j, k] = x[o, index[j], k], every
+// index in [0, rows) (netcl.py checks them).
+__kernel void gather_rows(const int outer, const int rows, const int m, const int inner,
+                          __global const int* index, __global const act_t* x,
+                          __global act_t* out) {
+    const int i = get_global_id(0);
+    if (i >= outer * m * inner) return;
+    const int k = i % inner, j = (i / inner) % m, o = i / (m * inner);
+    STORE(out, i, LOAD(x, (o * rows + index[j]) * inner + k));
+}
+
+// Its backward without atomics: g (outer, m, inner) -> out (outer, rows, inner), float. Each
+// work-item owns one element of out and sums g over the positions gathered from its row r,
+// order[starts[r]] .. order[starts[r + 1] - 1] (positions sorted stably by index, netcl.py),
+// so a row never gathered gets 0 and the sum runs in increasing position on every device.
+__kernel void gather_rows_bwd(const int outer, const int rows, const int m, const int inner,
+                              __global const int* starts, __global const int* order,
+                              __global const float* g, __global float* out) {
+    const int i = get_global_id(0);
+    if (i >= outer * rows * inner) return;
+    const int k = i % inner, r = (i / inner) % rows, o = i / (rows * inner);
+    float acc = 0.0f;
+    for (int s = starts[r]; s < starts[r + 1]; ++s) acc += g[(o * m + order[s]) * inner + k];
+    out[i] = acc;
+}
+
+// --- reductions ------------------------------------------------------------------------------
+// A reduction over one axis sees x as (outer, R, inner) and reduces R.
 // Reductions, softmax and cross-entropy read activations (act_t) and write float.
+
 // x (outer, R, inner) -> out (outer, inner) = scale * sum over R
 __kernel void sum_axis(const int outer, const int R, const int inner, const float scale,
                        __global const act_t* x, __global float* out) {
@@ -769,21 +785,42 @@ __kernel void expand_axis(const int outer, const int R, const int inner, const f
     out[i] = scale * g[o * inner + in];
 }
 
+// The larger of a and b, or NaN if either is NaN.
+float max_keeping_nan(const float a, const float b) { return (a > b || isnan(a)) ? a : b; }
+
+// The sum (or, with take_max, the maximum, NaN winning) of `value` over the work-group (a
+// power of two wide, `partial` as long), returned to every work-item: a tree in local memory,
+// in the same order on every device. sum_all, the normalisations, attention and the gradient
+// norms all reduce through it.
+float group_reduce(__local float* partial, const float value, const int take_max) {
+    const int lid = get_local_id(0);
+    partial[lid] = value;
+    barrier(CLK_LOCAL_MEM_FENCE);
+    for (int stride = get_local_size(0) / 2; stride > 0; stride >>= 1) {
+        if (lid < stride) {
+            const float other = partial[lid + stride];
+            partial[lid] = take_max ? max_keeping_nan(partial[lid], other) : partial[lid] + other;
+        }
+        barrier(CLK_LOCAL_MEM_FENCE);
+    }
+    const float result = partial[0];
+    barrier(CLK_LOCAL_MEM_FENCE);  // partial may be reused once every work-item has read it
+    return result;
+}
+
+float group_sum(__local float* partial, const float value) {
+    return group_reduce(partial, value, 0);
+}
+
 // x (n) -> out (groups) = scale * partial sums, one per 256-wide work-group; run once more
-// on the partials when there is more than one group. A tree in local memory per group.
+// on the partials when there is more than one group.
 __kernel __attribute__((reqd_work_group_size(256, 1, 1)))
 void sum_all(const int n, const float scale, __global const act_t* x, __global float* out) {
     __local float partial[256];
-    const int lid = get_local_id(0);
     float acc = 0.0f;
     for (int i = get_global_id(0); i < n; i += get_global_size(0)) acc += LOAD(x, i);
-    partial[lid] = acc;
-    barrier(CLK_LOCAL_MEM_FENCE);
-    for (int stride = 128; stride > 0; stride >>= 1) {
-        if (lid < stride) partial[lid] += partial[lid + stride];
-        barrier(CLK_LOCAL_MEM_FENCE);
-    }
-    if (lid == 0) out[get_group_id(0)] = scale * partial[0];
+    const float total = group_sum(partial, acc);
+    if (get_local_id(0) == 0) out[get_group_id(0)] = scale * total;
 }
 
 // x (outer, R, inner) -> values (outer, inner), indices (outer, inner): the first largest
@@ -856,6 +893,21 @@ __kernel void var_axis_bwd(const int outer, const int R, const int inner, const 
         out[base + r * inner] = scale * grad * (LOAD(x, base + r * inner) - mean);
 }
 
+// The two passes of every log-sum-exp, softmax and cross-entropy below, over the n values of
+// a row at stride `stride`: the row's maximum (fmax skips a NaN, which then reaches the sum),
+// and sum exp(x - shift), with the maximum as the shift so that no exp overflows.
+float row_max(__global const act_t* row, const int n, const int stride) {
+    float m = -INFINITY;
+    for (int j = 0; j < n; ++j) m = fmax(m, LOAD(row, j * stride));
+    return m;
+}
+
+float row_exp_sum(__global const act_t* row, const int n, const int stride, const float shift) {
+    float total = 0.0f;
+    for (int j = 0; j < n; ++j) total += exp(LOAD(row, j * stride) - shift);
+    return total;
+}
+
 // x (outer, R, inner) -> out (outer, inner) = log(sum over R of exp(x)), shifted by the maximum
 // (by 0 where it is infinite, as PyTorch: all -inf gives -inf, and an inf gives inf, not nan)
 __kernel void logsumexp_axis(const int outer, const int R, const int inner,
@@ -863,12 +915,8 @@ __kernel void logsumexp_axis(const int outer, const int R, const int inner,
     const int i = get_global_id(0);
     if (i >= outer * inner) return;
     __global const act_t* row = x + (i / inner) * R * inner + i % inner;
-    float m = -INFINITY;
-    for (int r = 0; r < R; ++r) m = fmax(m, LOAD(row, r * inner));  // a NaN reaches the sum
-    const float shift = isinf(m) ? 0.0f : m;
-    float total = 0.0f;
-    for (int r = 0; r < R; ++r) total += exp(LOAD(row, r * inner) - shift);
-    out[i] = shift + log(total);
+    const float m = row_max(row, R, inner), shift = isinf(m) ? 0.0f : m;
+    out[i] = shift + log(row_exp_sum(row, R, inner, shift));
 }
 
 // g, lse (outer, inner) -> out (outer, R, inner) = g * exp(x - lse), softmax(x) times g
@@ -881,16 +929,14 @@ __kernel void logsumexp_axis_bwd(const int outer, const int R, const int inner,
     out[i] = g[column] * exp(LOAD(x, i) - lse[column]);
 }
 
-// --- softmax along an axis: x (outer, R, inner) -> y, softmax or (log_mode) log-softmax.
+// --- softmax and losses ----------------------------------------------------------------------
+// Softmax along an axis: x (outer, R, inner) -> y, softmax or (log_mode) log-softmax.
 __kernel void softmax_axis(const int outer, const int R, const int inner, const int log_mode,
                            __global const act_t* x, __global float* y) {
     const int i = get_global_id(0);
     if (i >= outer * inner) return;
     const int base = (i / inner) * R * inner + i % inner;
-    float m = -INFINITY;
-    for (int r = 0; r < R; ++r) m = fmax(m, LOAD(x, base + r * inner));
-    float total = 0.0f;
-    for (int r = 0; r < R; ++r) total += exp(LOAD(x, base + r * inner) - m);
+    const float m = row_max(x + base, R, inner), total = row_exp_sum(x + base, R, inner, m);
     const float log_total = log(total);
     for (int r = 0; r < R; ++r) {
         const float shifted = LOAD(x, base + r * inner) - m;
@@ -916,23 +962,12 @@ __kernel void softmax_axis_bwd(const int outer, const int R, const int inner, co
     }
 }
 
-// --- cross-entropy, fused with log-softmax, and the other losses. One work-item per row: a
+// Cross-entropy, fused with log-softmax, and the other losses. One work-item per row: a
 // row is the C scores of one target, read in place at stride `inner` from x (outer, C, inner)
 // (logits (N, C) are outer = N, inner = 1; (N, C, d1, ...) have inner = d1 * ...), and the
 // row of work-item r = o * inner + i starts at o * C * inner + i. A row whose index target is
 // ignore_index loses 0 and gets no gradient. `smoothing` is label_smoothing e: the target
 // becomes t' = (1 - e) t + e / C, t one-hot for an index target (PyTorch's formula).
-
-// The maximum m of the row's C values at stride `stride`, and sum_c exp(x_c - m) in *total.
-float row_max_and_total(__global const act_t* row, const int C, const int stride,
-                        float* total) {
-    float m = -INFINITY;
-    for (int c = 0; c < C; ++c) m = fmax(m, LOAD(row, c * stride));
-    float sum = 0.0f;
-    for (int c = 0; c < C; ++c) sum += exp(LOAD(row, c * stride) - m);
-    *total = sum;
-    return m;
-}
 
 // logits (outer, C, inner), target (outer, inner) class indices -> loss (outer, inner)
 //   = (1 - e) (lse - x[target]) + e / C * sum_c (lse - x_c), lse = logsumexp(x)
@@ -944,8 +979,7 @@ __kernel void cross_entropy_index(const int outer, const int C, const int inner,
     if (r >= outer * inner) return;
     if (target[r] == ignore_index) { loss[r] = 0.0f; return; }
     __global const act_t* row = x + (r / inner) * C * inner + r % inner;
-    float total;
-    const float m = row_max_and_total(row, C, inner, &total), lse = m + log(total);
+    const float m = row_max(row, C, inner), lse = m + log(row_exp_sum(row, C, inner, m));
     float value = lse - LOAD(row, target[r] * inner);
     if (smoothing != 0.0f) {  // a third pass only when asked: with e = 0, -inf logits stay harmless
         float spread = 0.0f;
@@ -965,8 +999,7 @@ __kernel void cross_entropy_soft(const int outer, const int C, const int inner,
     const int base = (r / inner) * C * inner + r % inner;
     __global const act_t* row = x + base;
     __global const float* t = target + base;
-    float total;
-    const float m = row_max_and_total(row, C, inner, &total), lse = m + log(total);
+    const float m = row_max(row, C, inner), lse = m + log(row_exp_sum(row, C, inner, m));
     const float keep = 1.0f - smoothing, uniform = smoothing / C;
     float acc = 0.0f;
     for (int c = 0; c < C; ++c) acc += (keep * t[c * inner] + uniform) * (lse - LOAD(row, c * inner));
@@ -989,8 +1022,7 @@ __kernel void cross_entropy_bwd(const int outer, const int C, const int inner,
         for (int c = 0; c < C; ++c) out[base + c * inner] = 0.0f;
         return;
     }
-    float total;
-    const float m = row_max_and_total(x + base, C, inner, &total);
+    const float m = row_max(x + base, C, inner), total = row_exp_sum(x + base, C, inner, m);
     float mass = 1.0f;
     if (soft) { mass = 0.0f; for (int c = 0; c < C; ++c) mass += target[base + c * inner]; }
     const float keep = 1.0f - smoothing, uniform = smoothing / C;
@@ -1012,8 +1044,8 @@ __kernel void cross_entropy_target_bwd(const int outer, const int C, const int i
     const int r = get_global_id(0);
     if (r >= outer * inner) return;
     const int base = (r / inner) * C * inner + r % inner;
-    float total;
-    const float m = row_max_and_total(x + base, C, inner, &total), lse = m + log(total);
+    const float m = row_max(x + base, C, inner);
+    const float lse = m + log(row_exp_sum(x + base, C, inner, m));
     const float g_r = scale * g[r * g_stride] * (1.0f - smoothing);
     for (int c = 0; c < C; ++c) out[base + c * inner] = g_r * (lse - LOAD(x, base + c * inner));
 }
@@ -1075,12 +1107,13 @@ __kernel void bce_logits_bwd(const int n, const int g_stride, const float scale,
     out[i] = scale * g[i * g_stride] * w * d;
 }
 
-// --- convolution and pooling on NCHW images. Every kernel takes the window geometry in this
-// order: input plane (H, W), kernel (R, S), stride (SH, SW), padding (PH, PW) on each side,
-// dilation (DH, DW), output plane (OH, OW). A dilated kernel's taps are DH rows and DW
-// columns apart, so it spans (R-1)*DH+1 rows; pooling windows are not dilated (DH = DW = 1).
-// Backward kernels gather: one work-item per input pixel sums the outputs whose window
-// covers it, so no two work-items write one place and nothing is atomic.
+// --- convolution and pooling -----------------------------------------------------------------
+// Images are NCHW. Every kernel takes the window geometry in this order: input plane (H, W),
+// kernel (R, S), stride (SH, SW), padding (PH, PW) on each side, dilation (DH, DW), output
+// plane (OH, OW). A dilated kernel's taps are DH rows and DW columns apart, so it spans
+// (R-1)*DH+1 rows; pooling windows are not dilated (DH = DW = 1). Backward kernels gather: one
+// work-item per input pixel sums the outputs whose window covers it, so no two work-items
+// write one place and nothing is atomic.
 #define WINDOW_ARGS const int H, const int W, const int R, const int S, const int SH,            \
                     const int SW, const int PH, const int PW, const int DH, const int DW,        \
                     const int OH, const int OW
@@ -1167,6 +1200,24 @@ __kernel void swap_axes01(const int A, const int B, const int L, const int x_off
     STORE(out, out_offset + i, x[x_offset + (a * B + b) * L + l] + (has_bias ? bias[a] : 0.0f));
 }
 
+// The start of a pooling kernel's forward pass, for output pixel i (planes, OH, OW): `plane`,
+// the plane of x it reads, and its window's real pixels, rows [h_start, h_end) and columns
+// [w_start, w_end) (the padding left out).
+#define POOL_WINDOW(x, i)                                                                      \
+    const int ow = (i) % OW, oh = ((i) / OW) % OH;                                             \
+    __global const act_t* plane = (x) + ((i) / (OH * OW)) * H * W;                             \
+    const int h0 = oh * SH - PH, w0 = ow * SW - PW;                                            \
+    const int h_start = h0 > 0 ? h0 : 0, h_end = h0 + R < H ? h0 + R : H;                      \
+    const int w_start = w0 > 0 ? w0 : 0, w_end = w0 + S < W ? w0 + S : W;
+
+// The start of its backward pass, for input pixel i (planes, H, W) at (h, w) in its plane:
+// `base`, where the plane's outputs start, and the outputs whose window covers the pixel,
+// rows oh_lo..oh_hi and columns ow_lo..ow_hi.
+#define POOL_COVERING(i)                                                                       \
+    const int w = (i) % W, h = ((i) / W) % H, base = ((i) / (H * W)) * OH * OW;                \
+    COVERING(h + PH, R, SH, OH, oh_lo, oh_hi)                                                  \
+    COVERING(w + PW, S, SW, OW, ow_lo, ow_hi)
+
 // x (planes, H, W) -> out, argmax (planes, OH, OW): the window's maximum over its real pixels
 // (padding is -inf) and the index h * W + w of the first one, as PyTorch; NaN wins, the first.
 // x and out are act_t.
@@ -1174,11 +1225,7 @@ __kernel void max_pool2d_fwd(const int planes, WINDOW_ARGS, __global const act_t
                              __global act_t* out, __global int* argmax) {
     const int i = get_global_id(0);
     if (i >= planes * OH * OW) return;
-    const int ow = i % OW, oh = (i / OW) % OH;
-    __global const act_t* plane = x + (i / (OH * OW)) * H * W;
-    const int h0 = oh * SH - PH, w0 = ow * SW - PW;
-    const int h_start = h0 > 0 ? h0 : 0, h_end = h0 + R < H ? h0 + R : H;
-    const int w_start = w0 > 0 ? w0 : 0, w_end = w0 + S < W ? w0 + S : W;
+    POOL_WINDOW(x, i)
     float best = -INFINITY;
     int best_at = h_start * W + w_start;
     for (int h = h_start; h < h_end; ++h) {
@@ -1196,9 +1243,7 @@ __kernel void max_pool2d_bwd(const int planes, WINDOW_ARGS, __global const float
                              __global const int* argmax, __global float* dx) {
     const int i = get_global_id(0);
     if (i >= planes * H * W) return;
-    const int w = i % W, h = (i / W) % H, base = (i / (H * W)) * OH * OW;
-    COVERING(h + PH, R, SH, OH, oh_lo, oh_hi)
-    COVERING(w + PW, S, SW, OW, ow_lo, ow_hi)
+    POOL_COVERING(i)
     float acc = 0.0f;
     for (int oh = oh_lo; oh <= oh_hi; ++oh)
         for (int ow = ow_lo; ow <= ow_hi; ++ow) {
@@ -1214,11 +1259,7 @@ __kernel void avg_pool2d_fwd(const int planes, WINDOW_ARGS, __global const act_t
                              __global act_t* out) {
     const int i = get_global_id(0);
     if (i >= planes * OH * OW) return;
-    const int ow = i % OW, oh = (i / OW) % OH;
-    __global const act_t* plane = x + (i / (OH * OW)) * H * W;
-    const int h0 = oh * SH - PH, w0 = ow * SW - PW;
-    const int h_start = h0 > 0 ? h0 : 0, h_end = h0 + R < H ? h0 + R : H;
-    const int w_start = w0 > 0 ? w0 : 0, w_end = w0 + S < W ? w0 + S : W;
+    POOL_WINDOW(x, i)
     float acc = 0.0f;
     for (int h = h_start; h < h_end; ++h)
         for (int w = w_start; w < w_end; ++w) acc += LOAD(plane, h * W + w);
@@ -1230,17 +1271,16 @@ __kernel void avg_pool2d_bwd(const int planes, WINDOW_ARGS, __global const float
                              __global float* dx) {
     const int i = get_global_id(0);
     if (i >= planes * H * W) return;
-    const int w = i % W, h = (i / W) % H, base = (i / (H * W)) * OH * OW;
-    COVERING(h + PH, R, SH, OH, oh_lo, oh_hi)
-    COVERING(w + PW, S, SW, OW, ow_lo, ow_hi)
+    POOL_COVERING(i)
     float acc = 0.0f;
     for (int oh = oh_lo; oh <= oh_hi; ++oh)
         for (int ow = ow_lo; ow <= ow_hi; ++ow) acc += g[base + oh * OW + ow];
     dx[i] = acc / (float)(R * S);
 }
 
-// --- dropout. The keep mask is a hash of (seed, i), so backward recomputes it instead of
-// storing it, and the NumPy backend computes the very same mask (netcl.py: _dropout_keep).
+// --- dropout ---------------------------------------------------------------------------------
+// The keep mask is a hash of (seed, i), so backward recomputes it instead of storing it, and
+// the NumPy backend computes the very same mask (netcl.py: _dropout_keep).
 uint fmix32(uint h) {  // MurmurHash3's finaliser: a cheap, well-mixed 32-bit hash
     h ^= h >> 16; h *= 0x85ebca6bu; h ^= h >> 13; h *= 0xc2b2ae35u; h ^= h >> 16;
     return h;
@@ -1256,24 +1296,10 @@ __kernel void dropout_mask(const int n, const uint seed, const float p, const fl
     STORE(out, i, u >= p ? LOAD(x, i) * scale : 0.0f);
 }
 
-// --- normalisation, embedding and attention. Statistics take two passes (the mean, then the
-// mean squared deviation); every sum over rows is a gather in a fixed order, never an atomic.
-// Inputs are act_t; outputs, statistics and gradients are float.
-
-// The sum of `value` over the work-group (a power of two wide, `partial` as long), returned
-// to every work-item: a tree in local memory; `partial` may be reused at once.
-float group_sum(__local float* partial, const float value) {
-    const int lid = get_local_id(0);
-    partial[lid] = value;
-    barrier(CLK_LOCAL_MEM_FENCE);
-    for (int stride = get_local_size(0) / 2; stride > 0; stride >>= 1) {
-        if (lid < stride) partial[lid] += partial[lid + stride];
-        barrier(CLK_LOCAL_MEM_FENCE);
-    }
-    const float total = partial[0];
-    barrier(CLK_LOCAL_MEM_FENCE);
-    return total;
-}
+// --- normalisation, embedding and attention --------------------------------------------------
+// Statistics take two passes (the mean, then the mean squared deviation); every sum over rows
+// is a gather in a fixed order, never an atomic. Inputs are act_t; outputs, statistics and
+// gradients are float.
 
 // One work-group of NORM_GROUP work-items per row: each sums every NORM_GROUP-th element,
 // then group_sum adds the partial sums (the columns of a row are contiguous, so the group's
@@ -1656,7 +1682,7 @@ void attention_bwd_kv(ATTENTION_ARGS, __global const act_t* q, __global const ac
     for (int e = lid; e < E; e += ATTENTION_GROUP) dk_row[e] *= scale;
 }
 
-// ---------------------------------------------------------------------------- optimizers
+// ============================================================================ optimizers
 
 // SGD as torch/optim/sgd.py (dampening 0): d = g + wd p; buf = first ? d : momentum buf + d;
 // d = nesterov ? d + momentum buf : buf; p -= lr d. p, g, buf (n). With has_found_inf, a
@@ -1676,29 +1702,11 @@ __kernel void sgd_step(const int n, const float lr, const float momentum, const 
     p[i] -= lr * d;
 }
 
-// --- gradient norms. Stage one: partials[first + group] = sum of |x|^norm_type over the
-// elements this work-group visits (the maximum of |x| for the inf-norm). Stage two
-// (total_norm) combines the partials of all tensors inside the kernel that needs the norm.
-// NaN propagates through both, as through PyTorch's norm: a NaN gradient gives a NaN norm.
-float max_keeping_nan(const float a, const float b) { return (a > b || isnan(a)) ? a : b; }
-
-// Sum (or, with take_max, maximum) of `value` over a 256-wide work-group; every work-item
-// gets the result. scratch (256) is the group's local memory.
-float reduce_group(float value, const int take_max, __local float* scratch) {
-    const int lid = get_local_id(0);
-    scratch[lid] = value;
-    barrier(CLK_LOCAL_MEM_FENCE);
-    for (int stride = 128; stride > 0; stride >>= 1) {
-        if (lid < stride) {
-            const float other = scratch[lid + stride];
-            scratch[lid] = take_max ? max_keeping_nan(scratch[lid], other) : scratch[lid] + other;
-        }
-        barrier(CLK_LOCAL_MEM_FENCE);
-    }
-    const float result = scratch[0];
-    barrier(CLK_LOCAL_MEM_FENCE);  // scratch may be reused once everyone has read it
-    return result;
-}
+// --- gradient norms and clip_grad_norm -------------------------------------------------------
+// Stage one: partials[first + group] = sum of |x|^norm_type over the elements this work-group
+// visits (the maximum of |x| for the inf-norm). Stage two (total_norm) combines the partials
+// of all tensors inside the kernel that needs the norm. NaN propagates through both, as
+// through PyTorch's norm: a NaN gradient gives a NaN norm.
 
 // x (n) -> partials[first + group id]. The loops are specialised by norm type, so the
 // common 2-norm is a plain multiply-add per element.
@@ -1716,7 +1724,7 @@ void norm_partials(const int n, const float norm_type, const int first, __global
     } else {
         for (int i = get_global_id(0); i < n; i += stride) acc += pow(fabs(x[i]), norm_type);
     }
-    const float total = reduce_group(acc, take_max, scratch);
+    const float total = group_reduce(scratch, acc, take_max);
     if (get_local_id(0) == 0) partials[first + get_group_id(0)] = total;
 }
 
@@ -1728,7 +1736,7 @@ float total_norm(const int num_partials, const float norm_type, __global const f
     float acc = 0.0f;
     for (int i = get_local_id(0); i < num_partials; i += 256)
         acc = take_max ? max_keeping_nan(acc, partials[i]) : acc + partials[i];
-    const float total = reduce_group(acc, take_max, scratch);
+    const float total = group_reduce(scratch, acc, take_max);
     if (take_max) return total;
     return norm_type == 2.0f ? sqrt(total) : pow(total, 1.0f / norm_type);
 }
@@ -1753,9 +1761,10 @@ __kernel void scale_by_device_scalar(const int n, __global const float* scale, _
     if (i < n) x[i] *= scale[0];
 }
 
-// --- Adam and AdamW. A step is adam_prepare (one work-group), then adam_step over the flat
-// buffers. scalars (4) = grad_scale, skip, 1 - beta1^t, sqrt(1 - beta2^t): everything the
-// update needs that depends on device-side state, so the host never reads any of it.
+// --- Adam and AdamW --------------------------------------------------------------------------
+// A step is adam_prepare (one work-group), then adam_step over the flat buffers. scalars (4) =
+// grad_scale, skip, 1 - beta1^t, sqrt(1 - beta2^t): everything the update needs that depends
+// on device-side state, so the host never reads any of it.
 //
 // adam_prepare: with num_partials > 0 (step(max_norm=...)), the 2-norm of the gradients from
 // their partials gives grad_scale = min(max_norm / (norm + 1e-6), 1), and a non-finite norm
@@ -1810,7 +1819,7 @@ __kernel void adam_step(const int n, const float lr, const float one_minus_beta1
     if (p_half) vstore_half(updated, i, p_half);
 }
 
-// ---------------------------------------------------------------------------- mixed precision
+// ============================================================================ mixed precision
 // AMPGradScaler's device state: scale (1) float, growth_tracker (1) int, and found_inf flags
 // (1) int, one per optimizer plus found_inf_any for the scaler. The host never reads them
 // during training: the optimizer kernels read found_inf to skip, amp_update_scale reads

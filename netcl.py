@@ -9,6 +9,10 @@ sections that mirror the ones below. Read it top to bottom:
     -> nn modules -> optimizers -> mixed precision -> data -> distributed -> Trainer
     -> the import aliases (netcl.nn, netcl.optim, netcl.trainer, ...)
 
+The library proper ends with mixed precision, before the data section. Data (DataLoader and
+its worker processes), distributed (data parallelism over MPI) and the Trainer are
+conveniences built on it, which a learner may read last.
+
 A training step:
 
     import numpy as np, netcl
@@ -67,6 +71,47 @@ DEBUG = int(os.environ.get("NETCL_DEBUG", "0") or 0)
 _INSTALL_HINT = ("install an OpenCL driver for your GPU, or PoCL for a CPU OpenCL device: "
                  "python -m pip install pocl-binary-distribution (or 'pyopencl[pocl]')")
 
+# Argument checks, for every public entry point, with one message shape: "where: name must be
+# what, got value". A bool is not an integer or a number here, though Python counts it as one.
+# A value out of range raises ValueError, and so does one of the wrong kind, except in the ops
+# that raise TypeError for it as PyTorch's do (wrong_type=TypeError).
+
+def _is_int(value):
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def _is_scalar(value):
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+
+
+def _check_int(where, name, value, minimum=None, wrong_type=ValueError):
+    """`value` as an int, checked to be one and, given `minimum`, at least that."""
+    if not _is_int(value) or (minimum is not None and value < minimum):
+        what = ("an integer" if minimum is None else "a positive integer" if minimum == 1
+                else f"an integer >= {minimum}")
+        raise (ValueError if _is_int(value) else wrong_type)(
+            f"{where}: {name} must be {what}, got {value!r:.60}")
+    return int(value)
+
+
+def _check_number(where, name, value, minimum=None, maximum=None, finite=False,
+                  wrong_type=ValueError):
+    """`value` as a float, checked to be a number and, where asked, at least `minimum`, at
+    most `maximum` and finite (NaN is in no range)."""
+    if not _is_scalar(value) or not ((minimum is None or value >= minimum)
+                                     and (maximum is None or value <= maximum)
+                                     and (not finite or math.isfinite(value))):
+        what = "a finite number" if finite else "a number"
+        if minimum is not None and maximum is not None:
+            what += f" in [{minimum}, {maximum}]"
+        elif minimum is not None:
+            what += f" >= {minimum}"
+        elif maximum is not None:
+            what += f" <= {maximum}"
+        raise (ValueError if _is_scalar(value) else wrong_type)(
+            f"{where}: {name} must be {what}, got {value!r:.60}")
+    return float(value)
+
 
 # ============================================================================ device & kernels
 # A Device is one backend instance: the NumPy backend ("cpu"), or one OpenCL device with one
@@ -118,7 +163,7 @@ class Device:
             self.pool = BufferPool(self._cl_alloc, max_bytes=cl_device.max_mem_alloc_size)
             self._uploads = deque()  # events of queued host-to-device copies, oldest first
             # The GEMM variant: local-memory tiles on GPUs, packed float8 rows on CPUs (PoCL),
-            # where local memory is slow and wide vector loads are fast (PERF-NOTES).
+            # where local memory is slow and wide vector loads are fast.
             self.gemm = "packed" if cl_device.type & cl.device_type.CPU else "tiled"
             self.compute_units = cl_device.max_compute_units
             # Inline PTX reaches NVIDIA's tensor cores; elsewhere it would not even build.
@@ -271,8 +316,12 @@ class Device:
 _CL_SCALARS = {"int": np.int32, "uint": np.uint32, "float": np.float32}
 
 
+def _ceil_div(a, b):
+    return -(-a // b)
+
+
 def _round_up(n, multiple):
-    return -(-n // multiple) * multiple
+    return _ceil_div(n, multiple) * multiple
 
 
 def _kernel_source():
@@ -449,7 +498,7 @@ def _bucket(nbytes):
     if nbytes <= 256:
         return 256
     step = 1 << max((nbytes - 1).bit_length() - 3, 0)  # a quarter of the octave nbytes is in
-    return -(-nbytes // step) * step
+    return _round_up(nbytes, step)
 
 
 class BufferPool:
@@ -468,11 +517,7 @@ class BufferPool:
 
     def alloc(self, nbytes):
         """A buffer of at least `nbytes` bytes, from the cache when one of its bucket is free."""
-        if not isinstance(nbytes, (int, np.integer)) or isinstance(nbytes, bool):
-            raise TypeError(f"BufferPool.alloc: nbytes must be an int, got {nbytes!r}")
-        if nbytes < 0:
-            raise ValueError(f"BufferPool.alloc: nbytes must be >= 0, got {nbytes}")
-        return self._take(int(nbytes))
+        return self._take(_check_int("BufferPool.alloc", "nbytes", nbytes, 0, TypeError))
 
     def _take(self, nbytes):
         """alloc without the argument checks, for Tensor._alloc (nbytes is an int >= 0)."""
@@ -712,7 +757,7 @@ def _resolve_shape(op, old_shape, shape):
             and math.prod(shape) == math.prod(old_shape):
         return shape  # the usual case, checked in one pass: ops reshape on every step
     shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
-    if not all(isinstance(s, (int, np.integer)) and not isinstance(s, bool) for s in shape):
+    if not all(_is_int(s) for s in shape):
         raise ValueError(f"{op}: shape must be integers, got {shape}")
     shape = tuple(int(s) for s in shape)
     size = math.prod(old_shape)
@@ -870,6 +915,12 @@ class Node:
         indexing the leading dimension (see _index)."""
         return _index(self, key)
 
+    def _taped_root(self):
+        """The node that a Tape's backward from this one needs to have recorded: this one. A
+        node made on no Tape on purpose, on top of one that was (the mixed-precision
+        section's scaled loss), names that one instead."""
+        return self
+
     def to(self, device):
         """This node's value on `device`, as torch.Tensor.to: self if it is there already,
         else a new Node (inside a Tape its gradient flows back to this device). A Parameter
@@ -884,25 +935,17 @@ class Node:
 class Parameter(Node):
     """A trainable leaf: a Node with requires_grad=True.
 
-    `_grad_home` is None, or the Tensor where backward stores this parameter's gradient: an
+    `_grad_slot` is None, or the Tensor where backward stores this parameter's gradient: an
     optimizer that keeps every gradient in one flat buffer points it at its segment there.
     """
 
-    __slots__ = ("_grad_home", "_flat", "_half_stale")
+    __slots__ = ("_grad_slot", "_flat", "_half_stale")
 
     def __init__(self, value):
         super().__init__(value, requires_grad=True)
-        self._grad_home = None
+        self._grad_slot = None
         self._flat = None          # (the optimizer's _FlatBuffers holding it, its index), if any
         self._half_stale = False   # set when the value changes outside the optimizer's update
-
-
-class _Head(Node):
-    """A node recorded on no Tape on purpose: AMPGradScaler.scale's loss * scale, usually made
-    after the `with Tape()` block has closed. Tape.backward runs it first, then the graph of
-    its loss, which that Tape must have recorded."""
-
-    __slots__ = ()
 
 
 class Tape:
@@ -939,15 +982,15 @@ class Tape:
         """
         if not isinstance(loss, Node):
             raise TypeError(f"backward: loss must be a Node, got {type(loss).__name__}")
-        # The node this Tape must have recorded: the loss, or the loss under a scaler's head.
-        root = loss._parents[0] if isinstance(loss, _Head) and loss.requires_grad else loss
+        root = loss._taped_root()  # the loss, or what it was made from after the Tape closed
         if root._backward is _FREED:
             raise RuntimeError("backward: the graph of this loss was already freed by a backward "
                                "(on this Tape, or on another Tape that recorded it too)")
         if not loss.requires_grad:
             raise RuntimeError("backward: loss does not require grad (it was computed outside "
                                "a Tape, or from constants only)")
-        if root._backward is not None and not any(node is root for node in self._nodes):
+        # Searched from the end: the loss is usually the last node recorded.
+        if root._backward is not None and not any(node is root for node in reversed(self._nodes)):
             raise RuntimeError("backward: this loss was recorded on another Tape, not on this "
                                "one; call backward on a Tape that was open when it was computed")
         if grad is None:
@@ -962,7 +1005,7 @@ class Tape:
                                  f"holds floats")
             if grad.shape != loss.shape:
                 raise ValueError(f"backward: grad shape {grad.shape} != loss shape {loss.shape}")
-        if root is not loss:  # the head runs first, then the tape's nodes; freed with them
+        if root is not loss:  # the loss's own step runs first, then the tape's; freed with them
             self._nodes.append(loss)
         grads = {id(loss): grad}
         nodes = self._nodes
@@ -1033,22 +1076,22 @@ def _record(value, parents, backward):
 def _accumulate_grad(leaf, grad):
     """PyTorch semantics: the first gradient is stored, later ones are added in place. The
     first is copied, so no two leaves ever share (and later mutate) one buffer; into the
-    leaf's `_grad_home` when an optimizer gave it one (Adam's flat gradient buffer)."""
+    leaf's `_grad_slot` when an optimizer gave it one (Adam's flat gradient buffer)."""
     if leaf.grad is None:
-        home = getattr(leaf, "_grad_home", None)
-        leaf.grad = grad if grad is home else _copy(grad, out=home)
+        slot = getattr(leaf, "_grad_slot", None)
+        leaf.grad = grad if grad is slot else _copy(grad, out=slot)
     else:
         _add_into(leaf.grad, grad)
 
 
-def _grad_slot(node):
-    """Where an op's backward may write a leaf's gradient directly: the leaf's slot in its
-    optimizer's flat gradient buffer while it holds no gradient yet (saves the copy that
-    _accumulate_grad would make), else None."""
-    home = getattr(node, "_grad_home", None)
-    if home is None or node.grad is not None or node._backward is not None or not node.requires_grad:
+def _free_grad_slot(node):
+    """Where an op's backward may write a leaf's gradient directly: the leaf's `_grad_slot`
+    in its optimizer's flat gradient buffer while the slot is free, holding no gradient yet
+    (saves the copy that _accumulate_grad would make), else None."""
+    slot = getattr(node, "_grad_slot", None)
+    if slot is None or node.grad is not None or node._backward is not None or not node.requires_grad:
         return None
-    return home
+    return slot
 
 
 def _add_into(dst, src, alpha=1.0):
@@ -1063,6 +1106,14 @@ def _add_into(dst, src, alpha=1.0):
 # Each op: validate shapes (before anything is enqueued), compute the output on the NumPy
 # backend (the readable reference) or with a kernel, and define its backward beside it.
 # Ops accept Nodes, Tensors, arrays and Python scalars; arrays join the other operand's device.
+#
+# Names in op bodies: the operands, once _nodes has made them Nodes, have lowercase names
+# (x, w, b), and the Tensor each holds is the same letter in capitals (X = x.value), which is
+# what the NumPy code and the kernel launches read. Everything else an op makes is a Tensor
+# until _record wraps the output in its Node: the output (y, out), the incoming gradient g and
+# the gradients backward returns. Other capitals are sizes (N, C, H, W), as in the shape
+# comments; the helpers that take only Tensors (the *_tensor functions, _gemm) name them in
+# lowercase.
 
 _generator = [np.random.default_rng()]
 
@@ -1139,10 +1190,6 @@ def _nodes(op, *values, numeric=True):
         nodes = [node if node.dtype.kind == "f" else
                  _promote_int(node, dtype or np.dtype(np.float32)) for node in nodes]
     return nodes
-
-
-def _is_scalar(value):
-    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
 
 
 def _like(x, shape=None, dtype=None):
@@ -1357,9 +1404,7 @@ def relu(x):
 
 def leaky_relu(x, negative_slope=0.01):
     """x where x > 0, else negative_slope * x."""
-    if not _is_scalar(negative_slope):
-        raise ValueError(f"leaky_relu: negative_slope must be a number, got {negative_slope!r}")
-    return _unary("leaky_relu", x, float(negative_slope))
+    return _unary("leaky_relu", x, _check_number("leaky_relu", "negative_slope", negative_slope))
 
 
 def sigmoid(x):
@@ -1750,21 +1795,30 @@ def where(cond, a, b):
 def masked_fill(x, mask, value):
     """x with the number `value` where mask is true (where(mask, value, x)), as
     torch.masked_fill: `att.masked_fill(causal == 0, -math.inf)`."""
-    if not _is_scalar(value):
-        raise TypeError(f"masked_fill: value must be a number, got {value!r:.60}")
+    _check_number("masked_fill", "value", value, wrong_type=TypeError)
     return _where("masked_fill", mask, value, x, "mask")
 
 
 # --- matrix products -------------------------------------------------------------------------
 
+# kernels.cl's tiled kernels (gemm_nn, gemm_nt, gemm_tn; GPUs): a work-group of 16x16
+# work-items computes a 64x64 tile of C, or a 128x128 one in the _big kernels, stepping along
+# K in slices 16 deep.
+_TILE_GROUP = 16            # work-items along each side of a work-group
+_TILE, _TILE_BIG = 64, 128  # the side of the tile of C one work-group computes
+_TILE_K = 16                # the depth of a slice: split-K chunks are multiples of it
+# Split K over the grid only into chunks at least this long: a shorter chunk does too little
+# arithmetic to pay for writing its partial product and summing the partials.
+_SPLIT_K_MIN = 1024
 # kernels.cl's tensor-core blocks: (rows, columns, work-items) of the large and small one,
 # and their k-tile depth (split-K chunks are multiples of it).
 _TC_LARGE, _TC_SMALL = (128, 128, 256), (128, 64, 128)
 _TC_TILE_K = 32
-
-
-def _ceil_div(a, b):
-    return -(-a // b)
+_TC_VECTOR = 8  # halves the tensor-core kernels copy at a time (16 bytes)
+# kernels.cl's packed kernels (pack_a, pack_b, gemm_packed; CPU devices): op(a) in panels of
+# 4 rows, op(b) in panels of 16 columns; a work-item computes one 4x16 block of C.
+_PANEL_ROWS, _PANEL_COLS = 4, 16
+_PANEL_MACS = 1 << 25  # CPU devices pack both operands into panels from this many M*N*K
 
 
 def _gemm_dims(a, b, trans_a, trans_b):
@@ -1781,6 +1835,37 @@ def _batch_strides(a, b, M, K, N):
     return (M * K if a.ndim == 3 else 0), (K * N if b.ndim == 3 else 0)
 
 
+def _packed_gemm(a, b, trans_a, trans_b, bias, half, out):
+    """_gemm on CPU devices: op(a) packed into panels of 4 rows and op(b) into panels of 16
+    columns (kernels.cl: pack_a, pack_b), so the product streams both through the caches.
+    Packing reads float16 storage and writes float32, so it takes any operand's storage and
+    the inner loop reads float only."""
+    batch, M, K, N = _gemm_dims(a, b, trans_a, trans_b)
+    device = a.device
+    Mp, Np = _round_up(M, _PANEL_ROWS), _round_up(N, _PANEL_COLS)
+    stride_a, stride_b = _batch_strides(a, b, M, K, N)
+    # Panels when the product is large enough for streaming them to pay (2-3x at n=1024);
+    # a small one packs only an operand the kernel cannot read as it is (fewer launches).
+    panels = M * N * K >= _PANEL_MACS
+    A, B = a, b
+    a_k, a_r, b_panel, b_k = 1, K, 1, Np  # the operands' own rows
+    if panels or trans_a or Mp != M or a.dtype == np.float16:
+        count = a.shape[0] if a.ndim == 3 else 1
+        A = _like(a, (count, Mp, K), np.float32)
+        device.launch("pack_a", (Mp // _PANEL_ROWS * K, count), (256, 1), M, K, Mp,
+                      int(trans_a), stride_a, a.data, A.data, half=a.dtype == np.float16)
+        stride_a, a_k, a_r = (Mp * K if a.ndim == 3 else 0), _PANEL_ROWS, 1
+    if panels or trans_b or Np != N or b.dtype == np.float16:
+        count = b.shape[0] if b.ndim == 3 else 1
+        B = _like(b, (count, K, Np), np.float32)
+        device.launch("pack_b", (Np // _PANEL_COLS * K, count), (256, 1), K, N, Np,
+                      int(trans_b), stride_b, b.data, B.data, half=b.dtype == np.float16)
+        stride_b, b_panel, b_k = (K * Np if b.ndim == 3 else 0), K, _PANEL_COLS
+    device.launch("gemm_packed", (Np // _PANEL_COLS, Mp // _PANEL_ROWS, batch), (8, 1, 1),
+                  M, N, K, a_k, a_r, b_panel, b_k, stride_a, stride_b, int(bias is not None),
+                  A.data, B.data, None if bias is None else bias.data, out.data, half=half)
+
+
 def _tensor_core_gemm(a, b, trans_a, trans_b, bias, out):
     """Run _gemm's product on tensor cores if it can: both operands in float16 storage and a
     device whose probe passed. Returns whether it did."""
@@ -1789,21 +1874,23 @@ def _tensor_core_gemm(a, b, trans_a, trans_b, bias, out):
     if not (a.dtype == b.dtype == np.float16 and device.tensor_cores and K and not
             (trans_a and trans_b)):
         return False
-    # kernels.cl copies 8 halves at a time; where an operand's contiguous dimension is not a
-    # multiple of 8, its rows are not 16-byte aligned and the small block gathers instead.
-    aligned = (M if trans_a else K) % 8 == 0 and (K if trans_b else N) % 8 == 0
+    # Where an operand's contiguous dimension is not a multiple of _TC_VECTOR, its rows are
+    # not 16-byte aligned and the small block gathers instead.
+    aligned = (M if trans_a else K) % _TC_VECTOR == 0 and (K if trans_b else N) % _TC_VECTOR == 0
     # The large block when its blocks alone fill every compute unit.
-    large = aligned and batch * _ceil_div(M, 128) * _ceil_div(N, 128) >= device.compute_units
+    large_rows, large_cols, _ = _TC_LARGE
+    large = (aligned and batch * _ceil_div(M, large_rows) * _ceil_div(N, large_cols)
+             >= device.compute_units)
     rows, cols, threads = _TC_LARGE if large else _TC_SMALL
     blocks = batch * _ceil_div(M, rows) * _ceil_div(N, cols)
     # Split K when the blocks leave most compute units idle and K is long enough to share
     # (a weight gradient summed over a large batch): float32 partial products, then their sum.
-    splits = (max(1, min(device.compute_units // blocks, K // 1024))
+    splits = (max(1, min(device.compute_units // blocks, K // _SPLIT_K_MIN))
               if bias is None and out.dtype == np.float32 and 2 * blocks <= device.compute_units
               else 1)
     if not aligned and blocks * splits < device.compute_units:
         return False  # too few gathering blocks: the split-K float32 kernels do it faster
-    k_chunk = _ceil_div(_ceil_div(K, splits), _TC_TILE_K) * _TC_TILE_K if splits > 1 else K
+    k_chunk = _round_up(_ceil_div(K, splits), _TC_TILE_K) if splits > 1 else K
     splits = _ceil_div(K, k_chunk)
     layout = "tn" if trans_a else "nt" if trans_b else "nn"
     block = "l" if large else "s" if aligned else "u"
@@ -1818,7 +1905,41 @@ def _tensor_core_gemm(a, b, trans_a, trans_b, bias, out):
     return True
 
 
-_PANEL_MACS = 1 << 25  # CPU devices pack both operands into panels from this many M*N*K
+def _tiled_gemm(a, b, trans_a, trans_b, bias, half, out):
+    """_gemm on kernels.cl's tiled kernels: 128x128 tiles when there are enough of them to
+    fill every compute unit, else 64x64, with K split over the grid when even those leave
+    most compute units idle."""
+    batch, M, K, N = _gemm_dims(a, b, trans_a, trans_b)
+    batched = a.ndim == 3 or b.ndim == 3
+    # The half build's tiled kernels read float16 where autocast leaves it (kernels.cl):
+    # gemm_nn and gemm_nt take a (and write C) in float16, for the forward products, and
+    # gemm_tn takes b, for linear's weight gradient g^T x. Other float16 operands widen.
+    reads_half_b = trans_a and b.dtype == np.float16
+    a = a if half else _float32(a)
+    b = b if reads_half_b else _float32(b)
+    units = a.device.compute_units
+    big = batch * _ceil_div(M, _TILE_BIG) * _ceil_div(N, _TILE_BIG) >= units
+    tile = _TILE_BIG if big else _TILE
+    kernel = ("gemm_tn" if trans_a else "gemm_nt" if trans_b else "gemm_nn") + ("_big" if big else "")
+    tiles_n, tiles_m = _ceil_div(N, tile), _ceil_div(M, tile)
+    grid, group = (tiles_n * _TILE_GROUP, tiles_m * _TILE_GROUP), (_TILE_GROUP, _TILE_GROUP, 1)
+    # Split K when the tiles leave most compute units idle and K is long enough to share
+    # (float32 results only: partial sums in float16 would lose what float32 keeps).
+    tiles = tiles_n * tiles_m
+    splits = (min(units // tiles, K // _SPLIT_K_MIN)
+              if bias is None and not half and not batched and 2 * tiles <= units else 1)
+    if splits > 1:  # the 64x64 kernels compiled for it (big is False here)
+        k_chunk = _round_up(_ceil_div(K, splits), _TILE_K)
+        splits = _ceil_div(K, k_chunk)
+        partial = _like(out, (splits, M, N))
+        a.device.launch(kernel + "_split", grid + (splits,), group, M, N, K, k_chunk,
+                        0, 0, 0, a.data, b.data, None, partial.data, half=reads_half_b)
+        _sum_axis_tensor(partial, 1, splits, M * N, out=out.reshape((1, M * N)))
+    else:
+        a.device.launch(kernel, grid + (batch,), group, M, N, K, K,
+                        *_batch_strides(a, b, M, K, N), int(bias is not None), a.data,
+                        b.data, None if bias is None else bias.data, out.data,
+                        half=half or reads_half_b)
 
 
 def _gemm(a, b, trans_a=False, trans_b=False, bias=None, half=False, out=None):
@@ -1830,8 +1951,10 @@ def _gemm(a, b, trans_a=False, trans_b=False, bias=None, half=False, out=None):
     (a float32 a, the network's input say, is rounded to it first), accumulating in float32.
     Otherwise C is float32. An operand in float16 storage (a value the forward kept) is read
     as such where the kernel takes it, and widened to float32 first where it does not.
-    `out`, if given, is the tensor to write. With both operands in float16 storage on a
-    device with tensor cores, the product runs there (_tensor_core_gemm).
+    `out`, if given, is the tensor to write. On OpenCL the product runs on CPU devices'
+    packed kernels (_packed_gemm), else on tensor cores where it can (both operands in
+    float16 storage on a device with them: _tensor_core_gemm), else on the tiled kernels
+    (_tiled_gemm).
     """
     batch, M, K, N = _gemm_dims(a, b, trans_a, trans_b)
     batched = a.ndim == 3 or b.ndim == 3
@@ -1845,67 +1968,12 @@ def _gemm(a, b, trans_a=False, trans_b=False, bias=None, half=False, out=None):
                   np.swapaxes(b.data, -1, -2) if trans_b else b.data, out=out.data)
         if bias is not None:
             out.data += bias.data
-    elif M and N and batch and a.device.gemm == "packed":
-        # CPU devices: pack op(a) into panels of 4 rows and op(b) into panels of 16 columns
-        # (kernels.cl: pack_a, pack_b), so the product streams both through the caches.
-        # Packing reads float16 storage and writes float32, so it takes any operand's storage
-        # and the inner loop reads float only.
-        Mp, Np = -(-M // 4) * 4, -(-N // 16) * 16
-        stride_a, stride_b = _batch_strides(a, b, M, K, N)
-        # Panels when the product is large enough for streaming them to pay (2-3x at n=1024);
-        # a small one packs only an operand the kernel cannot read as it is (fewer launches).
-        panels = M * N * K >= _PANEL_MACS
-        A, B = a, b
-        a_k, a_r, b_panel, b_k = 1, K, 1, Np  # the operands' own rows
-        if panels or trans_a or Mp != M or a.dtype == np.float16:
-            count = a.shape[0] if a.ndim == 3 else 1
-            A = _like(a, (count, Mp, K), np.float32)
-            a.device.launch("pack_a", (Mp // 4 * K, count), (256, 1), M, K, Mp, int(trans_a),
-                            stride_a, a.data, A.data, half=a.dtype == np.float16)
-            stride_a, a_k, a_r = (Mp * K if a.ndim == 3 else 0), 4, 1
-        if panels or trans_b or Np != N or b.dtype == np.float16:
-            count = b.shape[0] if b.ndim == 3 else 1
-            B = _like(b, (count, K, Np), np.float32)
-            b.device.launch("pack_b", (Np // 16 * K, count), (256, 1), K, N, Np, int(trans_b),
-                            stride_b, b.data, B.data, half=b.dtype == np.float16)
-            stride_b, b_panel, b_k = (K * Np if b.ndim == 3 else 0), K, 16
-        a.device.launch("gemm_packed", (Np // 16, Mp // 4, batch), (8, 1, 1), M, N, K, a_k, a_r,
-                        b_panel, b_k, stride_a, stride_b, int(bias is not None), A.data, B.data,
-                        bias.data if bias is not None else None, out.data, half=half)
-    elif M and N and batch and not _tensor_core_gemm(a, b, trans_a, trans_b, bias, out):
-        # The half build's tiled kernels read float16 where autocast leaves it (kernels.cl):
-        # gemm_nn and gemm_nt take a (and write C) in float16, for the forward products, and
-        # gemm_tn takes b, for linear's weight gradient g^T x. Other float16 operands widen.
-        reads_half_b = trans_a and b.dtype == np.float16
-        a = a if half else _float32(a)
-        b = b if reads_half_b else _float32(b)
-        # 128x128 tiles when there are enough of them to fill every compute unit, else 64x64.
-        units = a.device.compute_units
-        big = batch * -(-M // 128) * -(-N // 128) >= units
-        tile = 128 if big else 64
-        kernel = ("gemm_tn" if trans_a else "gemm_nt" if trans_b else "gemm_nn") + ("_big" if big else "")
-        grid = (-(-N // tile) * 16, -(-M // tile) * 16)
-        tiles = grid[0] * grid[1] // 256
-        # Split K when the tiles leave most compute units idle and K is long enough to share
-        # (float32 results only: partial sums in float16 would lose what float32 keeps).
-        splits = (min(units // tiles, K // 1024)
-                  if bias is None and not half and not batched and 2 * tiles <= units else 1)
-        if splits > 1:  # the 64x64 kernels compiled for it (big is False here)
-            k_chunk = -(-K // splits // _TILE_K) * _TILE_K
-            splits = -(-K // k_chunk)
-            partial = _like(out, (splits, M, N))
-            a.device.launch(kernel + "_split", grid + (splits,), (16, 16, 1), M, N, K, k_chunk,
-                            0, 0, 0, a.data, b.data, None, partial.data, half=reads_half_b)
-            _sum_axis_tensor(partial, 1, splits, M * N, out=out.reshape((1, M * N)))
-        else:
-            a.device.launch(kernel, grid + (batch,), (16, 16, 1), M, N, K, K,
-                            *_batch_strides(a, b, M, K, N), int(bias is not None), a.data,
-                            b.data, bias.data if bias is not None else None, out.data,
-                            half=half or reads_half_b)
+    elif M and N and batch:  # (an empty C has nothing to write)
+        if a.device.gemm == "packed":
+            _packed_gemm(a, b, trans_a, trans_b, bias, half, out)
+        elif not _tensor_core_gemm(a, b, trans_a, trans_b, bias, out):
+            _tiled_gemm(a, b, trans_a, trans_b, bias, half, out)
     return out
-
-
-_TILE_K = 16  # kernels.cl's GEMM tile depth: split-K chunks are multiples of it
 
 
 def _batch_shape(op, a_batch, b_batch):
@@ -2005,19 +2073,20 @@ def linear(x, w, b=None):
     def backward(g):  # only the gradients somebody needs (the input's usually is not)
         if tensor_cores:
             g = _half_operand(g)
-        grads = [_gemm(g, W) if x2.requires_grad else None]                    # dx = g W
-        slot = _grad_slot(w)                                                   # dW = g^T x
-        if slot is not None:
-            grads.append(_gemm(g, X, trans_a=True, out=slot))
-        else:
-            grads.append(_gemm(g, X, trans_a=True) if w.requires_grad else None)
-        if b is not None:
-            slot = _grad_slot(b)
+        # A parameter's gradient is written straight into its slot in the optimizer's flat
+        # buffer when it has one free (_free_grad_slot; None otherwise: a new tensor).
+        grads = [_gemm(g, W) if x2.requires_grad else None,                    # dx = g W
+                 _gemm(g, X, trans_a=True, out=_free_grad_slot(w)) if w.requires_grad else None]
+        if b is not None:                                        # db = the sum of g's rows
+            rows, cols = g.shape
+            slot = _free_grad_slot(b)
             if slot is not None:
-                _sum_axis_tensor(g, 1, g.shape[0], g.shape[1], out=slot.reshape((1, -1)))
-            grads.append(slot if slot is not None else
-                         _sum_axis_tensor(g, 1, g.shape[0], g.shape[1]).reshape(b.shape)
-                         if b.requires_grad else None)
+                _sum_axis_tensor(g, 1, rows, cols, out=slot.reshape((1, cols)))
+                grads.append(slot)
+            elif b.requires_grad:
+                grads.append(_sum_axis_tensor(g, 1, rows, cols).reshape(b.shape))
+            else:
+                grads.append(None)
         return grads
     out = _record(_gemm(X, W, trans_b=True, bias=None if b is None else b.value, half=half),
                   (x2, w) + ((b,) if b is not None else ()), backward)
@@ -2077,14 +2146,9 @@ def flatten(x, start_dim=1, end_dim=-1):
 # and unsqueeze only change the shape: views, through reshape. Each backward moves the
 # gradient back the same way; a row gathered twice sums its two gradients, without atomics.
 
-def _is_int(value):
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
-
-
 def _check_dim(op, dim, ndim, name="dim"):
     """dim in [-ndim, ndim) as an index from 0; a 0-d tensor takes -1 and 0, as PyTorch."""
-    if not _is_int(dim):
-        raise TypeError(f"{op}: {name} must be an int, got {dim!r}")
+    _check_int(op, name, dim, wrong_type=TypeError)
     size = max(ndim, 1)
     if not -size <= dim < size:
         raise ValueError(f"{op}: {name} {dim} out of range for a tensor of {ndim} dimensions "
@@ -2368,7 +2432,7 @@ def split(x, split_size_or_sections, dim=0):
         if sections < 0 or (sections == 0 and size):
             raise ValueError(f"split: split_size must be positive (0 only for a dimension of "
                              f"size 0), got {sections} for dimension {d} of size {size}")
-        count = max(-(-size // sections), 1) if sections else 1  # one piece at least
+        count = max(_ceil_div(size, sections), 1) if sections else 1  # one piece at least
         sizes = [int(sections)] * (count - 1) + [size - int(sections) * (count - 1)]
     elif isinstance(sections, (tuple, list)) and all(_is_int(s) for s in sections):
         sizes = [int(s) for s in sections]
@@ -2385,13 +2449,10 @@ def chunk(x, chunks, dim=0):
     """x cut into `chunks` pieces along `dim`, as torch.chunk: pieces of ceil(size / chunks)
     rows, so there may be fewer than `chunks` (a size of 0 gives `chunks` empty pieces)."""
     (x,) = _nodes("chunk", x, numeric=False)
-    if not _is_int(chunks):
-        raise TypeError(f"chunk: chunks must be an int, got {chunks!r}")
-    if chunks <= 0:
-        raise ValueError(f"chunk: chunks must be greater than 0, got {chunks}")
+    chunks = _check_int("chunk", "chunks", chunks, 1, TypeError)
     d = _cut_dim("chunk", x, dim)
     size = x.shape[d]
-    return _pieces(x, d, [0] * chunks) if size == 0 else split(x, -(-size // chunks), d)
+    return _pieces(x, d, [0] * chunks) if size == 0 else split(x, _ceil_div(size, chunks), d)
 
 
 def unbind(x, dim=0):
@@ -2556,7 +2617,7 @@ def _axes(op, shape, axis):
         return tuple(range(len(shape)))
     axes = (axis,) if isinstance(axis, (int, np.integer)) else axis
     if not isinstance(axes, (tuple, list)) or not all(
-            isinstance(a, (int, np.integer)) and not isinstance(a, bool) for a in axes):
+            _is_int(a) for a in axes):
         raise TypeError(f"{op}: axis must be an int or a tuple of ints, got {axis!r}")
     ndim = max(len(shape), 1)
     normalised = []
@@ -2593,11 +2654,12 @@ def _sum_axis_tensor(x, outer, R, inner, scale=1.0, out=None):
     elif out.size:
         if R == 0:  # an empty sum: 0 (a mean's scale is then nan, and so is the mean)
             cl.enqueue_fill_buffer(x.device.queue, out.data,
-                                   np.float32(0.0 if scale == scale else scale), 0, out.nbytes)
+                                   np.float32(math.nan if math.isnan(scale) else 0.0), 0,
+                                   out.nbytes)
             return out
         chunks = _sum_chunks(outer * inner, R, x.device.compute_units)
         if outer * inner == 1 and R > 4096:  # one long sum: in parallel, then the partials
-            groups = min(-(-R // 4096), 256)
+            groups = min(_ceil_div(R, 4096), 256)
             partial = _like(out, (groups,))
             x.device.launch("sum_all", (groups * 256,), (256,), R, 1.0, x.data, partial.data,
                             half=half)
@@ -2632,11 +2694,12 @@ def _reduce(op, x, axis, keepdims, mean):
     scale = (1.0 / count if count else math.nan) if mean else 1.0
     value, steps = x.value, []
     for a in reversed(axes):  # one axis at a time, last first, so earlier indices stay valid
-        outer, R, inner = math.prod(value.shape[:a]), value.shape[a], math.prod(value.shape[a + 1:])
-        steps.append((outer, R, inner, value.shape))
+        before = value.shape
+        outer, R, inner = math.prod(before[:a]), before[a], math.prod(before[a + 1:])
+        steps.append((outer, R, inner, before))
         last = a == axes[0]
         value = _sum_axis_tensor(value, outer, R, inner, scale if last else 1.0)
-        value = value.reshape(steps[-1][3][:a] + steps[-1][3][a + 1:])
+        value = value.reshape(before[:a] + before[a + 1:])
     if not axes and mean:  # mean over no axes is x itself, but a new tensor (float32)
         value = _cast(value, np.float32) if value.dtype == np.float16 else _copy(value)
     out_shape = tuple(1 if i in axes else s for i, s in enumerate(shape)) if keepdims else \
@@ -2666,8 +2729,7 @@ def _one_axis(op, shape, axis, keepdims):
     """x of `shape` seen as (outer, R, inner) along `axis`, and the output shape."""
     if axis is None:
         return 1, math.prod(shape), 1, ((1,) * len(shape) if keepdims else ())
-    if not isinstance(axis, (int, np.integer)) or isinstance(axis, bool):
-        raise TypeError(f"{op}: axis must be an int or None, got {axis!r}")
+    _check_int(op, "axis", axis, wrong_type=TypeError)
     (a,) = _axes(op, shape, axis) or (None,)  # a 0-d x takes axis 0 or -1, as PyTorch
     if a is None:
         return 1, 1, 1, ()
@@ -2737,8 +2799,7 @@ def argmax(x, axis=None, keepdims=False):
 
 
 def _variance(op, x, axis, correction, keepdims, root):
-    if not _is_scalar(correction):
-        raise TypeError(f"{op}: correction must be a number, got {correction!r:.60}")
+    _check_number(op, "correction", correction, wrong_type=TypeError)
     (x,) = _nodes(op, x)
     outer, R, inner, out_shape = _one_axis(op, x.shape, axis, keepdims)
     X = x.value
@@ -2821,8 +2882,7 @@ def logsumexp(x, axis, keepdims=False):
 # --- softmax and losses -----------------------------------------------------------------------
 
 def _softmax(op, x, axis, log_mode):
-    if not isinstance(axis, (int, np.integer)) or isinstance(axis, bool):
-        raise ValueError(f"{op}: axis must be a single int, got {axis!r}")
+    _check_int(op, "axis", axis)
     (x,) = _nodes(op, x)
     (a,) = _axes(op, x.shape, axis) or (0,)
     shape = x.shape or (1,)
@@ -2870,8 +2930,7 @@ _REDUCTIONS = ("mean", "sum", "none")
 def _check_loss_args(op, reduction, ignore_index=-100):
     if reduction not in _REDUCTIONS:
         raise ValueError(f"{op}: reduction must be one of {_REDUCTIONS}, got {reduction!r}")
-    if not isinstance(ignore_index, (int, np.integer)) or isinstance(ignore_index, bool):
-        raise TypeError(f"{op}: ignore_index must be an int, got {ignore_index!r}")
+    _check_int(op, "ignore_index", ignore_index, wrong_type=TypeError)
 
 
 def _class_layout(op, x, what):
@@ -2971,10 +3030,7 @@ def cross_entropy(logits, target, reduction="mean", ignore_index=-100, label_smo
     _check_loss_args("cross_entropy", reduction, ignore_index)
     # PyTorch refuses only values above 1 (it silently treats negatives and NaN as 0); its
     # documented range is [0, 1], and that is what is checked here.
-    if not _is_scalar(label_smoothing) or not 0.0 <= label_smoothing <= 1.0:
-        raise ValueError(f"cross_entropy: label_smoothing must be between 0.0 and 1.0, got "
-                         f"{label_smoothing!r}")
-    smoothing = float(label_smoothing)
+    smoothing = _check_number("cross_entropy", "label_smoothing", label_smoothing, 0.0, 1.0)
     (x,) = _nodes("cross_entropy", logits)
     (outer, C, inner), loss_shape = _class_layout("cross_entropy", x, "logits")
     T, soft, count = _class_target("cross_entropy", x, target, loss_shape, ignore_index,
@@ -3213,8 +3269,7 @@ def _pair(op, name, value, minimum):
     PyTorch)."""
     pair = (value, value) if isinstance(value, (int, np.integer)) else value
     if not (isinstance(pair, (tuple, list)) and len(pair) == 2 and all(
-            isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v >= minimum
-            for v in pair)):
+            _is_int(v) and v >= minimum for v in pair)):
         kind = "positive" if minimum else "non-negative"
         raise ValueError(f"{op}: {name} must be a {kind} int or a pair of them, got {value!r}")
     return int(pair[0]), int(pair[1])
@@ -3309,12 +3364,6 @@ def _grouped_gemm(a, b, groups, trans_a=False, trans_b=False):
     return out
 
 
-def _check_groups(op, groups):
-    if not isinstance(groups, (int, np.integer)) or isinstance(groups, bool) or groups < 1:
-        raise ValueError(f"{op}: groups must be a positive int, got {groups!r}")
-    return int(groups)
-
-
 def conv2d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
     """x (N, C, H, W) with filters w (K, C / groups, R, S) [+ b (K,)] -> (N, K, OH, OW), as
     PyTorch's conv2d (a cross-correlation, zero padding). With G = groups, the channels split
@@ -3329,7 +3378,7 @@ def conv2d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
     stride = _pair("conv2d", "stride", stride, 1)
     padding = _pair("conv2d", "padding", padding, 0)
     dilation = _pair("conv2d", "dilation", dilation, 1)
-    groups = _check_groups("conv2d", groups)
+    groups = _check_int("conv2d", "groups", groups, 1)
     x, w, *rest = _nodes("conv2d", x, w, *(() if b is None else (b,)))
     b = rest[0] if rest else None
     if len(w.shape) != 4:
@@ -3520,9 +3569,7 @@ def _dropout_keep(n, seed, p):
 
 def dropout(x, p=0.5, training=True):
     """Zero each element with probability p and scale the rest by 1/(1-p) (when training)."""
-    if not _is_scalar(p) or not 0.0 <= p <= 1.0:
-        raise ValueError(f"dropout: p must be a probability in [0, 1], got {p!r}")
-    p = float(p)
+    p = _check_number("dropout", "p", p, 0.0, 1.0)
     (x,) = _nodes("dropout", x)
     if not training or p == 0.0:
         return x
@@ -3561,17 +3608,10 @@ def _normalized_shape(op, normalized_shape):
     shape = ((normalized_shape,) if isinstance(normalized_shape, (int, np.integer))
              else normalized_shape)
     if not (isinstance(shape, (tuple, list)) and shape and all(
-            isinstance(s, (int, np.integer)) and not isinstance(s, bool) and s >= 0
-            for s in shape)):
+            _is_int(s) and s >= 0 for s in shape)):
         raise ValueError(f"{op}: normalized_shape must be an int or a non-empty tuple of "
                          f"non-negative ints, got {normalized_shape!r}")
     return tuple(int(s) for s in shape)
-
-
-def _check_number(op, name, value):
-    if not _is_scalar(value):
-        raise ValueError(f"{op}: {name} must be a number, got {value!r}")
-    return float(value)
 
 
 def _data_or_none(tensor):
@@ -3898,10 +3938,9 @@ def scaled_dot_product_attention(q, k, v, attn_mask=None, is_causal=False, dropo
     op = "scaled_dot_product_attention"
     if attn_mask is not None and is_causal:  # PyTorch's words
         raise ValueError(f"{op}: explicit attn_mask should not be set when is_causal=True")
-    if not _is_scalar(dropout_p) or not 0.0 <= dropout_p <= 1.0:
-        raise ValueError(f"{op}: dropout_p must be a probability in [0, 1], got {dropout_p!r}")
-    if scale is not None and not _is_scalar(scale):
-        raise ValueError(f"{op}: scale must be a number or None, got {scale!r}")
+    _check_number(op, "dropout_p", dropout_p, 0.0, 1.0)
+    if scale is not None:
+        _check_number(op, "scale", scale)
     q, k, v = _nodes(op, q, k, v)
     if min(len(q.shape), len(k.shape), len(v.shape)) < 2 or not (
             q.shape[:-2] == k.shape[:-2] == v.shape[:-2]) or q.shape[-1] != k.shape[-1] \
@@ -4101,7 +4140,7 @@ class Module:
             if param.device is not device:
                 param.value = param.value.to(device)
                 param.grad = None if param.grad is None else param.grad.to(device)
-                param._grad_home = param._flat = None  # out of a dropped optimizer's buffers
+                param._grad_slot = param._flat = None  # out of a dropped optimizer's buffers
         for name, buffer in self._buffers.items():
             if isinstance(buffer, Tensor):  # host arrays (num_batches_tracked) stay
                 setattr(self, name, buffer.to(device))
@@ -4197,20 +4236,14 @@ def _uniform_parameter(shape, bound, queue):
     return Parameter(Tensor.from_host(values, queue))
 
 
-def _check_positive_int(name, value):
-    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return int(value)
-
-
 class Linear(Module):
     """y = x @ weight.T + bias, weight (out_features, in_features); PyTorch's initialisation:
     weight and bias ~ U(-1/sqrt(in_features), 1/sqrt(in_features))."""
 
     def __init__(self, in_features, out_features, bias=True, *, queue=None):
         super().__init__()
-        self.in_features = _check_positive_int("in_features", in_features)
-        self.out_features = _check_positive_int("out_features", out_features)
+        self.in_features = _check_int("Linear", "in_features", in_features, 1)
+        self.out_features = _check_int("Linear", "out_features", out_features, 1)
         bound = 1.0 / math.sqrt(self.in_features)
         self.weight = _uniform_parameter((self.out_features, self.in_features), bound, queue)
         self.bias = _uniform_parameter((self.out_features,), bound, queue) if bias else None
@@ -4233,13 +4266,13 @@ class Conv2d(Module):
     def __init__(self, in_ch, out_ch, kernel_size, stride=1, padding=0, dilation=1, groups=1,
                  bias=True, *, queue=None):
         super().__init__()
-        self.in_channels = _check_positive_int("in_ch", in_ch)  # PyTorch's attribute names
-        self.out_channels = _check_positive_int("out_ch", out_ch)
+        self.in_channels = _check_int("Conv2d", "in_ch", in_ch, 1)  # PyTorch's attribute names
+        self.out_channels = _check_int("Conv2d", "out_ch", out_ch, 1)
         self.kernel_size = _pair("Conv2d", "kernel_size", kernel_size, 1)
         self.stride = _pair("Conv2d", "stride", stride, 1)
         self.padding = _pair("Conv2d", "padding", padding, 0)
         self.dilation = _pair("Conv2d", "dilation", dilation, 1)
-        self.groups = _check_groups("Conv2d", groups)
+        self.groups = _check_int("Conv2d", "groups", groups, 1)
         for name, channels in (("in_ch", in_ch), ("out_ch", out_ch)):
             if channels % groups:
                 raise ValueError(f"Conv2d: {name}={channels} is not divisible by "
@@ -4333,9 +4366,7 @@ class Dropout(Module):
 
     def __init__(self, p=0.5):
         super().__init__()
-        if not _is_scalar(p) or not 0.0 <= p <= 1.0:
-            raise ValueError(f"Dropout: p must be a probability in [0, 1], got {p!r}")
-        self.p = float(p)
+        self.p = _check_number("Dropout", "p", p, 0.0, 1.0)
 
     def forward(self, x):
         """Apply dropout when training."""
@@ -4433,7 +4464,7 @@ class _BatchNorm(Module):
                  track_running_stats=True, *, queue=None):
         super().__init__()
         name = type(self).__name__
-        self.num_features = _check_positive_int("num_features", num_features)
+        self.num_features = _check_int(name, "num_features", num_features, 1)
         self.eps = _check_number(name, "eps", eps)
         self.momentum = None if momentum is None else _check_number(name, "momentum", momentum)
         self.affine, self.track_running_stats = bool(affine), bool(track_running_stats)
@@ -4493,8 +4524,8 @@ class Embedding(Module):
 
     def __init__(self, num_embeddings, embedding_dim, *, queue=None):
         super().__init__()
-        self.num_embeddings = _check_positive_int("num_embeddings", num_embeddings)
-        self.embedding_dim = _check_positive_int("embedding_dim", embedding_dim)
+        self.num_embeddings = _check_int("Embedding", "num_embeddings", num_embeddings, 1)
+        self.embedding_dim = _check_int("Embedding", "embedding_dim", embedding_dim, 1)
         values = _rng().standard_normal((self.num_embeddings, self.embedding_dim))
         self.weight = Parameter(Tensor.from_host(values.astype(np.float32), queue))
 
@@ -4833,7 +4864,7 @@ class SGD(Optimizer):
 
 def _norm_groups(n):
     """Work-groups for the partials of n elements: about 4096 elements each, 256 at most."""
-    return min(max(-(-n // 4096), 1), 256)
+    return min(max(_ceil_div(n, 4096), 1), 256)
 
 
 def _norm_partials(grads, norm_type):
@@ -4847,6 +4878,7 @@ def _norm_partials(grads, norm_type):
                         for v in values]
         return Tensor.from_host(np.array(partials), device.queue, np.float64)
     groups = [_norm_groups(g.size) for g in grads]
+    # builtins.sum: the module's own `sum` is reduce_sum, bound at the end of the file
     partials = Tensor.empty((builtins.sum(groups),), np.float32, device.queue)
     first = 0
     for g, count in zip(grads, groups):
@@ -4863,11 +4895,6 @@ def _total_norm(partials, norm_type):
     return partials.sum() ** (1.0 / norm_type)
 
 
-def _check_max_norm(where, max_norm):
-    if not _is_scalar(max_norm) or not max_norm >= 0:
-        raise ValueError(f"{where}: max_norm must be a number >= 0, got {max_norm!r}")
-
-
 def clip_grad_norm(params, max_norm, norm_type=2.0, error_if_nonfinite=False):
     """Scale the gradients of `params` in place so that their global norm is at most max_norm,
     and return the norm they had: a device scalar (a Tensor of shape ()) that float() reads.
@@ -4880,7 +4907,7 @@ def clip_grad_norm(params, max_norm, norm_type=2.0, error_if_nonfinite=False):
     are multiplied all the same and become non-finite (Adam.step(max_norm=...) is what skips).
     """
     params = [params] if isinstance(params, Node) else list(params)
-    _check_max_norm("clip_grad_norm", max_norm)
+    _check_number("clip_grad_norm", "max_norm", max_norm, minimum=0)
     max_norm, norm_type = float(max_norm), float(norm_type)
     if not norm_type > 0:
         raise ValueError(f"clip_grad_norm: norm_type must be positive or inf, got {norm_type}")
@@ -4920,7 +4947,7 @@ clip_grad_norm_ = clip_grad_norm  # PyTorch's in-place name
 # Adam and AdamW keep parameters, gradients and both moments in four flat buffers, each
 # parameter owning the same segment of each. A parameter's `.value` becomes a view of its
 # segment of the parameter buffer, so the model keeps working through the same Parameter
-# objects, and its `_grad_home` the view of its segment of the gradient buffer, so backward
+# objects, and its `_grad_slot` the view of its segment of the gradient buffer, so backward
 # stores the gradient there (_accumulate_grad). The gradient norm is then one reduction over
 # the flat gradients and the update one launch over all four buffers.
 #
@@ -4957,7 +4984,7 @@ class _FlatBuffers:
         offsets, self.size = [], 0
         for p in params:
             offsets.append(self.size)
-            self.size += -(-max(p.value.size, 1) // align) * align
+            self.size += _round_up(max(p.value.size, 1), align)
         self.params, self.grads, self.exp_avg, self.exp_avg_sq = (
             _fill((self.size,), 0.0, like) for _ in range(4))
         self._views = lambda flat: [_segment(flat, offset, p.shape)
@@ -4967,13 +4994,13 @@ class _FlatBuffers:
         self.exp_avg_sq_views = self._views(self.exp_avg_sq)
         self.params_half = self.half_views = None  # see half_copies
         self.owner = lambda: None  # the optimizer using these buffers (a weakref), if any
-        for index, (p, value, home) in enumerate(zip(params, self.param_views, self.grad_views)):
+        for index, (p, value, slot) in enumerate(zip(params, self.param_views, self.grad_views)):
             p.value = _copy(p.value, out=value)
-            if isinstance(p, Parameter):  # a plain Node leaf has no home: its grads stay apart
-                p._grad_home = home
+            if isinstance(p, Parameter):  # a plain Node leaf has no slot: its grads stay apart
+                p._grad_slot = slot
                 p._flat = (self, index)
                 if p.grad is not None:
-                    p.grad = _copy(p.grad, out=home)
+                    p.grad = _copy(p.grad, out=slot)
 
     def half_copies(self):
         """The parameters rounded to float16, flat and one view each, for tensor cores under
@@ -5036,7 +5063,7 @@ class Adam(Optimizer):
         """Update every parameter that has a gradient; with max_norm, clip the gradients'
         global 2-norm to it first (in registers: .grad is not changed)."""
         if max_norm is not None:
-            _check_max_norm(f"{type(self).__name__}.step", max_norm)
+            _check_number(f"{type(self).__name__}.step", "max_norm", max_norm, minimum=0)
         runs = self._runs()
         if not runs:
             return
@@ -5050,8 +5077,8 @@ class Adam(Optimizer):
         when every parameter's value and gradient are its segments (as after any backward),
         else each parameter that has a gradient, one by one (one launch each)."""
         flat = self._flat
-        if all(p.value is value and p.grad is home
-               for p, value, home in zip(self.params, flat.param_views, flat.grad_views)):
+        if all(p.value is value and p.grad is slot
+               for p, value, slot in zip(self.params, flat.param_views, flat.grad_views)):
             return [(flat.params, flat.grads, flat.exp_avg, flat.exp_avg_sq, flat.params_half)]
         runs = []
         for i, (p, m, v) in enumerate(zip(self.params, flat.exp_avg_views, flat.exp_avg_sq_views)):
@@ -5216,16 +5243,12 @@ class WarmupCosine:
     step_every = "batch"  # Trainer.fit calls step() after every optimizer step
 
     def __init__(self, optimizer, warmup_steps, total_steps, min_lr=0.0):
-        for name, value, least in (("warmup_steps", warmup_steps, 0),
-                                   ("total_steps", total_steps, 1)):
-            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < least:
-                raise ValueError(f"WarmupCosine: {name} must be an integer >= {least}, "
-                                 f"got {value!r}")
+        warmup_steps = _check_int("WarmupCosine", "warmup_steps", warmup_steps, 0)
+        total_steps = _check_int("WarmupCosine", "total_steps", total_steps, 1)
         if warmup_steps > total_steps:
             raise ValueError(f"WarmupCosine: warmup_steps ({warmup_steps}) must not exceed "
                              f"total_steps ({total_steps})")
-        if not _is_scalar(min_lr) or not min_lr >= 0.0:
-            raise ValueError(f"WarmupCosine: min_lr must be a number >= 0, got {min_lr!r}")
+        min_lr = _check_number("WarmupCosine", "min_lr", min_lr, minimum=0)
         self.optimizer = optimizer
         self.base_lr, self.min_lr = float(optimizer.lr), float(min_lr)
         self.warmup_steps, self.total_steps = int(warmup_steps), int(total_steps)
@@ -5260,12 +5283,6 @@ class WarmupCosine:
         self.optimizer.lr = self.lr_at(self.last_step)
 
 
-def _check_schedule_int(where, name, value, least):
-    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < least:
-        raise ValueError(f"{where}: {name} must be an integer >= {least}, got {value!r}")
-    return int(value)
-
-
 class StepLR:
     """PyTorch's StepLR (torch/optim/lr_scheduler.py): every step_size-th call of step()
     multiplies the optimizer's lr by gamma, so lr = initial lr * gamma ** (epoch // step_size)
@@ -5276,10 +5293,9 @@ class StepLR:
     step_every = "epoch"
 
     def __init__(self, optimizer, step_size, gamma=0.1):  # PyTorch default gamma
-        self.step_size = _check_schedule_int("StepLR", "step_size", step_size, 1)
-        if not _is_scalar(gamma) or not math.isfinite(gamma) or gamma < 0:
-            raise ValueError(f"StepLR: gamma must be a finite number >= 0, got {gamma!r}")
-        self.optimizer, self.gamma = optimizer, float(gamma)
+        self.step_size = _check_int("StepLR", "step_size", step_size, 1)
+        self.gamma = _check_number("StepLR", "gamma", gamma, minimum=0, finite=True)
+        self.optimizer = optimizer
         self.last_epoch = 0  # PyTorch's constructor takes its first step: -1 becomes 0
 
     def step(self):
@@ -5294,10 +5310,8 @@ class StepLR:
 
     def load_state_dict(self, state):
         """Restore state_dict()'s output, the optimizer's lr with it."""
-        step_size = _check_schedule_int("StepLR.load_state_dict", "step_size",
-                                        state["step_size"], 1)
-        last_epoch = _check_schedule_int("StepLR.load_state_dict", "last_epoch",
-                                         state["last_epoch"], 0)
+        step_size = _check_int("StepLR.load_state_dict", "step_size", state["step_size"], 1)
+        last_epoch = _check_int("StepLR.load_state_dict", "last_epoch", state["last_epoch"], 0)
         self.optimizer.lr = state["lr"]
         self.step_size, self.gamma, self.last_epoch = step_size, float(state["gamma"]), last_epoch
 
@@ -5324,13 +5338,12 @@ class ReduceLROnPlateau:
         if not _is_scalar(factor) or not 0 <= factor < 1:  # PyTorch: "Factor should be < 1.0."
             raise ValueError(f"ReduceLROnPlateau: factor must be in [0, 1), got {factor!r}")
         for name, value in (("threshold", threshold), ("min_lr", min_lr), ("eps", eps)):
-            if not _is_scalar(value) or not value >= 0:
-                raise ValueError(f"ReduceLROnPlateau: {name} must be a number >= 0, got {value!r}")
+            _check_number("ReduceLROnPlateau", name, value, minimum=0)
         self.optimizer, self.mode, self.threshold_mode = optimizer, mode, threshold_mode
         self.factor, self.threshold = float(factor), float(threshold)
         self.min_lr, self.eps = float(min_lr), float(eps)
-        self.patience = _check_schedule_int("ReduceLROnPlateau", "patience", patience, 0)
-        self.cooldown = _check_schedule_int("ReduceLROnPlateau", "cooldown", cooldown, 0)
+        self.patience = _check_int("ReduceLROnPlateau", "patience", patience, 0)
+        self.cooldown = _check_int("ReduceLROnPlateau", "cooldown", cooldown, 0)
         self.best = math.inf if mode == "min" else -math.inf
         self.num_bad_epochs, self.cooldown_counter, self.last_epoch = 0, 0, 0
 
@@ -5371,8 +5384,8 @@ class ReduceLROnPlateau:
             "mode", "factor", "patience", "threshold", "threshold_mode", "cooldown", "min_lr",
             "eps")))
         for key in ("num_bad_epochs", "cooldown_counter", "last_epoch"):
-            setattr(checked, key, _check_schedule_int("ReduceLROnPlateau.load_state_dict", key,
-                                                      state[key], 0))
+            setattr(checked, key, _check_int("ReduceLROnPlateau.load_state_dict", key,
+                                             state[key], 0))
         checked.best = float(state["best"])
         self.__dict__.update(checked.__dict__)
 
@@ -5422,6 +5435,17 @@ def _zero_flag(flag):
     else:
         cl.enqueue_fill_buffer(flag.device.queue, flag.data, np.int32(0), 0, 4)
     return flag
+
+
+class _ScaledLoss(Node):
+    """AMPGradScaler.scale's loss * scale: recorded on no Tape on purpose, since the scaler
+    usually runs after the `with Tape()` block has closed. Tape.backward runs its step first,
+    then the graph of the loss it was made from, which that Tape must have recorded."""
+
+    __slots__ = ()
+
+    def _taped_root(self):
+        return self._parents[0] if self.requires_grad else self
 
 
 # Where each optimizer stands between two update() calls (PyTorch's OptState).
@@ -5478,10 +5502,10 @@ class AMPGradScaler:
                              f"{backoff_factor!r}")
         if not (_is_scalar(scale) and math.isfinite(scale) and scale > 0):
             raise ValueError(f"{scale_name} must be positive and finite, got {scale!r}")
-        _check_positive_int("growth_interval", growth_interval)
+        _check_int("AMPGradScaler", "growth_interval", growth_interval, 1)
 
     def scale(self, loss):
-        """loss * scale (a float32 Node), to pass to tape.backward."""
+        """loss * scale (a float32 Node, a _ScaledLoss), to pass to tape.backward."""
         if not self._enabled:
             return loss
         (loss,) = _nodes("AMPGradScaler.scale", loss)
@@ -5507,9 +5531,7 @@ class AMPGradScaler:
                               out.data)
             return out
 
-        # Recorded on no tape, since the scaler usually runs after the `with Tape()` block
-        # has closed: Tape.backward runs such a head node first.
-        scaled = _Head(times_scale(loss.value), requires_grad=loss.requires_grad)
+        scaled = _ScaledLoss(times_scale(loss.value), requires_grad=loss.requires_grad)
         if loss.requires_grad:
             scaled._parents, scaled._backward = (loss,), lambda g: (times_scale(g),)
         return scaled
@@ -5643,9 +5665,7 @@ class AMPGradScaler:
                   else state[key] for key in keys]
         scale, growth_factor, backoff_factor, growth_interval, tracker = values
         self._check_settings("scale", scale, growth_factor, backoff_factor, growth_interval)
-        if isinstance(tracker, bool) or not isinstance(tracker, (int, np.integer)) or tracker < 0:
-            raise ValueError(f"AMPGradScaler.load_state_dict: _growth_tracker must be a "
-                             f"non-negative integer, got {tracker!r}")
+        _check_int("AMPGradScaler.load_state_dict", "_growth_tracker", tracker, 0)
         self._init_scale = float(scale)
         self._growth_factor, self._backoff_factor = float(growth_factor), float(backoff_factor)
         self._growth_interval = int(growth_interval)
@@ -5750,7 +5770,7 @@ def _shared_layout(batch):
         if not isinstance(array, np.ndarray) or array.dtype.hasobject:
             return None
         layout.append((array.shape, array.dtype, offset))
-        offset += -(-array.nbytes // _FIELD_ALIGN) * _FIELD_ALIGN
+        offset += _round_up(array.nbytes, _FIELD_ALIGN)
     return layout, offset
 
 
@@ -6037,13 +6057,6 @@ class _WorkerPool:
         _stop_workers(self.processes, self.connections, self.blocks)
 
 
-def _check_int(name, value, minimum):
-    """`value` as an int, or ValueError naming the argument (a bool is not an integer here)."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise ValueError(f"DataLoader: {name} must be an integer >= {minimum}, got {value!r}")
-    return int(value)
-
-
 class DataLoader:
     """Batches from a dataset, epoch after epoch, optionally built by workers and prefetched
     onto a device.
@@ -6093,18 +6106,16 @@ class DataLoader:
                              f"got {type(dataset).__name__}")
         if len(dataset) == 0:
             raise ValueError("DataLoader: dataset is empty")
-        self.batch_size = _check_int("batch_size", batch_size, 1)
-        self.num_workers = _check_int("num_workers", num_workers, 0)
-        self.prefetch = _check_int("prefetch", prefetch, 1)
+        self.batch_size = _check_int("DataLoader", "batch_size", batch_size, 1)
+        self.num_workers = _check_int("DataLoader", "num_workers", num_workers, 0)
+        self.prefetch = _check_int("DataLoader", "prefetch", prefetch, 1)
         if self.prefetch > _MAX_PREFETCH:
             raise ValueError(f"DataLoader: prefetch must be <= {_MAX_PREFETCH}, got {prefetch!r}")
         if self.num_workers * self.prefetch > _MAX_BATCHES_IN_FLIGHT:
             raise ValueError(f"DataLoader: num_workers * prefetch (batches in flight) must be "
                              f"<= {_MAX_BATCHES_IN_FLIGHT}, got {self.num_workers} * "
                              f"{self.prefetch} = {self.num_workers * self.prefetch}")
-        if not _is_scalar(timeout) or not math.isfinite(timeout) or timeout < 0:
-            raise ValueError(f"DataLoader: timeout must be a finite number of seconds >= 0 "
-                             f"(0 waits forever), got {timeout!r}")
+        _check_number("DataLoader", "timeout", timeout, minimum=0, finite=True)  # 0 waits forever
         if timeout and not self.num_workers:
             raise ValueError(f"DataLoader: timeout={timeout!r} needs num_workers > 0: it bounds "
                              f"the wait for a worker's batch (as in PyTorch)")
@@ -6117,7 +6128,7 @@ class DataLoader:
         self.drop_last = bool(drop_last)
         self.collate_fn = collate_fn
         if seed is not None:
-            seed = _check_int("seed", seed, 0)
+            seed = _check_int("DataLoader", "seed", seed, 0)
         # (see distributed, below: sharding and agreeing on a seed)
         self.rank, self.world_size, self.seed = _loader_shard(rank, world_size, seed, self.shuffle)
         self.epoch = 0
@@ -6137,12 +6148,12 @@ class DataLoader:
     def __len__(self):
         if self.drop_last:
             return self._samples_per_rank() // self.batch_size
-        return -(-self._samples_per_rank() // self.batch_size)
+        return _ceil_div(self._samples_per_rank(), self.batch_size)
 
     def _samples_per_rank(self):
         if self.drop_last:
             return len(self.dataset) // self.world_size
-        return -(-len(self.dataset) // self.world_size)
+        return _ceil_div(len(self.dataset), self.world_size)
 
     def __iter__(self):
         """One epoch of batches; each call to iter() is the next epoch."""
@@ -6388,8 +6399,7 @@ def broadcast_parameters(params, root=0):
         if not isinstance(value, (Tensor, np.ndarray)):
             raise TypeError(f"broadcast_parameters: item {i} is {type(value).__name__}, not a "
                             f"Parameter, Tensor or NumPy array")
-    if isinstance(root, bool) or not isinstance(root, (int, np.integer)) \
-            or not 0 <= root < world_size():
+    if _check_int("broadcast_parameters", "root", root, 0) >= world_size():
         raise ValueError(f"broadcast_parameters: root must be a rank in [0, {world_size()}), "
                          f"got {root!r}")
     if world_size() == 1 or not values:
@@ -6494,7 +6504,7 @@ class DistributedOptimizer:
         """Average the gradients (unless synchronize() already did), clip them to max_norm's
         global 2-norm if given, and update the parameters."""
         if max_norm is not None:
-            _check_max_norm("DistributedOptimizer.step", max_norm)
+            _check_number("DistributedOptimizer.step", "max_norm", max_norm, minimum=0)
         self.synchronize()
         self._synchronized = False
         if max_norm is None:
@@ -6569,8 +6579,8 @@ def _loader_shard(shard, shards, seed, shuffle):
                          f"rank={shard!r}, world_size={shards!r}")
     if shard is None:
         shard, shards = rank(), world_size()
-    shards = _check_int("world_size", shards, 1)
-    shard = _check_int("rank", shard, 0)
+    shards = _check_int("DataLoader", "world_size", shards, 1)
+    shard = _check_int("DataLoader", "rank", shard, 0)
     if shard >= shards:
         raise ValueError(f"DataLoader: rank must be in [0, world_size={shards}), got {shard}")
     if seed is None:
@@ -6596,12 +6606,14 @@ def _data_parallel(model, optimizer):
 
 
 # ============================================================================ Trainer
-# A small wrapper around the explicit Tape loop for classification. Its step is the async
-# pipeline of the wiki page: enqueue the forward; drain (wait, interruptibly, only for steps
-# long done, so at most a few steps are ever in flight); read metrics every metrics_stride-th
-# step; enqueue backward and the optimizer step without waiting; move on to the next batch
-# while the device works. No garbage-collector pass per step: the Tape frees the graph
-# after backward, so buffers return to the pool by reference counting.
+# A small wrapper around the explicit Tape loop, for classifiers and regressions. Its step is
+# an asynchronous pipeline of five points: (1) enqueue the forward; (2) drain: wait,
+# interruptibly, only for steps long done, so at most MAX_IN_FLIGHT steps are ever queued
+# ahead; (3) every metrics_stride-th step, read the loss and the logits back; (4) enqueue
+# backward and the optimizer step without waiting; (5) return, so the host fetches the next
+# batch while the device works. Every wait is a host sync and is counted in Device.syncs.
+# No garbage-collector pass per step: the Tape frees the graph after backward, so buffers
+# return to the pool by reference counting.
 
 class History(list):
     """What fit() returns: one dict per epoch (epoch, loss, accuracy, [val_loss, val_accuracy,]
@@ -6670,9 +6682,7 @@ class Trainer:
             raise ValueError(f"Trainer: grad_clip must be a positive number or None, got {grad_clip!r}")
         if loss_fn is not None and not callable(loss_fn):
             raise ValueError(f"Trainer: loss_fn must be callable or None, got {loss_fn!r}")
-        if not isinstance(metrics_stride, (int, np.integer)) or isinstance(metrics_stride, bool) \
-                or metrics_stride < 1:
-            raise ValueError(f"Trainer: metrics_stride must be a positive integer, got {metrics_stride!r}")
+        metrics_stride = _check_int("Trainer", "metrics_stride", metrics_stride, 1)
         if is_initialized():  # data-parallel: rank 0's model everywhere, gradients averaged
             optimizer = _data_parallel(model, optimizer)
         self.model, self.optimizer = model, optimizer
@@ -6684,7 +6694,8 @@ class Trainer:
             print("netcl: mixed precision has no effect on the NumPy backend; training in float32")
             mixed_precision = False
         self.mixed_precision = bool(mixed_precision)
-        self.scaler = AMPGradScaler() if self.mixed_precision else None
+        # Disabled without mixed precision: then it passes the loss and the step through.
+        self.scaler = AMPGradScaler(enabled=self.mixed_precision)
         if self.mixed_precision and self.device.autocast_half:
             self.device._half_program()  # built now: the first epoch's samples/s stays honest
         # Checked once: does this optimizer clip inside its own step?
@@ -6698,11 +6709,11 @@ class Trainer:
 
     # --- the step ---------------------------------------------------------------------------
     def _train_step(self, step, x, target, labels, loss_fn, classify):
-        """One step. Returns (metrics, logits): metrics is (loss, logits) as host values on
-        metrics steps (logits None for a regression), else None; logits is this step's
-        output Node."""
+        """One step, the five points of the pipeline (see the section's banner). Returns
+        (metrics, logits): metrics is (loss, logits) as host values on metrics steps (logits
+        None for a regression), else None; logits is this step's output Node."""
         # 1. Enqueue the forward (returns as soon as the kernels are queued).
-        with Tape() as tape, self._autocast():
+        with Tape() as tape, autocast(enabled=self.mixed_precision):
             logits = self.model(x)
             if classify:
                 _check_labels(labels, _as_value(logits).shape)
@@ -6714,36 +6725,25 @@ class Trainer:
         if step % self.metrics_stride == 0:
             if self.device.backend == "opencl":  # wait for this forward, interruptibly
                 self._drain(0)
-                _wait_interruptibly(cl.enqueue_marker(self.device.queue))
+                _wait_interruptibly(self.device, cl.enqueue_marker(self.device.queue))
             metrics = (float(loss.value.to_host()),
                        _as_value(logits).to_host() if classify else None)
             if not math.isfinite(metrics[0]):  # before its backward and step: nothing applied
                 raise RuntimeError(f"non-finite loss at step {step}")
-        # The epoch's loss is summed on the device, weighted by batch size: exact, no sync.
-        if self._loss_sum is None:
-            self._loss_sum = _fill((), 0.0, loss.value)
-        _add_into(self._loss_sum, loss.value, float(x.shape[0]))
-        # 4. Enqueue backward and the optimizer step, without waiting.
+        self._loss_sum = _add_weighted_loss(self._loss_sum, loss, x.shape[0])
+        # 4. Enqueue backward and the optimizer step, without waiting. Without mixed precision
+        # the scaler is disabled: scale() returns the loss, unscale_() and update() do nothing.
         self.optimizer.zero_grad()
-        if self.scaler is not None:
-            tape.backward(self.scaler.scale(loss))
-            if self.grad_clip is not None and not self._fused_clip:
-                self.scaler.unscale_(self.optimizer)
-                clip_grad_norm(self.optimizer.params, self.grad_clip)
-            self.scaler.step(self.optimizer, **self._clip_kwargs())
-            self.scaler.update()
-        else:
-            tape.backward(loss)
-            if self.grad_clip is not None and not self._fused_clip:
-                clip_grad_norm(self.optimizer.params, self.grad_clip)
-            self.optimizer.step(**self._clip_kwargs())
+        tape.backward(self.scaler.scale(loss))
+        if self.grad_clip is not None and not self._fused_clip:
+            self.scaler.unscale_(self.optimizer)  # clip the true gradients, not scaled ones
+            clip_grad_norm(self.optimizer.params, self.grad_clip)
+        self.scaler.step(self.optimizer, **self._clip_kwargs())
+        self.scaler.update()
         if self.device.backend == "opencl":
             self._in_flight.append(cl.enqueue_marker(self.device.queue))
         # 5. Return: the caller fetches the next batch while the device works.
         return metrics, logits
-
-    def _autocast(self):
-        return autocast(enabled=True) if self.mixed_precision else contextlib.nullcontext()
 
     def _clip_kwargs(self):
         return {"max_norm": self.grad_clip} if self.grad_clip is not None and self._fused_clip else {}
@@ -6752,7 +6752,7 @@ class Trainer:
         """Wait until at most `keep` steps are queued. Polls instead of blocking in finish()
         so that Ctrl-C interrupts the wait."""
         while len(self._in_flight) > keep:
-            _wait_interruptibly(self._in_flight.popleft())
+            _wait_interruptibly(self.device, self._in_flight.popleft())
 
     # --- fit / evaluate ---------------------------------------------------------------------
     def fit(self, train_loader, val_loader=None, epochs=1, loss_fn=None, log_every=1,
@@ -6787,12 +6787,10 @@ class Trainer:
         A batch of no samples, a loader that yields no batches in an epoch (a generator is
         used up after its first pass), and per-sample (x, y) tuples raise ValueError.
         """
-        for name, value, least in (("epochs", epochs, 0), ("log_every", log_every, 1)):
-            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < least:
-                raise ValueError(f"fit: {name} must be an integer >= {least}, got {value!r}")
-        if patience is not None and (not isinstance(patience, (int, np.integer))
-                                     or isinstance(patience, bool) or patience < 1):
-            raise ValueError(f"fit: patience must be a positive integer or None, got {patience!r}")
+        epochs = _check_int("fit", "epochs", epochs, 0)
+        log_every = _check_int("fit", "log_every", log_every, 1)
+        if patience is not None:
+            patience = _check_int("fit", "patience", patience, 1)
         if monitor not in (None, "val_loss", "val_accuracy", "loss", "accuracy"):
             raise ValueError(f"fit: monitor must be 'val_loss', 'val_accuracy', 'loss', "
                              f"'accuracy' or None, got {monitor!r}")
@@ -6948,7 +6946,7 @@ class Trainer:
                 raise ValueError(f"Trainer.save_checkpoint: the {what} has no state_dict()")
         loader = self._train_loader
         save({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-              "scaler": None if self.scaler is None else self.scaler.state_dict(),
+              "scaler": self.scaler.state_dict(),  # {} when disabled, as PyTorch's
               "scheduler": None if self._scheduler is None else self._scheduler.state_dict(),
               "trainer": {"epoch": self.epoch, "monitor": self._monitor, "best": self._best,
                           "bad_epochs": self._bad_epochs,
@@ -6975,7 +6973,7 @@ class Trainer:
                              f"'trainer' entry ({error!r})") from error
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
-        if self.scaler is not None and state.get("scaler"):
+        if state.get("scaler"):  # None or {}: saved without mixed precision
             self.scaler.load_state_dict(state["scaler"])
         self._loaded = {"epoch": epoch, "bad_epochs": bad_epochs, "best": loop.get("best"),
                         "monitor": loop.get("monitor"), "loader_epoch": loop.get("loader_epoch"),
@@ -6994,9 +6992,9 @@ class Trainer:
         """The pass of evaluate(), silent; classify None decides it from the first batch."""
         was_training = getattr(self.model, "training", None)
         _set_mode(self.model, False)
-        total, loss_sum, correct = 0, 0.0, 0
+        total, loss_sum, correct = 0, None, 0
         try:
-            with no_grad(), self._autocast():
+            with no_grad(), autocast(enabled=self.mixed_precision):
                 for batch in data_loader:
                     x, target, labels = self._prepare(batch)
                     if classify is None:
@@ -7005,15 +7003,22 @@ class Trainer:
                     if classify:
                         _check_labels(labels, _as_value(logits).shape)
                     loss = loss_fn(logits, target)
-                    n = x.shape[0]
-                    loss_sum += float(loss.value.to_host()) * n
+                    loss_sum = _add_weighted_loss(loss_sum, loss, x.shape[0])
                     if classify:
+                        # A read of every batch's logits, a host sync: the argmax is compared
+                        # with the labels on the host, as netcl has no device comparison op.
                         correct += int((_as_value(logits).to_host().argmax(1)
                                         == _class_indices(_host_labels(labels))).sum())
-                    total += n
+                    total += x.shape[0]
+                    if self.device.backend == "opencl":  # as in fit: few batches queued ahead
+                        self._in_flight.append(cl.enqueue_marker(self.device.queue))
+                        self._drain(self.MAX_IN_FLIGHT)
         finally:
             if was_training is not None:
                 _set_mode(self.model, was_training)
+        self._drain(0)
+        # One read of the summed loss, which also waits for the last batch.
+        loss_sum = 0.0 if loss_sum is None else float(loss_sum.to_host())
         total, loss_sum, correct = _sum_over_ranks(total, loss_sum, correct)  # every rank's shard
         if total == 0:
             raise ValueError(empty_message)
@@ -7092,6 +7097,18 @@ def _as_value(x):
     return x.value if isinstance(x, Node) else x
 
 
+def _add_weighted_loss(loss_sum, loss, batch_size):
+    """loss_sum + batch_size * loss, summed on the loss's device without a sync (loss_sum None:
+    from 0). Read once at the end of a pass, it gives the mean loss per sample."""
+    if loss.value.size != 1:
+        raise TypeError(f"Trainer: loss_fn must return a loss of one element, got shape "
+                        f"{loss.shape}")
+    if loss_sum is None:
+        loss_sum = _fill((), 0.0, loss.value)
+    _add_into(loss_sum, loss.value, float(batch_size))
+    return loss_sum
+
+
 def _set_mode(model, training):
     if callable(getattr(model, "train", None)):
         model.train(training)
@@ -7144,8 +7161,10 @@ def _no_batches(loader, epoch):
             f"batches instead)")
 
 
-def _wait_interruptibly(event):
-    """Wait for an OpenCL event by polling, so KeyboardInterrupt is delivered meanwhile."""
+def _wait_interruptibly(device, event):
+    """Wait for an OpenCL event of `device` by polling, so KeyboardInterrupt is delivered
+    meanwhile. A host sync, counted as finish() counts one."""
+    device._count_sync()
     spins = 0
     while event.command_execution_status != cl.command_execution_status.COMPLETE:
         spins += 1
@@ -7244,6 +7263,8 @@ distributed = _alias("distributed", init=init, is_initialized=is_initialized, ra
                      world_size=world_size, is_main=is_main, stats=stats,
                      broadcast_parameters=broadcast_parameters,
                      DistributedOptimizer=DistributedOptimizer)
-# Flat names for the reductions too (netcl.sum, netcl.mean), bound last so that nothing in
-# this file ever calls them by mistake for Python's built-in sum.
+# Flat names for the reductions too (netcl.sum, netcl.mean). Binding sum here shadows
+# Python's built-in in the whole module, not only below this line: a function looks up its
+# globals when it runs, not when it is defined. So code in this file that means the built-in
+# calls it as builtins.sum.
 globals().update(sum=reduce_sum, mean=reduce_mean)
