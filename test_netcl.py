@@ -1454,8 +1454,8 @@ def _(draw, rng, fd):
 
 
 # --- elementwise and reductions (sqrt ... logsumexp). Inputs keep away from the points where
-# PyTorch's gradient is a convention (abs at 0, clamp's bounds, ties, pow at 0); the tests at
-# the end of the file check those conventions.
+# PyTorch's gradient is a convention (abs at 0, clamp's bounds, ties, pow at 0); the tests under
+# "--- elementwise and reductions" below check those conventions.
 
 def _away_from(points, x, gap=0.05):
     """x with every element closer than `gap` to one of `points` moved up by 2 * gap."""
