@@ -19,9 +19,9 @@ The sections follow netcl.py's:
 - nn modules, state_dict, save / load, print(model); optimizers against NumPy transcriptions of
   PyTorch's formulas; mixed precision (autocast, float16 storage, tensor cores, AMPGradScaler
   against a transcription of PyTorch's GradScaler);
-- data (DataLoader order, workers, shared memory, interrupts, load_idx), the Trainer (fit,
-  evaluate, checkpoints, resume, schedules, History), the examples and import aliases, and
-  data-parallel training over MPI (`mpiexec -n 2`).
+- data-parallel training over MPI (`mpiexec -n 2`), data (DataLoader order, workers, shared
+  memory, interrupts, load_idx), the Trainer (fit, evaluate, checkpoints, resume, schedules,
+  History), the examples and the import aliases.
 
 Shared pieces: the fixtures `backend`, `cpu`, `opencl` and `digits` (scikit-learn's digits and
 the tutorial's split); `tensor`, `param`, `host`, `raises_naming`; `_mlp`, the one MLP builder;
@@ -4635,6 +4635,36 @@ def test_unbind_matches_torch_and_checks_its_argument(backend):
         F.unbind(tensor(x, backend), 3)
 
 
+@pytest.mark.parametrize("causal, masked, p", [(False, False, 0.0), (True, False, 0.0),
+                                               (False, True, 0.0), (True, False, 0.3)])
+def test_attention_rows_longer_than_a_work_group(cpu, opencl, causal, masked, p):
+    """The attention kernels share each row among a work-group of 64 work-items, in blocks
+    of 64 keys (or queries) and columns: lengths and head sizes past one block, causal rows
+    that stop early, and a mask whose rows begin with -inf agree with the NumPy backend."""
+    rng = np.random.default_rng(3)
+    B, L, S, E, Ev = 2, 70, 130, 80, 65
+    arrays = [rng.standard_normal(s).astype(np.float32) for s in [(B, L, E), (B, S, E), (B, S, Ev)]]
+    g = rng.standard_normal((B, L, Ev)).astype(np.float32)
+    mask = None
+    if masked:
+        mask = rng.standard_normal((L, S)).astype(np.float32)
+        mask[:, :3] = -np.inf  # each row's first keys masked out
+        mask[5] = -np.inf      # and one row with no key at all: its output is 0
+
+    def run(dev):
+        nodes = [param(a, dev) for a in arrays]
+        netcl.manual_seed(11)
+        with netcl.Tape() as tape:
+            y = F.scaled_dot_product_attention(*nodes, attn_mask=mask, is_causal=causal,
+                                               dropout_p=p)
+        tape.backward(y, grad=tensor(g, dev))
+        return [host(y)] + [host(n.grad) for n in nodes]
+
+    for expected, got in zip(run(cpu), run(opencl)):
+        assert np.isfinite(got).all()
+        np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
+
+
 # ---------------------------------------------------------------------------------------------
 # nn modules, state_dict, save / load, print(model)
 # ---------------------------------------------------------------------------------------------
@@ -6840,6 +6870,394 @@ def test_float16_storage_new_ops(opencl, case):
 
 
 # ---------------------------------------------------------------------------------------------
+# distributed: data-parallel training over MPI
+# ---------------------------------------------------------------------------------------------
+
+# The multi-rank tests run scripts under `mpiexec -n 2` (mpich's wheel, from the test extra),
+# with one thread per rank: the machine has two cores.
+
+import json  # noqa: E402
+
+
+import shutil  # noqa: E402
+
+
+def _mpiexec():
+    """mpiexec beside this Python (a venv's bin) or on PATH: missing is a failure, not a skip."""
+    search = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
+    found = shutil.which("mpiexec", path=search)
+    assert found, "mpiexec not found: the test extra installs mpich, whose wheel brings it"
+    return found
+
+
+def _run_ranks(script, tmp_path, device, ranks=2, timeout=120):
+    """Run `script` under mpiexec -n ranks with this checkout's netcl; (returncode, output,
+    seconds)."""
+    path = tmp_path / "ranks.py"
+    path.write_text(script)
+    env = dict(os.environ, NETCL_DEVICE=device, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
+               POCL_MAX_PTHREAD_COUNT="1",
+               # An Open MPI mpiexec (where mpi4py came with one) refuses root without these.
+               OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.abspath(netcl.__file__)),
+                                           os.environ.get("PYTHONPATH", "")]))
+    started = time.monotonic()
+    done = subprocess.run([_mpiexec(), "-n", str(ranks), sys.executable, str(path), str(tmp_path)],
+                          env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=timeout)
+    return done.returncode, done.stdout, time.monotonic() - started
+
+
+_MPI_SCRIPT = r'''
+import json
+import os
+import sys
+
+import numpy as np
+
+import netcl
+from netcl import nn
+from netcl.data import ArrayDataset, DataLoader
+
+dist = netcl.distributed
+dist.init()  # before the device: it picks this rank's
+from mpi4py import MPI  # noqa: E402  (only to gather results on rank 0)
+
+comm = MPI.COMM_WORLD
+rank, world = dist.rank(), dist.world_size()
+queue = netcl.manager.default().queue
+result = {"world": world}
+
+
+def gathered(value):
+    return comm.gather(value, root=0)
+
+
+def mlp(seed):
+    netcl.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 16, queue=queue), nn.ReLU(), nn.Linear(16, 4, queue=queue))
+
+
+def optimizer(kind, model):
+    if kind == "adamw":
+        return netcl.optim.AdamW(model.parameters(), lr=0.05)
+    return netcl.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+def flat_params(model):
+    return np.concatenate([p.value.to_host().ravel() for p in model.parameters()])
+
+
+def train(model, opt, loader, steps, max_norm):
+    batches = iter(loader)
+    for _ in range(steps):
+        xb, yb = next(batches)
+        with netcl.Tape() as tape:
+            loss = netcl.functional.cross_entropy(model(netcl.Tensor.from_host(xb, queue=queue)), yb)
+        opt.zero_grad()
+        tape.backward(loss)
+        if isinstance(opt, netcl.optim.SGD):  # the single-process reference clips by hand
+            netcl.optim.clip_grad_norm(opt.params, max_norm)
+            opt.step()
+        else:
+            opt.step(max_norm=max_norm)
+
+
+rng = np.random.default_rng(0)
+x = rng.normal(size=(96, 8)).astype(np.float32)
+y = rng.integers(0, 4, size=96)
+B, STEPS = 8, 4
+
+# 1. Two ranks at batch B against one process at batch 2B, same seed: the same parameters.
+for kind in ("adamw", "sgd"):
+    model = mlp(seed=100 + rank)  # a different start on each rank: the broadcast fixes it
+    before = dist.stats()["gradient_allreduces"]
+    train(model, dist.DistributedOptimizer(optimizer(kind, model)),
+          DataLoader(ArrayDataset(x, y), batch_size=B, seed=5), STEPS, max_norm=0.5)
+    result[kind + "_allreduces"] = dist.stats()["gradient_allreduces"] - before
+    ranks = gathered(flat_params(model))
+    if rank == 0:
+        single = mlp(seed=100)
+        start = flat_params(single)
+        train(single, optimizer(kind, single), DataLoader(ArrayDataset(x, y), batch_size=world * B,
+              seed=5, rank=0, world_size=1), STEPS, max_norm=0.5)
+        reference = flat_params(single)
+        result[kind] = {"ranks_differ": float(max(np.abs(p - ranks[0]).max() for p in ranks)),
+                        "vs_single": float(np.abs(ranks[0] - reference).max()),
+                        "moved": float(np.abs(reference - start).max())}
+
+# 2. Sharding: the same permutation everywhere (no seed given: rank 0's is agreed on).
+ids = ArrayDataset(np.arange(11), np.zeros(11, np.int64))
+for drop_last in (False, True):
+    loader = DataLoader(ids, batch_size=2, drop_last=drop_last)
+    epochs = [[int(i) for xb, _ in loader for i in xb] for _ in range(2)]
+    shards = gathered({"epochs": epochs, "len": len(loader)})
+    if rank == 0:
+        result[f"shards_drop_last_{drop_last}"] = shards
+
+# 3. AMP: a non-finite gradient on rank 1 only skips the step on every rank.
+model = mlp(seed=7)
+opt = dist.DistributedOptimizer(netcl.optim.AdamW(model.parameters(), lr=0.05))
+scaler = netcl.amp.AMPGradScaler(init_scale=1024.0)
+amp_steps = []
+for poisoned in (True, False):
+    xb = x[:B].copy()
+    if poisoned and rank == 1:
+        xb[0, 0] = np.inf
+    start = flat_params(model)
+    with netcl.Tape() as tape, np.errstate(invalid="ignore"):  # inf * 0 in the forward
+        loss = netcl.functional.cross_entropy(model(netcl.Tensor.from_host(xb, queue=queue)), y[:B])
+    opt.zero_grad()
+    tape.backward(scaler.scale(loss))
+    scaler.step(opt, max_norm=1.0)
+    scaler.update()
+    amp_steps.append({"changed": bool(np.any(flat_params(model) != start)),
+                      "scale": scaler.get_scale()})
+amp = gathered({"steps": amp_steps, "params": flat_params(model)})
+if rank == 0:
+    result["amp"] = [entry["steps"] for entry in amp]
+    result["amp_ranks_differ"] = float(np.abs(amp[0]["params"] - amp[1]["params"]).max())
+
+# 4. Trainer, unchanged: sharded training and validation reduced over ranks, rank 0 alone
+#    prints and saves.
+model = mlp(seed=200 + rank)
+trainer = netcl.trainer.Trainer(model, netcl.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                device_queue=queue, grad_clip=1.0, metrics_stride=1)
+train_loader = DataLoader(ArrayDataset(x[:64], y[:64]), batch_size=B, seed=3)
+val_loader = DataLoader(ArrayDataset(x[64:], y[64:]), batch_size=B, shuffle=False)
+before = dist.stats()
+checkpoint = os.path.join(sys.argv[1], f"best-{rank}.npz")
+history = trainer.fit(train_loader, val_loader, epochs=2, checkpoint=checkpoint)
+after = dist.stats()
+sharded = trainer.evaluate(val_loader)
+whole = trainer.evaluate(DataLoader(ArrayDataset(x[64:], y[64:]), batch_size=B, shuffle=False,
+                                    rank=0, world_size=1))
+trainer_result = gathered({"history": [dict(h) for h in history], "params": flat_params(model),
+                           "sharded": sharded, "whole": whole,
+                           "saved": os.path.exists(checkpoint),
+                           "allreduces": after["gradient_allreduces"] - before["gradient_allreduces"],
+                           "metric_allreduces": after["metric_allreduces"] - before["metric_allreduces"],
+                           "steps": 2 * len(train_loader)})
+if rank == 0:
+    first = trainer_result[0]["params"]
+    for entry in trainer_result:
+        entry["params"] = float(np.abs(entry["params"] - first).max())
+    result["trainer"] = trainer_result
+    print("RESULT " + json.dumps(result))
+'''
+
+
+def test_two_ranks_train_as_one_process_with_twice_the_batch(backend, tmp_path):
+    device = "cpu" if backend.backend == "cpu" else "opencl"
+    returncode, output, _ = _run_ranks(_MPI_SCRIPT, tmp_path, device)
+    assert returncode == 0, output
+    (line,) = [line for line in output.splitlines() if line.startswith("RESULT ")]
+    result = json.loads(line[len("RESULT "):])
+    assert result["world"] == 2
+
+    # Same parameters as one process at batch 2B (float32 summation order apart), bit-identical
+    # on both ranks, after one gradient all-reduce per step; and they did move.
+    for kind in ("adamw", "sgd"):
+        assert result[kind + "_allreduces"] == 4
+        assert result[kind]["ranks_differ"] == 0.0
+        assert result[kind]["moved"] > 1e-2
+        assert result[kind]["vs_single"] < 1e-5, (kind, result[kind])
+
+    # Sharding: each epoch's shards are disjoint and together every sample (DistributedSampler:
+    # padded with the epoch's first sample without drop_last; cut to 10 with it).
+    for drop_last, per_rank in ((False, 6), (True, 5)):
+        shards = result[f"shards_drop_last_{drop_last}"]
+        assert [shard["len"] for shard in shards] == ([3, 3] if not drop_last else [2, 2])
+        for epoch in range(2):
+            ours = [shard["epochs"][epoch] for shard in shards]
+            assert [len(o) for o in ours] == ([per_rank] * 2 if not drop_last else [4, 4])
+            everything = sorted(ours[0] + ours[1])
+            if drop_last:  # the last batch of 1 is dropped too: 8 distinct samples
+                assert len(set(everything)) == 8
+            else:
+                assert set(everything) == set(range(11))
+                assert len(everything) == 12
+        # A new permutation each epoch, and not the identity.
+        assert shards[0]["epochs"][0] != shards[0]["epochs"][1]
+
+    # AMP: rank 1's inf skipped the step on both ranks and backed off both scales; the clean
+    # step after it applied on both; the ranks stayed identical.
+    for steps in result["amp"]:
+        assert [step["changed"] for step in steps] == [False, True]
+        assert [step["scale"] for step in steps] == [512.0, 512.0]
+    assert result["amp_ranks_differ"] == 0.0
+
+    # Trainer: identical models and history on both ranks; one gradient all-reduce per step,
+    # one metrics all-reduce per epoch and per evaluation; the sharded validation equals the
+    # whole set's; only rank 0 printed and saved.
+    ranks = result["trainer"]
+    assert [entry["params"] for entry in ranks] == [0.0, 0.0]
+    assert ranks[0]["history"][0]["loss"] == ranks[1]["history"][0]["loss"]
+    assert ranks[0]["history"][1]["val_accuracy"] == ranks[1]["history"][1]["val_accuracy"]
+    for entry in ranks:
+        assert entry["allreduces"] == entry["steps"] == 8
+        assert entry["metric_allreduces"] == 4
+        assert entry["sharded"]["accuracy"] == entry["whole"]["accuracy"]
+        assert entry["sharded"]["loss"] == pytest.approx(entry["whole"]["loss"], rel=1e-5)
+    assert ranks[0]["history"][1]["val_loss"] == pytest.approx(ranks[0]["whole"]["loss"], rel=1e-5)
+    assert [entry["saved"] for entry in ranks] == [True, False]
+    # Each epoch's line once (Open MPI's mpiexec gives the ranks a terminal: rank 0's progress
+    # bar, "epoch 1/2 [...", may be there too).
+    assert output.count("epoch 1/2  loss") == 1 and output.count("epoch 2/2  loss") == 1
+
+
+def test_a_failing_rank_ends_the_job_with_its_traceback(tmp_path):
+    script = r'''
+import time
+import netcl
+netcl.distributed.init()
+from mpi4py import MPI
+if netcl.distributed.rank() == 1:
+    time.sleep(0.5)
+    raise ValueError("rank 1 gave up")
+MPI.COMM_WORLD.Barrier()  # rank 0 waits here for a rank that never comes
+print("rank 0 went on")
+'''
+    returncode, output, seconds = _run_ranks(script, tmp_path, "cpu", timeout=60)
+    assert returncode != 0
+    assert "Traceback" in output and "ValueError: rank 1 gave up" in output
+    assert "rank 0 went on" not in output
+    assert seconds < 20, f"the job took {seconds:.1f} s to end"
+
+
+def test_import_netcl_does_not_import_mpi4py():
+    code = ("import sys, netcl\n"
+            "assert netcl.distributed.world_size() == 1 and netcl.distributed.is_main()\n"
+            "assert not netcl.distributed.is_initialized()\n"
+            "assert 'mpi4py' not in sys.modules, 'netcl imported mpi4py'\n")
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.abspath(netcl.__file__)))
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+
+
+@PROPERTY_SETTINGS
+@given(n=st.integers(1, 40), world=st.integers(1, 4), batch_size=st.integers(1, 5),
+       drop_last=st.booleans(), shuffle=st.booleans(), seed=st.integers(0, 2**31))
+def test_dataloader_shards_split_every_epoch_among_ranks(n, world, batch_size, drop_last,
+                                                         shuffle, seed):
+    dataset = netcl.ArrayDataset(np.arange(n), np.zeros(n, np.int64))
+    loaders = [netcl.DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, seed=seed,
+                                drop_last=drop_last, rank=r, world_size=world)
+               for r in range(world)]
+    whole = netcl.DataLoader(dataset, batch_size=1, shuffle=shuffle, seed=seed)
+    per_rank = n // world if drop_last else -(-n // world)
+    for epoch in range(2):
+        order = [int(xb[0]) for xb, _ in whole]
+        shards = [[int(i) for xb, _ in loader for i in xb] for loader in loaders]
+        for loader, shard in zip(loaders, shards):
+            batches = per_rank // batch_size if drop_last else -(-per_rank // batch_size)
+            assert len(loader) == batches
+            assert len(shard) == (len(loader) * batch_size if drop_last else per_rank)
+        # DistributedSampler's rule, from the single-process order of the same seed.
+        padded = (order * world)[:per_rank * world]
+        for r, shard in enumerate(shards):
+            assert shard == padded[r::world][:len(shard)]
+        union = [i for shard in shards for i in shard]
+        if not drop_last:  # every sample, plus fewer than `world` repeats from the start
+            assert sorted(union) == sorted(padded) and set(union) == set(range(n))
+        else:  # disjoint shards
+            assert len(set(union)) == len(union)
+
+
+def test_dataloader_shard_arguments_are_checked():
+    dataset = netcl.ArrayDataset(np.arange(10), np.zeros(10, np.int64))
+    with raises_naming(ValueError, "rank", "world_size"):
+        netcl.DataLoader(dataset, rank=0)
+    with raises_naming(ValueError, "rank", "world_size"):
+        netcl.DataLoader(dataset, world_size=2)
+    with raises_naming(ValueError, "rank", "2"):
+        netcl.DataLoader(dataset, rank=2, world_size=2, seed=0)
+    with raises_naming(ValueError, "world_size", "0"):
+        netcl.DataLoader(dataset, rank=0, world_size=0, seed=0)
+    with raises_naming(ValueError, "rank", "-1"):
+        netcl.DataLoader(dataset, rank=-1, world_size=2, seed=0)
+    # Shuffled shards without init() need a seed every rank shares: there is none to agree on.
+    with raises_naming(ValueError, "seed", "init"):
+        netcl.DataLoader(dataset, rank=0, world_size=2)
+    assert len(netcl.DataLoader(dataset, rank=1, world_size=2, shuffle=False)) == 5
+
+
+def test_distributed_optimizer_in_one_process_is_the_optimizer(backend):
+    # Before init() (one rank) the wrapper changes nothing: the same steps, bit for bit, with
+    # clipping through step(max_norm) for SGD too; lr and zero_grad reach the wrapped one.
+    rng = np.random.default_rng(1)
+    x, y = rng.normal(size=(16, 6)).astype(np.float32), rng.integers(0, 3, size=16)
+
+    def run(kind, wrap):
+        netcl.manual_seed(3)
+        model = nn.Sequential(nn.Linear(6, 5, queue=backend.queue), nn.Tanh(),
+                              nn.Linear(5, 3, queue=backend.queue))
+        opt = (netcl.optim.AdamW(model.parameters(), lr=0.1) if kind == "adamw"
+               else netcl.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+        if wrap:
+            opt = netcl.distributed.DistributedOptimizer(opt)
+            opt.lr = 0.05
+            assert opt.optimizer.lr == 0.05
+        else:
+            opt.lr = 0.05
+        for _ in range(3):
+            with netcl.Tape() as tape:
+                loss = F.cross_entropy(model(tensor(x, backend)), y)
+            opt.zero_grad()
+            tape.backward(loss)
+            if wrap or kind == "adamw":
+                opt.step(max_norm=0.1)
+            else:
+                netcl.optim.clip_grad_norm(opt.params, 0.1)
+                opt.step()
+        assert all(p.grad is not None for p in model.parameters())
+        opt.zero_grad()
+        assert all(p.grad is None for p in model.parameters())
+        return [host(p) for p in model.parameters()]
+
+    for kind in ("adamw", "sgd"):
+        for wrapped, bare in zip(run(kind, True), run(kind, False)):
+            np.testing.assert_array_equal(wrapped, bare)
+    assert netcl.distributed.stats()["gradient_allreduces"] == 0  # one rank: no collective
+
+
+def test_distributed_arguments_are_checked(backend):
+    with raises_naming(TypeError, "DistributedOptimizer", "list"):
+        netcl.distributed.DistributedOptimizer([])
+    opt = netcl.distributed.DistributedOptimizer(
+        netcl.optim.SGD([param(np.ones(3), backend)], lr=0.1))
+    with raises_naming(TypeError, "DistributedOptimizer", "DistributedOptimizer"):
+        netcl.distributed.DistributedOptimizer(opt)
+    with raises_naming(ValueError, "max_norm", "-1"):
+        opt.step(max_norm=-1)
+    with raises_naming(TypeError, "broadcast_parameters", "item 1", "str"):
+        netcl.distributed.broadcast_parameters([param(np.ones(3), backend), "weights"])
+    with raises_naming(ValueError, "broadcast_parameters", "root", "1"):
+        netcl.distributed.broadcast_parameters([param(np.ones(3), backend)], root=1)
+
+
+def test_each_local_rank_takes_its_own_gpu(monkeypatch):
+    # Four fake GPUs on one platform: local rank r gets GPU r % 4; NETCL_DEVICE still wins.
+    import pyopencl as cl
+
+    class FakeGpu:
+        type = cl.device_type.GPU
+        name = "fake GPU"
+
+    gpus = [(0, d, FakeGpu()) for d in range(4)]
+    monkeypatch.setattr(netcl, "_opencl_devices", lambda: gpus)
+    monkeypatch.setattr(netcl, "_opencl_device", lambda p, d, device: ("opencl", p, d))
+    monkeypatch.delenv("NETCL_DEVICE", raising=False)
+    for local_rank, expected in ((0, 0), (1, 1), (5, 1)):
+        monkeypatch.setattr(netcl, "_local_rank", local_rank)
+        assert netcl.manager.default("gpu") == ("opencl", 0, expected)
+        assert netcl.manager.default() == ("opencl", 0, expected)
+    monkeypatch.setenv("NETCL_DEVICE", "opencl:0:3")
+    assert netcl.manager.default() == ("opencl", 0, 3)
+
+
+# ---------------------------------------------------------------------------------------------
 # data: DataLoader, workers, shared memory, GpuBatch, load_idx
 # ---------------------------------------------------------------------------------------------
 
@@ -7392,6 +7810,25 @@ def _assert_nothing_left(pid, timeout):
         time.sleep(0.05)
 
 
+def _checked_and_released(child):
+    """After a round of a child below: nothing of its loaders is left, and it may go on."""
+    _assert_nothing_left(child.pid, timeout=3.0)
+    child.stdin.write("\n")
+    child.stdin.flush()
+
+
+@contextlib.contextmanager
+def _reaped(child):
+    """The child must end by itself, with status 0; it is killed and reaped however the block
+    ends, so a failing test leaves no process behind."""
+    try:
+        yield
+        assert child.wait(10) == 0
+    finally:
+        child.kill()
+        child.wait()
+
+
 def _script(body):
     """A Python program that imports this netcl and runs `body`."""
     return f"import sys\nsys.path[:0] = {sys.path!r}\nimport netcl\n" + body
@@ -7460,22 +7897,15 @@ def test_interrupts_at_start_up_and_during_the_stop_leave_nothing_behind(tmp_pat
     # Ctrl-C while workers start; one Ctrl-C while the stop waits for stuck workers; two, one
     # second apart, the second landing in the stop the first one began.
     child, errors = _start(_INTERRUPTED_AT_MOMENTS, tmp_path)
-    try:
-        with _deadline(60):
-            for delays in ([0.0], [0.5], [0.3, 1.0]):
-                assert child.stdout.readline() == "now\n", errors()
-                for delay in delays:
-                    time.sleep(delay)
-                    child.send_signal(signal.SIGINT)
-                # The Ctrl-C reached the caller, once the cleanup was done.
-                assert child.stdout.readline() == "interrupted\n", errors()
-                _assert_nothing_left(child.pid, timeout=3.0)
-                child.stdin.write("\n")
-                child.stdin.flush()
-        assert child.wait(10) == 0
-    finally:
-        child.kill()
-        child.wait()
+    with _reaped(child), _deadline(60):
+        for delays in ([0.0], [0.5], [0.3, 1.0]):
+            assert child.stdout.readline() == "now\n", errors()
+            for delay in delays:
+                time.sleep(delay)
+                child.send_signal(signal.SIGINT)
+            # The Ctrl-C reached the caller, once the cleanup was done.
+            assert child.stdout.readline() == "interrupted\n", errors()
+            _checked_and_released(child)
 
 
 _INTERRUPTED_AT_RANDOM = """
@@ -7527,27 +7957,20 @@ sys.stdin.readline()  # the parent looks for leftovers meanwhile
 def test_many_random_interrupts_leave_nothing_behind(tmp_path):
     child, errors = _start(_INTERRUPTED_AT_RANDOM, tmp_path, start_new_session=True)
     rng = np.random.default_rng(0)
-    try:
-        with _deadline(60):
-            assert child.stdout.readline() == "ready\n", errors()
-            end = time.monotonic() + 3.0
-            while time.monotonic() < end:
-                time.sleep(rng.uniform(0.0, 0.03))
-                os.killpg(child.pid, signal.SIGINT)  # as Ctrl-C: to the consumer and its workers
-            assert child.poll() is None, errors()
-            child.stdin.write("stop\n")
-            child.stdin.flush()
-            line = child.stdout.readline()
-            assert line, errors()
-            rounds, interrupted = map(int, line.split())
-            assert interrupted >= 20 and rounds > interrupted  # interrupts came, and rounds ended
-            _assert_nothing_left(child.pid, timeout=3.0)
-            child.stdin.write("\n")
-            child.stdin.flush()
-        assert child.wait(10) == 0
-    finally:
-        child.kill()
-        child.wait()
+    with _reaped(child), _deadline(60):
+        assert child.stdout.readline() == "ready\n", errors()
+        end = time.monotonic() + 3.0
+        while time.monotonic() < end:
+            time.sleep(rng.uniform(0.0, 0.03))
+            os.killpg(child.pid, signal.SIGINT)  # as Ctrl-C: to the consumer and its workers
+        assert child.poll() is None, errors()
+        child.stdin.write("stop\n")
+        child.stdin.flush()
+        line = child.stdout.readline()
+        assert line, errors()
+        rounds, interrupted = map(int, line.split())
+        assert interrupted >= 20 and rounds > interrupted  # interrupts came, and rounds ended
+        _checked_and_released(child)
 
 
 class SignalledDataset(SampleDataset):
@@ -7651,7 +8074,7 @@ def test_bad_timeouts_are_rejected():
 # Trainer: fit / evaluate, checkpoints, resume, schedules, History, progress
 # ---------------------------------------------------------------------------------------------
 
-# --- the wiki's fit/evaluate pipeline, errors, History, output and checkpoints
+# --- the fit/evaluate pipeline, errors, History, output and checkpoints
 
 def _blobs(n=96, features=8, classes=3, seed=0):
     """Separable Gaussian blobs: x (n, features) float32, y (n,) int64."""
@@ -8570,421 +8993,3 @@ def test_alias_modules(backend):
         loss = relu(x).sum()
     tape.backward(loss)
     np.testing.assert_array_equal(host(x.grad), [[0.0, 1.0]])
-
-
-# ---------------------------------------------------------------------------------------------
-# distributed: data-parallel training over MPI
-# ---------------------------------------------------------------------------------------------
-
-# The multi-rank tests run scripts under `mpiexec -n 2` (mpich's wheel, from the test extra),
-# with one thread per rank: the machine has two cores.
-
-import json  # noqa: E402
-
-
-import shutil  # noqa: E402
-
-
-def _mpiexec():
-    """mpiexec beside this Python (a venv's bin) or on PATH: missing is a failure, not a skip."""
-    search = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
-    found = shutil.which("mpiexec", path=search)
-    assert found, "mpiexec not found: the test extra installs mpich, whose wheel brings it"
-    return found
-
-
-def _run_ranks(script, tmp_path, device, ranks=2, timeout=120):
-    """Run `script` under mpiexec -n ranks with this checkout's netcl; (returncode, output,
-    seconds)."""
-    path = tmp_path / "ranks.py"
-    path.write_text(script)
-    env = dict(os.environ, NETCL_DEVICE=device, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
-               POCL_MAX_PTHREAD_COUNT="1",
-               # An Open MPI mpiexec (where mpi4py came with one) refuses root without these.
-               OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-               PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.abspath(netcl.__file__)),
-                                           os.environ.get("PYTHONPATH", "")]))
-    started = time.monotonic()
-    done = subprocess.run([_mpiexec(), "-n", str(ranks), sys.executable, str(path), str(tmp_path)],
-                          env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          timeout=timeout)
-    return done.returncode, done.stdout, time.monotonic() - started
-
-
-_MPI_SCRIPT = r'''
-import json
-import os
-import sys
-
-import numpy as np
-
-import netcl
-from netcl import nn
-from netcl.data import ArrayDataset, DataLoader
-
-dist = netcl.distributed
-dist.init()  # before the device: it picks this rank's
-from mpi4py import MPI  # noqa: E402  (only to gather results on rank 0)
-
-comm = MPI.COMM_WORLD
-rank, world = dist.rank(), dist.world_size()
-queue = netcl.manager.default().queue
-result = {"world": world}
-
-
-def gathered(value):
-    return comm.gather(value, root=0)
-
-
-def mlp(seed):
-    netcl.manual_seed(seed)
-    return nn.Sequential(nn.Linear(8, 16, queue=queue), nn.ReLU(), nn.Linear(16, 4, queue=queue))
-
-
-def optimizer(kind, model):
-    if kind == "adamw":
-        return netcl.optim.AdamW(model.parameters(), lr=0.05)
-    return netcl.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-
-
-def flat_params(model):
-    return np.concatenate([p.value.to_host().ravel() for p in model.parameters()])
-
-
-def train(model, opt, loader, steps, max_norm):
-    batches = iter(loader)
-    for _ in range(steps):
-        xb, yb = next(batches)
-        with netcl.Tape() as tape:
-            loss = netcl.functional.cross_entropy(model(netcl.Tensor.from_host(xb, queue=queue)), yb)
-        opt.zero_grad()
-        tape.backward(loss)
-        if isinstance(opt, netcl.optim.SGD):  # the single-process reference clips by hand
-            netcl.optim.clip_grad_norm(opt.params, max_norm)
-            opt.step()
-        else:
-            opt.step(max_norm=max_norm)
-
-
-rng = np.random.default_rng(0)
-x = rng.normal(size=(96, 8)).astype(np.float32)
-y = rng.integers(0, 4, size=96)
-B, STEPS = 8, 4
-
-# 1. Two ranks at batch B against one process at batch 2B, same seed: the same parameters.
-for kind in ("adamw", "sgd"):
-    model = mlp(seed=100 + rank)  # a different start on each rank: the broadcast fixes it
-    before = dist.stats()["gradient_allreduces"]
-    train(model, dist.DistributedOptimizer(optimizer(kind, model)),
-          DataLoader(ArrayDataset(x, y), batch_size=B, seed=5), STEPS, max_norm=0.5)
-    result[kind + "_allreduces"] = dist.stats()["gradient_allreduces"] - before
-    ranks = gathered(flat_params(model))
-    if rank == 0:
-        single = mlp(seed=100)
-        start = flat_params(single)
-        train(single, optimizer(kind, single), DataLoader(ArrayDataset(x, y), batch_size=world * B,
-              seed=5, rank=0, world_size=1), STEPS, max_norm=0.5)
-        reference = flat_params(single)
-        result[kind] = {"ranks_differ": float(max(np.abs(p - ranks[0]).max() for p in ranks)),
-                        "vs_single": float(np.abs(ranks[0] - reference).max()),
-                        "moved": float(np.abs(reference - start).max())}
-
-# 2. Sharding: the same permutation everywhere (no seed given: rank 0's is agreed on).
-ids = ArrayDataset(np.arange(11), np.zeros(11, np.int64))
-for drop_last in (False, True):
-    loader = DataLoader(ids, batch_size=2, drop_last=drop_last)
-    epochs = [[int(i) for xb, _ in loader for i in xb] for _ in range(2)]
-    shards = gathered({"epochs": epochs, "len": len(loader)})
-    if rank == 0:
-        result[f"shards_drop_last_{drop_last}"] = shards
-
-# 3. AMP: a non-finite gradient on rank 1 only skips the step on every rank.
-model = mlp(seed=7)
-opt = dist.DistributedOptimizer(netcl.optim.AdamW(model.parameters(), lr=0.05))
-scaler = netcl.amp.AMPGradScaler(init_scale=1024.0)
-amp_steps = []
-for poisoned in (True, False):
-    xb = x[:B].copy()
-    if poisoned and rank == 1:
-        xb[0, 0] = np.inf
-    start = flat_params(model)
-    with netcl.Tape() as tape, np.errstate(invalid="ignore"):  # inf * 0 in the forward
-        loss = netcl.functional.cross_entropy(model(netcl.Tensor.from_host(xb, queue=queue)), y[:B])
-    opt.zero_grad()
-    tape.backward(scaler.scale(loss))
-    scaler.step(opt, max_norm=1.0)
-    scaler.update()
-    amp_steps.append({"changed": bool(np.any(flat_params(model) != start)),
-                      "scale": scaler.get_scale()})
-amp = gathered({"steps": amp_steps, "params": flat_params(model)})
-if rank == 0:
-    result["amp"] = [entry["steps"] for entry in amp]
-    result["amp_ranks_differ"] = float(np.abs(amp[0]["params"] - amp[1]["params"]).max())
-
-# 4. Trainer, unchanged: sharded training and validation reduced over ranks, rank 0 alone
-#    prints and saves.
-model = mlp(seed=200 + rank)
-trainer = netcl.trainer.Trainer(model, netcl.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-                                device_queue=queue, grad_clip=1.0, metrics_stride=1)
-train_loader = DataLoader(ArrayDataset(x[:64], y[:64]), batch_size=B, seed=3)
-val_loader = DataLoader(ArrayDataset(x[64:], y[64:]), batch_size=B, shuffle=False)
-before = dist.stats()
-checkpoint = os.path.join(sys.argv[1], f"best-{rank}.npz")
-history = trainer.fit(train_loader, val_loader, epochs=2, checkpoint=checkpoint)
-after = dist.stats()
-sharded = trainer.evaluate(val_loader)
-whole = trainer.evaluate(DataLoader(ArrayDataset(x[64:], y[64:]), batch_size=B, shuffle=False,
-                                    rank=0, world_size=1))
-trainer_result = gathered({"history": [dict(h) for h in history], "params": flat_params(model),
-                           "sharded": sharded, "whole": whole,
-                           "saved": os.path.exists(checkpoint),
-                           "allreduces": after["gradient_allreduces"] - before["gradient_allreduces"],
-                           "metric_allreduces": after["metric_allreduces"] - before["metric_allreduces"],
-                           "steps": 2 * len(train_loader)})
-if rank == 0:
-    first = trainer_result[0]["params"]
-    for entry in trainer_result:
-        entry["params"] = float(np.abs(entry["params"] - first).max())
-    result["trainer"] = trainer_result
-    print("RESULT " + json.dumps(result))
-'''
-
-
-def test_two_ranks_train_as_one_process_with_twice_the_batch(backend, tmp_path):
-    device = "cpu" if backend.backend == "cpu" else "opencl"
-    returncode, output, _ = _run_ranks(_MPI_SCRIPT, tmp_path, device)
-    assert returncode == 0, output
-    (line,) = [line for line in output.splitlines() if line.startswith("RESULT ")]
-    result = json.loads(line[len("RESULT "):])
-    assert result["world"] == 2
-
-    # Same parameters as one process at batch 2B (float32 summation order apart), bit-identical
-    # on both ranks, after one gradient all-reduce per step; and they did move.
-    for kind in ("adamw", "sgd"):
-        assert result[kind + "_allreduces"] == 4
-        assert result[kind]["ranks_differ"] == 0.0
-        assert result[kind]["moved"] > 1e-2
-        assert result[kind]["vs_single"] < 1e-5, (kind, result[kind])
-
-    # Sharding: each epoch's shards are disjoint and together every sample (DistributedSampler:
-    # padded with the epoch's first sample without drop_last; cut to 10 with it).
-    for drop_last, per_rank in ((False, 6), (True, 5)):
-        shards = result[f"shards_drop_last_{drop_last}"]
-        assert [shard["len"] for shard in shards] == ([3, 3] if not drop_last else [2, 2])
-        for epoch in range(2):
-            ours = [shard["epochs"][epoch] for shard in shards]
-            assert [len(o) for o in ours] == ([per_rank] * 2 if not drop_last else [4, 4])
-            everything = sorted(ours[0] + ours[1])
-            if drop_last:  # the last batch of 1 is dropped too: 8 distinct samples
-                assert len(set(everything)) == 8
-            else:
-                assert set(everything) == set(range(11))
-                assert len(everything) == 12
-        # A new permutation each epoch, and not the identity.
-        assert shards[0]["epochs"][0] != shards[0]["epochs"][1]
-
-    # AMP: rank 1's inf skipped the step on both ranks and backed off both scales; the clean
-    # step after it applied on both; the ranks stayed identical.
-    for steps in result["amp"]:
-        assert [step["changed"] for step in steps] == [False, True]
-        assert [step["scale"] for step in steps] == [512.0, 512.0]
-    assert result["amp_ranks_differ"] == 0.0
-
-    # Trainer: identical models and history on both ranks; one gradient all-reduce per step,
-    # one metrics all-reduce per epoch and per evaluation; the sharded validation equals the
-    # whole set's; only rank 0 printed and saved.
-    ranks = result["trainer"]
-    assert [entry["params"] for entry in ranks] == [0.0, 0.0]
-    assert ranks[0]["history"][0]["loss"] == ranks[1]["history"][0]["loss"]
-    assert ranks[0]["history"][1]["val_accuracy"] == ranks[1]["history"][1]["val_accuracy"]
-    for entry in ranks:
-        assert entry["allreduces"] == entry["steps"] == 8
-        assert entry["metric_allreduces"] == 4
-        assert entry["sharded"]["accuracy"] == entry["whole"]["accuracy"]
-        assert entry["sharded"]["loss"] == pytest.approx(entry["whole"]["loss"], rel=1e-5)
-    assert ranks[0]["history"][1]["val_loss"] == pytest.approx(ranks[0]["whole"]["loss"], rel=1e-5)
-    assert [entry["saved"] for entry in ranks] == [True, False]
-    # Each epoch's line once (Open MPI's mpiexec gives the ranks a terminal: rank 0's progress
-    # bar, "epoch 1/2 [...", may be there too).
-    assert output.count("epoch 1/2  loss") == 1 and output.count("epoch 2/2  loss") == 1
-
-
-def test_a_failing_rank_ends_the_job_with_its_traceback(tmp_path):
-    script = r'''
-import time
-import netcl
-netcl.distributed.init()
-from mpi4py import MPI
-if netcl.distributed.rank() == 1:
-    time.sleep(0.5)
-    raise ValueError("rank 1 gave up")
-MPI.COMM_WORLD.Barrier()  # rank 0 waits here for a rank that never comes
-print("rank 0 went on")
-'''
-    returncode, output, seconds = _run_ranks(script, tmp_path, "cpu", timeout=60)
-    assert returncode != 0
-    assert "Traceback" in output and "ValueError: rank 1 gave up" in output
-    assert "rank 0 went on" not in output
-    assert seconds < 20, f"the job took {seconds:.1f} s to end"
-
-
-def test_import_netcl_does_not_import_mpi4py():
-    code = ("import sys, netcl\n"
-            "assert netcl.distributed.world_size() == 1 and netcl.distributed.is_main()\n"
-            "assert not netcl.distributed.is_initialized()\n"
-            "assert 'mpi4py' not in sys.modules, 'netcl imported mpi4py'\n")
-    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.abspath(netcl.__file__)))
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          timeout=60)
-    assert done.returncode == 0, done.stderr
-
-
-@PROPERTY_SETTINGS
-@given(n=st.integers(1, 40), world=st.integers(1, 4), batch_size=st.integers(1, 5),
-       drop_last=st.booleans(), shuffle=st.booleans(), seed=st.integers(0, 2**31))
-def test_dataloader_shards_split_every_epoch_among_ranks(n, world, batch_size, drop_last,
-                                                         shuffle, seed):
-    dataset = netcl.ArrayDataset(np.arange(n), np.zeros(n, np.int64))
-    loaders = [netcl.DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, seed=seed,
-                                drop_last=drop_last, rank=r, world_size=world)
-               for r in range(world)]
-    whole = netcl.DataLoader(dataset, batch_size=1, shuffle=shuffle, seed=seed)
-    per_rank = n // world if drop_last else -(-n // world)
-    for epoch in range(2):
-        order = [int(xb[0]) for xb, _ in whole]
-        shards = [[int(i) for xb, _ in loader for i in xb] for loader in loaders]
-        for loader, shard in zip(loaders, shards):
-            batches = per_rank // batch_size if drop_last else -(-per_rank // batch_size)
-            assert len(loader) == batches
-            assert len(shard) == (len(loader) * batch_size if drop_last else per_rank)
-        # DistributedSampler's rule, from the single-process order of the same seed.
-        padded = (order * world)[:per_rank * world]
-        for r, shard in enumerate(shards):
-            assert shard == padded[r::world][:len(shard)]
-        union = [i for shard in shards for i in shard]
-        if not drop_last:  # every sample, plus fewer than `world` repeats from the start
-            assert sorted(union) == sorted(padded) and set(union) == set(range(n))
-        else:  # disjoint shards
-            assert len(set(union)) == len(union)
-
-
-def test_dataloader_shard_arguments_are_checked():
-    dataset = netcl.ArrayDataset(np.arange(10), np.zeros(10, np.int64))
-    with raises_naming(ValueError, "rank", "world_size"):
-        netcl.DataLoader(dataset, rank=0)
-    with raises_naming(ValueError, "rank", "world_size"):
-        netcl.DataLoader(dataset, world_size=2)
-    with raises_naming(ValueError, "rank", "2"):
-        netcl.DataLoader(dataset, rank=2, world_size=2, seed=0)
-    with raises_naming(ValueError, "world_size", "0"):
-        netcl.DataLoader(dataset, rank=0, world_size=0, seed=0)
-    with raises_naming(ValueError, "rank", "-1"):
-        netcl.DataLoader(dataset, rank=-1, world_size=2, seed=0)
-    # Shuffled shards without init() need a seed every rank shares: there is none to agree on.
-    with raises_naming(ValueError, "seed", "init"):
-        netcl.DataLoader(dataset, rank=0, world_size=2)
-    assert len(netcl.DataLoader(dataset, rank=1, world_size=2, shuffle=False)) == 5
-
-
-def test_distributed_optimizer_in_one_process_is_the_optimizer(backend):
-    # Before init() (one rank) the wrapper changes nothing: the same steps, bit for bit, with
-    # clipping through step(max_norm) for SGD too; lr and zero_grad reach the wrapped one.
-    rng = np.random.default_rng(1)
-    x, y = rng.normal(size=(16, 6)).astype(np.float32), rng.integers(0, 3, size=16)
-
-    def run(kind, wrap):
-        netcl.manual_seed(3)
-        model = nn.Sequential(nn.Linear(6, 5, queue=backend.queue), nn.Tanh(),
-                              nn.Linear(5, 3, queue=backend.queue))
-        opt = (netcl.optim.AdamW(model.parameters(), lr=0.1) if kind == "adamw"
-               else netcl.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
-        if wrap:
-            opt = netcl.distributed.DistributedOptimizer(opt)
-            opt.lr = 0.05
-            assert opt.optimizer.lr == 0.05
-        else:
-            opt.lr = 0.05
-        for _ in range(3):
-            with netcl.Tape() as tape:
-                loss = F.cross_entropy(model(tensor(x, backend)), y)
-            opt.zero_grad()
-            tape.backward(loss)
-            if wrap or kind == "adamw":
-                opt.step(max_norm=0.1)
-            else:
-                netcl.optim.clip_grad_norm(opt.params, 0.1)
-                opt.step()
-        assert all(p.grad is not None for p in model.parameters())
-        opt.zero_grad()
-        assert all(p.grad is None for p in model.parameters())
-        return [host(p) for p in model.parameters()]
-
-    for kind in ("adamw", "sgd"):
-        for wrapped, bare in zip(run(kind, True), run(kind, False)):
-            np.testing.assert_array_equal(wrapped, bare)
-    assert netcl.distributed.stats()["gradient_allreduces"] == 0  # one rank: no collective
-
-
-def test_distributed_arguments_are_checked(backend):
-    with raises_naming(TypeError, "DistributedOptimizer", "list"):
-        netcl.distributed.DistributedOptimizer([])
-    opt = netcl.distributed.DistributedOptimizer(
-        netcl.optim.SGD([param(np.ones(3), backend)], lr=0.1))
-    with raises_naming(TypeError, "DistributedOptimizer", "DistributedOptimizer"):
-        netcl.distributed.DistributedOptimizer(opt)
-    with raises_naming(ValueError, "max_norm", "-1"):
-        opt.step(max_norm=-1)
-    with raises_naming(TypeError, "broadcast_parameters", "item 1", "str"):
-        netcl.distributed.broadcast_parameters([param(np.ones(3), backend), "weights"])
-    with raises_naming(ValueError, "broadcast_parameters", "root", "1"):
-        netcl.distributed.broadcast_parameters([param(np.ones(3), backend)], root=1)
-
-
-def test_each_local_rank_takes_its_own_gpu(monkeypatch):
-    # Four fake GPUs on one platform: local rank r gets GPU r % 4; NETCL_DEVICE still wins.
-    import pyopencl as cl
-
-    class FakeGpu:
-        type = cl.device_type.GPU
-        name = "fake GPU"
-
-    gpus = [(0, d, FakeGpu()) for d in range(4)]
-    monkeypatch.setattr(netcl, "_opencl_devices", lambda: gpus)
-    monkeypatch.setattr(netcl, "_opencl_device", lambda p, d, device: ("opencl", p, d))
-    monkeypatch.delenv("NETCL_DEVICE", raising=False)
-    for local_rank, expected in ((0, 0), (1, 1), (5, 1)):
-        monkeypatch.setattr(netcl, "_local_rank", local_rank)
-        assert netcl.manager.default("gpu") == ("opencl", 0, expected)
-        assert netcl.manager.default() == ("opencl", 0, expected)
-    monkeypatch.setenv("NETCL_DEVICE", "opencl:0:3")
-    assert netcl.manager.default() == ("opencl", 0, 3)
-
-
-@pytest.mark.parametrize("causal, masked, p", [(False, False, 0.0), (True, False, 0.0),
-                                               (False, True, 0.0), (True, False, 0.3)])
-def test_attention_rows_longer_than_a_work_group(cpu, opencl, causal, masked, p):
-    """The attention kernels share each row among a work-group of 64 work-items, in blocks
-    of 64 keys (or queries) and columns: lengths and head sizes past one block, causal rows
-    that stop early, and a mask whose rows begin with -inf agree with the NumPy backend."""
-    rng = np.random.default_rng(3)
-    B, L, S, E, Ev = 2, 70, 130, 80, 65
-    arrays = [rng.standard_normal(s).astype(np.float32) for s in [(B, L, E), (B, S, E), (B, S, Ev)]]
-    g = rng.standard_normal((B, L, Ev)).astype(np.float32)
-    mask = None
-    if masked:
-        mask = rng.standard_normal((L, S)).astype(np.float32)
-        mask[:, :3] = -np.inf  # each row's first keys masked out
-        mask[5] = -np.inf      # and one row with no key at all: its output is 0
-
-    def run(dev):
-        nodes = [param(a, dev) for a in arrays]
-        netcl.manual_seed(11)
-        with netcl.Tape() as tape:
-            y = F.scaled_dot_product_attention(*nodes, attn_mask=mask, is_causal=causal,
-                                               dropout_p=p)
-        tape.backward(y, grad=tensor(g, dev))
-        return [host(y)] + [host(n.grad) for n in nodes]
-
-    for expected, got in zip(run(cpu), run(opencl)):
-        assert np.isfinite(got).all()
-        np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
