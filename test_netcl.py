@@ -25,8 +25,10 @@ The sections follow netcl.py's:
 
 Shared pieces: the fixtures `backend`, `cpu`, `opencl` and `digits` (scikit-learn's digits and
 the tutorial's split); `tensor`, `param`, `host`, `raises_naming`; `_mlp`, the one MLP builder;
-`_sgd_reference` and `_adam_reference`, PyTorch's optimizer rules in float64; and four
-Hypothesis settings, one per kind of test (FD_, XB_, TRAINING_ and PROPERTY_SETTINGS).
+`_sgd_reference` and `_adam_reference`, PyTorch's optimizer rules in float64; two tables,
+ARGUMENT_ERRORS (a bad argument, the error and what its message names) and IMPORT_ALIASES (the
+dotted import paths); and four Hypothesis settings, one per kind of test (FD_, XB_, TRAINING_
+and PROPERTY_SETTINGS).
 """
 import contextlib
 import gc
@@ -5695,51 +5697,56 @@ def test_warmup_cosine_matches_its_formula(warmup, total, min_lr):
     assert other.optimizer.lr == opt.lr and other.last_step == schedule.last_step
 
 
-@pytest.mark.parametrize("warmup, total, needle", [
-    (-1, 10, "warmup_steps"), (0, 0, "total_steps"), (11, 10, "warmup_steps"),
-    (1.5, 10, "warmup_steps")])
-def test_warmup_cosine_validates(warmup, total, needle):
-    opt = netcl.SGD([param(np.zeros(2), netcl.manager.default("cpu"))], lr=0.1)
-    with raises_naming(ValueError, needle):
-        netcl.WarmupCosine(opt, warmup, total)
+# Argument validation: one row per bad argument, (call, exception, what the message names).
+# `call(x)` gets a Parameter x (2, 3) of ones with a gradient of twos, on each backend; a
+# rejected call changes nothing (a negative max_norm would have reversed the update).
+ARGUMENT_ERRORS = {
+    "Adam betas": (lambda x: netcl.Adam([x], betas=(0.9,)), ValueError, ["betas"]),
+    "SGD lr": (lambda x: netcl.SGD([x], lr=-1.0), ValueError, ["Invalid learning rate", "lr"]),
+    "WarmupCosine warmup_steps -1": (lambda x: netcl.WarmupCosine(netcl.SGD([x], lr=0.1), -1, 10),
+                                     ValueError, ["warmup_steps"]),
+    "WarmupCosine total_steps 0": (lambda x: netcl.WarmupCosine(netcl.SGD([x], lr=0.1), 0, 0),
+                                   ValueError, ["total_steps"]),
+    "WarmupCosine warmup_steps > total": (
+        lambda x: netcl.WarmupCosine(netcl.SGD([x], lr=0.1), 11, 10), ValueError, ["warmup_steps"]),
+    "WarmupCosine warmup_steps 1.5": (
+        lambda x: netcl.WarmupCosine(netcl.SGD([x], lr=0.1), 1.5, 10), ValueError, ["warmup_steps"]),
+    "WarmupCosine min_lr": (lambda x: netcl.WarmupCosine(netcl.SGD([x], lr=0.1), 1, 10, min_lr=-1),
+                            ValueError, ["min_lr", "-1"]),
+    "AdamW.step max_norm -1.0": (lambda x: netcl.AdamW([x], lr=0.1).step(max_norm=-1.0),
+                                 ValueError, ["max_norm", "-1.0"]),
+    "AdamW.step max_norm '1'": (lambda x: netcl.AdamW([x], lr=0.1).step(max_norm="1"),
+                                ValueError, ["max_norm", "1"]),
+    "clip_grad_norm -1.0": (lambda x: netcl.clip_grad_norm([x], -1.0), ValueError, ["max_norm"]),
+    "clip_grad_norm '1'": (lambda x: netcl.clip_grad_norm([x], "1"), ValueError, ["max_norm"]),
+    "reshape 2.5": (lambda x: F.reshape(x, (2.5, 2)), ValueError, ["reshape", "2.5"]),
+    "softmax axis": (lambda x: F.softmax(x, axis=(0, 1)), ValueError, ["softmax", "axis"]),
+    "leaky_relu negative_slope": (lambda x: F.leaky_relu(x, "0.1"), ValueError,
+                                  ["negative_slope"]),
+    "AMPGradScaler init_scale": (lambda x: netcl.AMPGradScaler(init_scale="big"), ValueError,
+                                 ["init_scale"]),
+}
 
 
-def test_more_argument_checks(cpu, monkeypatch):
-    x = param(np.ones((2, 2)), cpu)
-    assert host(F.dropout(x, np.float32(0.0), True)).sum() == 4.0
-    assert nn.Dropout(np.float64(0.25)).p == 0.25
-    with raises_naming(ValueError, "betas"):
-        netcl.Adam([x], betas=(0.9,))
-    with raises_naming(ValueError, "Invalid learning rate", "lr"):
-        netcl.SGD([x], lr=-1.0)
-    with raises_naming(ValueError, "min_lr", "-1"):
-        netcl.WarmupCosine(netcl.SGD([x], lr=0.1), 1, 10, min_lr=-1)
-    monkeypatch.setenv("NETCL_DEVICE", "bogus")
-    with raises_naming(ValueError, "NETCL_DEVICE", "bogus"):
-        netcl.manager.default()
-
-
-def test_bad_numeric_arguments_raise_value_error(backend):
+@pytest.mark.parametrize("name", sorted(ARGUMENT_ERRORS))
+def test_a_bad_argument_is_named_and_changes_nothing(backend, name):
+    call, error, needles = ARGUMENT_ERRORS[name]
     x = param(np.ones((2, 3)), backend)
     with netcl.Tape() as tape:
         loss = (x * 2.0).sum()
     tape.backward(loss)
-    opt = netcl.AdamW([x], lr=0.1)
-    before = host(x)
-    for bad in (-1.0, "1"):
-        with raises_naming(ValueError, "max_norm", str(bad)):
-            opt.step(max_norm=bad)  # a negative max_norm would reverse the update
-        with raises_naming(ValueError, "max_norm"):
-            netcl.clip_grad_norm([x], bad)
-    np.testing.assert_array_equal(host(x), before)
-    with raises_naming(ValueError, "reshape", "2.5"):
-        F.reshape(x, (2.5, 2))
-    with raises_naming(ValueError, "softmax", "axis"):
-        F.softmax(x, axis=(0, 1))
-    with raises_naming(ValueError, "negative_slope"):
-        F.leaky_relu(x, "0.1")
-    with raises_naming(ValueError, "init_scale"):
-        netcl.AMPGradScaler(init_scale="big")
+    with raises_naming(error, *needles):
+        call(x)
+    np.testing.assert_array_equal(host(x), np.ones((2, 3)))
+
+
+def test_numpy_scalars_are_numbers_and_netcl_device_is_checked(cpu, monkeypatch):
+    x = param(np.ones((2, 2)), cpu)
+    assert host(F.dropout(x, np.float32(0.0), True)).sum() == 4.0
+    assert nn.Dropout(np.float64(0.25)).p == 0.25
+    monkeypatch.setenv("NETCL_DEVICE", "bogus")
+    with raises_naming(ValueError, "NETCL_DEVICE", "bogus"):
+        netcl.manager.default()
 
 
 def _state_variant(state, change):
