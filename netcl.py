@@ -1088,7 +1088,8 @@ class Parameter(Node):
 def _add_into(dst, src, alpha=1.0):
     """dst += alpha * src, in place (same size)."""
     if dst.device.backend == "cpu":
-        dst.data += alpha * src.data.reshape(dst.shape) if alpha != 1.0 else src.data.reshape(dst.shape)
+        src_data = src.data.reshape(dst.shape)
+        dst.data += alpha * src_data if alpha != 1.0 else src_data
     elif src.size:
         dst.device.launch("accumulate", *_grid(src.size), src.size, alpha, dst.data, src.data)
 
@@ -1235,7 +1236,8 @@ def _free_grad_slot(node):
     in its optimizer's flat gradient buffer while the slot is free, holding no gradient yet
     (saves the copy that _accumulate_grad would make), else None."""
     slot = getattr(node, "_grad_slot", None)
-    if slot is None or node.grad is not None or node._backward is not None or not node.requires_grad:
+    if (slot is None or node.grad is not None or node._backward is not None
+            or not node.requires_grad):
         return None
     return slot
 
@@ -1801,10 +1803,10 @@ def minimum(a, b):
 
 
 def _mask(op, cond, like, name):
-    """cond (the argument `name`) as a tensor of 1s (true) and 0s in like's dtype and on like's device, the operand
-    the selection kernels read. cond: a bool or integer array, or an int32 Tensor or Node
-    (netcl's bool tensors), nonzero meaning true; PyTorch takes bool only, netcl has no bool
-    dtype. A constant: no gradient flows to it."""
+    """cond (the argument `name`) as a tensor of 1s (true) and 0s in like's dtype and on like's
+    device, the operand the selection kernels read. cond: a bool or integer array, or an int32
+    Tensor or Node (netcl's bool tensors), nonzero meaning true; PyTorch takes bool only, netcl
+    has no bool dtype. A constant: no gradient flows to it."""
     if isinstance(cond, Node):
         cond = cond.value
     if isinstance(cond, Tensor):
@@ -2006,7 +2008,8 @@ def _tiled_gemm(a, b, trans_a, trans_b, bias, half, out):
     units = a.device.compute_units
     big = batch * _ceil_div(M, _TILE_BIG) * _ceil_div(N, _TILE_BIG) >= units
     tile = _TILE_BIG if big else _TILE
-    kernel = ("gemm_tn" if trans_a else "gemm_nt" if trans_b else "gemm_nn") + ("_big" if big else "")
+    kernel = (("gemm_tn" if trans_a else "gemm_nt" if trans_b else "gemm_nn")
+              + ("_big" if big else ""))
     tiles_n, tiles_m = _ceil_div(N, tile), _ceil_div(M, tile)
     grid, group = (tiles_n * _TILE_GROUP, tiles_m * _TILE_GROUP), (_TILE_GROUP, _TILE_GROUP, 1)
     # Split K when the tiles leave most compute units idle and K is long enough to share
@@ -2067,7 +2070,8 @@ def _batch_shape(op, a_batch, b_batch):
     try:
         return tuple(np.broadcast_shapes(a_batch, b_batch))
     except ValueError:
-        raise ValueError(f"{op}: batch dimensions {a_batch} and {b_batch} do not broadcast") from None
+        raise ValueError(f"{op}: batch dimensions {a_batch} and {b_batch} do not "
+                         f"broadcast") from None
 
 
 def _matmul_grad(x, y, shape, trans_a=False, trans_b=False):
@@ -2911,7 +2915,8 @@ def _softmax(op, x, axis, log_mode):
         shifted = v - v.max(axis=1, keepdims=True)
         with np.errstate(all="ignore"):
             lse = np.log(np.exp(shifted).sum(axis=1, keepdims=True))
-            y.data.reshape(outer, R, inner)[...] = shifted - lse if log_mode else np.exp(shifted - lse)
+            y.data.reshape(outer, R, inner)[...] = (shifted - lse if log_mode
+                                                    else np.exp(shifted - lse))
     elif X.size:
         X.device.launch("softmax_axis", *_grid(outer * inner), outer, R, inner, int(log_mode),
                         X.data, y.data, half=X.dtype == np.float16)
@@ -4800,7 +4805,8 @@ class SGD(Optimizer):
         _check_hyperparameter("weight_decay value", weight_decay, name="weight_decay")
         if nesterov and momentum <= 0:
             raise ValueError(f"Nesterov momentum requires momentum > 0, got momentum={momentum!r}")
-        self.momentum, self.weight_decay, self.nesterov = float(momentum), float(weight_decay), bool(nesterov)
+        self.momentum, self.weight_decay = float(momentum), float(weight_decay)
+        self.nesterov = bool(nesterov)
 
     def step(self):
         """Update every parameter that has a gradient."""
@@ -6843,7 +6849,8 @@ class Trainer:
         if not callable(getattr(optimizer, "step", None)):
             raise ValueError(f"Trainer: optimizer must have a step() method, got {optimizer!r}")
         if grad_clip is not None and not (_is_scalar(grad_clip) and grad_clip > 0):
-            raise ValueError(f"Trainer: grad_clip must be a positive number or None, got {grad_clip!r}")
+            raise ValueError(f"Trainer: grad_clip must be a positive number or None, got "
+                             f"{grad_clip!r}")
         if loss_fn is not None and not callable(loss_fn):
             raise ValueError(f"Trainer: loss_fn must be callable or None, got {loss_fn!r}")
         metrics_stride = _check_int("Trainer", "metrics_stride", metrics_stride, 1)
@@ -6910,7 +6917,8 @@ class Trainer:
         return metrics, logits
 
     def _clip_kwargs(self):
-        return {"max_norm": self.grad_clip} if self.grad_clip is not None and self._fused_clip else {}
+        fused = self.grad_clip is not None and self._fused_clip
+        return {"max_norm": self.grad_clip} if fused else {}
 
     def _drain(self, keep):
         """Wait until at most `keep` steps are queued. Polls instead of blocking in finish()
@@ -7082,7 +7090,8 @@ class Trainer:
         if isinstance(train_loader, DataLoader) and state["loader_epoch"] is not None:
             train_loader.epoch = state["loader_epoch"]  # its shuffle goes on from there
         _generator[0] = state["random"]
-        self.epoch, self._best, self._bad_epochs = state["epoch"], state["best"], state["bad_epochs"]
+        self.epoch, self._best = state["epoch"], state["best"]
+        self._bad_epochs = state["bad_epochs"]
         self._monitor = monitor or state["monitor"]
 
     def _resolve_monitor(self, classify, has_val, scheduler):
@@ -7263,7 +7272,8 @@ autograd = _alias("autograd", Node=Node, Parameter=Parameter, Tape=Tape, no_grad
 nn = _alias("nn", Module=Module, Linear=Linear, ReLU=ReLU, Tanh=Tanh, Sigmoid=Sigmoid,
             GELU=GELU, Dropout=Dropout, Flatten=Flatten, Sequential=Sequential,
             Conv2d=Conv2d, MaxPool2d=MaxPool2d, Parameter=Parameter, functional=functional,
-            LayerNorm=LayerNorm, BatchNorm1d=BatchNorm1d, BatchNorm2d=BatchNorm2d, Embedding=Embedding)
+            LayerNorm=LayerNorm, BatchNorm1d=BatchNorm1d, BatchNorm2d=BatchNorm2d,
+            Embedding=Embedding)
 sys.modules[f"{__name__}.nn.functional"] = functional  # import netcl.nn.functional as F
 optim = _alias("optim", Optimizer=Optimizer, SGD=SGD, Adam=Adam, AdamW=AdamW,
                clip_grad_norm=clip_grad_norm, clip_grad_norm_=clip_grad_norm_,
