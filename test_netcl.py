@@ -2280,6 +2280,24 @@ def _forward_backward(dev, c, dtype, grad_out_seed=0):
     return y, g, grads
 
 
+def _central_differences(f, arrays, g, eps=1e-6):
+    """d sum(f(arrays) * g) / d arrays[i] for each i, by central differences (float64 arrays;
+    f takes the list of arrays and returns a host array)."""
+    grads = []
+    for i, array in enumerate(arrays):
+        shifted = [a.copy() for a in arrays]
+        numeric = np.zeros_like(array)
+        for idx in np.ndindex(array.shape):
+            values = []
+            for value in (array[idx] + eps, array[idx] - eps):
+                shifted[i][idx] = value
+                values.append(float(np.sum(f(shifted) * g)))
+            shifted[i][idx] = array[idx]
+            numeric[idx] = (values[0] - values[1]) / (2 * eps)
+        grads.append(numeric)
+    return grads
+
+
 # --- core ops: float64 reference and finite differences on the NumPy backend
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -2295,21 +2313,11 @@ def test_op_forward_and_gradient_float64(name, data, cpu):
         # float64 arithmetic on both sides: they agree to rounding.
         np.testing.assert_allclose(y, expected, rtol=1e-9, atol=1e-12)
 
-    eps = 1e-6
-    for i, analytic in enumerate(grads):
+    numerics = _central_differences(
+        lambda arrays: host(_forward(cpu, c, arrays, np.float64, record=False)[0]), c.inputs, g)
+    for i, (analytic, numeric) in enumerate(zip(grads, numerics)):
         assert analytic.shape == c.inputs[i].shape
         assert analytic.dtype == np.float64
-        arrays = [a.copy() for a in c.inputs]
-        numeric = np.zeros_like(arrays[i])
-        for idx in np.ndindex(arrays[i].shape):
-            original = arrays[i][idx]
-            values = []
-            for shifted in (original + eps, original - eps):
-                arrays[i][idx] = shifted
-                out, _, _ = _forward(cpu, c, arrays, np.float64, record=False)
-                values.append(float(np.sum(host(out) * g)))
-            arrays[i][idx] = original
-            numeric[idx] = (values[0] - values[1]) / (2 * eps)
         np.testing.assert_allclose(analytic, numeric, rtol=1e-5, atol=1e-7,
                                    err_msg=f"{name}: gradient of input {i}")
 
@@ -3776,19 +3784,13 @@ def test_attention_dropout_gradient_and_backends_agree(cpu, opencl):
         tape.backward(y, grad=tensor(g, dev, dtype))
         return host(y), [host(n.grad) for n in nodes]
 
+    def forward(values):
+        netcl.manual_seed(7)
+        return host(F.scaled_dot_product_attention(
+            *[tensor(a, cpu, np.float64) for a in values], dropout_p=0.4))
+
     y, grads = run(cpu, arrays)
-    eps = 1e-6
-    for i, analytic in enumerate(grads):
-        numeric = np.zeros_like(arrays[i])
-        for idx in np.ndindex(arrays[i].shape):
-            values = []
-            for shift in (eps, -eps):
-                shifted = [a.copy() for a in arrays]
-                shifted[i][idx] += shift
-                netcl.manual_seed(7)
-                values.append(float((host(F.scaled_dot_product_attention(
-                    *[tensor(a, cpu, np.float64) for a in shifted], dropout_p=0.4)) * g).sum()))
-            numeric[idx] = (values[0] - values[1]) / (2 * eps)
+    for analytic, numeric in zip(grads, _central_differences(forward, arrays, g)):
         np.testing.assert_allclose(analytic, numeric, rtol=1e-5, atol=1e-7)
     y32, grads32 = run(cpu, arrays, None)
     y_cl, grads_cl = run(opencl, arrays, None)
