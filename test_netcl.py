@@ -25,10 +25,11 @@ The sections follow netcl.py's:
 
 Shared pieces: the fixtures `backend`, `cpu`, `opencl` and `digits` (scikit-learn's digits and
 the tutorial's split); `tensor`, `param`, `host`, `raises_naming`; `_mlp`, the one MLP builder;
-`_sgd_reference` and `_adam_reference`, PyTorch's optimizer rules in float64; two tables,
-ARGUMENT_ERRORS (a bad argument, the error and what its message names) and IMPORT_ALIASES (the
-dotted import paths); and four Hypothesis settings, one per kind of test (FD_, XB_, TRAINING_
-and PROPERTY_SETTINGS).
+`_central_differences`, the one finite-difference gradient (of the cases and of any test that
+needs one beyond them); `_sgd_reference` and `_adam_reference`, PyTorch's optimizer rules in
+float64; two tables, ARGUMENT_ERRORS (a bad argument, the error and what its message names) and
+IMPORT_ALIASES (the dotted import paths); and four Hypothesis settings, one per kind of test
+(FD_, XB_, TRAINING_ and PROPERTY_SETTINGS).
 """
 import contextlib
 import gc
