@@ -2407,14 +2407,14 @@ def test_op_forward_and_gradient_float64(name, data, cpu):
         expected = np.asarray(c.ref(*c.inputs, *c.consts))
         assert y.shape == expected.shape
         # float64 arithmetic on both sides: they agree to rounding.
-        np.testing.assert_allclose(y, expected, rtol=1e-9, atol=1e-12)
+        np.testing.assert_allclose(y, expected, rtol=1e-12, atol=1e-12)
 
     numerics = _central_differences(
         lambda arrays: host(_forward(cpu, c, arrays, np.float64, record=False)[0]), c.inputs, g)
     for i, (analytic, numeric) in enumerate(zip(grads, numerics)):
         assert analytic.shape == c.inputs[i].shape
         assert analytic.dtype == np.float64
-        np.testing.assert_allclose(analytic, numeric, rtol=1e-5, atol=1e-7,
+        np.testing.assert_allclose(analytic, numeric, rtol=1e-6, atol=1e-7,
                                    err_msg=f"{name}: gradient of input {i}")
 
 
