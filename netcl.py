@@ -4275,6 +4275,7 @@ class Linear(Module):
         return linear(x, self.weight, self.bias)
 
     def extra_repr(self):
+        """PyTorch's string: in_features, out_features, bias."""
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}")
 
@@ -4337,7 +4338,7 @@ class MaxPool2d(Module):
         return max_pool2d(x, self.kernel_size, self.stride, self.padding)
 
     def extra_repr(self):
-        # PyTorch's string: netcl's pooling is PyTorch's with dilation 1 and ceil_mode off.
+        """PyTorch's string: netcl's pooling is PyTorch's with dilation 1 and ceil_mode off."""
         return (f"kernel_size={self.kernel_size}, stride={self.stride}, padding={self.padding}, "
                 f"dilation=1, ceil_mode=False")
 
@@ -4380,6 +4381,7 @@ class GELU(Module):
         return gelu(x, self.approximate)
 
     def extra_repr(self):
+        """PyTorch's string: approximate."""
         return f"approximate={self.approximate!r}"
 
 
@@ -4395,6 +4397,7 @@ class Dropout(Module):
         return dropout(x, self.p, self.training)
 
     def extra_repr(self):
+        """PyTorch's string: p, inplace."""
         return f"p={self.p}, inplace=False"  # PyTorch's string; netcl never drops in place
 
 
@@ -4410,6 +4413,7 @@ class Flatten(Module):
         return flatten(x, self.start_dim, self.end_dim)
 
     def extra_repr(self):
+        """PyTorch's string: start_dim, end_dim."""
         return f"start_dim={self.start_dim}, end_dim={self.end_dim}"
 
 
@@ -4466,6 +4470,7 @@ class LayerNorm(Module):
         return layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
 
     def extra_repr(self):
+        """PyTorch's string: normalized_shape, eps, elementwise_affine, bias."""
         return (f"{self.normalized_shape}, eps={self.eps}, "
                 f"elementwise_affine={self.elementwise_affine}, bias={self.bias is not None}")
 
@@ -4556,6 +4561,7 @@ class Embedding(Module):
         return embedding(idx, self.weight)
 
     def extra_repr(self):
+        """PyTorch's string: num_embeddings, embedding_dim."""
         return f"{self.num_embeddings}, {self.embedding_dim}"
 
 
@@ -5328,6 +5334,7 @@ class StepLR:
             self.optimizer.lr = self.optimizer.lr * self.gamma
 
     def state_dict(self):
+        """step_size, gamma, last_epoch and the lr it set (load_state_dict restores them)."""
         return {"step_size": self.step_size, "gamma": self.gamma, "last_epoch": self.last_epoch,
                 "lr": self.optimizer.lr}
 
@@ -5397,6 +5404,7 @@ class ReduceLROnPlateau:
             self.cooldown_counter, self.num_bad_epochs = self.cooldown, 0
 
     def state_dict(self):
+        """Every setting and the plateau's count (load_state_dict restores them)."""
         return {key: getattr(self, key) for key in (
             "mode", "factor", "patience", "threshold", "threshold_mode", "cooldown", "min_lr",
             "eps", "best", "num_bad_epochs", "cooldown_counter", "last_epoch")}
@@ -5869,6 +5877,7 @@ class DistributedOptimizer:
 
     @lr.setter
     def lr(self, value):
+        """Sets the wrapped optimizer's learning rate."""
         self.optimizer.lr = value
 
     # AMPGradScaler.step hands an optimizer that skips on the device its inf flag this way.
