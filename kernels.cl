@@ -78,6 +78,40 @@ __kernel void sum_axis(const int outer, const int R, const int inner, const floa
     out[i] = scale * acc;
 }
 
+// The same sum for few long columns (a bias gradient: inner the features, R the rows), in
+// one launch where sum_axis's one work-item per column would leave a GPU idle: a work-group
+// of COLUMN_LANES x COLUMN_LANES work-items takes that many adjacent columns (adjacent
+// work-items read adjacent elements, so loads coalesce), each of its lanes summing every
+// COLUMN_LANES-th row, then a tree over the lanes in local memory. Grid (columns, lanes,
+// outer).
+#define COLUMN_LANES 16
+
+// The tree over the lanes of a COLUMN_LANES x COLUMN_LANES work-group: partial[lane][c]
+// becomes the sum over lanes in partial[0][c]. Padded rows avoid local-memory bank conflicts.
+void sum_over_lanes(__local float (*partial)[COLUMN_LANES + 1], const int lane, const int c) {
+    barrier(CLK_LOCAL_MEM_FENCE);
+    for (int stride = COLUMN_LANES / 2; stride > 0; stride >>= 1) {
+        if (lane < stride) partial[lane][c] += partial[lane + stride][c];
+        barrier(CLK_LOCAL_MEM_FENCE);
+    }
+}
+
+__kernel __attribute__((reqd_work_group_size(COLUMN_LANES, COLUMN_LANES, 1)))
+void sum_columns(const int R, const int inner, const float scale, __global const act_t* x,
+                 __global float* out) {
+    __local float partial[COLUMN_LANES][COLUMN_LANES + 1];
+    const int col = get_global_id(0), c = get_local_id(0), lane = get_local_id(1);
+    const int o = get_global_id(2);
+    float acc = 0.0f;
+    if (col < inner) {
+        __global const act_t* column = x + o * R * inner + col;
+        for (int r = lane; r < R; r += COLUMN_LANES) acc += LOAD(column, r * inner);
+    }
+    partial[lane][c] = acc;
+    sum_over_lanes(partial, lane, c);
+    if (lane == 0 && col < inner) out[o * inner + col] = scale * partial[0][c];
+}
+
 // The larger of a and b, or NaN if either is NaN.
 float max_keeping_nan(const float a, const float b) { return (a > b || isnan(a)) ? a : b; }
 
@@ -1364,23 +1398,33 @@ void layer_norm_bwd_dx(const int rows, const int D, const int has_weight,
 }
 
 // g, x (rows, D) -> dweight, dbias (chunks, D): the sums of g x_hat and of g over each chunk of
-// rows_per_chunk rows. A 2-D launch over (column, chunk); netcl.py then sums the chunks.
-__kernel void layer_norm_bwd_params(const int rows, const int D, const int rows_per_chunk,
-                                    __global const float* g, __global const act_t* x,
-                                    __global const float* mean, __global const float* rstd,
-                                    __global float* dweight, __global float* dbias) {
-    const int j = get_global_id(0), chunk = get_global_id(1);
-    if (j >= D) return;
-    const int first = chunk * rows_per_chunk;
+// rows_per_chunk rows, as sum_columns sums (grid (columns, lanes * chunks)); netcl.py sums
+// the chunks when there is more than one.
+__kernel __attribute__((reqd_work_group_size(COLUMN_LANES, COLUMN_LANES, 1)))
+void layer_norm_bwd_params(const int rows, const int D, const int rows_per_chunk,
+                           __global const float* g, __global const act_t* x,
+                           __global const float* mean, __global const float* rstd,
+                           __global float* dweight, __global float* dbias) {
+    __local float part_w[COLUMN_LANES][COLUMN_LANES + 1], part_b[COLUMN_LANES][COLUMN_LANES + 1];
+    const int j = get_global_id(0), c = get_local_id(0), lane = get_local_id(1);
+    const int chunk = get_group_id(1), first = chunk * rows_per_chunk;
     const int end = first + rows_per_chunk < rows ? first + rows_per_chunk : rows;
     float acc_w = 0.0f, acc_b = 0.0f;
-    for (int r = first; r < end; ++r) {
-        const float gv = g[r * D + j];
-        acc_w += gv * (LOAD(x, r * D + j) - mean[r]) * rstd[r];
-        acc_b += gv;
+    if (j < D) {
+        for (int r = first + lane; r < end; r += COLUMN_LANES) {
+            const float gv = g[r * D + j];
+            acc_w += gv * (LOAD(x, r * D + j) - mean[r]) * rstd[r];
+            acc_b += gv;
+        }
     }
-    dweight[chunk * D + j] = acc_w;
-    dbias[chunk * D + j] = acc_b;
+    part_w[lane][c] = acc_w;
+    part_b[lane][c] = acc_b;
+    sum_over_lanes(part_w, lane, c);
+    sum_over_lanes(part_b, lane, c);
+    if (lane == 0 && j < D) {
+        dweight[chunk * D + j] = part_w[0][c];
+        dbias[chunk * D + j] = part_b[0][c];
+    }
 }
 
 // Batch norm sees x as (N, C, L) and reduces each channel over N and L: n = N * L values.

@@ -129,15 +129,17 @@ def _check_number(where, name, value, minimum=None, maximum=None, finite=False,
 # Threads share a Device's pool, so its books are kept under a lock.
 
 
+_bucket_of = {}  # nbytes -> its bucket: a training step asks for the same few sizes
+
+
 def _bucket(nbytes):
-    if nbytes <= 256:
-        return 256
-    step = 1 << max((nbytes - 1).bit_length() - 3, 0)  # a quarter of the octave nbytes is in
-    return _round_up(nbytes, step)
-
-
-def _buffer_bytes(buffer):
-    return buffer.nbytes if isinstance(buffer, np.ndarray) else buffer.size
+    size = _bucket_of.get(nbytes)
+    if size is None:
+        step = 1 << max((nbytes - 1).bit_length() - 3, 0)  # a quarter of nbytes' octave
+        size = 256 if nbytes <= 256 else _round_up(nbytes, step)
+        if len(_bucket_of) < 4096:  # remembered up to a bound: sizes may vary without end
+            _bucket_of[nbytes] = size
+    return size
 
 
 class BufferPool:
@@ -147,7 +149,7 @@ class BufferPool:
         self._allocate = allocate
         self._max_bytes = max_bytes
         self._cached = defaultdict(list)  # bucket size -> free buffers
-        self._in_use = {}  # id(buffer) -> buffer, for each buffer handed out and not given back
+        self._in_use = {}  # id(buffer) -> (buffer, bucket size), for each buffer handed out
         self.in_use_bytes = self.cached_bytes = self.peak_bytes = 0
         self.hits = self.misses = 0
         # Reentrant: a Tensor freed while this thread holds the lock (a garbage collection
@@ -162,7 +164,7 @@ class BufferPool:
         """alloc without the argument checks, for Tensor._alloc (nbytes is an int >= 0)."""
         size = _bucket(nbytes)
         with self._lock:
-            free = self._cached[size]
+            free = self._cached.get(size)
             if free:
                 buffer = free.pop()
                 self.cached_bytes -= size
@@ -171,8 +173,9 @@ class BufferPool:
                 buffer = self._fresh(size)
                 self.misses += 1
             self.in_use_bytes += size
-            self.peak_bytes = max(self.peak_bytes, self.in_use_bytes)
-            self._in_use[id(buffer)] = buffer
+            if self.in_use_bytes > self.peak_bytes:
+                self.peak_bytes = self.in_use_bytes
+            self._in_use[id(buffer)] = buffer, size
         return buffer
 
     def _fresh(self, size):
@@ -193,12 +196,13 @@ class BufferPool:
         """Give a buffer back; the next alloc of its bucket reuses it. Only a buffer this pool
         handed out and not yet taken back is accepted: cached twice, one buffer would be handed
         to two tensors at once."""
-        size = _buffer_bytes(buffer)
         with self._lock:
-            if self._in_use.pop(id(buffer), None) is None:
+            held = self._in_use.pop(id(buffer), None)  # the pool's reference kept ids unique
+            if held is None:
                 raise ValueError(f"BufferPool.release: {type(buffer).__name__} {id(buffer):#x} is "
                                  f"not in use from this pool (released already, or allocated "
                                  f"elsewhere)")
+            size = held[1]
             self._cached[size].append(buffer)
             self.in_use_bytes -= size
             self.cached_bytes += size
@@ -415,10 +419,14 @@ class Device:
     def launch(self, name, global_size, local_size, *args, half=False):
         """Enqueue kernel `name`; global sizes are rounded up to multiples of the local size.
         half=True runs the float16-storage build: the buffers the kernel marks act_t are halfs."""
-        global_size = tuple(map(_round_up, global_size, local_size))
-        kernels = self._half_program() if half else self._kernels
+        if len(global_size) == 1:  # most launches: the one-line form of the rounding below
+            if global_size[0] % local_size[0]:
+                global_size = (_round_up(global_size[0], local_size[0]),)
+        else:
+            global_size = tuple(map(_round_up, global_size, local_size))
+        kernel = (self._half_program() if half else self._kernels)[name]
         with self._lock:  # another thread's set_args must not land between ours and the enqueue
-            kernels[name](self.queue, global_size, local_size, *args)
+            kernel(self.queue, global_size, local_size, *args)
             self.launches += 1
         if DEBUG >= 2:  # a deliberate sync per launch, to time each kernel
             started = time.perf_counter()
@@ -666,8 +674,8 @@ class Tensor:
     def __init__(self, device, shape, dtype, data, base=None):
         self._pooled = None  # the pool buffer this tensor owns, if any: released in __del__
         self.device = device
-        self.shape = tuple(shape)
-        self.dtype = np.dtype(dtype)
+        self.shape = shape if type(shape) is tuple else tuple(shape)
+        self.dtype = dtype if isinstance(dtype, np.dtype) else np.dtype(dtype)
         self.data = data     # ndarray (NumPy backend) or pyopencl.Buffer, of at least nbytes
         self._base = base    # the Tensor that owns the memory, for views
         self._labels = None  # int32 tensors written from the host keep that copy: checking
@@ -856,6 +864,9 @@ def _sum_chunks(columns, R, compute_units):
     return chunks
 
 
+_COLUMN_LANES = 16  # kernels.cl's sum_columns: a work-group is this many columns x lanes
+
+
 def _sum_axis_tensor(x, outer, R, inner, scale=1.0, out=None):
     """x seen as (outer, R, inner) -> (outer, inner), scale * sum over R (float32 for float16;
     into `out` if given)."""
@@ -878,7 +889,12 @@ def _sum_axis_tensor(x, outer, R, inner, scale=1.0, out=None):
             x.device.launch("sum_all", (groups * 256,), (256,), R, 1.0, x.data, partial.data,
                             half=half)
             x.device.launch("sum_all", (256,), (256,), groups, scale, partial.data, out.data)
-        elif chunks > 1:  # few long columns (a bias gradient): sum chunks of R, then those
+        elif chunks > 1 and inner >= _COLUMN_LANES and x.device.gemm == "tiled":
+            # few long columns on a GPU (a bias gradient): one launch, lanes of rows per column
+            x.device.launch("sum_columns", (inner, _COLUMN_LANES, outer),
+                            (_COLUMN_LANES, _COLUMN_LANES, 1), R, inner, scale, x.data,
+                            out.data, half=half)
+        elif chunks > 1:  # few long columns elsewhere: sum chunks of R, then those
             partial = _like(out, (outer * chunks, inner))
             x.device.launch("sum_axis", *_grid(partial.size), outer * chunks, R // chunks,
                             inner, 1.0, x.data, partial.data, half=half)
@@ -3647,7 +3663,9 @@ def _optional_nodes(op, x, *optional):
     return [x] + [None if p is None else given.pop(0) for p in optional]
 
 
-_ROWS_PER_CHUNK = 256  # layer_norm's weight gradient: rows summed per work-item before the chunks
+# layer_norm's weight gradient: rows one work-group sums (256 per lane of the 16 in
+# kernels.cl's sum_columns scheme) before a second launch sums the chunks.
+_ROWS_PER_CHUNK = 4096
 
 
 def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5):
@@ -3699,10 +3717,10 @@ def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5):
                         d_hat - d_hat.sum(axis=1, keepdims=True) / D
                         - x_hat * (d_hat * x_hat).sum(axis=1, keepdims=True) / D)
             if W is not None:
-                grad_w = _like(W, dtype=dtype)
+                grad_w = _free_grad_slot(w) or _like(W, dtype=dtype)
                 grad_w.data.reshape(D)[...] = (gv * x_hat).sum(axis=0)
             if B is not None:
-                grad_b = _like(B, dtype=dtype)
+                grad_b = _free_grad_slot(b) or _like(B, dtype=dtype)
                 grad_b.data.reshape(D)[...] = gv.sum(axis=0)
         else:
             half = X.dtype == np.float16
@@ -3711,16 +3729,26 @@ def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5):
                                 int(W is not None), g.data, X.data, _data_or_none(W), mean.data,
                                 rstd.data, grad_x.data, half=half)
             if W is not None or B is not None:
-                # Column sums over chunks of rows, then over the chunks (_sum_axis_tensor):
-                # D work-items alone would leave a GPU idle for the few columns of a model.
+                # Column sums of g x_hat and of g in one launch over chunks of rows, into the
+                # parameters' gradient slots where they are free; more than one chunk (a very
+                # long batch) takes a second launch each to sum the chunks.
                 chunks = _ceil_div(rows, _ROWS_PER_CHUNK)
-                parts = [_like(g, (chunks, D)) for _ in range(2)]  # sum g x_hat, sum g
+                grads = [(_free_grad_slot(p) if p is not None else None) or _like(g, shape)
+                         for p in (w, b)]
+                parts = ([grad.reshape((1, D)) for grad in grads] if chunks == 1 else
+                         [_like(g, (chunks, D)) for _ in grads])
                 if chunks and D:
-                    g.device.launch("layer_norm_bwd_params", (D, chunks), (64, 1), rows, D,
-                                    _ROWS_PER_CHUNK, g.data, X.data, mean.data, rstd.data,
-                                    parts[0].data, parts[1].data, half=half)
-                grad_w, grad_b = (_sum_axis_tensor(part, 1, chunks, D).reshape(shape)
-                                  if chunks != 1 else part.reshape(shape) for part in parts)
+                    g.device.launch("layer_norm_bwd_params", (D, _COLUMN_LANES * chunks),
+                                    (_COLUMN_LANES, _COLUMN_LANES), rows, D, _ROWS_PER_CHUNK,
+                                    g.data, X.data, mean.data, rstd.data, parts[0].data,
+                                    parts[1].data, half=half)
+                elif D:  # no rows: the sums are 0
+                    for grad in grads:
+                        _zero_rows(grad.reshape((1, D)), 0, 0, 1)
+                if chunks > 1:
+                    for part, grad in zip(parts, grads):
+                        _sum_axis_tensor(part, 1, chunks, D, out=grad.reshape((1, D)))
+                grad_w, grad_b = grads
         return [grad_x] + [grad for p, grad in ((w, grad_w), (b, grad_b)) if p is not None]
     return _record(y, tuple(p for p in (x, w, b) if p is not None), backward)
 
@@ -3864,8 +3892,8 @@ def embedding(idx, weight):
         W.device.launch("embedding_fwd", *_grid(out.size), out.size, dim, indices.data, W.data,
                         out.data)
 
-    def backward(g):  # g (*idx.shape, dim) -> dweight (num, dim)
-        grad = _like(g, (num, dim))
+    def backward(g):  # g (*idx.shape, dim) -> dweight (num, dim), in its slot if free
+        grad = _free_grad_slot(w) or _like(g, (num, dim))
         if g.device.backend == "cpu":
             grad.data[...] = 0
             np.add.at(grad.data, flat, g.data.reshape(-1, dim))

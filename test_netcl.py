@@ -2514,11 +2514,16 @@ def test_every_gemm_form_takes_a_batch(opencl, monkeypatch, form):
                                        rtol=1e-4, atol=1e-4 * np.abs(expected).max())
 
 
-@pytest.mark.parametrize("shape, axis", [((4096, 3), 0), ((2, 1536, 5), 1), ((512, 1), 0)])
-def test_long_sums_over_few_columns_match_numpy(cpu, opencl, shape, axis):
+@pytest.mark.parametrize("gemm", ["packed", "tiled"])
+@pytest.mark.parametrize("shape, axis", [((4096, 3), 0), ((2, 1536, 5), 1), ((512, 1), 0),
+                                         ((4096, 40), 0), ((3, 2048, 17), 1)])
+def test_long_sums_over_few_columns_match_numpy(cpu, opencl, monkeypatch, gemm, shape, axis):
     """A sum over few long columns (a bias gradient over a large batch) is split into chunks
-    on OpenCL, then the chunks are summed; forward and backward match the NumPy backend."""
-    x = np.random.default_rng(9).standard_normal(shape).astype(np.float32)
+    on CPU devices, then the chunks are summed; on GPUs ("tiled") 16 or more columns take
+    sum_columns' one launch. Forward and backward match the NumPy backend. Small integers
+    sum exactly in float32 in any order, so only a wrong sum can differ."""
+    monkeypatch.setattr(opencl, "gemm", gemm)
+    x = np.random.default_rng(9).integers(-8, 9, shape).astype(np.float32)
     for reduce in (F.sum, F.mean):
         results = []
         for dev in (cpu, opencl):
