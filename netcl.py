@@ -928,10 +928,13 @@ def _as_tensor(op, value, like):
 
 # ============================================================================ autograd
 # A Node wraps a Tensor value. An operation run inside a Tape, on at least one input that
-# requires a gradient, records its output Node with its parents and a backward function that
-# maps the output's gradient to its parents' gradients. The Tape's list is in creation order,
-# which is a topological order, so backward walks it in reverse. Afterwards the Tape drops
-# every parent link and closure, so saved tensors go back to the pool at once.
+# requires a gradient, records an _Op: its parents (the _Op of each recorded input, the Node
+# itself for a leaf or a constant) and a backward function that maps the output's gradient to
+# its parents' gradients. The graph holds _Ops, not the output Nodes, so an output's value
+# goes back to the pool as soon as the program drops the Node (a pre-activation once its ReLU
+# has run), unless a backward closure saved it, as PyTorch frees what autograd did not save.
+# The Tape's list is in creation order, which is a topological order, so backward walks it in
+# reverse, dropping each _Op's parents and closure once it has run.
 # Nested Tapes: an op is recorded on every Tape open in its thread, so each Tape can
 # differentiate what was computed inside it (to a Tape, a value computed before it opened is a
 # constant). A node two Tapes share is freed by whichever backward runs first; a later backward
@@ -953,21 +956,39 @@ class _ThreadState(threading.local):
 
 
 _state = _ThreadState()
-_FREED = object()  # Node._backward once a Tape's backward has freed the node's graph
+_FREED = object()  # _Op.backward once a Tape's backward has freed the op
+
+
+class _Op:
+    """One recorded operation: `parents` (an _Op or a leaf/constant Node per input),
+    `backward`, and `node`, a weak reference to its output Node, which becomes a constant
+    (requires_grad False) when the op is freed."""
+
+    __slots__ = ("parents", "backward", "node")
+
+    def __init__(self, parents, backward, node):
+        self.parents = tuple([p._op or p for p in parents])
+        self.backward = backward
+        self.node = weakref.ref(node)
+
+    def free(self):
+        self.parents, self.backward = None, _FREED
+        node = self.node()
+        if node is not None:
+            node.requires_grad = False  # an intermediate value, now a constant
 
 
 class Node:
     """A value in the computation graph: `.value` (a Tensor), `.grad` (a Tensor or None)."""
 
-    __slots__ = ("value", "grad", "requires_grad", "_parents", "_backward", "__weakref__")
+    __slots__ = ("value", "grad", "requires_grad", "_op", "__weakref__")
     __array_ufunc__ = None  # `array * node` calls node.__rmul__, not NumPy's elementwise loop
 
     def __init__(self, value, requires_grad=False):
         self.value = value if isinstance(value, Tensor) else Tensor.from_host(value)
         self.grad = None
         self.requires_grad = bool(requires_grad)
-        self._parents = None   # recorded op: the input Nodes
-        self._backward = None  # recorded op: grad of output -> grads of the inputs
+        self._op = None  # the _Op that computed it, if a Tape recorded that; None for a leaf
 
     shape = property(lambda self: self.value.shape, doc="The value's shape.")
     dtype = property(lambda self: self.value.dtype, doc="The value's dtype.")
@@ -1069,10 +1090,10 @@ class Node:
         return _index(self, key)
 
     def _taped_root(self):
-        """The node that a Tape's backward from this one needs to have recorded: this one. A
-        node made on no Tape on purpose, on top of one that was (the mixed-precision
-        section's scaled loss), names that one instead."""
-        return self
+        """The _Op that a Tape's backward from this node needs to have recorded: this node's
+        own (None for a leaf). A node made on no Tape on purpose, on top of one that was (the
+        mixed-precision section's scaled loss), names that one's instead."""
+        return self._op
 
     def to(self, device):
         """This node's value on `device`, as torch.Tensor.to: self if it is there already,
@@ -1134,7 +1155,7 @@ class Tape:
     """
 
     def __init__(self):
-        self._nodes = []
+        self._ops = []
 
     def __enter__(self):
         _state.tapes.append(self)
@@ -1155,15 +1176,15 @@ class Tape:
         """
         if not isinstance(loss, Node):
             raise TypeError(f"backward: loss must be a Node, got {type(loss).__name__}")
-        root = loss._taped_root()  # the loss, or what it was made from after the Tape closed
-        if root._backward is _FREED:
+        root = loss._taped_root()  # the loss's _Op, or what it was made from after the Tape closed
+        if root is not None and root.backward is _FREED:
             raise RuntimeError("backward: the graph of this loss was already freed by a backward "
                                "(on this Tape, or on another Tape that recorded it too)")
         if not loss.requires_grad:
             raise RuntimeError("backward: loss does not require grad (it was computed outside "
                                "a Tape, or from constants only)")
         # Searched from the end: the loss is usually the last node recorded.
-        if root._backward is not None and not any(node is root for node in reversed(self._nodes)):
+        if root is not None and not any(op is root for op in reversed(self._ops)):
             raise RuntimeError("backward: this loss was recorded on another Tape, not on this "
                                "one; call backward on a Tape that was open when it was computed")
         if grad is None:
@@ -1179,48 +1200,49 @@ class Tape:
                                  f"holds floats")
             if grad.shape != loss.shape:
                 raise ValueError(f"backward: grad shape {grad.shape} != loss shape {loss.shape}")
-        if root is not loss:  # the loss's own step runs first, then the tape's; freed with them
-            self._nodes.append(loss)
-        grads = {id(loss): grad}
-        nodes = self._nodes
-        recorded = None  # ids of the nodes still on this Tape, gathered when a freed parent is met
+        if loss._op is not root:  # the loss's own step runs first, then the tape's; freed with them
+            self._ops.append(loss._op)
+        if loss._op is None:  # the loss is itself a leaf
+            _accumulate_grad(loss, grad)
+            self._free()
+            return
+        grads = {id(loss._op): grad}
+        ops = self._ops
+        recorded = None  # ids of the ops still on this Tape, gathered when a freed parent is met
         try:
-            if loss._backward is None:  # the loss is itself a leaf
-                _accumulate_grad(loss, grad)
-            while nodes:
+            while ops:
                 # Taken off the tape as it is reached, and its closure dropped once it has
-                # run: what only this node's backward needed (saved inputs, a float16 weight
+                # run: what only this op's backward needed (saved inputs, a float16 weight
                 # copy) goes back to the pool now, not after the whole pass.
-                node = nodes.pop()
-                g = grads.pop(id(node), None)  # pop: the gradient is freed once consumed
+                op = ops.pop()
+                g = grads.pop(id(op), None)  # pop: the gradient is freed once consumed
                 if g is not None:
-                    for parent, parent_grad in zip(node._parents, node._backward(g)):
-                        if parent._backward is _FREED:  # a constant, unless this Tape recorded it
-                            recorded = recorded or {id(n) for n in nodes}
+                    for parent, parent_grad in zip(op.parents, op.backward(g)):
+                        if type(parent) is not _Op:  # a leaf, or a constant
+                            if parent_grad is not None and parent.requires_grad:
+                                _accumulate_grad(parent, parent_grad)
+                        elif parent.backward is _FREED:  # a constant, unless this Tape recorded it
+                            recorded = recorded or {id(o) for o in ops}
                             if id(parent) in recorded:
                                 raise RuntimeError(
                                     "backward: part of this loss's graph was already freed by a "
                                     "backward on another Tape that recorded it too; the "
                                     "gradient through it is lost")
-                        if parent_grad is None or not parent.requires_grad:
+                        elif parent_grad is None:
                             continue
-                        if parent._backward is None:
-                            _accumulate_grad(parent, parent_grad)
                         elif id(parent) in grads:
                             grads[id(parent)] = _add_tensors(grads[id(parent)], parent_grad)
                         else:
                             grads[id(parent)] = parent_grad
-                node._parents, node._backward = None, _FREED
-                node.requires_grad = False  # an intermediate value, now a constant
-                del node, g
+                op.free()
+                del op, g
         finally:
             self._free()
 
     def _free(self):
-        for node in self._nodes:
-            node._parents, node._backward = None, _FREED
-            node.requires_grad = False  # an intermediate value, now a constant
-        self._nodes.clear()
+        for op in self._ops:
+            op.free()
+        self._ops.clear()
 
 
 class no_grad(contextlib.ContextDecorator):
@@ -1240,10 +1262,9 @@ def _record(value, parents, backward):
     tapes = _state.tapes
     if tapes and _state.grad_enabled[-1] and any(p.requires_grad for p in parents):
         node.requires_grad = True
-        node._parents = parents
-        node._backward = backward
+        node._op = op = _Op(parents, backward, node)
         for tape in tapes:
-            tape._nodes.append(node)
+            tape._ops.append(op)
     return node
 
 
@@ -1252,7 +1273,7 @@ def _free_grad_slot(node):
     in its optimizer's flat gradient buffer while the slot is free, holding no gradient yet
     (saves the copy that _accumulate_grad would make), else None."""
     slot = getattr(node, "_grad_slot", None)
-    if (slot is None or node.grad is not None or node._backward is not None
+    if (slot is None or node.grad is not None or node._op is not None
             or not node.requires_grad):
         return None
     return slot
@@ -5504,7 +5525,10 @@ class _ScaledLoss(Node):
     __slots__ = ()
 
     def _taped_root(self):
-        return self._parents[0] if self.requires_grad else self
+        if not self.requires_grad:
+            return self._op  # freed by a backward already, or None: never recorded
+        parent = self._op.parents[0]
+        return parent if type(parent) is _Op else None  # None: the loss was a leaf
 
 
 # Where each optimizer stands between two update() calls (PyTorch's OptState).
@@ -5592,7 +5616,7 @@ class AMPGradScaler:
 
         scaled = _ScaledLoss(times_scale(loss.value), requires_grad=loss.requires_grad)
         if loss.requires_grad:
-            scaled._parents, scaled._backward = (loss,), lambda g: (times_scale(g),)
+            scaled._op = _Op((loss,), lambda g: (times_scale(g),), scaled)
         return scaled
 
     def unscale_(self, optimizer):
