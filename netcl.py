@@ -2188,8 +2188,9 @@ def linear(x, w, b=None):
                          f"(expected input (..., {w.shape[-1] if w.shape else '?'}))")
     if b is not None and b.shape != (w.shape[0],):
         raise ValueError(f"linear: bias shape {b.shape} != ({w.shape[0]},) for weight {w.shape}")
-    x2 = x if len(x.shape) == 2 else reshape(x, (-1, x.shape[-1]))
-    X, W = x2.value, w.value
+    # (..., in) is one product over all rows: reshaped views of the tensors, one recorded op
+    rows = math.prod(x.shape[:-1])
+    X, W = x.value.reshape((rows, x.shape[-1])), w.value
     half = _half_activations(X.device)
     # On tensor cores every product takes float16 operands: x rounded as autocast's other
     # devices do, and a float16 copy of the weight, kept for backward.
@@ -2198,14 +2199,15 @@ def linear(x, w, b=None):
         X, W = _half_operand(X), _half_weight(w)
 
     def backward(g):  # only the gradients somebody needs (the input's usually is not)
+        g = g.reshape((rows, w.shape[0]))
         if tensor_cores:
             g = _half_operand(g)
         # A parameter's gradient is written straight into its slot in the optimizer's flat
         # buffer when it has one free (_free_grad_slot; None otherwise: a new tensor).
-        grads = [_gemm(g, W) if x2.requires_grad else None,                    # dx = g W
+        grads = [_gemm(g, W).reshape(x.shape) if x.requires_grad else None,    # dx = g W
                  _gemm(g, X, trans_a=True, out=_free_grad_slot(w)) if w.requires_grad else None]
         if b is not None:                                        # db = the sum of g's rows
-            rows, cols = g.shape
+            cols = w.shape[0]
             slot = _free_grad_slot(b)
             if slot is not None:
                 _sum_axis_tensor(g, 1, rows, cols, out=slot.reshape((1, cols)))
@@ -2215,9 +2217,9 @@ def linear(x, w, b=None):
             else:
                 grads.append(None)
         return grads
-    out = _record(_gemm(X, W, trans_b=True, bias=None if b is None else b.value, half=half),
-                  (x2, w) + ((b,) if b is not None else ()), backward)
-    return out if len(x.shape) == 2 else reshape(out, x.shape[:-1] + (w.shape[0],))
+    out = _gemm(X, W, trans_b=True, bias=None if b is None else b.value, half=half)
+    return _record(out.reshape(x.shape[:-1] + (w.shape[0],)),
+                   (x, w) + ((b,) if b is not None else ()), backward)
 
 
 # --- shape ops --------------------------------------------------------------------------------
