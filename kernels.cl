@@ -706,57 +706,95 @@ __kernel void tensor_core_probe(__global const uint* A, __global const uint* Bt,
 
 // A (act_t) stored (M, K), or (K, M) when transposed -> Ap in panels of 4 rows: Ap[p][k][r] =
 // A[4p + r][k] (0 past M), so that a work-item's 4 rows are one contiguous run, read as a
-// float4 per k. The second dimension of the launch is a batch: matrix j is `batch` on in A.
+// float4 per k. A work-item packs PACK_K k's of one panel (one k each was 1.6-2.4x slower
+// at n=1024), copying a whole block without checks. The second dimension of the launch is a
+// batch: matrix j is `batch` on in A.
+#define PACK_K 8
 __kernel void pack_a(const int M, const int K, const int Mp, const int transposed,
                      const int batch, __global const act_t* A, __global float* Ap) {
-    const int i = get_global_id(0), j = get_global_id(1);  // i: one k of one panel
-    if (i >= Mp / 4 * K) return;
-    const int p = i / K, k = i - p * K;
+    const int blocks = (K + PACK_K - 1) / PACK_K;
+    const int i = get_global_id(0), j = get_global_id(1);  // i: PACK_K k's of one panel
+    if (i >= Mp / 4 * blocks) return;
+    const int p = i / blocks, k0 = (i - p * blocks) * PACK_K, m0 = 4 * p;
     A += j * batch;
-    __global float* out = Ap + j * Mp * K + 4 * i;
-    for (int r = 0; r < 4; ++r) {
-        const int m = 4 * p + r;
-        out[r] = m < M ? (transposed ? LOAD(A, k * M + m) : LOAD(A, m * K + k)) : 0.0f;
+    __global float* out = Ap + j * Mp * K + m0 * K + 4 * k0;
+    if (m0 + 4 <= M && k0 + PACK_K <= K) {
+        if (transposed) {
+            for (int k = 0; k < PACK_K; ++k)
+                for (int r = 0; r < 4; ++r) out[4 * k + r] = LOAD(A, (k0 + k) * M + m0 + r);
+        } else {
+            for (int r = 0; r < 4; ++r)
+                for (int k = 0; k < PACK_K; ++k) out[4 * k + r] = LOAD(A, (m0 + r) * K + k0 + k);
+        }
+        return;
     }
+    for (int k = 0; k < PACK_K && k0 + k < K; ++k)
+        for (int r = 0; r < 4; ++r) {
+            const int m = m0 + r;
+            out[4 * k + r] = m < M ? (transposed ? LOAD(A, (k0 + k) * M + m)
+                                                 : LOAD(A, m * K + k0 + k)) : 0.0f;
+        }
 }
 
 // B (act_t) stored (K, N), or (N, K) when transposed -> Bp in panels of 16 columns:
-// Bp[p][k][c] = B[k][16p + c] (0 past N), a work-item's columns one contiguous run.
+// Bp[p][k][c] = B[k][16p + c] (0 past N), a work-item's columns one contiguous run; PACK_K
+// k's of one panel per work-item, as pack_a.
 __kernel void pack_b(const int K, const int N, const int Np, const int transposed,
                      const int batch, __global const act_t* B, __global float* Bp) {
-    const int i = get_global_id(0), j = get_global_id(1);  // i: one k of one panel
-    if (i >= Np / 16 * K) return;
-    const int p = i / K, k = i - p * K;
+    const int blocks = (K + PACK_K - 1) / PACK_K;
+    const int i = get_global_id(0), j = get_global_id(1);  // i: PACK_K k's of one panel
+    if (i >= Np / 16 * blocks) return;
+    const int p = i / blocks, k0 = (i - p * blocks) * PACK_K, n0 = 16 * p;
     B += j * batch;
-    __global float* out = Bp + j * K * Np + 16 * i;
-    for (int c = 0; c < 16; ++c) {
-        const int n = 16 * p + c;
-        out[c] = n < N ? (transposed ? LOAD(B, n * K + k) : LOAD(B, k * N + n)) : 0.0f;
+    __global float* out = Bp + j * K * Np + n0 * K + 16 * k0;
+    if (n0 + 16 <= N && k0 + PACK_K <= K) {
+        if (transposed) {
+            for (int c = 0; c < 16; ++c)
+                for (int k = 0; k < PACK_K; ++k) out[16 * k + c] = LOAD(B, (n0 + c) * K + k0 + k);
+        } else {
+            for (int k = 0; k < PACK_K; ++k)
+                for (int c = 0; c < 16; ++c) out[16 * k + c] = LOAD(B, (k0 + k) * N + n0 + c);
+        }
+        return;
     }
+    for (int k = 0; k < PACK_K && k0 + k < K; ++k)
+        for (int c = 0; c < 16; ++c) {
+            const int n = n0 + c;
+            out[16 * k + c] = n < N ? (transposed ? LOAD(B, n * K + k0 + k)
+                                                  : LOAD(B, (k0 + k) * N + n)) : 0.0f;
+        }
 }
 
-// op(A) @ op(B) -> C (M, N) [+ bias (N)]; work-item (j, i) owns rows 4i..4i+3 and columns
-// 16j..16j+15. Ap and Bp are packed panels (above) or, for small products that need no
+// op(A) @ op(B) -> C (M, N) [+ bias (N)]; a work-item owns rows 4i..4i+3 and columns
+// 16j..16j+15, with (i, j) = (id 1, id 0), or (id 0, id 1) when rows_first: consecutive
+// work-items then share their columns of B, so a wide B (conv2d's columns) is read once
+// instead of once per 4 rows (conv2d's forward product, N = 50176 and M = 64: 64 -> 41 ms).
+// Ap and Bp are packed panels (above) or, for small products that need no
 // packing, the operands' own rows, as the strides say: element (row 4i + r, k) of Ap is at
 // 4iK + k a_k + r a_r (panels: a_k = 4, a_r = 1; rows: 1, K), and the 16 columns of k in Bp
 // start at 16j b_panel + k b_k (panels: b_panel = K, b_k = 16; rows: 1, Np). With panels the
 // loop over K streams both operands. Products are written a*b+c: PoCL turns fma()/mad()
 // into calls. The third dimension is a batch: product z reads Ap and Bp batch_a and batch_b
-// on.
-__kernel void gemm_packed(const int M, const int N, const int K, const int a_k, const int a_r,
+// on and writes C M*N on. A split K is such a batch: product z then covers k_chunk k's from
+// z k_chunk (the offsets are in batch_a and batch_b) and writes its partial product.
+__kernel void gemm_packed(const int M, const int N, const int K, const int k_chunk,
+                          const int rows_first, const int a_k, const int a_r,
                           const int b_panel, const int b_k, const int batch_a, const int batch_b,
                           const int has_bias, __global const float* Ap,
                           __global const float* Bp, __global const float* bias,
                           __global act_t* C) {
-    const int col = get_global_id(0) * 16, row = get_global_id(1) * 4, z = get_global_id(2);
+    const int z = get_global_id(2);
+    const int x = get_global_id(0), y = get_global_id(1);  // (PoCL wants a constant dimension)
+    const int col = (rows_first ? y : x) * 16, row = (rows_first ? x : y) * 4;
     if (col >= N || row >= M) return;  // the launch rounds up; and past M, only padding
     C += z * M * N;
     __global const float* a = Ap + z * batch_a + row * K;
     __global const float* b = Bp + z * batch_b + col * b_panel;
+    const int k_end = k_chunk < K ? min(k_chunk, K - z * k_chunk) : K;  // its part of K
     float8 c00 = 0.0f, c01 = 0.0f, c10 = 0.0f, c11 = 0.0f;
     float8 c20 = 0.0f, c21 = 0.0f, c30 = 0.0f, c31 = 0.0f;
     #pragma unroll 4
-    for (int k = 0; k < K; ++k) {
+    for (int k = 0; k < k_end; ++k) {
         const float8 b0 = *(__global const float8*)(b + k * b_k);
         const float8 b1 = *(__global const float8*)(b + k * b_k + 8);
         __global const float* ak = a + k * a_k;

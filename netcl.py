@@ -1944,6 +1944,11 @@ _TC_VECTOR = 8  # halves the tensor-core kernels copy at a time (16 bytes)
 # 4 rows, op(b) in panels of 16 columns; a work-item computes one 4x16 block of C.
 _PANEL_ROWS, _PANEL_COLS = 4, 16
 _PANEL_MACS = 1 << 25  # CPU devices pack both operands into panels from this many M*N*K
+_PACK_K = 8  # kernels.cl's PACK_K: the k's of one panel a pack work-item copies
+# A long K over few blocks of C (conv2d's weight gradient: K = 50176, C 64x288) is split
+# into chunks this long, so a panel's chunk stays in cache while every block that reads it
+# runs; whole, the panels streamed from memory once per block (that product: 61 -> 29 ms).
+_PANEL_K_CHUNK = 1024
 
 
 def _gemm_dims(a, b, trans_a, trans_b):
@@ -1977,18 +1982,34 @@ def _packed_gemm(a, b, trans_a, trans_b, bias, half, out):
     if panels or trans_a or Mp != M or a.dtype == np.float16:
         count = a.shape[0] if a.ndim == 3 else 1
         A = _like(a, (count, Mp, K), np.float32)
-        device.launch("pack_a", (Mp // _PANEL_ROWS * K, count), (256, 1), M, K, Mp,
-                      int(trans_a), stride_a, a.data, A.data, half=a.dtype == np.float16)
+        device.launch("pack_a", (Mp // _PANEL_ROWS * _ceil_div(K, _PACK_K), count), (256, 1),
+                      M, K, Mp, int(trans_a), stride_a, a.data, A.data,
+                      half=a.dtype == np.float16)
         stride_a, a_k, a_r = (Mp * K if a.ndim == 3 else 0), _PANEL_ROWS, 1
     if panels or trans_b or Np != N or b.dtype == np.float16:
         count = b.shape[0] if b.ndim == 3 else 1
         B = _like(b, (count, K, Np), np.float32)
-        device.launch("pack_b", (Np // _PANEL_COLS * K, count), (256, 1), K, N, Np,
-                      int(trans_b), stride_b, b.data, B.data, half=b.dtype == np.float16)
+        device.launch("pack_b", (Np // _PANEL_COLS * _ceil_div(K, _PACK_K), count), (256, 1),
+                      K, N, Np, int(trans_b), stride_b, b.data, B.data,
+                      half=b.dtype == np.float16)
         stride_b, b_panel, b_k = (K * Np if b.ndim == 3 else 0), K, _PANEL_COLS
-    device.launch("gemm_packed", (Np // _PANEL_COLS, Mp // _PANEL_ROWS, batch), (8, 1, 1),
-                  M, N, K, a_k, a_r, b_panel, b_k, stride_a, stride_b, int(bias is not None),
-                  A.data, B.data, None if bias is None else bias.data, out.data, half=half)
+    # Split K (partial products, then their sum) where the partials cost at most a quarter
+    # of reading the operands: a long K and a small C.
+    splits = (_ceil_div(K, _PANEL_K_CHUNK) if panels and batch == 1 and bias is None and not
+              half and K >= 4 * _PANEL_K_CHUNK and 4 * M * N <= _PANEL_K_CHUNK * (M + N) else 1)
+    k_chunk = _PANEL_K_CHUNK if splits > 1 else K
+    if splits > 1:
+        stride_a, stride_b = _PANEL_ROWS * k_chunk, _PANEL_COLS * k_chunk
+    # Rows first when B is the larger operand, so it streams once (kernels.cl: gemm_packed).
+    rows_first = N > M
+    grid = (Np // _PANEL_COLS, Mp // _PANEL_ROWS)
+    target = _like(out, (splits, M, N)) if splits > 1 else out
+    device.launch("gemm_packed", grid[::-1] + (batch * splits,) if rows_first else
+                  grid + (batch * splits,), (8, 1, 1), M, N, K, k_chunk, int(rows_first),
+                  a_k, a_r, b_panel, b_k, stride_a, stride_b, int(bias is not None),
+                  A.data, B.data, None if bias is None else bias.data, target.data, half=half)
+    if splits > 1:
+        _sum_axis_tensor(target, 1, splits, M * N, out=out.reshape((1, M * N)))
 
 
 def _tensor_core_gemm(a, b, trans_a, trans_b, bias, out):
