@@ -2501,10 +2501,12 @@ GEMM_FORMS = {"packed": ("packed", None), "tiles64": ("tiled", 10 ** 9),
 
 @pytest.mark.parametrize("form", sorted(GEMM_FORMS))
 @pytest.mark.parametrize("m, k, n", [(1, 1, 1), (5, 0, 3), (70, 129, 33), (130, 17, 129),
-                                     (64, 5000, 100), (7, 4099, 9), (130, 300, 900)])
+                                     (64, 5000, 100), (7, 4099, 9), (130, 300, 900),
+                                     (70, 8192, 60)])
 def test_every_gemm_form_matches_numpy(opencl, monkeypatch, form, m, k, n):
     """Every layout, with and without bias; (130, 300, 900) is past _PANEL_MACS, where the
-    packed form packs both operands into panels."""
+    packed form packs both operands into panels, and (70, 8192, 60) has the long K over a
+    small C that it splits into _PANEL_K_CHUNK-long chunks (without bias)."""
     gemm, units = GEMM_FORMS[form]
     monkeypatch.setattr(opencl, "gemm", gemm)
     if units is not None:
