@@ -972,6 +972,8 @@ class _Op:
         self.node = weakref.ref(node)
 
     def free(self):
+        """Drop the parents and the closure (what only this backward saved goes back to the
+        pool) and make the output Node, if it still exists, a constant."""
         self.parents, self.backward = None, _FREED
         node = self.node()
         if node is not None:
