@@ -1934,6 +1934,13 @@ def flatten(x, start_dim=1, end_dim=-1):
 _TILE_GROUP = 16            # work-items along each side of a work-group
 _TILE, _TILE_BIG = 64, 128  # the side of the tile of C one work-group computes
 _TILE_K = 16                # the depth of a slice: split-K chunks are multiples of it
+# kernels.cl's vector GEMM blocks, for operands whose contiguous dimension is a multiple of
+# 4: (rows, columns, work-items) of C a work-group computes, and the TFLOP/s each reached on
+# a large product on the H200. A product takes the block with the least padded work per
+# unit of that speed, among those whose blocks keep at least half the compute units busy
+# (the smallest block always qualifies): n = 4096 takes 128x256, n = 1024 64x128, conv2d's
+# forward (50176 x 64) 64x64.
+_VECTOR_BLOCKS = ((64, 64, 256, 31.0), (64, 128, 128, 34.0), (128, 256, 512, 43.0))
 # Split K over the grid only into chunks at least this long: a shorter chunk does too little
 # arithmetic to pay for writing its partial product and summing the partials.
 _SPLIT_K_MIN = 1024
@@ -2053,10 +2060,22 @@ def _tensor_core_gemm(a, b, trans_a, trans_b, bias, out):
     return True
 
 
+def _vector_block(batch, M, N, units):
+    """The _VECTOR_BLOCKS entry (rows, columns, work-items) for a product C (M, N)."""
+    best, chosen = None, None
+    for rows, cols, threads, speed in _VECTOR_BLOCKS:
+        blocks = batch * _ceil_div(M, rows) * _ceil_div(N, cols)
+        cost = blocks * rows * cols / speed
+        if (chosen is None or 2 * blocks >= units) and (best is None or cost <= best):
+            best, chosen = cost, (rows, cols, threads)
+    return chosen
+
+
 def _tiled_gemm(a, b, trans_a, trans_b, bias, half, out):
-    """_gemm on kernels.cl's tiled kernels: 128x128 tiles when there are enough of them to
-    fill every compute unit, else 64x64, with K split over the grid when even those leave
-    most compute units idle."""
+    """_gemm on kernels.cl's tiled kernels: the vector kernels where every operand's
+    contiguous dimension is a multiple of 4, in the block _vector_block picks; else 128x128
+    tiles when there are enough of them to fill every compute unit, else 64x64. K is split
+    over the grid (on the 64x64 kernels) when even those leave most compute units idle."""
     batch, M, K, N = _gemm_dims(a, b, trans_a, trans_b)
     batched = a.ndim == 3 or b.ndim == 3
     # The half build's tiled kernels read float16 where autocast leaves it (kernels.cl):
@@ -2066,10 +2085,9 @@ def _tiled_gemm(a, b, trans_a, trans_b, bias, half, out):
     a = a if half else _float32(a)
     b = b if reads_half_b else _float32(b)
     units = a.device.compute_units
+    layout = "tn" if trans_a else "nt" if trans_b else "nn"
     big = batch * _ceil_div(M, _TILE_BIG) * _ceil_div(N, _TILE_BIG) >= units
     tile = _TILE_BIG if big else _TILE
-    kernel = (("gemm_tn" if trans_a else "gemm_nt" if trans_b else "gemm_nn")
-              + ("_big" if big else ""))
     tiles_n, tiles_m = _ceil_div(N, tile), _ceil_div(M, tile)
     grid, group = (tiles_n * _TILE_GROUP, tiles_m * _TILE_GROUP), (_TILE_GROUP, _TILE_GROUP, 1)
     # Split K when the tiles leave most compute units idle and K is long enough to share
@@ -2081,14 +2099,22 @@ def _tiled_gemm(a, b, trans_a, trans_b, bias, half, out):
         k_chunk = _round_up(_ceil_div(K, splits), _TILE_K)
         splits = _ceil_div(K, k_chunk)
         partial = _like(out, (splits, M, N))
-        a.device.launch(kernel + "_split", grid + (splits,), group, M, N, K, k_chunk,
+        a.device.launch(f"gemm_{layout}_split", grid + (splits,), group, M, N, K, k_chunk,
                         0, 0, 0, a.data, b.data, None, partial.data, half=reads_half_b)
         _sum_axis_tensor(partial, 1, splits, M * N, out=out.reshape((1, M * N)))
+        return
+    # float4 rows: the contiguous dimension of each operand (K of op(A) = A, M of A^T, N of
+    # B, K of B^T) and of C a multiple of 4
+    if (_VECTOR_BLOCKS and (M if trans_a else K) % 4 == 0 and (K if trans_b else N) % 4 == 0
+            and N % 4 == 0):
+        rows, cols, threads = _vector_block(batch, M, N, units)
+        kernel = f"gemm_{layout}_{rows}x{cols}"
+        grid, group = (_ceil_div(N, cols) * threads, _ceil_div(M, rows)), (threads, 1, 1)
     else:
-        a.device.launch(kernel, grid + (batch,), group, M, N, K, K,
-                        *_batch_strides(a, b, M, K, N), int(bias is not None), a.data,
-                        b.data, None if bias is None else bias.data, out.data,
-                        half=half or reads_half_b)
+        kernel = f"gemm_{layout}" + ("_big" if big else "")
+    a.device.launch(kernel, grid + (batch,), group, M, N, K, K, *_batch_strides(a, b, M, K, N),
+                    int(bias is not None), a.data, b.data,
+                    None if bias is None else bias.data, out.data, half=half or reads_half_b)
 
 
 def _gemm(a, b, trans_a=False, trans_b=False, bias=None, half=False, out=None):

@@ -2492,25 +2492,37 @@ def test_gemm_edge_shapes_opencl_matches_numpy(cpu, opencl, m, k, n):
         np.testing.assert_allclose(g_cl, g_cpu, **TOLERANCE["acc"])
 
 
-# Each device picks one GEMM form (packed float8 rows on CPU devices; 64x64 or 128x128
-# local-memory tiles on GPUs, split over K when the tiles are few and K is long). CI runs on
-# PoCL, so every form is forced here in turn.
-GEMM_FORMS = {"packed": ("packed", None), "tiles64": ("tiled", 10 ** 9),
-              "tiles128": ("tiled", 1), "split_k": ("tiled", 64)}
+# Each device picks one GEMM form (packed float8 rows on CPU devices; on GPUs the vector
+# kernels in one of three block sizes where the operands' rows are multiples of 4, else
+# 64x64 or 128x128 local-memory tiles, split over K when the tiles are few and K is long).
+# CI runs on PoCL, so every form is forced here in turn: (gemm, compute units, the vector
+# blocks to choose from; () for none).
+GEMM_FORMS = {"packed": ("packed", None, None), "tiles64": ("tiled", 10 ** 9, ()),
+              "tiles128": ("tiled", 1, ()), "split_k": ("tiled", 64, None),
+              **{f"vector{rows}x{cols}": ("tiled", 1, ((rows, cols, threads, speed),))
+                 for rows, cols, threads, speed in netcl._VECTOR_BLOCKS}}
+
+
+def _force_gemm_form(opencl, monkeypatch, form):
+    gemm, units, blocks = GEMM_FORMS[form]
+    monkeypatch.setattr(opencl, "gemm", gemm)
+    if units is not None:
+        monkeypatch.setattr(opencl, "compute_units", units)
+    if blocks is not None:
+        monkeypatch.setattr(netcl, "_VECTOR_BLOCKS", blocks)
 
 
 @pytest.mark.parametrize("form", sorted(GEMM_FORMS))
 @pytest.mark.parametrize("m, k, n", [(1, 1, 1), (5, 0, 3), (70, 129, 33), (130, 17, 129),
                                      (64, 5000, 100), (7, 4099, 9), (130, 300, 900),
-                                     (70, 8192, 60)])
+                                     (70, 8192, 60), (68, 132, 260), (4, 8, 4)])
 def test_every_gemm_form_matches_numpy(opencl, monkeypatch, form, m, k, n):
     """Every layout, with and without bias; (130, 300, 900) is past _PANEL_MACS, where the
     packed form packs both operands into panels, and (70, 8192, 60) has the long K over a
-    small C that it splits into _PANEL_K_CHUNK-long chunks (without bias)."""
-    gemm, units = GEMM_FORMS[form]
-    monkeypatch.setattr(opencl, "gemm", gemm)
-    if units is not None:
-        monkeypatch.setattr(opencl, "compute_units", units)
+    small C that it splits into _PANEL_K_CHUNK-long chunks (without bias). The vector
+    kernels take the shapes whose operands' rows are multiples of 4, (68, 132, 260) in
+    every layout, ragged against each block."""
+    _force_gemm_form(opencl, monkeypatch, form)
     rng = np.random.default_rng(m * 7 + k * 3 + n)
     a, b = rng.standard_normal((m, k)), rng.standard_normal((k, n))
     bias = rng.standard_normal(n)
@@ -2524,14 +2536,35 @@ def test_every_gemm_form_matches_numpy(opencl, monkeypatch, form, m, k, n):
                                        atol=1e-4 * max(1.0, np.abs(expected).max()))
 
 
+@pytest.mark.parametrize("m, k, n, trans_a, trans_b, kernel", [
+    (4096, 4096, 4096, False, False, "gemm_nn_128x256"),
+    (1024, 1024, 1024, False, True, "gemm_nt_64x128"),
+    (4096, 4096, 784, True, False, "gemm_tn_128x256"),  # a large MLP's first weight gradient
+    (50176, 288, 64, False, False, "gemm_nn_64x64"),     # conv2d's forward: 64 columns
+    (128, 784, 256, False, True, "gemm_nt_64x64"),       # a small MLP's first layer
+    (4096, 4095, 4096, False, False, "gemm_nn_big"),     # rows of 4095: no float4s
+    (130, 300, 900, True, False, "gemm_tn"),             # A^T with rows of 130
+])
+def test_gpu_gemm_picks_its_kernel_by_shape(opencl, monkeypatch, m, k, n, trans_a, trans_b,
+                                            kernel):
+    """On a GPU of 132 compute units (the H200), which tiled kernel each product takes. The
+    launch is recorded, not run."""
+    monkeypatch.setattr(opencl, "gemm", "tiled")
+    monkeypatch.setattr(opencl, "compute_units", 132)
+    launched = []
+    monkeypatch.setattr(opencl, "launch", lambda name, *args, **kwargs: launched.append(name))
+    a = netcl.Tensor.empty((k, m) if trans_a else (m, k), queue=opencl.queue)
+    b = netcl.Tensor.empty((n, k) if trans_b else (k, n), queue=opencl.queue)
+    netcl._gemm(a, b, trans_a, trans_b)
+    assert launched == [kernel]
+
+
 @pytest.mark.parametrize("form", sorted(GEMM_FORMS))
 def test_every_gemm_form_takes_a_batch(opencl, monkeypatch, form):
     """A batch of products past _PANEL_MACS each, against one shared matrix on either side
-    and against a batch, in every layout."""
-    gemm, units = GEMM_FORMS[form]
-    monkeypatch.setattr(opencl, "gemm", gemm)
-    if units is not None:
-        monkeypatch.setattr(opencl, "compute_units", units)
+    and against a batch, in every layout (the vector kernels take all but A^T B, whose A
+    has rows of 130)."""
+    _force_gemm_form(opencl, monkeypatch, form)
     rng = np.random.default_rng(3)
     m, k, n = 130, 300, 900
     for a_shape, b_shape in (((2, m, k), (2, k, n)), ((m, k), (2, k, n)), ((2, m, k), (k, n))):
