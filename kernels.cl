@@ -488,7 +488,8 @@ GEMM(gemm_tn_split, 4, 1, float, A_COLMAJOR, 0, act_t, B_ROWMAJOR, 0, float)
 //   barrier per slice suffices. Rows are padded by 4 floats so the transposing stores of a
 //   k-fast operand spread over the banks. The arrays are float4 so they start 16-byte
 //   aligned.
-// - No split-K here: a product that wants it takes the _split kernels above.
+// - The grid's third dimension is a batch and split-K at once, as in the tensor-core kernels
+//   below (k_chunk = K: no split).
 #if HALF_STORAGE
 #define LOAD4_act_t(p, i) vload_half4(0, (p) + (i))
 #define STORE4_act_t(p, i, v) vstore_half4((v), 0, (p) + (i))
@@ -501,18 +502,18 @@ GEMM(gemm_tn_split, 4, 1, float, A_COLMAJOR, 0, act_t, B_ROWMAJOR, 0, float)
 
 // Work-item `tid`'s share of a ROWS x BK slice of op(X) from (r0, k0), `rows` long, into the
 // float4 registers R: along k (K_FAST: X stored (rows, K)) or along the rows (X stored
-// (K, rows)). Past the edges, zeros: with the contiguous dimension a multiple of 4, a float4
-// is wholly inside or wholly outside.
+// (K, rows)). Past the edges (and from k_end on), zeros: with the contiguous dimension and
+// k_chunk multiples of 4, a float4 is wholly inside or wholly outside.
 #define VGEMM_FETCH(R, X, X_T, K_FAST, ROWS, rows, r0, k0, BK, THREADS)                         \
     _Pragma("unroll") for (int l = 0; l < (ROWS * BK / 4 + THREADS - 1) / THREADS; ++l) {       \
         const int e = tid + THREADS * l;                                                        \
         if ((ROWS * BK / 4) % THREADS && e >= ROWS * BK / 4) break;                             \
         if (K_FAST) {                                                                           \
             const int r = (r0) + e / (BK / 4), k = (k0) + e % (BK / 4) * 4;                     \
-            R[l] = r < (rows) && k < K ? LOAD4_##X_T(X, r * K + k) : (float4)(0.0f);            \
+            R[l] = r < (rows) && k < k_end ? LOAD4_##X_T(X, r * K + k) : (float4)(0.0f);        \
         } else {                                                                                \
             const int k = (k0) + e / (ROWS / 4), r = (r0) + e % (ROWS / 4) * 4;                 \
-            R[l] = k < K && r < (rows) ? LOAD4_##X_T(X, k * (rows) + r) : (float4)(0.0f);       \
+            R[l] = k < k_end && r < (rows) ? LOAD4_##X_T(X, k * (rows) + r) : (float4)(0.0f);   \
         }                                                                                       \
     }
 // ... and from the registers into the local slice S ([BK][ROWS / 4 + 1] float4s): a
@@ -536,8 +537,14 @@ void NAME(const int M, const int N, const int K, const int k_chunk, const int ba
           const int batch_b, const int has_bias, __global const A_T* A, __global const B_T* B,  \
           __global const float* bias, __global C_T* C) {                                        \
     const int THREADS = (BM / TM) * (BN / TN), LN = 32 / LM;                                    \
-    A += get_group_id(2) * batch_a;                                                             \
-    B += get_group_id(2) * batch_b;                                                             \
+    /* z = product * splits + split: product z / splits of a batch (A and B batch_a and */      \
+    /* batch_b elements on), k in [k_begin, k_end), into its own slice of C (split-K) */        \
+    const int splits = K > k_chunk ? (K + k_chunk - 1) / k_chunk : 1;  /* K = 0: one */         \
+    const int product = get_group_id(2) / splits;                                               \
+    const int k_begin = (get_group_id(2) - product * splits) * k_chunk;                         \
+    const int k_end = min(K, k_begin + k_chunk);                                                \
+    A += product * batch_a;                                                                     \
+    B += product * batch_b;                                                                     \
     C += get_group_id(2) * M * N;                                                               \
     __local float4 As[2][BK][BM / 4 + 1];                                                       \
     __local float4 Bs[2][BK][BN / 4 + 1];                                                       \
@@ -553,17 +560,18 @@ void NAME(const int M, const int N, const int K, const int k_chunk, const int ba
         _Pragma("unroll") for (int j = 0; j < TN; ++j) acc[i][j] = 0.0f;                        \
     float4 a_next[(BM * BK / 4 + (BM / TM) * (BN / TN) - 1) / ((BM / TM) * (BN / TN))];         \
     float4 b_next[(BN * BK / 4 + (BM / TM) * (BN / TN) - 1) / ((BM / TM) * (BN / TN))];         \
-    VGEMM_FETCH(a_next, A, A_T, A_K_FAST, BM, M, m0, 0, BK, THREADS)                            \
-    VGEMM_FETCH(b_next, B, B_T, B_K_FAST, BN, N, n0, 0, BK, THREADS)                            \
+    VGEMM_FETCH(a_next, A, A_T, A_K_FAST, BM, M, m0, k_begin, BK, THREADS)                      \
+    VGEMM_FETCH(b_next, B, B_T, B_K_FAST, BN, N, n0, k_begin, BK, THREADS)                      \
     VGEMM_STASH(As[0], a_next, A_K_FAST, BM, BK, THREADS)                                       \
     VGEMM_STASH(Bs[0], b_next, B_K_FAST, BN, BK, THREADS)                                       \
     barrier(CLK_LOCAL_MEM_FENCE);                                                               \
-    const int slices = (K + BK - 1) / BK;                                                       \
+    const int slices = (k_end - k_begin + BK - 1) / BK;                                         \
     for (int t = 0; t < slices; ++t) {                                                          \
         const int now = t & 1, more = t + 1 < slices;                                           \
         if (more) {                                                                             \
-            VGEMM_FETCH(a_next, A, A_T, A_K_FAST, BM, M, m0, (t + 1) * BK, BK, THREADS)         \
-            VGEMM_FETCH(b_next, B, B_T, B_K_FAST, BN, N, n0, (t + 1) * BK, BK, THREADS)         \
+            const int k0 = k_begin + (t + 1) * BK;                                              \
+            VGEMM_FETCH(a_next, A, A_T, A_K_FAST, BM, M, m0, k0, BK, THREADS)                   \
+            VGEMM_FETCH(b_next, B, B_T, B_K_FAST, BN, N, n0, k0, BK, THREADS)                   \
         }                                                                                       \
         _Pragma("unroll") for (int k = 0; k < BK; ++k) {                                        \
             float a[TM], b[TN];                                                                 \

@@ -2074,8 +2074,8 @@ def _vector_block(batch, M, N, units):
 def _tiled_gemm(a, b, trans_a, trans_b, bias, half, out):
     """_gemm on kernels.cl's tiled kernels: the vector kernels where every operand's
     contiguous dimension is a multiple of 4, in the block _vector_block picks; else 128x128
-    tiles when there are enough of them to fill every compute unit, else 64x64. K is split
-    over the grid (on the 64x64 kernels) when even those leave most compute units idle."""
+    tiles when there are enough of them to fill every compute unit, else 64x64. Either way K
+    is split over the grid when the blocks leave most compute units idle."""
     batch, M, K, N = _gemm_dims(a, b, trans_a, trans_b)
     batched = a.ndim == 3 or b.ndim == 3
     # The half build's tiled kernels read float16 where autocast leaves it (kernels.cl):
@@ -2086,35 +2086,40 @@ def _tiled_gemm(a, b, trans_a, trans_b, bias, half, out):
     b = b if reads_half_b else _float32(b)
     units = a.device.compute_units
     layout = "tn" if trans_a else "nt" if trans_b else "nn"
-    big = batch * _ceil_div(M, _TILE_BIG) * _ceil_div(N, _TILE_BIG) >= units
-    tile = _TILE_BIG if big else _TILE
-    tiles_n, tiles_m = _ceil_div(N, tile), _ceil_div(M, tile)
-    grid, group = (tiles_n * _TILE_GROUP, tiles_m * _TILE_GROUP), (_TILE_GROUP, _TILE_GROUP, 1)
-    # Split K when the tiles leave most compute units idle and K is long enough to share
-    # (float32 results only: partial sums in float16 would lose what float32 keeps).
-    tiles = tiles_n * tiles_m
-    splits = (min(units // tiles, K // _SPLIT_K_MIN)
-              if bias is None and not half and not batched and 2 * tiles <= units else 1)
-    if splits > 1:  # the 64x64 kernels compiled for it (big is False here)
-        k_chunk = _round_up(_ceil_div(K, splits), _TILE_K)
-        splits = _ceil_div(K, k_chunk)
-        partial = _like(out, (splits, M, N))
-        a.device.launch(f"gemm_{layout}_split", grid + (splits,), group, M, N, K, k_chunk,
-                        0, 0, 0, a.data, b.data, None, partial.data, half=reads_half_b)
-        _sum_axis_tensor(partial, 1, splits, M * N, out=out.reshape((1, M * N)))
-        return
     # float4 rows: the contiguous dimension of each operand (K of op(A) = A, M of A^T, N of
     # B, K of B^T) and of C a multiple of 4
-    if (_VECTOR_BLOCKS and (M if trans_a else K) % 4 == 0 and (K if trans_b else N) % 4 == 0
-            and N % 4 == 0):
+    vector = (_VECTOR_BLOCKS and (M if trans_a else K) % 4 == 0
+              and (K if trans_b else N) % 4 == 0 and N % 4 == 0)
+    if vector:
         rows, cols, threads = _vector_block(batch, M, N, units)
         kernel = f"gemm_{layout}_{rows}x{cols}"
-        grid, group = (_ceil_div(N, cols) * threads, _ceil_div(M, rows)), (threads, 1, 1)
+        group = (threads, 1, 1)
     else:
+        big = batch * _ceil_div(M, _TILE_BIG) * _ceil_div(N, _TILE_BIG) >= units
+        rows = cols = _TILE_BIG if big else _TILE
         kernel = f"gemm_{layout}" + ("_big" if big else "")
-    a.device.launch(kernel, grid + (batch,), group, M, N, K, K, *_batch_strides(a, b, M, K, N),
-                    int(bias is not None), a.data, b.data,
-                    None if bias is None else bias.data, out.data, half=half or reads_half_b)
+        group = (_TILE_GROUP, _TILE_GROUP, 1)
+    grid = (_ceil_div(N, cols) * group[0], _ceil_div(M, rows) * group[1])
+    # Split K when the blocks leave most compute units idle and K is long enough to share
+    # (float32 results only: partial sums in float16 would lose what float32 keeps). The
+    # vector kernels split any product, the others only a lone one, on the 64x64 tiles.
+    blocks = batch * _ceil_div(M, rows) * _ceil_div(N, cols)
+    splits = (min(units // blocks, K // _SPLIT_K_MIN)
+              if bias is None and not half and (vector or not batched) and 2 * blocks <= units
+              else 1)
+    k_chunk = _round_up(_ceil_div(K, splits), _TILE_K) if splits > 1 else K
+    splits = _ceil_div(K, k_chunk) if splits > 1 else 1
+    target = _like(out, (batch, splits, M, N)) if splits > 1 else out
+    if splits > 1 and not vector:  # the 64x64 kernels compiled for it (big is False here)
+        a.device.launch(f"gemm_{layout}_split", grid + (splits,), group, M, N, K, k_chunk,
+                        0, 0, 0, a.data, b.data, None, target.data, half=reads_half_b)
+    else:
+        a.device.launch(kernel, grid + (batch * splits,), group, M, N, K, k_chunk,
+                        *_batch_strides(a, b, M, K, N), int(bias is not None), a.data, b.data,
+                        None if bias is None else bias.data, target.data,
+                        half=half or reads_half_b)
+    if splits > 1:
+        _sum_axis_tensor(target, batch, splits, M * N, out=out.reshape((batch, M * N)))
 
 
 def _gemm(a, b, trans_a=False, trans_b=False, bias=None, half=False, out=None):

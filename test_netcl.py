@@ -2515,7 +2515,8 @@ def _force_gemm_form(opencl, monkeypatch, form):
 @pytest.mark.parametrize("form", sorted(GEMM_FORMS))
 @pytest.mark.parametrize("m, k, n", [(1, 1, 1), (5, 0, 3), (70, 129, 33), (130, 17, 129),
                                      (64, 5000, 100), (7, 4099, 9), (130, 300, 900),
-                                     (70, 8192, 60), (68, 132, 260), (4, 8, 4)])
+                                     (70, 8192, 60), (68, 132, 260), (4, 8, 4), (4, 0, 8),
+                                     (68, 8192, 64)])
 def test_every_gemm_form_matches_numpy(opencl, monkeypatch, form, m, k, n):
     """Every layout, with and without bias; (130, 300, 900) is past _PANEL_MACS, where the
     packed form packs both operands into panels, and (70, 8192, 60) has the long K over a
@@ -2536,38 +2537,46 @@ def test_every_gemm_form_matches_numpy(opencl, monkeypatch, form, m, k, n):
                                        atol=1e-4 * max(1.0, np.abs(expected).max()))
 
 
-@pytest.mark.parametrize("m, k, n, trans_a, trans_b, kernel", [
-    (4096, 4096, 4096, False, False, "gemm_nn_128x256"),
-    (1024, 1024, 1024, False, True, "gemm_nt_64x128"),
-    (4096, 4096, 784, True, False, "gemm_tn_128x256"),  # a large MLP's first weight gradient
-    (50176, 288, 64, False, False, "gemm_nn_64x64"),     # conv2d's forward: 64 columns
-    (128, 784, 256, False, True, "gemm_nt_64x64"),       # a small MLP's first layer
-    (4096, 4095, 4096, False, False, "gemm_nn_big"),     # rows of 4095: no float4s
-    (130, 300, 900, True, False, "gemm_tn"),             # A^T with rows of 130
+@pytest.mark.parametrize("m, k, n, trans_a, trans_b, kernel, splits", [
+    (4096, 4096, 4096, False, False, "gemm_nn_128x256", 1),
+    (1024, 1024, 1024, False, True, "gemm_nt_64x128", 1),
+    (4096, 4096, 784, True, False, "gemm_tn_128x256", 1),  # a large MLP's first weight gradient
+    (50176, 288, 64, False, False, "gemm_nn_64x64", 1),     # conv2d's forward: 64 columns
+    (64, 50176, 288, False, True, "gemm_nt_64x64", 26),     # its weight gradient: split K
+    (128, 784, 256, False, True, "gemm_nt_64x64", 1),       # a small MLP's first layer
+    (4096, 4095, 4096, False, False, "gemm_nn_big", 1),     # rows of 4095: no float4s
+    (130, 300, 900, True, False, "gemm_tn", 1),             # A^T with rows of 130
+    (10, 4095, 4096, False, False, "gemm_nn_split", 2),     # rows of 4095, few tiles
 ])
 def test_gpu_gemm_picks_its_kernel_by_shape(opencl, monkeypatch, m, k, n, trans_a, trans_b,
-                                            kernel):
-    """On a GPU of 132 compute units (the H200), which tiled kernel each product takes. The
-    launch is recorded, not run."""
+                                            kernel, splits):
+    """On a GPU of 132 compute units (the H200), which tiled kernel each product takes, and
+    into how many chunks it splits K (the third dimension of its grid). The launches are
+    recorded, not run."""
     monkeypatch.setattr(opencl, "gemm", "tiled")
     monkeypatch.setattr(opencl, "compute_units", 132)
     launched = []
-    monkeypatch.setattr(opencl, "launch", lambda name, *args, **kwargs: launched.append(name))
+    monkeypatch.setattr(opencl, "launch", lambda name, grid, *args, **kwargs:
+                        launched.append((name, grid)))
     a = netcl.Tensor.empty((k, m) if trans_a else (m, k), queue=opencl.queue)
     b = netcl.Tensor.empty((n, k) if trans_b else (k, n), queue=opencl.queue)
     netcl._gemm(a, b, trans_a, trans_b)
-    assert launched == [kernel]
+    (name, grid), *sums = launched
+    assert (name, grid[2]) == (kernel, splits)
+    assert len(sums) == (splits > 1)  # the partial products' sum
 
 
 @pytest.mark.parametrize("form", sorted(GEMM_FORMS))
 def test_every_gemm_form_takes_a_batch(opencl, monkeypatch, form):
     """A batch of products past _PANEL_MACS each, against one shared matrix on either side
     and against a batch, in every layout (the vector kernels take all but A^T B, whose A
-    has rows of 130)."""
+    has rows of 130), and a batch with a long K."""
     _force_gemm_form(opencl, monkeypatch, form)
     rng = np.random.default_rng(3)
     m, k, n = 130, 300, 900
-    for a_shape, b_shape in (((2, m, k), (2, k, n)), ((m, k), (2, k, n)), ((2, m, k), (k, n))):
+    shapes = (((2, m, k), (2, k, n)), ((m, k), (2, k, n)), ((2, m, k), (k, n)),
+              ((2, 68, 4096), (2, 4096, 64)))  # a long K: split_k's vector kernels split it
+    for a_shape, b_shape in shapes:
         a, b = rng.standard_normal(a_shape), rng.standard_normal(b_shape)
         for trans_a, trans_b in ((False, False), (False, True), (True, False)):
             A = tensor(np.swapaxes(a, -1, -2).copy() if trans_a else a, opencl)
