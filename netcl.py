@@ -35,6 +35,7 @@ Set NETCL_DEBUG=1 to print each kernel build, NETCL_DEBUG=2 to also time every l
 """
 import builtins
 import contextlib
+import functools
 import csv
 import gzip
 import inspect
@@ -162,7 +163,7 @@ class BufferPool:
 
     def _take(self, nbytes):
         """alloc without the argument checks, for Tensor._alloc (nbytes is an int >= 0)."""
-        size = _bucket(nbytes)
+        size = _bucket_of.get(nbytes) or _bucket(nbytes)  # the dict alone, for a size seen before
         with self._lock:
             free = self._cached.get(size)
             if free:
@@ -672,10 +673,12 @@ class Tensor:
     __slots__ = ("device", "shape", "dtype", "data", "_base", "_labels", "_pooled", "__weakref__")
 
     def __init__(self, device, shape, dtype, data, base=None):
+        # Internal: shape is a tuple of ints and dtype an np.dtype (Tensor.empty and
+        # from_host check what users give). Every op makes its outputs through here.
         self._pooled = None  # the pool buffer this tensor owns, if any: released in __del__
         self.device = device
-        self.shape = shape if type(shape) is tuple else tuple(shape)
-        self.dtype = dtype if isinstance(dtype, np.dtype) else np.dtype(dtype)
+        self.shape = shape
+        self.dtype = dtype
         self.data = data     # ndarray (NumPy backend) or pyopencl.Buffer, of at least nbytes
         self._base = base    # the Tensor that owns the memory, for views
         self._labels = None  # int32 tensors written from the host keep that copy: checking
@@ -764,7 +767,11 @@ class Tensor:
 
     def reshape(self, shape):
         """A view with a new shape (one -1 allowed); no copy."""
-        shape = _resolve_shape("reshape", self.shape, shape)
+        return self._view(_resolve_shape("reshape", self.shape, shape))
+
+    def _view(self, shape):
+        """reshape without the checks, for the ops: `shape` is a tuple of ints they computed,
+        of this tensor's size."""
         data = self.data.reshape(shape) if self.device.backend == "cpu" else self.data
         return Tensor(self.device, shape, self.dtype, data, base=self._base or self)
 
@@ -791,6 +798,10 @@ def _like(x, shape=None, dtype=None):
     """An uninitialised tensor on x's device, shaped like x unless `shape` is given."""
     return Tensor._alloc(x.device, x.shape if shape is None else tuple(shape),
                          x.dtype if dtype is None else np.dtype(dtype))
+
+
+# np.result_type costs about a microsecond a call; ops ask it for the same few pairs of dtypes.
+_result_type = functools.lru_cache(maxsize=64)(np.result_type)
 
 
 def _compute_dtype(dtype):
@@ -1262,11 +1273,14 @@ def _record(value, parents, backward):
     gradient."""
     node = Node(value)
     tapes = _state.tapes
-    if tapes and _state.grad_enabled[-1] and any(p.requires_grad for p in parents):
-        node.requires_grad = True
-        node._op = op = _Op(parents, backward, node)
-        for tape in tapes:
-            tape._ops.append(op)
+    if tapes and _state.grad_enabled[-1]:
+        for parent in parents:  # a loop, not any(...): this runs for every op
+            if parent.requires_grad:
+                node.requires_grad = True
+                node._op = op = _Op(parents, backward, node)
+                for tape in tapes:
+                    tape._ops.append(op)
+                break
     return node
 
 
@@ -1686,7 +1700,7 @@ def _binary_tensor(name, a, b):
     shape, groups = _broadcast(name, a.shape, b.shape)
     if a.dtype != b.dtype:
         a, b = _float32(a), _float32(b)
-    out = _like(a, shape, np.result_type(a.dtype, b.dtype))
+    out = _like(a, shape, _result_type(a.dtype, b.dtype))
     if a.device.backend == "cpu":
         with np.errstate(all="ignore"):
             _BINARY[name](a.data, b.data, out=out.data)
@@ -1909,7 +1923,7 @@ def reshape(x, shape):
     """A view of x with a new shape (one -1 allowed)."""
     (x,) = _nodes("reshape", x, numeric=False)
     old_shape = x.shape
-    return _record(x.value.reshape(shape), (x,), lambda g: (g.reshape(old_shape),))
+    return _record(x.value.reshape(shape), (x,), lambda g: (g._view(old_shape),))
 
 
 def flatten(x, start_dim=1, end_dim=-1):
@@ -2017,10 +2031,12 @@ def _packed_gemm(a, b, trans_a, trans_b, bias, half, out):
 def _tensor_core_gemm(a, b, trans_a, trans_b, bias, out):
     """Run _gemm's product on tensor cores if it can: both operands in float16 storage and a
     device whose probe passed. Returns whether it did."""
-    batch, M, K, N = _gemm_dims(a, b, trans_a, trans_b)
     device = a.device
-    if not (a.dtype == b.dtype == np.float16 and device.tensor_cores and K and not
+    if not (a.dtype == b.dtype == np.float16 and device.tensor_cores and not
             (trans_a and trans_b)):
+        return False
+    batch, M, K, N = _gemm_dims(a, b, trans_a, trans_b)
+    if not K:
         return False
     # Where an operand's contiguous dimension is not a multiple of _TC_VECTOR, its rows are
     # not 16-byte aligned and the small block gathers instead.
@@ -2053,10 +2069,29 @@ def _tensor_core_gemm(a, b, trans_a, trans_b, bias, out):
     return True
 
 
+@functools.lru_cache(maxsize=1024)
+def _tiled_plan(batch, M, K, N, trans_a, trans_b, may_split, units):
+    """_tiled_gemm's launch, a function of the sizes alone: (kernel, global size, local size,
+    splits, k_chunk). 128x128 tiles when there are enough of them to fill every compute unit,
+    else 64x64, with K split over the grid (may_split) when even those leave most compute
+    units idle. Cached: a training step asks for the same few products every time."""
+    big = batch * _ceil_div(M, _TILE_BIG) * _ceil_div(N, _TILE_BIG) >= units
+    tile = _TILE_BIG if big else _TILE
+    kernel = (("gemm_tn" if trans_a else "gemm_nt" if trans_b else "gemm_nn")
+              + ("_big" if big else ""))
+    tiles_n, tiles_m = _ceil_div(N, tile), _ceil_div(M, tile)
+    grid, group = (tiles_n * _TILE_GROUP, tiles_m * _TILE_GROUP), (_TILE_GROUP, _TILE_GROUP, 1)
+    tiles = tiles_n * tiles_m
+    splits = min(units // tiles, K // _SPLIT_K_MIN) if may_split and 2 * tiles <= units else 1
+    if splits > 1:  # the 64x64 kernels compiled for it (big is False here)
+        k_chunk = _round_up(_ceil_div(K, splits), _TILE_K)
+        splits = _ceil_div(K, k_chunk)
+        return kernel + "_split", grid + (splits,), group, splits, k_chunk
+    return kernel, grid + (batch,), group, 1, K
+
+
 def _tiled_gemm(a, b, trans_a, trans_b, bias, half, out):
-    """_gemm on kernels.cl's tiled kernels: 128x128 tiles when there are enough of them to
-    fill every compute unit, else 64x64, with K split over the grid when even those leave
-    most compute units idle."""
+    """_gemm on kernels.cl's tiled kernels, as _tiled_plan lays it out."""
     batch, M, K, N = _gemm_dims(a, b, trans_a, trans_b)
     batched = a.ndim == 3 or b.ndim == 3
     # The half build's tiled kernels read float16 where autocast leaves it (kernels.cl):
@@ -2065,30 +2100,19 @@ def _tiled_gemm(a, b, trans_a, trans_b, bias, half, out):
     reads_half_b = trans_a and b.dtype == np.float16
     a = a if half else _float32(a)
     b = b if reads_half_b else _float32(b)
-    units = a.device.compute_units
-    big = batch * _ceil_div(M, _TILE_BIG) * _ceil_div(N, _TILE_BIG) >= units
-    tile = _TILE_BIG if big else _TILE
-    kernel = (("gemm_tn" if trans_a else "gemm_nt" if trans_b else "gemm_nn")
-              + ("_big" if big else ""))
-    tiles_n, tiles_m = _ceil_div(N, tile), _ceil_div(M, tile)
-    grid, group = (tiles_n * _TILE_GROUP, tiles_m * _TILE_GROUP), (_TILE_GROUP, _TILE_GROUP, 1)
-    # Split K when the tiles leave most compute units idle and K is long enough to share
-    # (float32 results only: partial sums in float16 would lose what float32 keeps).
-    tiles = tiles_n * tiles_m
-    splits = (min(units // tiles, K // _SPLIT_K_MIN)
-              if bias is None and not half and not batched and 2 * tiles <= units else 1)
-    if splits > 1:  # the 64x64 kernels compiled for it (big is False here)
-        k_chunk = _round_up(_ceil_div(K, splits), _TILE_K)
-        splits = _ceil_div(K, k_chunk)
+    # Split K only for float32 results: partial sums in float16 would lose what float32 keeps.
+    kernel, grid, group, splits, k_chunk = _tiled_plan(
+        batch, M, K, N, trans_a, trans_b, bias is None and not half and not batched,
+        a.device.compute_units)
+    if splits > 1:
         partial = _like(out, (splits, M, N))
-        a.device.launch(kernel + "_split", grid + (splits,), group, M, N, K, k_chunk,
-                        0, 0, 0, a.data, b.data, None, partial.data, half=reads_half_b)
-        _sum_axis_tensor(partial, 1, splits, M * N, out=out.reshape((1, M * N)))
+        a.device.launch(kernel, grid, group, M, N, K, k_chunk, 0, 0, 0, a.data, b.data, None,
+                        partial.data, half=reads_half_b)
+        _sum_axis_tensor(partial, 1, splits, M * N, out=out._view((1, M * N)))
     else:
-        a.device.launch(kernel, grid + (batch,), group, M, N, K, K,
-                        *_batch_strides(a, b, M, K, N), int(bias is not None), a.data,
-                        b.data, None if bias is None else bias.data, out.data,
-                        half=half or reads_half_b)
+        a.device.launch(kernel, grid, group, M, N, K, K, *_batch_strides(a, b, M, K, N),
+                        int(bias is not None), a.data, b.data,
+                        None if bias is None else bias.data, out.data, half=half or reads_half_b)
 
 
 def _gemm(a, b, trans_a=False, trans_b=False, bias=None, half=False, out=None):
@@ -2111,7 +2135,7 @@ def _gemm(a, b, trans_a=False, trans_b=False, bias=None, half=False, out=None):
         a = _cast(a, np.float16)
     if out is None:
         out = _like(a, (batch, M, N) if batched else (M, N), np.float16 if half else
-                    _compute_dtype(np.result_type(a.dtype, b.dtype)))
+                    _compute_dtype(_result_type(a.dtype, b.dtype)))
     if a.device.backend == "cpu":
         np.matmul(np.swapaxes(a.data, -1, -2) if trans_a else a.data,
                   np.swapaxes(b.data, -1, -2) if trans_b else b.data, out=out.data)
@@ -2213,7 +2237,7 @@ def linear(x, w, b=None):
         raise ValueError(f"linear: bias shape {b.shape} != ({w.shape[0]},) for weight {w.shape}")
     # (..., in) is one product over all rows: reshaped views of the tensors, one recorded op
     rows = math.prod(x.shape[:-1])
-    X, W = x.value.reshape((rows, x.shape[-1])), w.value
+    X, W = x.value._view((rows, x.shape[-1])), w.value
     half = _half_activations(X.device)
     # On tensor cores every product takes float16 operands: x rounded as autocast's other
     # devices do, and a float16 copy of the weight, kept for backward.
@@ -2222,26 +2246,26 @@ def linear(x, w, b=None):
         X, W = _half_operand(X), _half_weight(w)
 
     def backward(g):  # only the gradients somebody needs (the input's usually is not)
-        g = g.reshape((rows, w.shape[0]))
+        g = g._view((rows, w.shape[0]))
         if tensor_cores:
             g = _half_operand(g)
         # A parameter's gradient is written straight into its slot in the optimizer's flat
         # buffer when it has one free (_free_grad_slot; None otherwise: a new tensor).
-        grads = [_gemm(g, W).reshape(x.shape) if x.requires_grad else None,    # dx = g W
+        grads = [_gemm(g, W)._view(x.shape) if x.requires_grad else None,      # dx = g W
                  _gemm(g, X, trans_a=True, out=_free_grad_slot(w)) if w.requires_grad else None]
         if b is not None:                                        # db = the sum of g's rows
             cols = w.shape[0]
             slot = _free_grad_slot(b)
             if slot is not None:
-                _sum_axis_tensor(g, 1, rows, cols, out=slot.reshape((1, cols)))
+                _sum_axis_tensor(g, 1, rows, cols, out=slot._view((1, cols)))
                 grads.append(slot)
             elif b.requires_grad:
-                grads.append(_sum_axis_tensor(g, 1, rows, cols).reshape(b.shape))
+                grads.append(_sum_axis_tensor(g, 1, rows, cols)._view(b.shape))
             else:
                 grads.append(None)
         return grads
     out = _gemm(X, W, trans_b=True, bias=None if b is None else b.value, half=half)
-    return _record(out.reshape(x.shape[:-1] + (w.shape[0],)),
+    return _record(out._view(x.shape[:-1] + (w.shape[0],)),
                    (x, w) + ((b,) if b is not None else ()), backward)
 
 
@@ -3781,7 +3805,7 @@ def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5):
                 chunks = _ceil_div(rows, _ROWS_PER_CHUNK)
                 grads = [(_free_grad_slot(p) if p is not None else None) or _like(g, shape)
                          for p in (w, b)]
-                parts = ([grad.reshape((1, D)) for grad in grads] if chunks == 1 else
+                parts = ([grad._view((1, D)) for grad in grads] if chunks == 1 else
                          [_like(g, (chunks, D)) for _ in grads])
                 if chunks and D:
                     g.device.launch("layer_norm_bwd_params", (D, _COLUMN_LANES * chunks),
