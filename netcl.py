@@ -253,6 +253,13 @@ def _kernel_source():
     raise RuntimeError(f"kernels.cl not found beside {__file__} nor in netcl_kernels/")
 
 
+@functools.lru_cache(maxsize=1024)
+def _rounded_grid(global_size, local_size):
+    """Each global size rounded up to a multiple of its local size (cached: the grids of a
+    training step repeat)."""
+    return tuple(map(_round_up, global_size, local_size))
+
+
 class Device:
     """One backend instance. Get one from `manager.default(...)`, which caches them.
 
@@ -424,7 +431,7 @@ class Device:
             if global_size[0] % local_size[0]:
                 global_size = (_round_up(global_size[0], local_size[0]),)
         else:
-            global_size = tuple(map(_round_up, global_size, local_size))
+            global_size = _rounded_grid(tuple(global_size), tuple(local_size))
         kernel = (self._half_program() if half else self._kernels)[name]
         with self._lock:  # another thread's set_args must not land between ours and the enqueue
             kernel(self.queue, global_size, local_size, *args)
@@ -3968,15 +3975,18 @@ def embedding(idx, weight):
             grad.data[...] = 0
             np.add.at(grad.data, flat, g.data.reshape(-1, dim))
         elif grad.size:
-            # The positions sorted by index (stably: each row sums in position order), and
-            # where each row's run starts: a gather per (row, column), no atomics.
-            # (Held in names until the launch: a Tensor's buffer goes back to the pool as
-            # soon as the Tensor goes.)
-            order = Tensor.from_host(np.argsort(flat, kind="stable").astype(np.int32), g.queue)
-            starts = Tensor.from_host(np.concatenate(
-                [[0], np.cumsum(np.bincount(flat, minlength=num))]).astype(np.int32), g.queue)
-            g.device.launch("embedding_bwd", *_grid(grad.size), num, dim, starts.data,
-                            order.data, g.data, grad.data)
+            # Where each row's run starts (num + 1 entries), then the positions sorted by
+            # index (stably: each row sums in position order): a gather per (row, column), no
+            # atomics. One array, so one upload. (Held in a name until the launch: a Tensor's
+            # buffer goes back to the pool as soon as the Tensor goes.)
+            host_runs = np.empty(num + 1 + flat.size, np.int32)
+            host_runs[0] = 0
+            np.cumsum(np.bincount(flat, minlength=num), out=host_runs[1:num + 1])
+            host_runs[num + 1:] = np.argsort(flat, kind="stable")
+            runs = _like(grad, host_runs.shape, np.int32)
+            g.device.upload(runs.data, host_runs)  # host_runs is ours: no copy needed
+            g.device.launch("embedding_bwd", *_grid(grad.size), num, dim, runs.data, g.data,
+                            grad.data)
         return (grad,)
     return _record(out, (w,), backward)
 
