@@ -1367,11 +1367,15 @@ def _nodes(op, *values, numeric=True):
     computes in float32 all the same: it has no integer arithmetic kernels, and both backends
     must agree. Labels and indices stay int32 for the ops that read them as such (a
     cross_entropy target, reshape)."""
-    if all(isinstance(v, Node) for v in values):  # the usual case: nothing to convert or move
-        device = values[0].value.device
-        if all(v.value.device is device and (not numeric or v.value.dtype.kind == "f")
-               for v in values):
-            return list(values)
+    # The usual case, Nodes of one device (of floats, for a numeric op): nothing to convert
+    # or move. A plain loop: generator expressions cost more than the test, in every op.
+    device = values[0].value.device if isinstance(values[0], Node) else None
+    for v in values:
+        if not isinstance(v, Node) or v.value.device is not device or (
+                numeric and v.value.dtype.kind != "f"):
+            break
+    else:
+        return list(values)
     device = _devices_of(op, *values)
     dtype = next((v.dtype for v in values if isinstance(v, (Node, Tensor))
                   and v.dtype.kind == "f"), None)
