@@ -870,6 +870,7 @@ def _add_tensors(a, b):
     return out
 
 
+@functools.lru_cache(maxsize=1024)
 def _sum_chunks(columns, R, compute_units):
     """Into how many chunks sum_axis splits R: one work-item per column leaves most compute
     units idle when the columns are few and long, so R is cut into equal chunks (a power of
@@ -2301,11 +2302,13 @@ def _check_dim(op, dim, ndim, name="dim"):
 _MAX_PERMUTE_RANK = 6  # kernels.cl's permute_axes takes six sizes and six steps
 
 
+@functools.lru_cache(maxsize=1024)
 def _merged_permutation(shape, dims):
     """x.permute(dims) seen with as few dimensions as it moves: (sizes, steps), one entry per
     dimension of the output, whose index k moves steps[k] elements in x. Size-1 dimensions
     are dropped, and neighbours that stay neighbours in x merge: (B, T, H, D) -> (B, H, T, D)
-    stays 4-D, (B, T, H, D) -> (T, B, H, D) is 3-D, (T, C, 1) -> (1, C, T) a 2-D transpose."""
+    stays 4-D, (B, T, H, D) -> (T, B, H, D) is 3-D, (T, C, 1) -> (1, C, T) a 2-D transpose.
+    Cached (shape and dims are tuples), so the result is tuples, which no caller can change."""
     x_steps = [math.prod(shape[d + 1:]) for d in range(len(shape))]
     sizes, steps = [], []
     for d in dims:
@@ -2317,7 +2320,7 @@ def _merged_permutation(shape, dims):
         else:
             sizes.append(shape[d])
             steps.append(x_steps[d])
-    return sizes, steps
+    return tuple(sizes), tuple(steps)
 
 
 def _transpose_tensor(x):
@@ -2344,7 +2347,7 @@ def _permute_tensor(x, dims):
         _copy(x, out)
     elif out.size:
         pad = _MAX_PERMUTE_RANK - len(sizes)  # size-1 dimensions in front, which never move
-        sizes, steps = [1] * pad + sizes, [0] * pad + steps
+        sizes, steps = (1,) * pad + sizes, (0,) * pad + steps
         x.device.launch("permute_axes", *_grid(out.size), out.size, *sizes[1:], *steps,
                         x.data, out.data, half=x.dtype == np.float16)
     return out
@@ -2365,7 +2368,7 @@ def permute(x, dims):
     if len(_merged_permutation(x.shape, dims)[0]) > _MAX_PERMUTE_RANK:
         raise ValueError(f"permute: dims {dims} on shape {x.shape} move more than "
                          f"{_MAX_PERMUTE_RANK} separate dimensions")
-    inverse = tuple(int(d) for d in np.argsort(dims))
+    inverse = tuple(sorted(range(len(dims)), key=dims.__getitem__))  # np.argsort, for a few ints
     return _record(_permute_tensor(x.value, dims), (x,),
                    lambda g: (_permute_tensor(g, inverse),))
 
