@@ -1984,21 +1984,21 @@ def _gemm_dims(a, b, trans_a, trans_b):
     transposed; b likewise; batch is 1 when both are matrices."""
     M, K = (a.shape[-1], a.shape[-2]) if trans_a else a.shape[-2:]
     N = b.shape[-2] if trans_b else b.shape[-1]
-    batch = a.shape[0] if a.ndim == 3 else b.shape[0] if b.ndim == 3 else 1
+    batch = a.shape[0] if len(a.shape) == 3 else b.shape[0] if len(b.shape) == 3 else 1
     return batch, M, K, N
 
 
 def _batch_strides(a, b, M, K, N):
     """Elements between the matrices of a batched a and b; 0 for one every product shares."""
-    return (M * K if a.ndim == 3 else 0), (K * N if b.ndim == 3 else 0)
+    return (M * K if len(a.shape) == 3 else 0), (K * N if len(b.shape) == 3 else 0)
 
 
-def _packed_gemm(a, b, trans_a, trans_b, bias, half, out):
+def _packed_gemm(a, b, dims, trans_a, trans_b, bias, half, out):
     """_gemm on CPU devices: op(a) packed into panels of 4 rows and op(b) into panels of 16
     columns (kernels.cl: pack_a, pack_b), so the product streams both through the caches.
     Packing reads float16 storage and writes float32, so it takes any operand's storage and
-    the inner loop reads float only."""
-    batch, M, K, N = _gemm_dims(a, b, trans_a, trans_b)
+    the inner loop reads float only. dims: _gemm_dims(a, b, trans_a, trans_b), from _gemm."""
+    batch, M, K, N = dims
     device = a.device
     Mp, Np = _round_up(M, _PANEL_ROWS), _round_up(N, _PANEL_COLS)
     stride_a, stride_b = _batch_strides(a, b, M, K, N)
@@ -2102,10 +2102,10 @@ def _tiled_plan(batch, M, K, N, trans_a, trans_b, may_split, units):
     return kernel, grid + (batch,), group, 1, K
 
 
-def _tiled_gemm(a, b, trans_a, trans_b, bias, half, out):
-    """_gemm on kernels.cl's tiled kernels, as _tiled_plan lays it out."""
-    batch, M, K, N = _gemm_dims(a, b, trans_a, trans_b)
-    batched = a.ndim == 3 or b.ndim == 3
+def _tiled_gemm(a, b, dims, trans_a, trans_b, bias, half, out):
+    """_gemm on kernels.cl's tiled kernels, as _tiled_plan lays it out (dims as _packed_gemm's)."""
+    batch, M, K, N = dims
+    batched = len(a.shape) == 3 or len(b.shape) == 3
     # The half build's tiled kernels read float16 where autocast leaves it (kernels.cl):
     # gemm_nn and gemm_nt take a (and write C) in float16, for the forward products, and
     # gemm_tn takes b, for linear's weight gradient g^T x. Other float16 operands widen.
@@ -2141,8 +2141,8 @@ def _gemm(a, b, trans_a=False, trans_b=False, bias=None, half=False, out=None):
     float16 storage on a device with them: _tensor_core_gemm), else on the tiled kernels
     (_tiled_gemm).
     """
-    batch, M, K, N = _gemm_dims(a, b, trans_a, trans_b)
-    batched = a.ndim == 3 or b.ndim == 3
+    dims = batch, M, K, N = _gemm_dims(a, b, trans_a, trans_b)
+    batched = len(a.shape) == 3 or len(b.shape) == 3
     if half and a.dtype != np.float16:
         a = _cast(a, np.float16)
     if out is None:
@@ -2155,9 +2155,9 @@ def _gemm(a, b, trans_a=False, trans_b=False, bias=None, half=False, out=None):
             out.data += bias.data
     elif M and N and batch:  # (an empty C has nothing to write)
         if a.device.gemm == "packed":
-            _packed_gemm(a, b, trans_a, trans_b, bias, half, out)
+            _packed_gemm(a, b, dims, trans_a, trans_b, bias, half, out)
         elif not _tensor_core_gemm(a, b, trans_a, trans_b, bias, out):
-            _tiled_gemm(a, b, trans_a, trans_b, bias, half, out)
+            _tiled_gemm(a, b, dims, trans_a, trans_b, bias, half, out)
     return out
 
 
