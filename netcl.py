@@ -39,6 +39,7 @@ import functools
 import csv
 import gzip
 import inspect
+import itertools
 import json
 import math
 import multiprocessing
@@ -2547,7 +2548,7 @@ def _pieces(x, d, sizes):
     """x cut along dimension d into pieces of `sizes` rows: a tuple of Nodes. Along the
     leading dimension the pieces are views, as PyTorch's (no copy; on OpenCL where the
     device lets a sub-buffer start at every piece), else copies."""
-    starts = np.cumsum([0] + list(sizes)).tolist()
+    starts = list(itertools.accumulate(sizes, initial=0))  # np.cumsum, for a few ints
     X = x.value
     if d == 0 and _row_views_allowed(X, starts[1:-1]):
         values = [_row_view(X, start, rows) for start, rows in zip(starts, sizes)]
@@ -3729,6 +3730,8 @@ def _normalized_shape(op, normalized_shape):
     """normalized_shape as a tuple: an int or a non-empty sequence of non-negative ints."""
     shape = ((normalized_shape,) if isinstance(normalized_shape, (int, np.integer))
              else normalized_shape)
+    if type(shape) is tuple and shape and all(type(s) is int and s >= 0 for s in shape):
+        return shape  # the usual case (a module's own), checked in one pass
     if not (isinstance(shape, (tuple, list)) and shape and all(
             _is_int(s) and s >= 0 for s in shape)):
         raise ValueError(f"{op}: normalized_shape must be an int or a non-empty tuple of "
