@@ -35,8 +35,8 @@ Set NETCL_DEBUG=1 to print each kernel build, NETCL_DEBUG=2 to also time every l
 """
 import builtins
 import contextlib
-import functools
 import csv
+import functools
 import gzip
 import inspect
 import itertools
