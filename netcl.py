@@ -3970,12 +3970,16 @@ def embedding(idx, weight):
         raise IndexError(f"embedding: index {bad.flat[0]} is out of range [0, {num}) for "
                          f"{num} embeddings")
     W = _float32(w.value)
-    indices = t if isinstance(t, Tensor) else Tensor.from_host(host.astype(np.int32), W.queue)
     flat = host.reshape(-1).astype(np.int64)
     out = _like(W, host.shape + (dim,))
     if W.device.backend == "cpu":
         out.data[...] = W.data[host]
     elif out.size:
+        if isinstance(t, Tensor):
+            indices = t
+        else:  # checked above, and astype's copy is ours: uploaded without from_host's copy
+            indices = _like(W, host.shape, np.int32)
+            W.device.upload(indices.data, host.astype(np.int32))
         W.device.launch("embedding_fwd", *_grid(out.size), out.size, dim, indices.data, W.data,
                         out.data)
 
