@@ -1715,9 +1715,11 @@ __kernel void embedding_fwd(const int n, const int dim, __global const int* idx,
 // g (positions, dim) -> dweight (num, dim): row r sums the rows of g at the positions that
 // picked it, order[starts[r]] .. order[starts[r + 1] - 1] (positions sorted by index, stably,
 // on the host), so each sum runs in position order. One work-item per (row, column).
-__kernel void embedding_bwd(const int num, const int dim, __global const int* starts,
-                            __global const int* order, __global const float* g,
-                            __global float* dweight) {
+__kernel void embedding_bwd(const int num, const int dim, __global const int* runs,
+                            __global const float* g, __global float* dweight) {
+    // runs: where each row's run starts (num + 1), then the positions sorted by row
+    __global const int* starts = runs;
+    __global const int* order = runs + num + 1;
     const int i = get_global_id(0);
     if (i >= num * dim) return;
     const int row = i / dim, col = i - row * dim;

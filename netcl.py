@@ -36,8 +36,10 @@ Set NETCL_DEBUG=1 to print each kernel build, NETCL_DEBUG=2 to also time every l
 import builtins
 import contextlib
 import csv
+import functools
 import gzip
 import inspect
+import itertools
 import json
 import math
 import multiprocessing
@@ -162,7 +164,7 @@ class BufferPool:
 
     def _take(self, nbytes):
         """alloc without the argument checks, for Tensor._alloc (nbytes is an int >= 0)."""
-        size = _bucket(nbytes)
+        size = _bucket_of.get(nbytes) or _bucket(nbytes)  # the dict alone, for a size seen before
         with self._lock:
             free = self._cached.get(size)
             if free:
@@ -250,6 +252,13 @@ def _kernel_source():
             with open(path, encoding="utf-8") as f:
                 return f.read()
     raise RuntimeError(f"kernels.cl not found beside {__file__} nor in netcl_kernels/")
+
+
+@functools.lru_cache(maxsize=1024)
+def _rounded_grid(global_size, local_size):
+    """Each global size rounded up to a multiple of its local size (cached: the grids of a
+    training step repeat)."""
+    return tuple(map(_round_up, global_size, local_size))
 
 
 class Device:
@@ -423,7 +432,7 @@ class Device:
             if global_size[0] % local_size[0]:
                 global_size = (_round_up(global_size[0], local_size[0]),)
         else:
-            global_size = tuple(map(_round_up, global_size, local_size))
+            global_size = _rounded_grid(tuple(global_size), tuple(local_size))
         kernel = (self._half_program() if half else self._kernels)[name]
         with self._lock:  # another thread's set_args must not land between ours and the enqueue
             kernel(self.queue, global_size, local_size, *args)
@@ -672,10 +681,12 @@ class Tensor:
     __slots__ = ("device", "shape", "dtype", "data", "_base", "_labels", "_pooled", "__weakref__")
 
     def __init__(self, device, shape, dtype, data, base=None):
+        # Internal: shape is a tuple of ints and dtype an np.dtype (Tensor.empty and
+        # from_host check what users give). Every op makes its outputs through here.
         self._pooled = None  # the pool buffer this tensor owns, if any: released in __del__
         self.device = device
-        self.shape = shape if type(shape) is tuple else tuple(shape)
-        self.dtype = dtype if isinstance(dtype, np.dtype) else np.dtype(dtype)
+        self.shape = shape
+        self.dtype = dtype
         self.data = data     # ndarray (NumPy backend) or pyopencl.Buffer, of at least nbytes
         self._base = base    # the Tensor that owns the memory, for views
         self._labels = None  # int32 tensors written from the host keep that copy: checking
@@ -764,7 +775,11 @@ class Tensor:
 
     def reshape(self, shape):
         """A view with a new shape (one -1 allowed); no copy."""
-        shape = _resolve_shape("reshape", self.shape, shape)
+        return self._view(_resolve_shape("reshape", self.shape, shape))
+
+    def _view(self, shape):
+        """reshape without the checks, for the ops: `shape` is a tuple of ints they computed,
+        of this tensor's size."""
         data = self.data.reshape(shape) if self.device.backend == "cpu" else self.data
         return Tensor(self.device, shape, self.dtype, data, base=self._base or self)
 
@@ -791,6 +806,10 @@ def _like(x, shape=None, dtype=None):
     """An uninitialised tensor on x's device, shaped like x unless `shape` is given."""
     return Tensor._alloc(x.device, x.shape if shape is None else tuple(shape),
                          x.dtype if dtype is None else np.dtype(dtype))
+
+
+# np.result_type costs about a microsecond a call; ops ask it for the same few pairs of dtypes.
+_result_type = functools.lru_cache(maxsize=64)(np.result_type)
 
 
 def _compute_dtype(dtype):
@@ -852,6 +871,7 @@ def _add_tensors(a, b):
     return out
 
 
+@functools.lru_cache(maxsize=1024)
 def _sum_chunks(columns, R, compute_units):
     """Into how many chunks sum_axis splits R: one work-item per column leaves most compute
     units idle when the columns are few and long, so R is cut into equal chunks (a power of
@@ -1262,11 +1282,14 @@ def _record(value, parents, backward):
     gradient."""
     node = Node(value)
     tapes = _state.tapes
-    if tapes and _state.grad_enabled[-1] and any(p.requires_grad for p in parents):
-        node.requires_grad = True
-        node._op = op = _Op(parents, backward, node)
-        for tape in tapes:
-            tape._ops.append(op)
+    if tapes and _state.grad_enabled[-1]:
+        for parent in parents:  # a loop, not any(...): this runs for every op
+            if parent.requires_grad:
+                node.requires_grad = True
+                node._op = op = _Op(parents, backward, node)
+                for tape in tapes:
+                    tape._ops.append(op)
+                break
     return node
 
 
@@ -1346,11 +1369,15 @@ def _nodes(op, *values, numeric=True):
     computes in float32 all the same: it has no integer arithmetic kernels, and both backends
     must agree. Labels and indices stay int32 for the ops that read them as such (a
     cross_entropy target, reshape)."""
-    if all(isinstance(v, Node) for v in values):  # the usual case: nothing to convert or move
-        device = values[0].value.device
-        if all(v.value.device is device and (not numeric or v.value.dtype.kind == "f")
-               for v in values):
-            return list(values)
+    # The usual case, Nodes of one device (of floats, for a numeric op): nothing to convert
+    # or move. A plain loop: generator expressions cost more than the test, in every op.
+    device = values[0].value.device if isinstance(values[0], Node) else None
+    for v in values:
+        if not isinstance(v, Node) or v.value.device is not device or (
+                numeric and v.value.dtype.kind != "f"):
+            break
+    else:
+        return list(values)
     device = _devices_of(op, *values)
     dtype = next((v.dtype for v in values if isinstance(v, (Node, Tensor))
                   and v.dtype.kind == "f"), None)
@@ -1686,7 +1713,7 @@ def _binary_tensor(name, a, b):
     shape, groups = _broadcast(name, a.shape, b.shape)
     if a.dtype != b.dtype:
         a, b = _float32(a), _float32(b)
-    out = _like(a, shape, np.result_type(a.dtype, b.dtype))
+    out = _like(a, shape, _result_type(a.dtype, b.dtype))
     if a.device.backend == "cpu":
         with np.errstate(all="ignore"):
             _BINARY[name](a.data, b.data, out=out.data)
@@ -1909,7 +1936,7 @@ def reshape(x, shape):
     """A view of x with a new shape (one -1 allowed)."""
     (x,) = _nodes("reshape", x, numeric=False)
     old_shape = x.shape
-    return _record(x.value.reshape(shape), (x,), lambda g: (g.reshape(old_shape),))
+    return _record(x.value.reshape(shape), (x,), lambda g: (g._view(old_shape),))
 
 
 def flatten(x, start_dim=1, end_dim=-1):
@@ -1965,21 +1992,21 @@ def _gemm_dims(a, b, trans_a, trans_b):
     transposed; b likewise; batch is 1 when both are matrices."""
     M, K = (a.shape[-1], a.shape[-2]) if trans_a else a.shape[-2:]
     N = b.shape[-2] if trans_b else b.shape[-1]
-    batch = a.shape[0] if a.ndim == 3 else b.shape[0] if b.ndim == 3 else 1
+    batch = a.shape[0] if len(a.shape) == 3 else b.shape[0] if len(b.shape) == 3 else 1
     return batch, M, K, N
 
 
 def _batch_strides(a, b, M, K, N):
     """Elements between the matrices of a batched a and b; 0 for one every product shares."""
-    return (M * K if a.ndim == 3 else 0), (K * N if b.ndim == 3 else 0)
+    return (M * K if len(a.shape) == 3 else 0), (K * N if len(b.shape) == 3 else 0)
 
 
-def _packed_gemm(a, b, trans_a, trans_b, bias, half, out):
+def _packed_gemm(a, b, dims, trans_a, trans_b, bias, half, out):
     """_gemm on CPU devices: op(a) packed into panels of 4 rows and op(b) into panels of 16
     columns (kernels.cl: pack_a, pack_b), so the product streams both through the caches.
     Packing reads float16 storage and writes float32, so it takes any operand's storage and
-    the inner loop reads float only."""
-    batch, M, K, N = _gemm_dims(a, b, trans_a, trans_b)
+    the inner loop reads float only. dims: _gemm_dims(a, b, trans_a, trans_b), from _gemm."""
+    batch, M, K, N = dims
     device = a.device
     Mp, Np = _round_up(M, _PANEL_ROWS), _round_up(N, _PANEL_COLS)
     stride_a, stride_b = _batch_strides(a, b, M, K, N)
@@ -2024,10 +2051,12 @@ def _packed_gemm(a, b, trans_a, trans_b, bias, half, out):
 def _tensor_core_gemm(a, b, trans_a, trans_b, bias, out):
     """Run _gemm's product on tensor cores if it can: both operands in float16 storage and a
     device whose probe passed. Returns whether it did."""
-    batch, M, K, N = _gemm_dims(a, b, trans_a, trans_b)
     device = a.device
-    if not (a.dtype == b.dtype == np.float16 and device.tensor_cores and K and not
+    if not (a.dtype == b.dtype == np.float16 and device.tensor_cores and not
             (trans_a and trans_b)):
+        return False
+    batch, M, K, N = _gemm_dims(a, b, trans_a, trans_b)
+    if not K:
         return False
     # Where an operand's contiguous dimension is not a multiple of _TC_VECTOR, its rows are
     # not 16-byte aligned and the small block gathers instead.
@@ -2060,66 +2089,77 @@ def _tensor_core_gemm(a, b, trans_a, trans_b, bias, out):
     return True
 
 
-def _vector_block(batch, M, N, units):
-    """The _VECTOR_BLOCKS entry (rows, columns, work-items) for a product C (M, N)."""
+def _vector_block(batch, M, N, units, blocks):
+    """The entry of `blocks` (_VECTOR_BLOCKS) for a product C (M, N): (rows, columns,
+    work-items)."""
     best, chosen = None, None
-    for rows, cols, threads, speed in _VECTOR_BLOCKS:
-        blocks = batch * _ceil_div(M, rows) * _ceil_div(N, cols)
-        cost = blocks * rows * cols / speed
-        if (chosen is None or 2 * blocks >= units) and (best is None or cost <= best):
+    for rows, cols, threads, speed in blocks:
+        count = batch * _ceil_div(M, rows) * _ceil_div(N, cols)
+        cost = count * rows * cols / speed
+        if (chosen is None or 2 * count >= units) and (best is None or cost <= best):
             best, chosen = cost, (rows, cols, threads)
     return chosen
 
 
-def _tiled_gemm(a, b, trans_a, trans_b, bias, half, out):
-    """_gemm on kernels.cl's tiled kernels: the vector kernels where every operand's
-    contiguous dimension is a multiple of 4, in the block _vector_block picks; else 128x128
-    tiles when there are enough of them to fill every compute unit, else 64x64. Either way K
-    is split over the grid when the blocks leave most compute units idle."""
-    batch, M, K, N = _gemm_dims(a, b, trans_a, trans_b)
-    batched = a.ndim == 3 or b.ndim == 3
-    # The half build's tiled kernels read float16 where autocast leaves it (kernels.cl):
-    # gemm_nn and gemm_nt take a (and write C) in float16, for the forward products, and
-    # gemm_tn takes b, for linear's weight gradient g^T x. Other float16 operands widen.
-    reads_half_b = trans_a and b.dtype == np.float16
-    a = a if half else _float32(a)
-    b = b if reads_half_b else _float32(b)
-    units = a.device.compute_units
+@functools.lru_cache(maxsize=1024)
+def _tiled_plan(batch, M, K, N, trans_a, trans_b, may_split, units, blocks):
+    """_tiled_gemm's launch, a function of the sizes alone: (kernel, global size, local size,
+    splits, k_chunk). The vector kernels where every operand's contiguous dimension is a
+    multiple of 4, in the block _vector_block picks from `blocks`; else 128x128 tiles when
+    there are enough of them to fill every compute unit, else 64x64. K is split over the
+    grid (may_split: a float32 result without bias; the scalar kernels also want a lone
+    product) when the blocks leave most compute units idle. Cached: a training step asks
+    for the same few products every time."""
     layout = "tn" if trans_a else "nt" if trans_b else "nn"
     # float4 rows: the contiguous dimension of each operand (K of op(A) = A, M of A^T, N of
     # B, K of B^T) and of C a multiple of 4
-    vector = (_VECTOR_BLOCKS and (M if trans_a else K) % 4 == 0
-              and (K if trans_b else N) % 4 == 0 and N % 4 == 0)
+    vector = (blocks and (M if trans_a else K) % 4 == 0 and (K if trans_b else N) % 4 == 0
+              and N % 4 == 0)
     if vector:
-        rows, cols, threads = _vector_block(batch, M, N, units)
-        kernel = f"gemm_{layout}_{rows}x{cols}"
-        group = (threads, 1, 1)
+        rows, cols, threads = _vector_block(batch, M, N, units, blocks)
+        kernel, group = f"gemm_{layout}_{rows}x{cols}", (threads, 1, 1)
     else:
         big = batch * _ceil_div(M, _TILE_BIG) * _ceil_div(N, _TILE_BIG) >= units
         rows = cols = _TILE_BIG if big else _TILE
         kernel = f"gemm_{layout}" + ("_big" if big else "")
         group = (_TILE_GROUP, _TILE_GROUP, 1)
     grid = (_ceil_div(N, cols) * group[0], _ceil_div(M, rows) * group[1])
-    # Split K when the blocks leave most compute units idle and K is long enough to share
-    # (float32 results only: partial sums in float16 would lose what float32 keeps). The
-    # vector kernels split any product, the others only a lone one, on the 64x64 tiles.
-    blocks = batch * _ceil_div(M, rows) * _ceil_div(N, cols)
-    splits = (min(units // blocks, K // _SPLIT_K_MIN)
-              if bias is None and not half and (vector or not batched) and 2 * blocks <= units
-              else 1)
-    k_chunk = _round_up(_ceil_div(K, splits), _TILE_K) if splits > 1 else K
-    splits = _ceil_div(K, k_chunk) if splits > 1 else 1
+    count = batch * _ceil_div(M, rows) * _ceil_div(N, cols)
+    splits = (min(units // count, K // _SPLIT_K_MIN)
+              if may_split and (vector or batch == 1) and 2 * count <= units else 1)
+    if splits <= 1:
+        return kernel, grid + (batch,), group, 1, K
+    k_chunk = _round_up(_ceil_div(K, splits), _TILE_K)
+    splits = _ceil_div(K, k_chunk)
+    if not vector:
+        kernel += "_split"  # the 64x64 kernels compiled for it (big is False here)
+    return kernel, grid + (batch * splits,), group, splits, k_chunk
+
+
+def _tiled_gemm(a, b, dims, trans_a, trans_b, bias, half, out):
+    """_gemm on kernels.cl's tiled kernels, as _tiled_plan lays it out (dims as _packed_gemm's)."""
+    batch, M, K, N = dims
+    # The half build's tiled kernels read float16 where autocast leaves it (kernels.cl):
+    # gemm_nn and gemm_nt take a (and write C) in float16, for the forward products, and
+    # gemm_tn takes b, for linear's weight gradient g^T x. Other float16 operands widen.
+    reads_half_b = trans_a and b.dtype == np.float16
+    a = a if half else _float32(a)
+    b = b if reads_half_b else _float32(b)
+    # Split K only for float32 results: partial sums in float16 would lose what float32 keeps.
+    kernel, grid, group, splits, k_chunk = _tiled_plan(
+        batch, M, K, N, trans_a, trans_b, bias is None and not half, a.device.compute_units,
+        _VECTOR_BLOCKS)
     target = _like(out, (batch, splits, M, N)) if splits > 1 else out
-    if splits > 1 and not vector:  # the 64x64 kernels compiled for it (big is False here)
-        a.device.launch(f"gemm_{layout}_split", grid + (splits,), group, M, N, K, k_chunk,
-                        0, 0, 0, a.data, b.data, None, target.data, half=reads_half_b)
+    if kernel.endswith("_split"):  # (a lone product, no bias)
+        a.device.launch(kernel, grid, group, M, N, K, k_chunk, 0, 0, 0, a.data, b.data, None,
+                        target.data, half=reads_half_b)
     else:
-        a.device.launch(kernel, grid + (batch * splits,), group, M, N, K, k_chunk,
-                        *_batch_strides(a, b, M, K, N), int(bias is not None), a.data, b.data,
+        a.device.launch(kernel, grid, group, M, N, K, k_chunk, *_batch_strides(a, b, M, K, N),
+                        int(bias is not None), a.data, b.data,
                         None if bias is None else bias.data, target.data,
                         half=half or reads_half_b)
     if splits > 1:
-        _sum_axis_tensor(target, batch, splits, M * N, out=out.reshape((batch, M * N)))
+        _sum_axis_tensor(target, batch, splits, M * N, out=out._view((batch, M * N)))
 
 
 def _gemm(a, b, trans_a=False, trans_b=False, bias=None, half=False, out=None):
@@ -2136,13 +2176,13 @@ def _gemm(a, b, trans_a=False, trans_b=False, bias=None, half=False, out=None):
     float16 storage on a device with them: _tensor_core_gemm), else on the tiled kernels
     (_tiled_gemm).
     """
-    batch, M, K, N = _gemm_dims(a, b, trans_a, trans_b)
-    batched = a.ndim == 3 or b.ndim == 3
+    dims = batch, M, K, N = _gemm_dims(a, b, trans_a, trans_b)
+    batched = len(a.shape) == 3 or len(b.shape) == 3
     if half and a.dtype != np.float16:
         a = _cast(a, np.float16)
     if out is None:
         out = _like(a, (batch, M, N) if batched else (M, N), np.float16 if half else
-                    _compute_dtype(np.result_type(a.dtype, b.dtype)))
+                    _compute_dtype(_result_type(a.dtype, b.dtype)))
     if a.device.backend == "cpu":
         np.matmul(np.swapaxes(a.data, -1, -2) if trans_a else a.data,
                   np.swapaxes(b.data, -1, -2) if trans_b else b.data, out=out.data)
@@ -2150,9 +2190,9 @@ def _gemm(a, b, trans_a=False, trans_b=False, bias=None, half=False, out=None):
             out.data += bias.data
     elif M and N and batch:  # (an empty C has nothing to write)
         if a.device.gemm == "packed":
-            _packed_gemm(a, b, trans_a, trans_b, bias, half, out)
+            _packed_gemm(a, b, dims, trans_a, trans_b, bias, half, out)
         elif not _tensor_core_gemm(a, b, trans_a, trans_b, bias, out):
-            _tiled_gemm(a, b, trans_a, trans_b, bias, half, out)
+            _tiled_gemm(a, b, dims, trans_a, trans_b, bias, half, out)
     return out
 
 
@@ -2244,7 +2284,7 @@ def linear(x, w, b=None):
         raise ValueError(f"linear: bias shape {b.shape} != ({w.shape[0]},) for weight {w.shape}")
     # (..., in) is one product over all rows: reshaped views of the tensors, one recorded op
     rows = math.prod(x.shape[:-1])
-    X, W = x.value.reshape((rows, x.shape[-1])), w.value
+    X, W = x.value._view((rows, x.shape[-1])), w.value
     half = _half_activations(X.device)
     # On tensor cores every product takes float16 operands: x rounded as autocast's other
     # devices do, and a float16 copy of the weight, kept for backward.
@@ -2253,26 +2293,26 @@ def linear(x, w, b=None):
         X, W = _half_operand(X), _half_weight(w)
 
     def backward(g):  # only the gradients somebody needs (the input's usually is not)
-        g = g.reshape((rows, w.shape[0]))
+        g = g._view((rows, w.shape[0]))
         if tensor_cores:
             g = _half_operand(g)
         # A parameter's gradient is written straight into its slot in the optimizer's flat
         # buffer when it has one free (_free_grad_slot; None otherwise: a new tensor).
-        grads = [_gemm(g, W).reshape(x.shape) if x.requires_grad else None,    # dx = g W
+        grads = [_gemm(g, W)._view(x.shape) if x.requires_grad else None,      # dx = g W
                  _gemm(g, X, trans_a=True, out=_free_grad_slot(w)) if w.requires_grad else None]
         if b is not None:                                        # db = the sum of g's rows
             cols = w.shape[0]
             slot = _free_grad_slot(b)
             if slot is not None:
-                _sum_axis_tensor(g, 1, rows, cols, out=slot.reshape((1, cols)))
+                _sum_axis_tensor(g, 1, rows, cols, out=slot._view((1, cols)))
                 grads.append(slot)
             elif b.requires_grad:
-                grads.append(_sum_axis_tensor(g, 1, rows, cols).reshape(b.shape))
+                grads.append(_sum_axis_tensor(g, 1, rows, cols)._view(b.shape))
             else:
                 grads.append(None)
         return grads
     out = _gemm(X, W, trans_b=True, bias=None if b is None else b.value, half=half)
-    return _record(out.reshape(x.shape[:-1] + (w.shape[0],)),
+    return _record(out._view(x.shape[:-1] + (w.shape[0],)),
                    (x, w) + ((b,) if b is not None else ()), backward)
 
 
@@ -2297,11 +2337,13 @@ def _check_dim(op, dim, ndim, name="dim"):
 _MAX_PERMUTE_RANK = 6  # kernels.cl's permute_axes takes six sizes and six steps
 
 
+@functools.lru_cache(maxsize=1024)
 def _merged_permutation(shape, dims):
     """x.permute(dims) seen with as few dimensions as it moves: (sizes, steps), one entry per
     dimension of the output, whose index k moves steps[k] elements in x. Size-1 dimensions
     are dropped, and neighbours that stay neighbours in x merge: (B, T, H, D) -> (B, H, T, D)
-    stays 4-D, (B, T, H, D) -> (T, B, H, D) is 3-D, (T, C, 1) -> (1, C, T) a 2-D transpose."""
+    stays 4-D, (B, T, H, D) -> (T, B, H, D) is 3-D, (T, C, 1) -> (1, C, T) a 2-D transpose.
+    Cached (shape and dims are tuples), so the result is tuples, which no caller can change."""
     x_steps = [math.prod(shape[d + 1:]) for d in range(len(shape))]
     sizes, steps = [], []
     for d in dims:
@@ -2313,7 +2355,7 @@ def _merged_permutation(shape, dims):
         else:
             sizes.append(shape[d])
             steps.append(x_steps[d])
-    return sizes, steps
+    return tuple(sizes), tuple(steps)
 
 
 def _transpose_tensor(x):
@@ -2340,7 +2382,7 @@ def _permute_tensor(x, dims):
         _copy(x, out)
     elif out.size:
         pad = _MAX_PERMUTE_RANK - len(sizes)  # size-1 dimensions in front, which never move
-        sizes, steps = [1] * pad + sizes, [0] * pad + steps
+        sizes, steps = (1,) * pad + sizes, (0,) * pad + steps
         x.device.launch("permute_axes", *_grid(out.size), out.size, *sizes[1:], *steps,
                         x.data, out.data, half=x.dtype == np.float16)
     return out
@@ -2361,7 +2403,7 @@ def permute(x, dims):
     if len(_merged_permutation(x.shape, dims)[0]) > _MAX_PERMUTE_RANK:
         raise ValueError(f"permute: dims {dims} on shape {x.shape} move more than "
                          f"{_MAX_PERMUTE_RANK} separate dimensions")
-    inverse = tuple(int(d) for d in np.argsort(dims))
+    inverse = tuple(sorted(range(len(dims)), key=dims.__getitem__))  # np.argsort, for a few ints
     return _record(_permute_tensor(x.value, dims), (x,),
                    lambda g: (_permute_tensor(g, inverse),))
 
@@ -2540,7 +2582,7 @@ def _pieces(x, d, sizes):
     """x cut along dimension d into pieces of `sizes` rows: a tuple of Nodes. Along the
     leading dimension the pieces are views, as PyTorch's (no copy; on OpenCL where the
     device lets a sub-buffer start at every piece), else copies."""
-    starts = np.cumsum([0] + list(sizes)).tolist()
+    starts = list(itertools.accumulate(sizes, initial=0))  # np.cumsum, for a few ints
     X = x.value
     if d == 0 and _row_views_allowed(X, starts[1:-1]):
         values = [_row_view(X, start, rows) for start, rows in zip(starts, sizes)]
@@ -3722,6 +3764,8 @@ def _normalized_shape(op, normalized_shape):
     """normalized_shape as a tuple: an int or a non-empty sequence of non-negative ints."""
     shape = ((normalized_shape,) if isinstance(normalized_shape, (int, np.integer))
              else normalized_shape)
+    if type(shape) is tuple and shape and all(type(s) is int and s >= 0 for s in shape):
+        return shape  # the usual case (a module's own), checked in one pass
     if not (isinstance(shape, (tuple, list)) and shape and all(
             _is_int(s) and s >= 0 for s in shape)):
         raise ValueError(f"{op}: normalized_shape must be an int or a non-empty tuple of "
@@ -3812,7 +3856,7 @@ def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5):
                 chunks = _ceil_div(rows, _ROWS_PER_CHUNK)
                 grads = [(_free_grad_slot(p) if p is not None else None) or _like(g, shape)
                          for p in (w, b)]
-                parts = ([grad.reshape((1, D)) for grad in grads] if chunks == 1 else
+                parts = ([grad._view((1, D)) for grad in grads] if chunks == 1 else
                          [_like(g, (chunks, D)) for _ in grads])
                 if chunks and D:
                     g.device.launch("layer_norm_bwd_params", (D, _COLUMN_LANES * chunks),
@@ -3960,12 +4004,16 @@ def embedding(idx, weight):
         raise IndexError(f"embedding: index {bad.flat[0]} is out of range [0, {num}) for "
                          f"{num} embeddings")
     W = _float32(w.value)
-    indices = t if isinstance(t, Tensor) else Tensor.from_host(host.astype(np.int32), W.queue)
     flat = host.reshape(-1).astype(np.int64)
     out = _like(W, host.shape + (dim,))
     if W.device.backend == "cpu":
         out.data[...] = W.data[host]
     elif out.size:
+        if isinstance(t, Tensor):
+            indices = t
+        else:  # checked above, and astype's copy is ours: uploaded without from_host's copy
+            indices = _like(W, host.shape, np.int32)
+            W.device.upload(indices.data, host.astype(np.int32))
         W.device.launch("embedding_fwd", *_grid(out.size), out.size, dim, indices.data, W.data,
                         out.data)
 
@@ -3975,15 +4023,18 @@ def embedding(idx, weight):
             grad.data[...] = 0
             np.add.at(grad.data, flat, g.data.reshape(-1, dim))
         elif grad.size:
-            # The positions sorted by index (stably: each row sums in position order), and
-            # where each row's run starts: a gather per (row, column), no atomics.
-            # (Held in names until the launch: a Tensor's buffer goes back to the pool as
-            # soon as the Tensor goes.)
-            order = Tensor.from_host(np.argsort(flat, kind="stable").astype(np.int32), g.queue)
-            starts = Tensor.from_host(np.concatenate(
-                [[0], np.cumsum(np.bincount(flat, minlength=num))]).astype(np.int32), g.queue)
-            g.device.launch("embedding_bwd", *_grid(grad.size), num, dim, starts.data,
-                            order.data, g.data, grad.data)
+            # Where each row's run starts (num + 1 entries), then the positions sorted by
+            # index (stably: each row sums in position order): a gather per (row, column), no
+            # atomics. One array, so one upload. (Held in a name until the launch: a Tensor's
+            # buffer goes back to the pool as soon as the Tensor goes.)
+            host_runs = np.empty(num + 1 + flat.size, np.int32)
+            host_runs[0] = 0
+            np.cumsum(np.bincount(flat, minlength=num), out=host_runs[1:num + 1])
+            host_runs[num + 1:] = np.argsort(flat, kind="stable")
+            runs = _like(grad, host_runs.shape, np.int32)
+            g.device.upload(runs.data, host_runs)  # host_runs is ours: no copy needed
+            g.device.launch("embedding_bwd", *_grid(grad.size), num, dim, runs.data, g.data,
+                            grad.data)
         return (grad,)
     return _record(out, (w,), backward)
 
