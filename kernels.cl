@@ -139,6 +139,19 @@ float group_sum(__local float* partial, const float value) {
     return group_reduce(partial, value, 0);
 }
 
+// x (outer, R) -> out (outer) = scale * the sum of each row: one 256-wide work-group per row
+// (adjacent work-items read adjacent elements), for long rows on GPUs (a convolution's bias
+// gradient sums rows of OH * OW), where sum_axis's one work-item per row reads uncoalesced.
+__kernel __attribute__((reqd_work_group_size(256, 1, 1)))
+void sum_rows(const int R, const float scale, __global const act_t* x, __global float* out) {
+    __local float partial[256];
+    __global const act_t* row = x + get_group_id(0) * R;
+    float acc = 0.0f;
+    for (int i = get_local_id(0); i < R; i += 256) acc += LOAD(row, i);
+    const float total = group_sum(partial, acc);
+    if (get_local_id(0) == 0) out[get_group_id(0)] = scale * total;
+}
+
 // x (n) -> out (groups) = scale * partial sums, one per 256-wide work-group; run once more
 // on the partials when there is more than one group.
 __kernel __attribute__((reqd_work_group_size(256, 1, 1)))
@@ -473,8 +486,8 @@ GEMM(gemm_tn_split, 4, 1, float, A_COLMAJOR, 0, act_t, B_ROWMAJOR, 0, float)
 
 // The vector GEMM family: the same product for operands whose contiguous dimension is a
 // multiple of 4 (each row then starts 16-byte aligned: pool buffers and sub-buffers start on
-// the device's base-address alignment), so every global access is a float4 (a 16-byte load
-// or store, half4 in the half build). Faster than the kernels above on GPUs (the H200 at
+// the device's base-address alignment), so every load is a float4 (a 16-byte load, half4 in
+// the half build), and so is every store where C's rows are multiples of 4 too. Faster than the kernels above on GPUs (the H200 at
 // n=4096: 42-44 against 25-27 TFLOP/s); the host picks a block size per product
 // (netcl.py: _tiled_gemm). A work-group of THREADS = (BM / TM) (BN / TN) work-items
 // computes a BM x BN block of C, each work-item a TM x TN tile of it:
@@ -489,7 +502,7 @@ GEMM(gemm_tn_split, 4, 1, float, A_COLMAJOR, 0, act_t, B_ROWMAJOR, 0, float)
 //   k-fast operand spread over the banks. The arrays are float4 so they start 16-byte
 //   aligned.
 // - The grid's third dimension is a batch and split-K at once, as in the tensor-core kernels
-//   below (k_chunk = K: no split).
+//   below (k_chunk = K: no split); the first chunk of K adds the bias.
 #if HALF_STORAGE
 #define LOAD4_act_t(p, i) vload_half4(0, (p) + (i))
 #define STORE4_act_t(p, i, v) vstore_half4((v), 0, (p) + (i))
@@ -546,6 +559,7 @@ void NAME(const int M, const int N, const int K, const int k_chunk, const int ba
     A += product * batch_a;                                                                     \
     B += product * batch_b;                                                                     \
     C += get_group_id(2) * M * N;                                                               \
+    const int add_bias = has_bias && k_begin == 0;  /* split-K: the first chunk adds it */      \
     __local float4 As[2][BK][BM / 4 + 1];                                                       \
     __local float4 Bs[2][BK][BN / 4 + 1];                                                       \
     const int tid = get_local_id(0), lane = tid % 32, warp = tid / 32;                          \
@@ -599,10 +613,17 @@ void NAME(const int M, const int N, const int K, const int k_chunk, const int ba
         _Pragma("unroll") for (int h = 0; h < TN / 4; ++h) {                                    \
             const int c = n0 + col + h * LN * 4;                                                \
             if (c >= N) continue;                                                               \
-            float4 v = (float4)(acc[i][4 * h], acc[i][4 * h + 1], acc[i][4 * h + 2],            \
-                                acc[i][4 * h + 3]);                                             \
-            if (has_bias) v += LOAD4_float(bias, c);                                            \
-            STORE4_##C_T(C, r * N + c, v);                                                      \
+            const float v[4] = {acc[i][4 * h], acc[i][4 * h + 1], acc[i][4 * h + 2],            \
+                                acc[i][4 * h + 3]};                                             \
+            if (N % 4 == 0) {  /* whole float4s; else C's rows are not 16-byte aligned */       \
+                float4 v4 = (float4)(v[0], v[1], v[2], v[3]);                                   \
+                if (add_bias) v4 += LOAD4_float(bias, c);                                       \
+                STORE4_##C_T(C, r * N + c, v4);                                                 \
+            } else {                                                                            \
+                _Pragma("unroll") for (int q = 0; q < 4; ++q)                                   \
+                    if (c + q < N)                                                              \
+                        STORE_##C_T(C, r * N + c + q, v[q] + (add_bias ? bias[c + q] : 0.0f));  \
+            }                                                                                   \
         }                                                                                       \
     }                                                                                           \
 }

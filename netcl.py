@@ -885,6 +885,7 @@ def _sum_chunks(columns, R, compute_units):
 
 
 _COLUMN_LANES = 16  # kernels.cl's sum_columns: a work-group is this many columns x lanes
+_ROW_GROUP = 256    # kernels.cl's sum_rows: a work-group of this many sums one row
 
 
 def _sum_axis_tensor(x, outer, R, inner, scale=1.0, out=None):
@@ -909,6 +910,10 @@ def _sum_axis_tensor(x, outer, R, inner, scale=1.0, out=None):
             x.device.launch("sum_all", (groups * 256,), (256,), R, 1.0, x.data, partial.data,
                             half=half)
             x.device.launch("sum_all", (256,), (256,), groups, scale, partial.data, out.data)
+        elif inner == 1 and R >= _ROW_GROUP and x.device.gemm == "tiled":
+            # long rows on a GPU (a convolution's bias gradient): a work-group per row
+            x.device.launch("sum_rows", (outer * _ROW_GROUP,), (_ROW_GROUP,), R, scale, x.data,
+                            out.data, half=half)
         elif chunks > 1 and inner >= _COLUMN_LANES and x.device.gemm == "tiled":
             # few long columns on a GPU (a bias gradient): one launch, lanes of rows per column
             x.device.launch("sum_columns", (inner, _COLUMN_LANES, outer),
@@ -1968,9 +1973,15 @@ _TILE_K = 16                # the depth of a slice: split-K chunks are multiples
 # (the smallest block always qualifies): n = 4096 takes 128x256, n = 1024 64x128, conv2d's
 # forward (50176 x 64) 64x64.
 _VECTOR_BLOCKS = ((64, 64, 256, 31.0), (64, 128, 128, 34.0), (128, 256, 512, 43.0))
-# Split K over the grid only into chunks at least this long: a shorter chunk does too little
-# arithmetic to pay for writing its partial product and summing the partials.
+# Split K over the grid only into chunks at least this long, and only a K of two chunks or
+# more: a shorter chunk does too little arithmetic to pay for writing its partial product
+# and summing the partials (a launch more). The vector kernels split such a K into chunks
+# of at least _VECTOR_SPLIT_K_MIN, enough of them for this many work-groups per compute
+# unit (one each leaves the units waiting on memory: conv2d's weight gradient ran at 12
+# TFLOP/s on the H200 with 130 work-groups).
 _SPLIT_K_MIN = 1024
+_VECTOR_SPLIT_K_MIN = 256
+_SPLIT_GROUPS_PER_UNIT = 4
 # kernels.cl's tensor-core blocks: (rows, columns, work-items) of the large and small one,
 # and their k-tile depth (split-K chunks are multiples of it).
 _TC_LARGE, _TC_SMALL = (128, 128, 256), (128, 64, 128)
@@ -2069,10 +2080,12 @@ def _tensor_core_gemm(a, b, trans_a, trans_b, bias, out):
     blocks = batch * _ceil_div(M, rows) * _ceil_div(N, cols)
     # Split K when the blocks leave most compute units idle and K is long enough to share
     # (a weight gradient summed over a large batch): float32 partial products, then their sum.
-    splits = (max(1, min(device.compute_units // blocks, K // _SPLIT_K_MIN))
-              if bias is None and out.dtype == np.float32 and 2 * blocks <= device.compute_units
-              else 1)
-    if not aligned and blocks * splits < device.compute_units:
+    # (A gathering block is slow: it takes one more split to fill every unit.)
+    units = device.compute_units
+    fill = units // blocks if aligned else _ceil_div(units, blocks)
+    splits = (max(1, min(fill, K // _SPLIT_K_MIN))
+              if bias is None and out.dtype == np.float32 and 2 * blocks <= units else 1)
+    if not aligned and blocks * splits < units:
         return False  # too few gathering blocks: the split-K float32 kernels do it faster
     k_chunk = _round_up(_ceil_div(K, splits), _TC_TILE_K) if splits > 1 else K
     splits = _ceil_div(K, k_chunk)
@@ -2102,19 +2115,19 @@ def _vector_block(batch, M, N, units, blocks):
 
 
 @functools.lru_cache(maxsize=1024)
-def _tiled_plan(batch, M, K, N, trans_a, trans_b, may_split, units, blocks):
+def _tiled_plan(batch, M, K, N, trans_a, trans_b, may_split, has_bias, units, blocks):
     """_tiled_gemm's launch, a function of the sizes alone: (kernel, global size, local size,
-    splits, k_chunk). The vector kernels where every operand's contiguous dimension is a
+    splits, k_chunk). The vector kernels where each operand's contiguous dimension is a
     multiple of 4, in the block _vector_block picks from `blocks`; else 128x128 tiles when
     there are enough of them to fill every compute unit, else 64x64. K is split over the
-    grid (may_split: a float32 result without bias; the scalar kernels also want a lone
-    product) when the blocks leave most compute units idle. Cached: a training step asks
+    grid (may_split: a float32 result) when the blocks leave most compute units idle: on
+    the vector kernels into enough chunks for a few work-groups per compute unit, on the
+    scalar ones (a lone product without bias) one per unit. Cached: a training step asks
     for the same few products every time."""
     layout = "tn" if trans_a else "nt" if trans_b else "nn"
     # float4 rows: the contiguous dimension of each operand (K of op(A) = A, M of A^T, N of
-    # B, K of B^T) and of C a multiple of 4
-    vector = (blocks and (M if trans_a else K) % 4 == 0 and (K if trans_b else N) % 4 == 0
-              and N % 4 == 0)
+    # B, K of B^T) a multiple of 4 (C's rows need not be: the kernels store those one by one)
+    vector = blocks and (M if trans_a else K) % 4 == 0 and (K if trans_b else N) % 4 == 0
     if vector:
         rows, cols, threads = _vector_block(batch, M, N, units, blocks)
         kernel, group = f"gemm_{layout}_{rows}x{cols}", (threads, 1, 1)
@@ -2125,8 +2138,13 @@ def _tiled_plan(batch, M, K, N, trans_a, trans_b, may_split, units, blocks):
         group = (_TILE_GROUP, _TILE_GROUP, 1)
     grid = (_ceil_div(N, cols) * group[0], _ceil_div(M, rows) * group[1])
     count = batch * _ceil_div(M, rows) * _ceil_div(N, cols)
-    splits = (min(units // count, K // _SPLIT_K_MIN)
-              if may_split and (vector or batch == 1) and 2 * count <= units else 1)
+    splits = 1
+    if may_split and 2 * count <= units and K >= 2 * _SPLIT_K_MIN:
+        if vector:
+            splits = min(_ceil_div(_SPLIT_GROUPS_PER_UNIT * units, count),
+                         K // _VECTOR_SPLIT_K_MIN)
+        elif batch == 1 and not has_bias:
+            splits = min(units // count, K // _SPLIT_K_MIN)
     if splits <= 1:
         return kernel, grid + (batch,), group, 1, K
     k_chunk = _round_up(_ceil_div(K, splits), _TILE_K)
@@ -2147,7 +2165,7 @@ def _tiled_gemm(a, b, dims, trans_a, trans_b, bias, half, out):
     b = b if reads_half_b else _float32(b)
     # Split K only for float32 results: partial sums in float16 would lose what float32 keeps.
     kernel, grid, group, splits, k_chunk = _tiled_plan(
-        batch, M, K, N, trans_a, trans_b, bias is None and not half, a.device.compute_units,
+        batch, M, K, N, trans_a, trans_b, not half, bias is not None, a.device.compute_units,
         _VECTOR_BLOCKS)
     target = _like(out, (batch, splits, M, N)) if splits > 1 else out
     if kernel.endswith("_split"):  # (a lone product, no bias)

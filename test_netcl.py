@@ -2516,13 +2516,14 @@ def _force_gemm_form(opencl, monkeypatch, form):
 @pytest.mark.parametrize("m, k, n", [(1, 1, 1), (5, 0, 3), (70, 129, 33), (130, 17, 129),
                                      (64, 5000, 100), (7, 4099, 9), (130, 300, 900),
                                      (70, 8192, 60), (68, 132, 260), (4, 8, 4), (4, 0, 8),
-                                     (68, 8192, 64)])
+                                     (68, 8192, 64), (36, 2048, 10)])
 def test_every_gemm_form_matches_numpy(opencl, monkeypatch, form, m, k, n):
     """Every layout, with and without bias; (130, 300, 900) is past _PANEL_MACS, where the
     packed form packs both operands into panels, and (70, 8192, 60) has the long K over a
     small C that it splits into _PANEL_K_CHUNK-long chunks (without bias). The vector
     kernels take the shapes whose operands' rows are multiples of 4, (68, 132, 260) in
-    every layout, ragged against each block."""
+    every layout, ragged against each block; (36, 2048, 10) takes them for A B^T, whose C
+    has rows of 10, and splits K with the bias (split_k)."""
     _force_gemm_form(opencl, monkeypatch, form)
     rng = np.random.default_rng(m * 7 + k * 3 + n)
     a, b = rng.standard_normal((m, k)), rng.standard_normal((k, n))
@@ -2542,7 +2543,8 @@ def test_every_gemm_form_matches_numpy(opencl, monkeypatch, form, m, k, n):
     (1024, 1024, 1024, False, True, "gemm_nt_64x128", 1),
     (4096, 4096, 784, True, False, "gemm_tn_128x256", 1),  # a large MLP's first weight gradient
     (50176, 288, 64, False, False, "gemm_nn_64x64", 1),     # conv2d's forward: 64 columns
-    (64, 50176, 288, False, True, "gemm_nt_64x64", 26),     # its weight gradient: split K
+    (64, 50176, 288, False, True, "gemm_nt_64x64", 105),    # its weight gradient: split K
+    (4096, 4096, 10, False, True, "gemm_nt_64x64", 9),      # rows of 10 in C: stored singly
     (128, 784, 256, False, True, "gemm_nt_64x64", 1),       # a small MLP's first layer
     (4096, 4095, 4096, False, False, "gemm_nn_big", 1),     # rows of 4095: no float4s
     (130, 300, 900, True, False, "gemm_tn", 1),             # A^T with rows of 130
@@ -2608,11 +2610,12 @@ def test_every_gemm_form_takes_a_batch(opencl, monkeypatch, form):
 
 @pytest.mark.parametrize("gemm", ["packed", "tiled"])
 @pytest.mark.parametrize("shape, axis", [((4096, 3), 0), ((2, 1536, 5), 1), ((512, 1), 0),
-                                         ((4096, 40), 0), ((3, 2048, 17), 1)])
+                                         ((4096, 40), 0), ((3, 2048, 17), 1), ((6, 784), 1),
+                                         ((5, 3, 1000), 2)])
 def test_long_sums_over_few_columns_match_numpy(cpu, opencl, monkeypatch, gemm, shape, axis):
     """A sum over few long columns (a bias gradient over a large batch) is split into chunks
     on CPU devices, then the chunks are summed; on GPUs ("tiled") 16 or more columns take
-    sum_columns' one launch. Forward and backward match the NumPy backend. Small integers
+    sum_columns' one launch, and long rows (the last axis) sum_rows' work-group per row. Forward and backward match the NumPy backend. Small integers
     sum exactly in float32 in any order, so only a wrong sum can differ."""
     monkeypatch.setattr(opencl, "gemm", gemm)
     x = np.random.default_rng(9).integers(-8, 9, shape).astype(np.float32)
