@@ -1987,6 +1987,10 @@ _SPLIT_GROUPS_PER_UNIT = 4
 _TC_LARGE, _TC_SMALL = (128, 128, 256), (128, 64, 128)
 _TC_TILE_K = 32
 _TC_VECTOR = 8  # halves the tensor-core kernels copy at a time (16 bytes)
+# A product up to this many multiply-adds takes the gathering tensor-core block however few
+# its blocks: it is launch-bound either way, and the float32 kernels would first widen its
+# float16 operands (a small model's 10-class layer: three casts a step).
+_TC_GATHER_ANYWAY = 1 << 24
 # kernels.cl's packed kernels (pack_a, pack_b, gemm_packed; CPU devices): op(a) in panels of
 # 4 rows, op(b) in panels of 16 columns; a work-item computes one 4x16 block of C.
 _PANEL_ROWS, _PANEL_COLS = 4, 16
@@ -2085,7 +2089,7 @@ def _tensor_core_gemm(a, b, trans_a, trans_b, bias, out):
     fill = units // blocks if aligned else _ceil_div(units, blocks)
     splits = (max(1, min(fill, K // _SPLIT_K_MIN))
               if bias is None and out.dtype == np.float32 and 2 * blocks <= units else 1)
-    if not aligned and blocks * splits < units:
+    if not aligned and blocks * splits < units and M * N * K > _TC_GATHER_ANYWAY:
         return False  # too few gathering blocks: the split-K float32 kernels do it faster
     k_chunk = _round_up(_ceil_div(K, splits), _TC_TILE_K) if splits > 1 else K
     splits = _ceil_div(K, k_chunk)
