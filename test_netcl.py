@@ -5481,6 +5481,26 @@ def test_fused_clip_step_equals_clip_then_step(backend, kind, data, shapes, max_
                                    atol=1e-9 + ulps * term ** 2)
 
 
+@pytest.mark.parametrize("norm_type", [2.0, math.inf])
+def test_gpu_norm_of_a_large_gradient_takes_more_work_groups(opencl, monkeypatch, norm_type):
+    """On a GPU (132 compute units, the H200) a gradient of 2^21 elements has its norm's
+    partials from 512 work-groups, not 256 (8 per compute unit), and the norm is right."""
+    monkeypatch.setattr(opencl, "gemm", "tiled")
+    monkeypatch.setattr(opencl, "compute_units", 132)
+    g = np.random.default_rng(4).standard_normal(1 << 21).astype(np.float32)
+    p = param(np.zeros(g.shape), opencl)
+    p.grad = netcl.Tensor.from_host(g, queue=opencl.queue)
+    groups = []
+    real_launch = opencl.launch
+    monkeypatch.setattr(opencl, "launch", lambda name, grid, *args, **kwargs: (
+        groups.append(grid[0] // 256) if name in ("norm_partials", "amp_unscale") else None,
+        real_launch(name, grid, *args, **kwargs)))
+    total = netcl.clip_grad_norm([p], 1e9, norm_type=norm_type)
+    expected = _total_norm_reference([g], norm_type)
+    assert math.isclose(float(total), expected, rel_tol=1e-5)
+    assert groups == [512]
+
+
 @TRAINING_SETTINGS
 @given(grads=SHAPES.flatmap(_float32_arrays),
        norm_type=st.sampled_from([2.0, 1.0, 3.0, math.inf, "inf"]),
