@@ -1967,20 +1967,26 @@ def _batch_strides(a, b, M, K, N):
     return (M * K if a.ndim == 3 else 0), (K * N if b.ndim == 3 else 0)
 
 
-def _packed_gemm(a, b, trans_a, trans_b, bias, half, out):
+def _packed_gemm(a, b, trans_a, trans_b, bias, half, out, b_cols=None, c_run=None):
     """_gemm on CPU devices: op(a) packed into panels of 4 rows and op(b) into panels of 16
     columns (kernels.cl: pack_a, pack_b), so the product streams both through the caches.
     Packing reads float16 storage and writes float32, so it takes any operand's storage and
-    the inner loop reads float only."""
+    the inner loop reads float only. conv2d's columns come already packed: with b_cols, b is
+    op(b) (K, b_cols) in panels, a (K, Np) float32 matrix; and with c_run, C's columns are
+    runs of c_run (kernels.cl: gemm_packed), out is conv2d's (nb, M, c_run) output and the
+    bias (M) is per row."""
     batch, M, K, N = _gemm_dims(a, b, trans_a, trans_b)
+    N = N if b_cols is None else b_cols
     device = a.device
     Mp, Np = _round_up(M, _PANEL_ROWS), _round_up(N, _PANEL_COLS)
     stride_a, stride_b = _batch_strides(a, b, M, K, N)
     # Panels when the product is large enough for streaming them to pay (2-3x at n=1024);
     # a small one packs only an operand the kernel cannot read as it is (fewer launches).
-    panels = M * N * K >= _PANEL_MACS
+    panels = M * N * K >= _PANEL_MACS or b_cols is not None
     A, B = a, b
     a_k, a_r, b_panel, b_k = 1, K, 1, Np  # the operands' own rows
+    if b_cols is not None:
+        b_panel, b_k = K, _PANEL_COLS
     if panels or trans_a or Mp != M or a.dtype == np.float16:
         count = a.shape[0] if a.ndim == 3 else 1
         A = _like(a, (count, Mp, K), np.float32)
@@ -1988,7 +1994,7 @@ def _packed_gemm(a, b, trans_a, trans_b, bias, half, out):
                       M, K, Mp, int(trans_a), stride_a, a.data, A.data,
                       half=a.dtype == np.float16)
         stride_a, a_k, a_r = (Mp * K if a.ndim == 3 else 0), _PANEL_ROWS, 1
-    if panels or trans_b or Np != N or b.dtype == np.float16:
+    if b_cols is None and (panels or trans_b or Np != N or b.dtype == np.float16):
         count = b.shape[0] if b.ndim == 3 else 1
         B = _like(b, (count, K, Np), np.float32)
         device.launch("pack_b", (Np // _PANEL_COLS * _ceil_div(K, _PACK_K), count), (256, 1),
@@ -1998,7 +2004,8 @@ def _packed_gemm(a, b, trans_a, trans_b, bias, half, out):
     # Split K (partial products, then their sum) where the partials cost at most a quarter
     # of reading the operands: a long K and a small C.
     splits = (_ceil_div(K, _PANEL_K_CHUNK) if panels and batch == 1 and bias is None and not
-              half and K >= 4 * _PANEL_K_CHUNK and 4 * M * N <= _PANEL_K_CHUNK * (M + N) else 1)
+              half and c_run is None and K >= 4 * _PANEL_K_CHUNK and
+              4 * M * N <= _PANEL_K_CHUNK * (M + N) else 1)
     k_chunk = _PANEL_K_CHUNK if splits > 1 else K
     if splits > 1:
         stride_a, stride_b = _PANEL_ROWS * k_chunk, _PANEL_COLS * k_chunk
@@ -2008,8 +2015,9 @@ def _packed_gemm(a, b, trans_a, trans_b, bias, half, out):
     target = _like(out, (splits, M, N)) if splits > 1 else out
     device.launch("gemm_packed", grid[::-1] + (batch * splits,) if rows_first else
                   grid + (batch * splits,), (8, 1, 1), M, N, K, k_chunk, int(rows_first),
-                  a_k, a_r, b_panel, b_k, stride_a, stride_b, int(bias is not None),
-                  A.data, B.data, None if bias is None else bias.data, target.data, half=half)
+                  a_k, a_r, b_panel, b_k, stride_a, stride_b, N if c_run is None else c_run,
+                  int(bias is not None), int(c_run is not None), A.data, B.data,
+                  None if bias is None else bias.data, target.data, half=half)
     if splits > 1:
         _sum_axis_tensor(target, 1, splits, M * N, out=out.reshape((1, M * N)))
 
@@ -3345,7 +3353,9 @@ def mse_loss(input, target, reduction="mean"):
 # view every window at once through stride tricks. On OpenCL, conv2d is im2col + the GEMM
 # above: copying the windows out costs memory (C*R*S values per output pixel) but lets the
 # one tuned GEMM do all the arithmetic, so conv2d gets faster whenever the GEMM does, with no
-# second tuned kernel to keep per device (an implicit-GEMM kernel would need one).
+# second tuned kernel to keep per device (an implicit-GEMM kernel would need one). On CPU
+# devices im2col writes the packed GEMM's panels itself and the product writes NCHW, so the
+# columns are written once and read once (that halved the time outside the GEMM).
 # Every backward is a gather (one work-item per input pixel sums what it fed): no atomics.
 
 def _pair(op, name, value, minimum):
@@ -3411,6 +3421,31 @@ def _im2col(X, n0, nb, window, tensor_cores=False):
     cols = _like(X, (C * R * S, nb * OH * OW), np.float16 if tensor_cores else np.float32)
     X.device.launch("im2col_act" if tensor_cores else "im2col", (nb * OH * OW, C), (256, 1), n0,
                     nb, C, *window, X.data, cols.data, half=X.dtype == np.float16)
+    return cols
+
+
+_PIXEL_RUN = 16  # kernels.cl's PIXEL_RUN: the pixels one im2col_panels_t work-item copies
+
+
+def _im2col_panels(X, n0, nb, window, transposed):
+    """_im2col for CPU devices, written as the packed GEMM's panels from a zero-padded copy of
+    the samples (kernels.cl: im2col_panels): cols (C*R*S, nb*OH*OW) in panels of 16 pixels,
+    the forward product's b; or transposed, cols^T (nb*OH*OW, C*R*S) in panels of 16 taps,
+    the weight gradient's. Both are (K, Np) float32 matrices for _packed_gemm's b_cols."""
+    H, W, R, S, SH, SW, PH, PW, DH, DW, OH, OW = window
+    C, pixels = X.shape[1], nb * OH * OW
+    padded = _like(X, (nb, C, H + 2 * PH, W + 2 * PW), np.float32)
+    X.device.launch("pad_images", *_grid(nb * C * (H + 2 * PH)), n0, nb, C, H, W, PH, PW,
+                    X.data, padded.data, half=X.dtype == np.float16)
+    taps = C * R * S
+    if transposed:
+        cols = _like(X, (pixels, _round_up(taps, _PANEL_COLS)), np.float32)
+        grid = (_ceil_div(pixels, _PIXEL_RUN), cols.shape[1] // _PANEL_COLS)
+    else:
+        cols = _like(X, (taps, _round_up(pixels, _PANEL_COLS)), np.float32)
+        grid = (C, cols.shape[1] // _PANEL_COLS)
+    X.device.launch("im2col_panels_t" if transposed else "im2col_panels", grid, (16, 1), nb, C,
+                    *window, padded.data, cols.data)
     return cols
 
 
@@ -3491,6 +3526,9 @@ def conv2d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
     if tensor_cores:
         X, weight_rows = _half_operand(X), _half_weight(w).reshape((K, group_taps))
     out = _like(X, (N, K, OH, OW), np.float16 if half else None)
+    # CPU devices' packed GEMM reads the columns as im2col writes them, and writes NCHW
+    # (grouped convolutions take the general path below).
+    panels = X.device.backend == "opencl" and X.device.gemm == "packed" and G == 1
     # Each group's filters and channels, for the NumPy versions: a group is an ordinary
     # convolution of its own channels (one einsum over a group axis would be twice as slow).
     group_slices = [(slice(g * K // G, (g + 1) * K // G), slice(g * C // G, (g + 1) * C // G))
@@ -3502,6 +3540,14 @@ def conv2d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
                                        optimize=True)
         if bias is not None:
             out.data += bias.data.reshape(K, 1, 1)
+    elif out.size and panels:
+        for n0, nb in chunks:  # out[n0:n0+nb] (nb, K, OH*OW): the filters on the columns
+            y = out if nb == N else _like(out, (nb, K, OH, OW))
+            _packed_gemm(weight_rows, _im2col_panels(X, n0, nb, window, False), False, False,
+                         bias, half, y, b_cols=nb * L, c_run=L)
+            if y is not out:
+                cl.enqueue_copy(X.device.queue, out.data, y.data, dst_offset=n0 * y.nbytes // nb,
+                                byte_count=y.nbytes)
     elif out.size:
         for n0, nb in chunks:  # y (K, nb*OH*OW): each group's filters on its channels' columns
             y = _grouped_gemm(weight_rows, _im2col(X, n0, nb, window, tensor_cores), G)
@@ -3531,8 +3577,13 @@ def conv2d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
                 g.device.launch("swap_axes01", *_grid(g_rows.size), nb, K, L, n0 * K * L, 0, 0,
                                 g.data, None, g_rows.data, half=tensor_cores)
                 if w.requires_grad:  # dw = g_rows @ cols^T per group, summed over the chunks
-                    cols = _im2col(X, n0, nb, window, tensor_cores)
-                    part = _grouped_gemm(g_rows, cols, G, trans_b=True)
+                    if panels:
+                        part = _like(g_rows, (K, group_taps), np.float32)
+                        _packed_gemm(g_rows, _im2col_panels(X, n0, nb, window, True), False,
+                                     False, None, False, part, b_cols=group_taps)
+                    else:
+                        cols = _im2col(X, n0, nb, window, tensor_cores)
+                        part = _grouped_gemm(g_rows, cols, G, trans_b=True)
                     if grad_w is None:
                         grad_w = part.reshape(weight.shape)
                     else:
