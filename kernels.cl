@@ -703,28 +703,37 @@ __kernel void tensor_core_probe(__global const uint* A, __global const uint* Bt,
 // Bp (K, Np) with Np a multiple of 16. Each work-item then computes a 4x16 block of C with
 // eight float8 accumulators and no bounds checks in the loop over K. Packing reads either
 // operand as act_t and writes float, so the inner loop never sees half; C is act_t.
+//
+// A matrix's columns may come in runs (conv2d's tensors (nb, rows, OH*OW) read as the matrix
+// (rows, nb*OH*OW) of its samples' pixels side by side): with runs of `run` columns, run j of
+// every row follows run j - 1 of them all, element (row, col) at RUN_AT(row, col, rows, run).
+// A plain matrix is one run (run = its width), for which RUN_AT is row * run + col.
+#define RUN_AT(row, col, rows, run) \
+    (((col) / (run)) * ((rows) - 1) * (run) + (row) * (run) + (col))
 
-// A (act_t) stored (M, K), or (K, M) when transposed -> Ap in panels of 4 rows: Ap[p][k][r] =
-// A[4p + r][k] (0 past M), so that a work-item's 4 rows are one contiguous run, read as a
-// float4 per k. A work-item packs PACK_K k's of one panel (one k each was 1.6-2.4x slower
-// at n=1024), copying a whole block without checks. The second dimension of the launch is a
-// batch: matrix j is `batch` on in A.
+// A (act_t) stored (M, K) in runs along K, or (K, M) when transposed -> Ap in panels of 4
+// rows: Ap[p][k][r] = A[4p + r][k] (0 past M), so that a work-item's 4 rows are one
+// contiguous run, read as a float4 per k. A work-item packs PACK_K k's of one panel (one k
+// each was 1.6-2.4x slower at n=1024), copying a whole block without checks when it lies in
+// one run. The second dimension of the launch is a batch: matrix j is `batch` on in A.
 #define PACK_K 8
 __kernel void pack_a(const int M, const int K, const int Mp, const int transposed,
-                     const int batch, __global const act_t* A, __global float* Ap) {
+                     const int run, const int batch, __global const act_t* A,
+                     __global float* Ap) {
     const int blocks = (K + PACK_K - 1) / PACK_K;
     const int i = get_global_id(0), j = get_global_id(1);  // i: PACK_K k's of one panel
     if (i >= Mp / 4 * blocks) return;
     const int p = i / blocks, k0 = (i - p * blocks) * PACK_K, m0 = 4 * p;
     A += j * batch;
     __global float* out = Ap + j * Mp * K + m0 * K + 4 * k0;
-    if (m0 + 4 <= M && k0 + PACK_K <= K) {
+    if (m0 + 4 <= M && k0 + PACK_K <= K && (transposed || k0 % run + PACK_K <= run)) {
         if (transposed) {
             for (int k = 0; k < PACK_K; ++k)
                 for (int r = 0; r < 4; ++r) out[4 * k + r] = LOAD(A, (k0 + k) * M + m0 + r);
         } else {
+            __global const act_t* rows = A + RUN_AT(m0, k0, M, run);
             for (int r = 0; r < 4; ++r)
-                for (int k = 0; k < PACK_K; ++k) out[4 * k + r] = LOAD(A, (m0 + r) * K + k0 + k);
+                for (int k = 0; k < PACK_K; ++k) out[4 * k + r] = LOAD(rows, r * run + k);
         }
         return;
     }
@@ -732,28 +741,30 @@ __kernel void pack_a(const int M, const int K, const int Mp, const int transpose
         for (int r = 0; r < 4; ++r) {
             const int m = m0 + r;
             out[4 * k + r] = m < M ? (transposed ? LOAD(A, (k0 + k) * M + m)
-                                                 : LOAD(A, m * K + k0 + k)) : 0.0f;
+                                                 : LOAD(A, RUN_AT(m, k0 + k, M, run))) : 0.0f;
         }
 }
 
-// B (act_t) stored (K, N), or (N, K) when transposed -> Bp in panels of 16 columns:
-// Bp[p][k][c] = B[k][16p + c] (0 past N), a work-item's columns one contiguous run; PACK_K
-// k's of one panel per work-item, as pack_a.
+// B (act_t) stored (K, N) in runs along N, or (N, K) when transposed -> Bp in panels of 16
+// columns: Bp[p][k][c] = B[k][16p + c] (0 past N), a work-item's columns one contiguous run;
+// PACK_K k's of one panel per work-item, as pack_a.
 __kernel void pack_b(const int K, const int N, const int Np, const int transposed,
-                     const int batch, __global const act_t* B, __global float* Bp) {
+                     const int run, const int batch, __global const act_t* B,
+                     __global float* Bp) {
     const int blocks = (K + PACK_K - 1) / PACK_K;
     const int i = get_global_id(0), j = get_global_id(1);  // i: PACK_K k's of one panel
     if (i >= Np / 16 * blocks) return;
     const int p = i / blocks, k0 = (i - p * blocks) * PACK_K, n0 = 16 * p;
     B += j * batch;
     __global float* out = Bp + j * K * Np + n0 * K + 16 * k0;
-    if (n0 + 16 <= N && k0 + PACK_K <= K) {
+    if (n0 + 16 <= N && k0 + PACK_K <= K && (transposed || n0 % run + 16 <= run)) {
         if (transposed) {
             for (int c = 0; c < 16; ++c)
                 for (int k = 0; k < PACK_K; ++k) out[16 * k + c] = LOAD(B, (n0 + c) * K + k0 + k);
         } else {
+            __global const act_t* rows = B + RUN_AT(k0, n0, K, run);
             for (int k = 0; k < PACK_K; ++k)
-                for (int c = 0; c < 16; ++c) out[16 * k + c] = LOAD(B, (k0 + k) * N + n0 + c);
+                for (int c = 0; c < 16; ++c) out[16 * k + c] = LOAD(rows, k * run + c);
         }
         return;
     }
@@ -761,7 +772,7 @@ __kernel void pack_b(const int K, const int N, const int Np, const int transpose
         for (int c = 0; c < 16; ++c) {
             const int n = n0 + c;
             out[16 * k + c] = n < N ? (transposed ? LOAD(B, n * K + k0 + k)
-                                                  : LOAD(B, (k0 + k) * N + n)) : 0.0f;
+                                                  : LOAD(B, RUN_AT(k0 + k, n, K, run))) : 0.0f;
         }
 }
 
@@ -777,10 +788,9 @@ __kernel void pack_b(const int K, const int N, const int Np, const int transpose
 // into calls. The third dimension is a batch: product z reads Ap and Bp batch_a and batch_b
 // on and writes C M*N on. A split K is such a batch: product z then covers k_chunk k's from
 // z k_chunk (the offsets are in batch_a and batch_b) and writes its partial product.
-// C's columns come in runs of c_run, run j of every row after those of run j - 1: element
-// (m, n) at (n / c_run) M c_run + m c_run + n % c_run. A plain C has one run (c_run = N);
-// conv2d's output has one per sample, (nb, K, OH*OW) from columns (sample, pixel), and
-// then its bias is per row (bias_rows), an output channel's.
+// C's columns come in runs of c_run (RUN_AT, above; a plain C has one, c_run = N): conv2d's
+// output has one per sample, (nb, K, OH*OW) from columns (sample, pixel), and then its bias
+// is per row (bias_rows), an output channel's.
 __kernel void gemm_packed(const int M, const int N, const int K, const int k_chunk,
                           const int rows_first, const int a_k, const int a_r,
                           const int b_panel, const int b_k, const int batch_a, const int batch_b,
@@ -809,16 +819,35 @@ __kernel void gemm_packed(const int M, const int N, const int K, const int k_chu
         c20 = a2 * b0 + c20; c21 = a2 * b1 + c21;
         c30 = a3 * b0 + c30; c31 = a3 * b1 + c31;
     }
+    int at[16];  // RUN_AT(0, col + c, M, c_run), with one division per work-item
+    for (int c = 0, run = col / c_run, left = (run + 1) * c_run - col; c < 16; ++c, --left) {
+        if (left == 0) { ++run; left = c_run; }
+        at[c] = run * (M - 1) * c_run + col + c;
+    }
+#if !HALF_STORAGE
+    // A whole block in one run: float8 stores (with scalar ones, conv2d's input-gradient
+    // product, K = 64, took 1.2x as long).
+    if (row + 4 <= M && col + 16 <= N && at[15] == at[0] + 15) {
+        const int per_col = has_bias && !bias_rows, per_row = has_bias && bias_rows;
+        const float8 b0 = per_col ? *(__global const float8*)(bias + col) : 0.0f;
+        const float8 b1 = per_col ? *(__global const float8*)(bias + col + 8) : 0.0f;
+        __global float* c_row = C + at[0] + row * c_run;
+        float add = per_row ? bias[row] : 0.0f;
+        vstore8(c00 + b0 + add, 0, c_row); vstore8(c01 + b1 + add, 0, c_row + 8);
+        c_row += c_run; add = per_row ? bias[row + 1] : 0.0f;
+        vstore8(c10 + b0 + add, 0, c_row); vstore8(c11 + b1 + add, 0, c_row + 8);
+        c_row += c_run; add = per_row ? bias[row + 2] : 0.0f;
+        vstore8(c20 + b0 + add, 0, c_row); vstore8(c21 + b1 + add, 0, c_row + 8);
+        c_row += c_run; add = per_row ? bias[row + 3] : 0.0f;
+        vstore8(c30 + b0 + add, 0, c_row); vstore8(c31 + b1 + add, 0, c_row + 8);
+        return;
+    }
+#endif
     float out[4][16];
     vstore8(c00, 0, out[0]); vstore8(c01, 1, out[0]);
     vstore8(c10, 0, out[1]); vstore8(c11, 1, out[1]);
     vstore8(c20, 0, out[2]); vstore8(c21, 1, out[2]);
     vstore8(c30, 0, out[3]); vstore8(c31, 1, out[3]);
-    int at[16];  // where column col + c of row 0 lies in C: (col + c) + its run's (M-1) c_run
-    for (int c = 0, run = col / c_run, left = (run + 1) * c_run - col; c < 16; ++c, --left) {
-        if (left == 0) { ++run; left = c_run; }
-        at[c] = run * (M - 1) * c_run + col + c;
-    }
     for (int r = 0; r < 4 && row + r < M; ++r)
         for (int c = 0; c < 16 && col + c < N; ++c)
             STORE(C, at[c] + (row + r) * c_run, out[r][c] +
@@ -1355,6 +1384,31 @@ __kernel void col2im(const int n0, const int nb, const int C, WINDOW_ARGS,
         }
     }
     dx[(((n0 + n) * C + c) * H + h) * W + w] = acc;
+}
+
+// dcols (nb, C*R*S, OH*OW) (gemm_packed's runs, one per sample) -> dx (N, C, H, W) for
+// samples n0 .. n0+nb-1: the adjoint of im2col_panels, for CPU devices. A work-item owns one
+// plane (n, c) and adds each tap's OH*OW values onto a zero-padded copy of it in `padded`
+// (its own: nothing is atomic and no add needs a bounds check), output row by output row,
+// then copies the inside of that copy to dx. (col2im's gather reads each of a pixel's taps
+// from another row of dcols, and its loops' bounds differ from pixel to pixel.)
+__kernel void col2im_planes(const int n0, const int nb, const int C, WINDOW_ARGS,
+                            __global const float* restrict dcols,
+                            __global float* restrict padded, __global float* restrict dx) {
+    const int i = get_global_id(0), Hp = H + 2 * PH, Wp = W + 2 * PW, L = OH * OW;
+    if (i >= nb * C) return;  // i: plane (n, c) of the chunk
+    __global float* plane = padded + i * Hp * Wp;
+    for (int j = 0; j < Hp * Wp; ++j) plane[j] = 0.0f;
+    __global const float* taps = dcols + i * R * S * L;
+    for (int r = 0; r < R; ++r)
+        for (int s = 0; s < S; ++s, taps += L)
+            for (int oh = 0; oh < OH; ++oh) {
+                __global float* row = plane + (oh * SH + r * DH) * Wp + s * DW;
+                for (int ow = 0; ow < OW; ++ow) row[ow * SW] += taps[oh * OW + ow];
+            }
+    __global float* out = dx + (n0 * C + i) * H * W;
+    for (int h = 0; h < H; ++h)
+        for (int w = 0; w < W; ++w) out[h * W + w] = plane[(h + PH) * Wp + PW + w];
 }
 
 // x (A, B, L) from element x_offset -> out (B, A, L) from element out_offset, + bias (A) when

@@ -1967,14 +1967,17 @@ def _batch_strides(a, b, M, K, N):
     return (M * K if a.ndim == 3 else 0), (K * N if b.ndim == 3 else 0)
 
 
-def _packed_gemm(a, b, trans_a, trans_b, bias, half, out, b_cols=None, c_run=None):
+def _packed_gemm(a, b, trans_a, trans_b, bias, half, out, b_cols=None, a_run=None,
+                 b_run=None, c_run=None):
     """_gemm on CPU devices: op(a) packed into panels of 4 rows and op(b) into panels of 16
     columns (kernels.cl: pack_a, pack_b), so the product streams both through the caches.
     Packing reads float16 storage and writes float32, so it takes any operand's storage and
-    the inner loop reads float only. conv2d's columns come already packed: with b_cols, b is
-    op(b) (K, b_cols) in panels, a (K, Np) float32 matrix; and with c_run, C's columns are
-    runs of c_run (kernels.cl: gemm_packed), out is conv2d's (nb, M, c_run) output and the
-    bias (M) is per row."""
+    the inner loop reads float only.
+    For conv2d, whose pixels are columns: with b_cols, b is op(b) (K, b_cols) already in
+    panels, a (K, Np) float32 matrix (kernels.cl: im2col_panels). With a_run, b_run or
+    c_run, the columns of that untransposed matrix come in runs of that many, one per sample
+    (kernels.cl: RUN_AT): a (M, nb*L) is stored (nb, M, L), say, as conv2d's gradient is;
+    with c_run the bias (M) is per row, an output channel's."""
     batch, M, K, N = _gemm_dims(a, b, trans_a, trans_b)
     N = N if b_cols is None else b_cols
     device = a.device
@@ -1987,19 +1990,20 @@ def _packed_gemm(a, b, trans_a, trans_b, bias, half, out, b_cols=None, c_run=Non
     a_k, a_r, b_panel, b_k = 1, K, 1, Np  # the operands' own rows
     if b_cols is not None:
         b_panel, b_k = K, _PANEL_COLS
-    if panels or trans_a or Mp != M or a.dtype == np.float16:
+    if panels or trans_a or Mp != M or a.dtype == np.float16 or a_run is not None:
         count = a.shape[0] if a.ndim == 3 else 1
         A = _like(a, (count, Mp, K), np.float32)
         device.launch("pack_a", (Mp // _PANEL_ROWS * _ceil_div(K, _PACK_K), count), (256, 1),
-                      M, K, Mp, int(trans_a), stride_a, a.data, A.data,
-                      half=a.dtype == np.float16)
+                      M, K, Mp, int(trans_a), K if a_run is None else a_run, stride_a, a.data,
+                      A.data, half=a.dtype == np.float16)
         stride_a, a_k, a_r = (Mp * K if a.ndim == 3 else 0), _PANEL_ROWS, 1
-    if b_cols is None and (panels or trans_b or Np != N or b.dtype == np.float16):
+    if b_cols is None and (panels or trans_b or Np != N or b.dtype == np.float16 or
+                           b_run is not None):
         count = b.shape[0] if b.ndim == 3 else 1
         B = _like(b, (count, K, Np), np.float32)
         device.launch("pack_b", (Np // _PANEL_COLS * _ceil_div(K, _PACK_K), count), (256, 1),
-                      K, N, Np, int(trans_b), stride_b, b.data, B.data,
-                      half=b.dtype == np.float16)
+                      K, N, Np, int(trans_b), N if b_run is None else b_run, stride_b, b.data,
+                      B.data, half=b.dtype == np.float16)
         stride_b, b_panel, b_k = (K * Np if b.ndim == 3 else 0), K, _PANEL_COLS
     # Split K (partial products, then their sum) where the partials cost at most a quarter
     # of reading the operands: a long K and a small C.
@@ -3570,6 +3574,29 @@ def conv2d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
                     grad_windows = np.einsum("nkhw,kcrs->nchwrs", g.data[:, k], weight.data[k],
                                              optimize=True)
                     grad_x.data[:, c] = _col2im_numpy(grad_windows, window)
+        elif panels:
+            Hp, Wp = H + 2 * PH, W + 2 * PW
+            for n0, nb in chunks:
+                # g[n0:n0+nb] as the (K, nb*OH*OW) matrix of its samples' pixels side by side,
+                # stored as it is, (nb, K, OH*OW): in runs of L columns, one per sample
+                g_cols = _row_block(g.reshape((N, K * L)), n0, nb).reshape((K, nb * L))
+                if w.requires_grad:  # dw = g_cols @ cols^T, summed over the chunks
+                    part = _like(g, (K, group_taps), np.float32)
+                    _packed_gemm(g_cols, _im2col_panels(X, n0, nb, window, True), False, False,
+                                 None, False, part, b_cols=group_taps, a_run=L)
+                    if grad_w is None:
+                        grad_w = part.reshape(weight.shape)
+                    else:
+                        _add_into(grad_w, part)
+                if grad_x is not None:  # dcols = w^T @ g_cols (nb, C*R*S, OH*OW), then col2im
+                    grad_cols = _like(g, (group_taps, nb * L), np.float32)
+                    _packed_gemm(weight_rows, g_cols, True, False, None, False, grad_cols,
+                                 b_run=L, c_run=L)
+                    padded = _like(g, (nb, C, Hp, Wp), np.float32)
+                    g.device.launch("col2im_planes", (nb * C,), (16,), n0, nb, C, *window,
+                                    grad_cols.data, padded.data, grad_x.data)
+            if w.requires_grad and grad_w is None:  # an empty batch: no chunks
+                grad_w = _fill(weight.shape, 0.0, weight)
         else:
             for n0, nb in chunks:
                 # g[n0:n0+nb] (nb, K, OH*OW) -> (K, nb*OH*OW)
@@ -3577,13 +3604,8 @@ def conv2d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
                 g.device.launch("swap_axes01", *_grid(g_rows.size), nb, K, L, n0 * K * L, 0, 0,
                                 g.data, None, g_rows.data, half=tensor_cores)
                 if w.requires_grad:  # dw = g_rows @ cols^T per group, summed over the chunks
-                    if panels:
-                        part = _like(g_rows, (K, group_taps), np.float32)
-                        _packed_gemm(g_rows, _im2col_panels(X, n0, nb, window, True), False,
-                                     False, None, False, part, b_cols=group_taps)
-                    else:
-                        cols = _im2col(X, n0, nb, window, tensor_cores)
-                        part = _grouped_gemm(g_rows, cols, G, trans_b=True)
+                    cols = _im2col(X, n0, nb, window, tensor_cores)
+                    part = _grouped_gemm(g_rows, cols, G, trans_b=True)
                     if grad_w is None:
                         grad_w = part.reshape(weight.shape)
                     else:
