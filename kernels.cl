@@ -1274,12 +1274,12 @@ IM2COL(im2col_act, act_t)
 // - im2col_panels: cols as the product's B, (C*R*S, P) in panels of 16 pixels: element
 //   (tap k, pixel p) at (p / 16) (C*R*S) 16 + 16 k + p % 16. A work-item copies the R*S
 //   taps of channel c for one panel, R*S runs of 16 floats in one contiguous block, beside
-//   the block of channel c + 1 (that neighbours write neighbouring blocks made it 2x faster).
+//   the block of channel c + 1 (neighbours writing neighbouring blocks made it 2x faster).
 // - im2col_panels_t: cols^T as B, (P, C*R*S) in panels of 16 taps: element (pixel p, tap k)
 //   at (k / 16) P 16 + 16 p + k % 16, for conv2d's weight gradient g cols^T. A work-item
 //   copies the 16 taps of one panel for PIXEL_RUN pixels, one contiguous block.
-// Past P (or C*R*S) the panels hold copies of some pixel: columns of B that gemm_packed
-// computes but never stores.
+// Past P the panels of im2col_panels hold zeros, and past C*R*S those of im2col_panels_t
+// copies of some pixel: columns of B that gemm_packed computes but never stores.
 
 // x (N, C, H, W) -> padded (nb, C, H + 2 PH, W + 2 PW) for samples n0 .. n0+nb-1, float; a
 // work-item writes one padded row. x is act_t.
@@ -1302,27 +1302,35 @@ __kernel void pad_images(const int n0, const int nb, const int C, const int H, c
 
 #define PIXEL_RUN 16
 // padded (nb, C, Hp, Wp) -> cols (C*R*S, P) in panels of 16 pixels. WINDOW_ARGS are the
-// unpadded x's: the window of output pixel (oh, ow) starts at padded (oh SH, ow SW).
+// unpadded x's: the window of output pixel (oh, ow) starts at padded (oh SH, ow SW). The
+// panel's pixels are copied a stretch of one output row at a time: each tap's stretch is
+// then one strided run of padded (gathering each pixel's own copy was 2x slower).
 __kernel void im2col_panels(const int nb, const int C, WINDOW_ARGS, __global const float* padded,
                             __global float* cols) {
     const int c = get_global_id(0), i = get_global_id(1), P = nb * OH * OW;
     const int Hp = H + 2 * PH, Wp = W + 2 * PW;
     if (c >= C || i * 16 >= P) return;
-    int corner[16];  // where each pixel's window starts in padded
-    int q = i * 16 / OW, ow = i * 16 - q * OW, n = q / OH, oh = q - n * OH;
-    for (int j = 0; j < 16; ++j) {
-        corner[j] = i * 16 + j < P ? ((n * C + c) * Hp + oh * SH) * Wp + ow * SW : 0;
-        if (++ow == OW) {
+    const int p = i * 16, end = P - p < 16 ? P - p : 16;  // pixels p .. p+end-1 (the last short)
+    int q = p / OW, ow = p - q * OW, n = q / OH, oh = q - n * OH;
+    __global float* out = cols + (i * C + c) * R * S * 16;
+    for (int j = 0; j < end;) {  // pixels p+j .. p+j+len-1 lie in output row (n, oh)
+        const int len = OW - ow < end - j ? OW - ow : end - j;
+        __global const float* window = padded + ((n * C + c) * Hp + oh * SH) * Wp + ow * SW;
+        for (int r = 0; r < R; ++r)
+            for (int s = 0; s < S; ++s) {
+                __global const float* tap = window + r * DH * Wp + s * DW;
+                __global float* to = out + (r * S + s) * 16 + j;
+                for (int t = 0; t < len; ++t) to[t] = tap[t * SW];
+            }
+        j += len;
+        ow += len;
+        if (ow == OW) {
             ow = 0;
             if (++oh == OH) { oh = 0; ++n; }
         }
     }
-    __global float* out = cols + (i * C + c) * R * S * 16;
-    for (int r = 0; r < R; ++r)
-        for (int s = 0; s < S; ++s, out += 16) {
-            const int tap = r * DH * Wp + s * DW;
-            for (int j = 0; j < 16; ++j) out[j] = padded[corner[j] + tap];
-        }
+    for (int k = 0; k < R * S; ++k)  // past P
+        for (int j = end; j < 16; ++j) out[16 * k + j] = 0.0f;
 }
 
 // padded (nb, C, Hp, Wp) -> cols^T (P, C*R*S) in panels of 16 taps; as im2col_panels.
