@@ -3428,7 +3428,7 @@ def _im2col(X, n0, nb, window, tensor_cores=False):
     return cols
 
 
-_PIXEL_RUN = 16  # kernels.cl's PIXEL_RUN: the pixels one im2col_panels_t work-item copies
+_PIXEL_RUN = 64  # kernels.cl's PIXEL_RUN: the pixels one im2col_panels_t work-item copies
 
 
 def _im2col_panels(X, n0, nb, window, transposed):
