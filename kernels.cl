@@ -1227,8 +1227,8 @@ __kernel void bce_logits_bwd(const int n, const int g_stride, const float scale,
 // kernel (R, S), stride (SH, SW), padding (PH, PW) on each side, dilation (DH, DW), output
 // plane (OH, OW). A dilated kernel's taps are DH rows and DW columns apart, so it spans
 // (R-1)*DH+1 rows; pooling windows are not dilated (DH = DW = 1). Backward kernels gather: one
-// work-item per input pixel sums the outputs whose window covers it, so no two work-items
-// write one place and nothing is atomic.
+// work-item per input pixel sums the outputs whose window covers it (col2im_planes: one per
+// plane), so no two work-items write one place and nothing is atomic.
 #define WINDOW_ARGS const int H, const int W, const int R, const int S, const int SH,            \
                     const int SW, const int PH, const int PW, const int DH, const int DW,        \
                     const int OH, const int OW
@@ -1267,8 +1267,8 @@ IM2COL(im2col, float)
 IM2COL(im2col_act, act_t)
 
 // im2col for CPU devices, in two steps that each run as plain copies. First pad_images pads
-// the samples with zeros, so that no copy of a tap needs a bounds check (with them a
-// one-step im2col ran 1.6x slower on PoCL); then the windows are copied out of the padded samples
+// the samples with zeros, so that no copy of a tap needs a bounds check (with them a one-step
+// im2col ran 1.6x slower on PoCL); then the windows are copied out of the padded samples
 // straight into gemm_packed's panels (what pack_b would make of im2col's cols), so the
 // columns are written once and never repacked. Two layouts, P = nb*OH*OW:
 // - im2col_panels: cols as the product's B, (C*R*S, P) in panels of 16 pixels: element
