@@ -1273,8 +1273,9 @@ IM2COL(im2col_act, act_t)
 // columns are written once and never repacked. Two layouts, P = nb*OH*OW:
 // - im2col_panels: cols as the product's B, (C*R*S, P) in panels of 16 pixels: element
 //   (tap k, pixel p) at (p / 16) (C*R*S) 16 + 16 k + p % 16. A work-item copies the R*S
-//   taps of channel c for one panel, R*S runs of 16 floats in one contiguous block, beside
-//   the block of channel c + 1 (neighbours writing neighbouring blocks made it 2x faster).
+//   taps of channel c for one panel, R*S runs of 16 floats in one contiguous block, and
+//   work-item j + 1 writes the block after j's (neighbours writing neighbouring blocks made
+//   it 2x faster).
 // - im2col_panels_t: cols^T as B, (P, C*R*S) in panels of 16 taps: element (pixel p, tap k)
 //   at (k / 16) P 16 + 16 p + k % 16, for conv2d's weight gradient g cols^T. A work-item
 //   copies the 16 taps of one panel for PIXEL_RUN pixels, one contiguous block.
@@ -1306,12 +1307,13 @@ __kernel void pad_images(const int n0, const int nb, const int C, const int H, c
 // then one strided run of padded (gathering each pixel's own copy was 2x slower).
 __kernel void im2col_panels(const int nb, const int C, WINDOW_ARGS, __global const float* padded,
                             __global float* cols) {
-    const int c = get_global_id(0), i = get_global_id(1), P = nb * OH * OW;
+    const int block = get_global_id(0), P = nb * OH * OW, panels = (P + 15) / 16;
     const int Hp = H + 2 * PH, Wp = W + 2 * PW;
-    if (c >= C || i * 16 >= P) return;
+    if (block >= panels * C) return;  // block (i, c): channel c of panel i
+    const int i = block / C, c = block - i * C;
     const int p = i * 16, end = P - p < 16 ? P - p : 16;  // pixels p .. p+end-1 (the last short)
     int q = p / OW, ow = p - q * OW, n = q / OH, oh = q - n * OH;
-    __global float* out = cols + (i * C + c) * R * S * 16;
+    __global float* out = cols + block * R * S * 16;
     for (int j = 0; j < end;) {  // pixels p+j .. p+j+len-1 lie in output row (n, oh)
         const int len = OW - ow < end - j ? OW - ow : end - j;
         __global const float* window = padded + ((n * C + c) * Hp + oh * SH) * Wp + ow * SW;

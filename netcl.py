@@ -3446,12 +3446,13 @@ def _im2col_panels(X, n0, nb, window, transposed):
     taps = C * R * S
     if transposed:
         cols = _like(X, (pixels, _round_up(taps, _PANEL_COLS)), np.float32)
-        grid = (_ceil_div(pixels, _PIXEL_RUN), cols.shape[1] // _PANEL_COLS)
-    else:
+        X.device.launch("im2col_panels_t", (_ceil_div(pixels, _PIXEL_RUN),
+                                            cols.shape[1] // _PANEL_COLS), (16, 1),
+                        nb, C, *window, padded.data, cols.data)
+    else:  # one work-item per channel of a panel
         cols = _like(X, (taps, _round_up(pixels, _PANEL_COLS)), np.float32)
-        grid = (C, cols.shape[1] // _PANEL_COLS)
-    X.device.launch("im2col_panels_t" if transposed else "im2col_panels", grid, (16, 1), nb, C,
-                    *window, padded.data, cols.data)
+        X.device.launch("im2col_panels", *_grid(C * cols.shape[1] // _PANEL_COLS), nb, C,
+                        *window, padded.data, cols.data)
     return cols
 
 
