@@ -699,10 +699,13 @@ __kernel void tensor_core_probe(__global const uint* A, __global const uint* Bt,
 
 // GEMM for CPU devices (PoCL). Local memory is slow there and wide vector loads are
 // fast, so both operands are first packed (transposing if asked, padding with zeros) into
-// layouts whose rows are aligned float8 runs: Ap (Mp, K) with Mp a multiple of 4, and
-// Bp (K, Np) with Np a multiple of 16. Each work-item then computes a 4x16 block of C with
-// eight float8 accumulators and no bounds checks in the loop over K. Packing reads either
-// operand as act_t and writes float, so the inner loop never sees half; C is act_t.
+// layouts whose rows are aligned float8 runs: Ap (Mp, K) with Mp a multiple of 6, and
+// Bp (K, Np) with Np a multiple of 16. Each work-item then computes a 6x16 block of C with
+// twelve float8 accumulators and no bounds checks in the loop over K: with the two float8
+// of B and a broadcast of A they fill AVX2's sixteen registers (4x16 blocks, eight
+// accumulators, left the multiply-adds waiting on each other: 1.3x slower; 8x16 spills).
+// Packing reads either operand as act_t and writes float, so the inner loop never sees half;
+// C is act_t.
 //
 // A matrix's columns may come in runs (conv2d's tensors (nb, rows, OH*OW) read as the matrix
 // (rows, nb*OH*OW) of its samples' pixels side by side): with runs of `run` columns, run j of
@@ -710,38 +713,41 @@ __kernel void tensor_core_probe(__global const uint* A, __global const uint* Bt,
 // A plain matrix is one run (run = its width), for which RUN_AT is row * run + col.
 #define RUN_AT(row, col, rows, run) \
     (((col) / (run)) * ((rows) - 1) * (run) + (row) * (run) + (col))
+#define PANEL_ROWS 6  // netcl.py: _PANEL_ROWS
 
-// A (act_t) stored (M, K) in runs along K, or (K, M) when transposed -> Ap in panels of 4
-// rows: Ap[p][k][r] = A[4p + r][k] (0 past M), so that a work-item's 4 rows are one
-// contiguous run, read as a float4 per k. A work-item packs PACK_K k's of one panel (one k
-// each was 1.6-2.4x slower at n=1024), copying a whole block without checks when it lies in
-// one run. The second dimension of the launch is a batch: matrix j is `batch` on in A.
+// A (act_t) stored (M, K) in runs along K, or (K, M) when transposed -> Ap in panels of
+// PANEL_ROWS rows: Ap[p][k][r] = A[6p + r][k] (0 past M), so that a work-item's rows are one
+// contiguous run per k. A work-item packs PACK_K k's of one panel (one k each was 1.6-2.4x
+// slower at n=1024), copying a whole block without checks when it lies in one run. The
+// second dimension of the launch is a batch: matrix j is `batch` on in A.
 #define PACK_K 8
 __kernel void pack_a(const int M, const int K, const int Mp, const int transposed,
                      const int run, const int batch, __global const act_t* A,
                      __global float* Ap) {
     const int blocks = (K + PACK_K - 1) / PACK_K;
     const int i = get_global_id(0), j = get_global_id(1);  // i: PACK_K k's of one panel
-    if (i >= Mp / 4 * blocks) return;
-    const int p = i / blocks, k0 = (i - p * blocks) * PACK_K, m0 = 4 * p;
+    if (i >= Mp / PANEL_ROWS * blocks) return;
+    const int p = i / blocks, k0 = (i - p * blocks) * PACK_K, m0 = PANEL_ROWS * p;
     A += j * batch;
-    __global float* out = Ap + j * Mp * K + m0 * K + 4 * k0;
-    if (m0 + 4 <= M && k0 + PACK_K <= K && (transposed || k0 % run + PACK_K <= run)) {
+    __global float* out = Ap + j * Mp * K + m0 * K + PANEL_ROWS * k0;
+    if (m0 + PANEL_ROWS <= M && k0 + PACK_K <= K && (transposed || k0 % run + PACK_K <= run)) {
         if (transposed) {
             for (int k = 0; k < PACK_K; ++k)
-                for (int r = 0; r < 4; ++r) out[4 * k + r] = LOAD(A, (k0 + k) * M + m0 + r);
+                for (int r = 0; r < PANEL_ROWS; ++r)
+                    out[PANEL_ROWS * k + r] = LOAD(A, (k0 + k) * M + m0 + r);
         } else {
             __global const act_t* rows = A + RUN_AT(m0, k0, M, run);
-            for (int r = 0; r < 4; ++r)
-                for (int k = 0; k < PACK_K; ++k) out[4 * k + r] = LOAD(rows, r * run + k);
+            for (int r = 0; r < PANEL_ROWS; ++r)
+                for (int k = 0; k < PACK_K; ++k)
+                    out[PANEL_ROWS * k + r] = LOAD(rows, r * run + k);
         }
         return;
     }
     for (int k = 0; k < PACK_K && k0 + k < K; ++k)
-        for (int r = 0; r < 4; ++r) {
+        for (int r = 0; r < PANEL_ROWS; ++r) {
             const int m = m0 + r;
-            out[4 * k + r] = m < M ? (transposed ? LOAD(A, (k0 + k) * M + m)
-                                                 : LOAD(A, RUN_AT(m, k0 + k, M, run))) : 0.0f;
+            out[PANEL_ROWS * k + r] = m < M ? (transposed ? LOAD(A, (k0 + k) * M + m)
+                                              : LOAD(A, RUN_AT(m, k0 + k, M, run))) : 0.0f;
         }
 }
 
@@ -776,13 +782,13 @@ __kernel void pack_b(const int K, const int N, const int Np, const int transpose
         }
 }
 
-// op(A) @ op(B) -> C (M, N) [+ bias (N)]; a work-item owns rows 4i..4i+3 and columns
+// op(A) @ op(B) -> C (M, N) [+ bias (N)]; a work-item owns rows 6i..6i+5 and columns
 // 16j..16j+15, with (i, j) = (id 1, id 0), or (id 0, id 1) when rows_first: consecutive
 // work-items then share their columns of B, so a wide B (conv2d's columns) is read once
-// instead of once per 4 rows (conv2d's forward product, N = 50176 and M = 64: 64 -> 41 ms).
-// Ap and Bp are packed panels (above) or, for small products that need no
-// packing, the operands' own rows, as the strides say: element (row 4i + r, k) of Ap is at
-// 4iK + k a_k + r a_r (panels: a_k = 4, a_r = 1; rows: 1, K), and the 16 columns of k in Bp
+// instead of once per block of rows (conv2d's forward product, N = 50176 and M = 64: 64 ->
+// 41 ms). Ap and Bp are packed panels (above) or, for small products that need no
+// packing, the operands' own rows, as the strides say: element (row 6i + r, k) of Ap is at
+// 6iK + k a_k + r a_r (panels: a_k = 6, a_r = 1; rows: 1, K), and the 16 columns of k in Bp
 // start at 16j b_panel + k b_k (panels: b_panel = K, b_k = 16; rows: 1, Np). With panels the
 // loop over K streams both operands. Products are written a*b+c: PoCL turns fma()/mad()
 // into calls. The third dimension is a batch: product z reads Ap and Bp batch_a and batch_b
@@ -800,24 +806,38 @@ __kernel void gemm_packed(const int M, const int N, const int K, const int k_chu
                           __global act_t* C) {
     const int z = get_global_id(2);
     const int x = get_global_id(0), y = get_global_id(1);  // (PoCL wants a constant dimension)
-    const int col = (rows_first ? y : x) * 16, row = (rows_first ? x : y) * 4;
+    const int col = (rows_first ? y : x) * 16, row = (rows_first ? x : y) * PANEL_ROWS;
     if (col >= N || row >= M) return;  // the launch rounds up; and past M, only padding
     C += z * M * N;
     __global const float* a = Ap + z * batch_a + row * K;
     __global const float* b = Bp + z * batch_b + col * b_panel;
     const int k_end = k_chunk < K ? min(k_chunk, K - z * k_chunk) : K;  // its part of K
-    float8 c00 = 0.0f, c01 = 0.0f, c10 = 0.0f, c11 = 0.0f;
-    float8 c20 = 0.0f, c21 = 0.0f, c30 = 0.0f, c31 = 0.0f;
-    #pragma unroll 4
-    for (int k = 0; k < k_end; ++k) {
-        const float8 b0 = *(__global const float8*)(b + k * b_k);
-        const float8 b1 = *(__global const float8*)(b + k * b_k + 8);
-        __global const float* ak = a + k * a_k;
-        const float a0 = ak[0], a1 = ak[a_r], a2 = ak[2 * a_r], a3 = ak[3 * a_r];
-        c00 = a0 * b0 + c00; c01 = a0 * b1 + c01;
-        c10 = a1 * b0 + c10; c11 = a1 * b1 + c11;
-        c20 = a2 * b0 + c20; c21 = a2 * b1 + c21;
-        c30 = a3 * b0 + c30; c31 = a3 * b1 + c31;
+    float8 c00 = 0.0f, c01 = 0.0f, c10 = 0.0f, c11 = 0.0f, c20 = 0.0f, c21 = 0.0f;
+    float8 c30 = 0.0f, c31 = 0.0f, c40 = 0.0f, c41 = 0.0f, c50 = 0.0f, c51 = 0.0f;
+    // The loop over K, k's rows of A at ak = a + k A_K and ak[R1] .. ak[R5] past ak[0], with
+    // a_k a constant in each case: with a_k and the offsets all runtime values it ran 2x
+    // slower.
+#define GEMM_PACKED_LOOP(A_K, R1, R2, R3, R4, R5)                                              \
+    _Pragma("unroll 4")                                                                        \
+    for (int k = 0; k < k_end; ++k) {                                                          \
+        const float8 b0 = *(__global const float8*)(b + k * b_k);                              \
+        const float8 b1 = *(__global const float8*)(b + k * b_k + 8);                          \
+        __global const float* ak = a + k * (A_K);                                              \
+        const float a0 = ak[0], a1 = ak[R1], a2 = ak[R2], a3 = ak[R3], a4 = ak[R4], a5 = ak[R5]; \
+        c00 = a0 * b0 + c00; c01 = a0 * b1 + c01;                                              \
+        c10 = a1 * b0 + c10; c11 = a1 * b1 + c11;                                              \
+        c20 = a2 * b0 + c20; c21 = a2 * b1 + c21;                                              \
+        c30 = a3 * b0 + c30; c31 = a3 * b1 + c31;                                              \
+        c40 = a4 * b0 + c40; c41 = a4 * b1 + c41;                                              \
+        c50 = a5 * b0 + c50; c51 = a5 * b1 + c51;                                              \
+    }
+    if (a_k == PANEL_ROWS) {  // panels (a_r = 1)
+        GEMM_PACKED_LOOP(PANEL_ROWS, 1, 2, 3, 4, 5)
+    } else {  // A's own rows (a_k = 1): one past M reads row `row` instead, never stored
+        const int r1 = row + 1 < M ? a_r : 0, r2 = row + 2 < M ? 2 * a_r : 0;
+        const int r3 = row + 3 < M ? 3 * a_r : 0, r4 = row + 4 < M ? 4 * a_r : 0;
+        const int r5 = row + 5 < M ? 5 * a_r : 0;
+        GEMM_PACKED_LOOP(1, r1, r2, r3, r4, r5)
     }
     int at[16];  // RUN_AT(0, col + c, M, c_run), with one division per work-item
     for (int c = 0, run = col / c_run, left = (run + 1) * c_run - col; c < 16; ++c, --left) {
@@ -827,7 +847,7 @@ __kernel void gemm_packed(const int M, const int N, const int K, const int k_chu
 #if !HALF_STORAGE
     // A whole block in one run: float8 stores (with scalar ones, conv2d's input-gradient
     // product, K = 64, took 1.2x as long).
-    if (row + 4 <= M && col + 16 <= N && at[15] == at[0] + 15) {
+    if (row + PANEL_ROWS <= M && col + 16 <= N && at[15] == at[0] + 15) {
         const int per_col = has_bias && !bias_rows, per_row = has_bias && bias_rows;
         const float8 b0 = per_col ? *(__global const float8*)(bias + col) : 0.0f;
         const float8 b1 = per_col ? *(__global const float8*)(bias + col + 8) : 0.0f;
@@ -840,15 +860,21 @@ __kernel void gemm_packed(const int M, const int N, const int K, const int k_chu
         vstore8(c20 + b0 + add, 0, c_row); vstore8(c21 + b1 + add, 0, c_row + 8);
         c_row += c_run; add = per_row ? bias[row + 3] : 0.0f;
         vstore8(c30 + b0 + add, 0, c_row); vstore8(c31 + b1 + add, 0, c_row + 8);
+        c_row += c_run; add = per_row ? bias[row + 4] : 0.0f;
+        vstore8(c40 + b0 + add, 0, c_row); vstore8(c41 + b1 + add, 0, c_row + 8);
+        c_row += c_run; add = per_row ? bias[row + 5] : 0.0f;
+        vstore8(c50 + b0 + add, 0, c_row); vstore8(c51 + b1 + add, 0, c_row + 8);
         return;
     }
 #endif
-    float out[4][16];
+    float out[PANEL_ROWS][16];
     vstore8(c00, 0, out[0]); vstore8(c01, 1, out[0]);
     vstore8(c10, 0, out[1]); vstore8(c11, 1, out[1]);
     vstore8(c20, 0, out[2]); vstore8(c21, 1, out[2]);
     vstore8(c30, 0, out[3]); vstore8(c31, 1, out[3]);
-    for (int r = 0; r < 4 && row + r < M; ++r)
+    vstore8(c40, 0, out[4]); vstore8(c41, 1, out[4]);
+    vstore8(c50, 0, out[5]); vstore8(c51, 1, out[5]);
+    for (int r = 0; r < PANEL_ROWS && row + r < M; ++r)
         for (int c = 0; c < 16 && col + c < N; ++c)
             STORE(C, at[c] + (row + r) * c_run, out[r][c] +
                   (has_bias ? bias[bias_rows ? row + r : col + c] : 0.0f));

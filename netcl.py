@@ -1943,8 +1943,8 @@ _TC_LARGE, _TC_SMALL = (128, 128, 256), (128, 64, 128)
 _TC_TILE_K = 32
 _TC_VECTOR = 8  # halves the tensor-core kernels copy at a time (16 bytes)
 # kernels.cl's packed kernels (pack_a, pack_b, gemm_packed; CPU devices): op(a) in panels of
-# 4 rows, op(b) in panels of 16 columns; a work-item computes one 4x16 block of C.
-_PANEL_ROWS, _PANEL_COLS = 4, 16
+# 6 rows, op(b) in panels of 16 columns; a work-item computes one 6x16 block of C.
+_PANEL_ROWS, _PANEL_COLS = 6, 16
 _PANEL_MACS = 1 << 25  # CPU devices pack both operands into panels from this many M*N*K
 _PACK_K = 8  # kernels.cl's PACK_K: the k's of one panel a pack work-item copies
 # A long K over few blocks of C (conv2d's weight gradient: K = 50176, C 64x288) is split
@@ -1969,7 +1969,7 @@ def _batch_strides(a, b, M, K, N):
 
 def _packed_gemm(a, b, trans_a, trans_b, bias, half, out, b_cols=None, a_run=None,
                  b_run=None, c_run=None):
-    """_gemm on CPU devices: op(a) packed into panels of 4 rows and op(b) into panels of 16
+    """_gemm on CPU devices: op(a) packed into panels of 6 rows and op(b) into panels of 16
     columns (kernels.cl: pack_a, pack_b), so the product streams both through the caches.
     Packing reads float16 storage and writes float32, so it takes any operand's storage and
     the inner loop reads float only.
@@ -1990,7 +1990,8 @@ def _packed_gemm(a, b, trans_a, trans_b, bias, half, out, b_cols=None, a_run=Non
     a_k, a_r, b_panel, b_k = 1, K, 1, Np  # the operands' own rows
     if b_cols is not None:
         b_panel, b_k = K, _PANEL_COLS
-    if panels or trans_a or Mp != M or a.dtype == np.float16 or a_run is not None:
+    # (gemm_packed reads a's own rows whatever M: past M a block's rows read its first)
+    if panels or trans_a or a.dtype == np.float16 or a_run is not None:
         count = a.shape[0] if a.ndim == 3 else 1
         A = _like(a, (count, Mp, K), np.float32)
         device.launch("pack_a", (Mp // _PANEL_ROWS * _ceil_div(K, _PACK_K), count), (256, 1),
