@@ -3448,7 +3448,7 @@ def _im2col_panels(X, n0, nb, window, transposed):
     if transposed:
         cols = _like(X, (pixels, _round_up(taps, _PANEL_COLS)), np.float32)
         X.device.launch("im2col_panels_t", (_ceil_div(pixels, _PIXEL_RUN),
-                                            cols.shape[1] // _PANEL_COLS), (16, 1),
+                                            cols.shape[1] // _PANEL_COLS), (1, 1),
                         nb, C, *window, padded.data, cols.data)
     else:  # one work-item per channel of a panel
         cols = _like(X, (taps, _round_up(pixels, _PANEL_COLS)), np.float32)
