@@ -867,61 +867,78 @@ __kernel void tensor_core_probe(__global const uint* A, __global const uint* Bt,
 
 // GEMM for CPU devices (PoCL). Local memory is slow there and wide vector loads are
 // fast, so both operands are first packed (transposing if asked, padding with zeros) into
-// layouts whose rows are aligned float8 runs: Ap (Mp, K) with Mp a multiple of 4, and
-// Bp (K, Np) with Np a multiple of 16. Each work-item then computes a 4x16 block of C with
-// eight float8 accumulators and no bounds checks in the loop over K. Packing reads either
-// operand as act_t and writes float, so the inner loop never sees half; C is act_t.
+// layouts whose rows are aligned float8 runs: Ap (Mp, K) with Mp a multiple of 6, and
+// Bp (K, Np) with Np a multiple of 16. Each work-item then computes a 6x16 block of C with
+// twelve float8 accumulators and no bounds checks in the loop over K: with the two float8
+// of B and a broadcast of A they fill AVX2's sixteen registers (4x16 blocks, eight
+// accumulators, left the multiply-adds waiting on each other: 1.3x slower; 8x16 spills).
+// Packing reads either operand as act_t and writes float, so the inner loop never sees half;
+// C is act_t.
+//
+// A matrix's columns may come in runs (conv2d's tensors (nb, rows, OH*OW) read as the matrix
+// (rows, nb*OH*OW) of its samples' pixels side by side): with runs of `run` columns, run j of
+// every row follows run j - 1 of them all, element (row, col) at RUN_AT(row, col, rows, run).
+// A plain matrix is one run (run = its width), for which RUN_AT is row * run + col.
+#define RUN_AT(row, col, rows, run) \
+    (((col) / (run)) * ((rows) - 1) * (run) + (row) * (run) + (col))
+#define PANEL_ROWS 6  // netcl.py: _PANEL_ROWS
 
-// A (act_t) stored (M, K), or (K, M) when transposed -> Ap in panels of 4 rows: Ap[p][k][r] =
-// A[4p + r][k] (0 past M), so that a work-item's 4 rows are one contiguous run, read as a
-// float4 per k. A work-item packs PACK_K k's of one panel (one k each was 1.6-2.4x slower
-// at n=1024), copying a whole block without checks. The second dimension of the launch is a
-// batch: matrix j is `batch` on in A.
+// A (act_t) stored (M, K) in runs along K, or (K, M) when transposed -> Ap in panels of
+// PANEL_ROWS rows: Ap[p][k][r] = A[6p + r][k] (0 past M), so that a work-item's rows are one
+// contiguous run per k. A work-item packs PACK_K k's of one panel (one k each was 1.6-2.4x
+// slower at n=1024), copying a whole block without checks when it lies in one run. The
+// second dimension of the launch is a batch: matrix j is `batch` on in A.
 #define PACK_K 8
 __kernel void pack_a(const int M, const int K, const int Mp, const int transposed,
-                     const int batch, __global const act_t* A, __global float* Ap) {
+                     const int run, const int batch, __global const act_t* A,
+                     __global float* Ap) {
     const int blocks = (K + PACK_K - 1) / PACK_K;
     const int i = get_global_id(0), j = get_global_id(1);  // i: PACK_K k's of one panel
-    if (i >= Mp / 4 * blocks) return;
-    const int p = i / blocks, k0 = (i - p * blocks) * PACK_K, m0 = 4 * p;
+    if (i >= Mp / PANEL_ROWS * blocks) return;
+    const int p = i / blocks, k0 = (i - p * blocks) * PACK_K, m0 = PANEL_ROWS * p;
     A += j * batch;
-    __global float* out = Ap + j * Mp * K + m0 * K + 4 * k0;
-    if (m0 + 4 <= M && k0 + PACK_K <= K) {
+    __global float* out = Ap + j * Mp * K + m0 * K + PANEL_ROWS * k0;
+    if (m0 + PANEL_ROWS <= M && k0 + PACK_K <= K && (transposed || k0 % run + PACK_K <= run)) {
         if (transposed) {
             for (int k = 0; k < PACK_K; ++k)
-                for (int r = 0; r < 4; ++r) out[4 * k + r] = LOAD(A, (k0 + k) * M + m0 + r);
+                for (int r = 0; r < PANEL_ROWS; ++r)
+                    out[PANEL_ROWS * k + r] = LOAD(A, (k0 + k) * M + m0 + r);
         } else {
-            for (int r = 0; r < 4; ++r)
-                for (int k = 0; k < PACK_K; ++k) out[4 * k + r] = LOAD(A, (m0 + r) * K + k0 + k);
+            __global const act_t* rows = A + RUN_AT(m0, k0, M, run);
+            for (int r = 0; r < PANEL_ROWS; ++r)
+                for (int k = 0; k < PACK_K; ++k)
+                    out[PANEL_ROWS * k + r] = LOAD(rows, r * run + k);
         }
         return;
     }
     for (int k = 0; k < PACK_K && k0 + k < K; ++k)
-        for (int r = 0; r < 4; ++r) {
+        for (int r = 0; r < PANEL_ROWS; ++r) {
             const int m = m0 + r;
-            out[4 * k + r] = m < M ? (transposed ? LOAD(A, (k0 + k) * M + m)
-                                                 : LOAD(A, m * K + k0 + k)) : 0.0f;
+            out[PANEL_ROWS * k + r] = m < M ? (transposed ? LOAD(A, (k0 + k) * M + m)
+                                              : LOAD(A, RUN_AT(m, k0 + k, M, run))) : 0.0f;
         }
 }
 
-// B (act_t) stored (K, N), or (N, K) when transposed -> Bp in panels of 16 columns:
-// Bp[p][k][c] = B[k][16p + c] (0 past N), a work-item's columns one contiguous run; PACK_K
-// k's of one panel per work-item, as pack_a.
+// B (act_t) stored (K, N) in runs along N, or (N, K) when transposed -> Bp in panels of 16
+// columns: Bp[p][k][c] = B[k][16p + c] (0 past N), a work-item's columns one contiguous run;
+// PACK_K k's of one panel per work-item, as pack_a.
 __kernel void pack_b(const int K, const int N, const int Np, const int transposed,
-                     const int batch, __global const act_t* B, __global float* Bp) {
+                     const int run, const int batch, __global const act_t* B,
+                     __global float* Bp) {
     const int blocks = (K + PACK_K - 1) / PACK_K;
     const int i = get_global_id(0), j = get_global_id(1);  // i: PACK_K k's of one panel
     if (i >= Np / 16 * blocks) return;
     const int p = i / blocks, k0 = (i - p * blocks) * PACK_K, n0 = 16 * p;
     B += j * batch;
     __global float* out = Bp + j * K * Np + n0 * K + 16 * k0;
-    if (n0 + 16 <= N && k0 + PACK_K <= K) {
+    if (n0 + 16 <= N && k0 + PACK_K <= K && (transposed || n0 % run + 16 <= run)) {
         if (transposed) {
             for (int c = 0; c < 16; ++c)
                 for (int k = 0; k < PACK_K; ++k) out[16 * k + c] = LOAD(B, (n0 + c) * K + k0 + k);
         } else {
+            __global const act_t* rows = B + RUN_AT(k0, n0, K, run);
             for (int k = 0; k < PACK_K; ++k)
-                for (int c = 0; c < 16; ++c) out[16 * k + c] = LOAD(B, (k0 + k) * N + n0 + c);
+                for (int c = 0; c < 16; ++c) out[16 * k + c] = LOAD(rows, k * run + c);
         }
         return;
     }
@@ -929,57 +946,106 @@ __kernel void pack_b(const int K, const int N, const int Np, const int transpose
         for (int c = 0; c < 16; ++c) {
             const int n = n0 + c;
             out[16 * k + c] = n < N ? (transposed ? LOAD(B, n * K + k0 + k)
-                                                  : LOAD(B, (k0 + k) * N + n)) : 0.0f;
+                                                  : LOAD(B, RUN_AT(k0 + k, n, K, run))) : 0.0f;
         }
 }
 
-// op(A) @ op(B) -> C (M, N) [+ bias (N)]; a work-item owns rows 4i..4i+3 and columns
+// op(A) @ op(B) -> C (M, N) [+ bias (N)]; a work-item owns rows 6i..6i+5 and columns
 // 16j..16j+15, with (i, j) = (id 1, id 0), or (id 0, id 1) when rows_first: consecutive
 // work-items then share their columns of B, so a wide B (conv2d's columns) is read once
-// instead of once per 4 rows (conv2d's forward product, N = 50176 and M = 64: 64 -> 41 ms).
-// Ap and Bp are packed panels (above) or, for small products that need no
-// packing, the operands' own rows, as the strides say: element (row 4i + r, k) of Ap is at
-// 4iK + k a_k + r a_r (panels: a_k = 4, a_r = 1; rows: 1, K), and the 16 columns of k in Bp
+// instead of once per block of rows (conv2d's forward product, N = 50176 and M = 64: 64 ->
+// 41 ms). Ap and Bp are packed panels (above) or, for small products that need no
+// packing, the operands' own rows, as the strides say: element (row 6i + r, k) of Ap is at
+// 6iK + k a_k + r a_r (panels: a_k = 6, a_r = 1; rows: 1, K), and the 16 columns of k in Bp
 // start at 16j b_panel + k b_k (panels: b_panel = K, b_k = 16; rows: 1, Np). With panels the
 // loop over K streams both operands. Products are written a*b+c: PoCL turns fma()/mad()
 // into calls. The third dimension is a batch: product z reads Ap and Bp batch_a and batch_b
 // on and writes C M*N on. A split K is such a batch: product z then covers k_chunk k's from
 // z k_chunk (the offsets are in batch_a and batch_b) and writes its partial product.
+// C's columns come in runs of c_run (RUN_AT, above; a plain C has one, c_run = N): conv2d's
+// output has one per sample, (nb, K, OH*OW) from columns (sample, pixel), and then its bias
+// is per row (bias_rows), an output channel's.
 __kernel void gemm_packed(const int M, const int N, const int K, const int k_chunk,
                           const int rows_first, const int a_k, const int a_r,
                           const int b_panel, const int b_k, const int batch_a, const int batch_b,
-                          const int has_bias, __global const float* Ap,
+                          const int c_run, const int has_bias, const int bias_rows,
+                          __global const float* Ap,
                           __global const float* Bp, __global const float* bias,
                           __global act_t* C) {
     const int z = get_global_id(2);
     const int x = get_global_id(0), y = get_global_id(1);  // (PoCL wants a constant dimension)
-    const int col = (rows_first ? y : x) * 16, row = (rows_first ? x : y) * 4;
+    const int col = (rows_first ? y : x) * 16, row = (rows_first ? x : y) * PANEL_ROWS;
     if (col >= N || row >= M) return;  // the launch rounds up; and past M, only padding
     C += z * M * N;
     __global const float* a = Ap + z * batch_a + row * K;
     __global const float* b = Bp + z * batch_b + col * b_panel;
     const int k_end = k_chunk < K ? min(k_chunk, K - z * k_chunk) : K;  // its part of K
-    float8 c00 = 0.0f, c01 = 0.0f, c10 = 0.0f, c11 = 0.0f;
-    float8 c20 = 0.0f, c21 = 0.0f, c30 = 0.0f, c31 = 0.0f;
-    #pragma unroll 4
-    for (int k = 0; k < k_end; ++k) {
-        const float8 b0 = *(__global const float8*)(b + k * b_k);
-        const float8 b1 = *(__global const float8*)(b + k * b_k + 8);
-        __global const float* ak = a + k * a_k;
-        const float a0 = ak[0], a1 = ak[a_r], a2 = ak[2 * a_r], a3 = ak[3 * a_r];
-        c00 = a0 * b0 + c00; c01 = a0 * b1 + c01;
-        c10 = a1 * b0 + c10; c11 = a1 * b1 + c11;
-        c20 = a2 * b0 + c20; c21 = a2 * b1 + c21;
-        c30 = a3 * b0 + c30; c31 = a3 * b1 + c31;
+    float8 c00 = 0.0f, c01 = 0.0f, c10 = 0.0f, c11 = 0.0f, c20 = 0.0f, c21 = 0.0f;
+    float8 c30 = 0.0f, c31 = 0.0f, c40 = 0.0f, c41 = 0.0f, c50 = 0.0f, c51 = 0.0f;
+    // The loop over K, k's rows of A at ak = a + k A_K and ak[R1] .. ak[R5] past ak[0], with
+    // a_k a constant in each case: with a_k and the offsets all runtime values it ran 2x
+    // slower.
+#define GEMM_PACKED_LOOP(A_K, R1, R2, R3, R4, R5)                                              \
+    _Pragma("unroll 4")                                                                        \
+    for (int k = 0; k < k_end; ++k) {                                                          \
+        const float8 b0 = *(__global const float8*)(b + k * b_k);                              \
+        const float8 b1 = *(__global const float8*)(b + k * b_k + 8);                          \
+        __global const float* ak = a + k * (A_K);                                              \
+        const float a0 = ak[0], a1 = ak[R1], a2 = ak[R2], a3 = ak[R3], a4 = ak[R4], a5 = ak[R5]; \
+        c00 = a0 * b0 + c00; c01 = a0 * b1 + c01;                                              \
+        c10 = a1 * b0 + c10; c11 = a1 * b1 + c11;                                              \
+        c20 = a2 * b0 + c20; c21 = a2 * b1 + c21;                                              \
+        c30 = a3 * b0 + c30; c31 = a3 * b1 + c31;                                              \
+        c40 = a4 * b0 + c40; c41 = a4 * b1 + c41;                                              \
+        c50 = a5 * b0 + c50; c51 = a5 * b1 + c51;                                              \
     }
-    float out[4][16];
+    if (a_k == PANEL_ROWS) {  // panels (a_r = 1)
+        GEMM_PACKED_LOOP(PANEL_ROWS, 1, 2, 3, 4, 5)
+    } else {  // A's own rows (a_k = 1): one past M reads row `row` instead, never stored
+        const int r1 = row + 1 < M ? a_r : 0, r2 = row + 2 < M ? 2 * a_r : 0;
+        const int r3 = row + 3 < M ? 3 * a_r : 0, r4 = row + 4 < M ? 4 * a_r : 0;
+        const int r5 = row + 5 < M ? 5 * a_r : 0;
+        GEMM_PACKED_LOOP(1, r1, r2, r3, r4, r5)
+    }
+    int at[16];  // RUN_AT(0, col + c, M, c_run), with one division per work-item
+    for (int c = 0, run = col / c_run, left = (run + 1) * c_run - col; c < 16; ++c, --left) {
+        if (left == 0) { ++run; left = c_run; }
+        at[c] = run * (M - 1) * c_run + col + c;
+    }
+#if !HALF_STORAGE
+    // A whole block in one run: float8 stores (with scalar ones, conv2d's input-gradient
+    // product, K = 64, took 1.2x as long).
+    if (row + PANEL_ROWS <= M && col + 16 <= N && at[15] == at[0] + 15) {
+        const int per_col = has_bias && !bias_rows, per_row = has_bias && bias_rows;
+        const float8 b0 = per_col ? *(__global const float8*)(bias + col) : 0.0f;
+        const float8 b1 = per_col ? *(__global const float8*)(bias + col + 8) : 0.0f;
+        __global float* c_row = C + at[0] + row * c_run;
+        float add = per_row ? bias[row] : 0.0f;
+        vstore8(c00 + b0 + add, 0, c_row); vstore8(c01 + b1 + add, 0, c_row + 8);
+        c_row += c_run; add = per_row ? bias[row + 1] : 0.0f;
+        vstore8(c10 + b0 + add, 0, c_row); vstore8(c11 + b1 + add, 0, c_row + 8);
+        c_row += c_run; add = per_row ? bias[row + 2] : 0.0f;
+        vstore8(c20 + b0 + add, 0, c_row); vstore8(c21 + b1 + add, 0, c_row + 8);
+        c_row += c_run; add = per_row ? bias[row + 3] : 0.0f;
+        vstore8(c30 + b0 + add, 0, c_row); vstore8(c31 + b1 + add, 0, c_row + 8);
+        c_row += c_run; add = per_row ? bias[row + 4] : 0.0f;
+        vstore8(c40 + b0 + add, 0, c_row); vstore8(c41 + b1 + add, 0, c_row + 8);
+        c_row += c_run; add = per_row ? bias[row + 5] : 0.0f;
+        vstore8(c50 + b0 + add, 0, c_row); vstore8(c51 + b1 + add, 0, c_row + 8);
+        return;
+    }
+#endif
+    float out[PANEL_ROWS][16];
     vstore8(c00, 0, out[0]); vstore8(c01, 1, out[0]);
     vstore8(c10, 0, out[1]); vstore8(c11, 1, out[1]);
     vstore8(c20, 0, out[2]); vstore8(c21, 1, out[2]);
     vstore8(c30, 0, out[3]); vstore8(c31, 1, out[3]);
-    for (int r = 0; r < 4 && row + r < M; ++r)
+    vstore8(c40, 0, out[4]); vstore8(c41, 1, out[4]);
+    vstore8(c50, 0, out[5]); vstore8(c51, 1, out[5]);
+    for (int r = 0; r < PANEL_ROWS && row + r < M; ++r)
         for (int c = 0; c < 16 && col + c < N; ++c)
-            STORE(C, (row + r) * N + col + c, out[r][c] + (has_bias ? bias[col + c] : 0.0f));
+            STORE(C, at[c] + (row + r) * c_run, out[r][c] +
+                  (has_bias ? bias[bias_rows ? row + r : col + c] : 0.0f));
 }
 
 // --- shape ops -------------------------------------------------------------------------------
@@ -1355,8 +1421,8 @@ __kernel void bce_logits_bwd(const int n, const int g_stride, const float scale,
 // kernel (R, S), stride (SH, SW), padding (PH, PW) on each side, dilation (DH, DW), output
 // plane (OH, OW). A dilated kernel's taps are DH rows and DW columns apart, so it spans
 // (R-1)*DH+1 rows; pooling windows are not dilated (DH = DW = 1). Backward kernels gather: one
-// work-item per input pixel sums the outputs whose window covers it, so no two work-items
-// write one place and nothing is atomic.
+// work-item per input pixel sums the outputs whose window covers it (col2im_planes: one per
+// plane), so no two work-items write one place and nothing is atomic.
 #define WINDOW_ARGS const int H, const int W, const int R, const int S, const int SH,            \
                     const int SW, const int PH, const int PW, const int DH, const int DW,        \
                     const int OH, const int OW
@@ -1394,6 +1460,113 @@ __kernel void NAME(const int n0, const int nb, const int C, WINDOW_ARGS,        
 IM2COL(im2col, float)
 IM2COL(im2col_act, act_t)
 
+// im2col for CPU devices, in two steps that each run as plain copies. First pad_images pads
+// the samples with zeros, so that no copy of a tap needs a bounds check (with them a one-step
+// im2col ran 1.6x slower on PoCL); then the windows are copied out of the padded samples
+// straight into gemm_packed's panels (what pack_b would make of im2col's cols), so the
+// columns are written once and never repacked. Two layouts, P = nb*OH*OW:
+// - im2col_panels: cols as the product's B, (C*R*S, P) in panels of 16 pixels: element
+//   (tap k, pixel p) at (p / 16) (C*R*S) 16 + 16 k + p % 16. A work-item copies the R*S
+//   taps of channel c for one panel, R*S runs of 16 floats in one contiguous block, and
+//   work-item j + 1 writes the block after j's (neighbours writing neighbouring blocks made
+//   it 2x faster).
+// - im2col_panels_t: cols^T as B, (P, C*R*S) in panels of 16 taps: element (pixel p, tap k)
+//   at (k / 16) P 16 + 16 p + k % 16, for conv2d's weight gradient g cols^T. A work-item
+//   copies the 16 taps of one panel for PIXEL_RUN pixels, one contiguous block.
+// Past P the panels of im2col_panels hold zeros, and past C*R*S those of im2col_panels_t
+// copies of some pixel: columns of B that gemm_packed computes but never stores.
+
+// x (N, C, H, W) -> padded (nb, C, H + 2 PH, W + 2 PW) for samples n0 .. n0+nb-1, float; a
+// work-item writes one padded row. x is act_t.
+__kernel void pad_images(const int n0, const int nb, const int C, const int H, const int W,
+                         const int PH, const int PW, __global const act_t* x,
+                         __global float* padded) {
+    const int i = get_global_id(0), Hp = H + 2 * PH, Wp = W + 2 * PW;
+    if (i >= nb * C * Hp) return;
+    const int plane = i / Hp, h = i - plane * Hp - PH;
+    __global float* out = padded + i * Wp;
+    if (h < 0 || h >= H) {
+        for (int w = 0; w < Wp; ++w) out[w] = 0.0f;
+        return;
+    }
+    __global const act_t* row = x + (n0 * C + plane) * H * W + h * W;
+    for (int w = 0; w < PW; ++w) out[w] = 0.0f;
+    for (int w = 0; w < W; ++w) out[PW + w] = LOAD(row, w);
+    for (int w = PW + W; w < Wp; ++w) out[w] = 0.0f;
+}
+
+// padded (nb, C, Hp, Wp) -> cols (C*R*S, P) in panels of 16 pixels. WINDOW_ARGS are the
+// unpadded x's: the window of output pixel (oh, ow) starts at padded (oh SH, ow SW). The
+// panel's pixels are copied a stretch of one output row at a time: each tap's stretch is
+// then one strided run of padded (gathering each pixel's own copy was 2x slower).
+__kernel void im2col_panels(const int nb, const int C, WINDOW_ARGS, __global const float* padded,
+                            __global float* cols) {
+    const int block = get_global_id(0), P = nb * OH * OW, panels = (P + 15) / 16;
+    const int Hp = H + 2 * PH, Wp = W + 2 * PW;
+    if (block >= panels * C) return;  // block (i, c): channel c of panel i
+    const int i = block / C, c = block - i * C;
+    const int p = i * 16, end = P - p < 16 ? P - p : 16;  // pixels p .. p+end-1 (the last short)
+    int q = p / OW, ow = p - q * OW, n = q / OH, oh = q - n * OH;
+    __global float* out = cols + block * R * S * 16;
+    for (int j = 0; j < end;) {  // pixels p+j .. p+j+len-1 lie in output row (n, oh)
+        const int len = OW - ow < end - j ? OW - ow : end - j;
+        __global const float* window = padded + ((n * C + c) * Hp + oh * SH) * Wp + ow * SW;
+        for (int r = 0; r < R; ++r)
+            for (int s = 0; s < S; ++s) {
+                __global const float* tap = window + r * DH * Wp + s * DW;
+                __global float* to = out + (r * S + s) * 16 + j;
+                for (int t = 0; t < len; ++t) to[t] = tap[t * SW];
+            }
+        j += len;
+        ow += len;
+        if (ow == OW) {
+            ow = 0;
+            if (++oh == OH) { oh = 0; ++n; }
+        }
+    }
+    for (int k = 0; k < R * S; ++k)  // past P
+        for (int j = end; j < 16; ++j) out[16 * k + j] = 0.0f;
+}
+
+#define PIXEL_RUN 64  // 16 was 1.3x slower: each work-item works out its 16 taps first
+// padded (nb, C, Hp, Wp) -> cols^T (P, C*R*S) in panels of 16 taps; as im2col_panels, 16
+// pixels at a time: each tap's stretch of them in one output row is read as a strided run
+// into a 16x16 tile, whose pixels are then written out as rows of 16 taps (gathering each
+// pixel's taps instead was 1.2x slower). Launched with one work-item per work-group, which
+// PoCL then does not interleave with its neighbours' (1.2x faster than 16).
+__kernel void im2col_panels_t(const int nb, const int C, WINDOW_ARGS,
+                              __global const float* padded, __global float* cols) {
+    const int i = get_global_id(0), panel = get_global_id(1), P = nb * OH * OW;
+    const int Hp = H + 2 * PH, Wp = W + 2 * PW;
+    if (i * PIXEL_RUN >= P) return;
+    int tap[16];  // where each tap lies in the window's sample
+    for (int t = 0; t < 16; ++t) {
+        const int k = panel * 16 + t, c = k / (R * S), rs = k - c * R * S, r = rs / S;
+        tap[t] = c < C ? (c * Hp + r * DH) * Wp + (rs - r * S) * DW : 0;
+    }
+    const int p = i * PIXEL_RUN, pixels = P - p < PIXEL_RUN ? P - p : PIXEL_RUN;
+    int q = p / OW, ow = p - q * OW, n = q / OH, oh = q - n * OH;
+    __global float* out = cols + (panel * P + p) * 16;
+    for (int first = 0; first < pixels; first += 16, out += 16 * 16) {
+        float tile[16][16];  // [tap][pixel]
+        const int end = pixels - first < 16 ? pixels - first : 16;
+        for (int j = 0; j < end;) {  // pixels first+j .. first+j+len-1 lie in row (n, oh)
+            const int len = OW - ow < end - j ? OW - ow : end - j;
+            __global const float* window = padded + (n * C * Hp + oh * SH) * Wp + ow * SW;
+            for (int t = 0; t < 16; ++t)
+                for (int u = 0; u < len; ++u) tile[t][j + u] = window[tap[t] + u * SW];
+            j += len;
+            ow += len;
+            if (ow == OW) {
+                ow = 0;
+                if (++oh == OH) { oh = 0; ++n; }
+            }
+        }
+        for (int u = 0; u < end; ++u)
+            for (int t = 0; t < 16; ++t) out[16 * u + t] = tile[t][u];
+    }
+}
+
 // dcols (C*R*S, nb*OH*OW) -> dx (N, C, H, W) for samples n0 .. n0+nb-1: the adjoint of im2col,
 // each input pixel summing the column entries that were copies of it. A 2-D launch over
 // (input pixel, channel), as im2col. A dilated window's span holds rows and columns between
@@ -1429,6 +1602,31 @@ __kernel void col2im(const int n0, const int nb, const int C, WINDOW_ARGS,
         }
     }
     dx[(((n0 + n) * C + c) * H + h) * W + w] = acc;
+}
+
+// dcols (nb, C*R*S, OH*OW) (gemm_packed's runs, one per sample) -> dx (N, C, H, W) for
+// samples n0 .. n0+nb-1: the adjoint of im2col_panels, for CPU devices. A work-item owns one
+// plane (n, c) and adds each tap's OH*OW values onto a zero-padded copy of it in `padded`
+// (its own: nothing is atomic and no add needs a bounds check), output row by output row,
+// then copies the inside of that copy to dx. (col2im's gather reads each of a pixel's taps
+// from another row of dcols, and its loops' bounds differ from pixel to pixel.)
+__kernel void col2im_planes(const int n0, const int nb, const int C, WINDOW_ARGS,
+                            __global const float* restrict dcols,
+                            __global float* restrict padded, __global float* restrict dx) {
+    const int i = get_global_id(0), Hp = H + 2 * PH, Wp = W + 2 * PW, L = OH * OW;
+    if (i >= nb * C) return;  // i: plane (n, c) of the chunk
+    __global float* plane = padded + i * Hp * Wp;
+    for (int j = 0; j < Hp * Wp; ++j) plane[j] = 0.0f;
+    __global const float* taps = dcols + i * R * S * L;
+    for (int r = 0; r < R; ++r)
+        for (int s = 0; s < S; ++s, taps += L)
+            for (int oh = 0; oh < OH; ++oh) {
+                __global float* row = plane + (oh * SH + r * DH) * Wp + s * DW;
+                for (int ow = 0; ow < OW; ++ow) row[ow * SW] += taps[oh * OW + ow];
+            }
+    __global float* out = dx + (n0 * C + i) * H * W;
+    for (int h = 0; h < H; ++h)
+        for (int w = 0; w < W; ++w) out[h * W + w] = plane[(h + PH) * Wp + PW + w];
 }
 
 // x (A, B, L) from element x_offset -> out (B, A, L) from element out_offset, + bias (A) when

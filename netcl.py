@@ -1992,8 +1992,8 @@ _TC_VECTOR = 8  # halves the tensor-core kernels copy at a time (16 bytes)
 # float16 operands (a small model's 10-class layer: three casts a step).
 _TC_GATHER_ANYWAY = 1 << 24
 # kernels.cl's packed kernels (pack_a, pack_b, gemm_packed; CPU devices): op(a) in panels of
-# 4 rows, op(b) in panels of 16 columns; a work-item computes one 4x16 block of C.
-_PANEL_ROWS, _PANEL_COLS = 4, 16
+# 6 rows, op(b) in panels of 16 columns; a work-item computes one 6x16 block of C.
+_PANEL_ROWS, _PANEL_COLS = 6, 16
 _PANEL_MACS = 1 << 25  # CPU devices pack both operands into panels from this many M*N*K
 _PACK_K = 8  # kernels.cl's PACK_K: the k's of one panel a pack work-item copies
 # A long K over few blocks of C (conv2d's weight gradient: K = 50176, C 64x288) is split
@@ -2016,38 +2016,50 @@ def _batch_strides(a, b, M, K, N):
     return (M * K if len(a.shape) == 3 else 0), (K * N if len(b.shape) == 3 else 0)
 
 
-def _packed_gemm(a, b, dims, trans_a, trans_b, bias, half, out):
-    """_gemm on CPU devices: op(a) packed into panels of 4 rows and op(b) into panels of 16
+def _packed_gemm(a, b, trans_a, trans_b, bias, half, out, b_cols=None, a_run=None,
+                 b_run=None, c_run=None):
+    """_gemm on CPU devices: op(a) packed into panels of 6 rows and op(b) into panels of 16
     columns (kernels.cl: pack_a, pack_b), so the product streams both through the caches.
     Packing reads float16 storage and writes float32, so it takes any operand's storage and
-    the inner loop reads float only. dims: _gemm_dims(a, b, trans_a, trans_b), from _gemm."""
-    batch, M, K, N = dims
+    the inner loop reads float only.
+    For conv2d, whose pixels are columns: with b_cols, b is op(b) (K, b_cols) already in
+    panels, a (K, Np) float32 matrix (kernels.cl: im2col_panels). With a_run, b_run or
+    c_run, the columns of that untransposed matrix come in runs of that many, one per sample
+    (kernels.cl: RUN_AT): a (M, nb*L) is stored (nb, M, L), say, as conv2d's gradient is;
+    with c_run the bias (M) is per row, an output channel's."""
+    batch, M, K, N = _gemm_dims(a, b, trans_a, trans_b)
+    N = N if b_cols is None else b_cols
     device = a.device
     Mp, Np = _round_up(M, _PANEL_ROWS), _round_up(N, _PANEL_COLS)
     stride_a, stride_b = _batch_strides(a, b, M, K, N)
     # Panels when the product is large enough for streaming them to pay (2-3x at n=1024);
     # a small one packs only an operand the kernel cannot read as it is (fewer launches).
-    panels = M * N * K >= _PANEL_MACS
+    panels = M * N * K >= _PANEL_MACS or b_cols is not None
     A, B = a, b
     a_k, a_r, b_panel, b_k = 1, K, 1, Np  # the operands' own rows
-    if panels or trans_a or Mp != M or a.dtype == np.float16:
+    if b_cols is not None:
+        b_panel, b_k = K, _PANEL_COLS
+    # (gemm_packed reads a's own rows whatever M: past M a block's rows read its first)
+    if panels or trans_a or a.dtype == np.float16 or a_run is not None:
         count = a.shape[0] if a.ndim == 3 else 1
         A = _like(a, (count, Mp, K), np.float32)
         device.launch("pack_a", (Mp // _PANEL_ROWS * _ceil_div(K, _PACK_K), count), (256, 1),
-                      M, K, Mp, int(trans_a), stride_a, a.data, A.data,
-                      half=a.dtype == np.float16)
+                      M, K, Mp, int(trans_a), K if a_run is None else a_run, stride_a, a.data,
+                      A.data, half=a.dtype == np.float16)
         stride_a, a_k, a_r = (Mp * K if a.ndim == 3 else 0), _PANEL_ROWS, 1
-    if panels or trans_b or Np != N or b.dtype == np.float16:
+    if b_cols is None and (panels or trans_b or Np != N or b.dtype == np.float16 or
+                           b_run is not None):
         count = b.shape[0] if b.ndim == 3 else 1
         B = _like(b, (count, K, Np), np.float32)
         device.launch("pack_b", (Np // _PANEL_COLS * _ceil_div(K, _PACK_K), count), (256, 1),
-                      K, N, Np, int(trans_b), stride_b, b.data, B.data,
-                      half=b.dtype == np.float16)
+                      K, N, Np, int(trans_b), N if b_run is None else b_run, stride_b, b.data,
+                      B.data, half=b.dtype == np.float16)
         stride_b, b_panel, b_k = (K * Np if b.ndim == 3 else 0), K, _PANEL_COLS
     # Split K (partial products, then their sum) where the partials cost at most a quarter
     # of reading the operands: a long K and a small C.
     splits = (_ceil_div(K, _PANEL_K_CHUNK) if panels and batch == 1 and bias is None and not
-              half and K >= 4 * _PANEL_K_CHUNK and 4 * M * N <= _PANEL_K_CHUNK * (M + N) else 1)
+              half and c_run is None and K >= 4 * _PANEL_K_CHUNK and
+              4 * M * N <= _PANEL_K_CHUNK * (M + N) else 1)
     k_chunk = _PANEL_K_CHUNK if splits > 1 else K
     if splits > 1:
         stride_a, stride_b = _PANEL_ROWS * k_chunk, _PANEL_COLS * k_chunk
@@ -2057,8 +2069,9 @@ def _packed_gemm(a, b, dims, trans_a, trans_b, bias, half, out):
     target = _like(out, (splits, M, N)) if splits > 1 else out
     device.launch("gemm_packed", grid[::-1] + (batch * splits,) if rows_first else
                   grid + (batch * splits,), (8, 1, 1), M, N, K, k_chunk, int(rows_first),
-                  a_k, a_r, b_panel, b_k, stride_a, stride_b, int(bias is not None),
-                  A.data, B.data, None if bias is None else bias.data, target.data, half=half)
+                  a_k, a_r, b_panel, b_k, stride_a, stride_b, N if c_run is None else c_run,
+                  int(bias is not None), int(c_run is not None), A.data, B.data,
+                  None if bias is None else bias.data, target.data, half=half)
     if splits > 1:
         _sum_axis_tensor(target, 1, splits, M * N, out=out.reshape((1, M * N)))
 
@@ -2159,7 +2172,8 @@ def _tiled_plan(batch, M, K, N, trans_a, trans_b, may_split, has_bias, units, bl
 
 
 def _tiled_gemm(a, b, dims, trans_a, trans_b, bias, half, out):
-    """_gemm on kernels.cl's tiled kernels, as _tiled_plan lays it out (dims as _packed_gemm's)."""
+    """_gemm on kernels.cl's tiled kernels, as _tiled_plan lays it out. dims: _gemm_dims(a, b,
+    trans_a, trans_b), which _gemm has already computed."""
     batch, M, K, N = dims
     # The half build's tiled kernels read float16 where autocast leaves it (kernels.cl):
     # gemm_nn and gemm_nt take a (and write C) in float16, for the forward products, and
@@ -2212,7 +2226,7 @@ def _gemm(a, b, trans_a=False, trans_b=False, bias=None, half=False, out=None):
             out.data += bias.data
     elif M and N and batch:  # (an empty C has nothing to write)
         if a.device.gemm == "packed":
-            _packed_gemm(a, b, dims, trans_a, trans_b, bias, half, out)
+            _packed_gemm(a, b, trans_a, trans_b, bias, half, out)
         elif not _tensor_core_gemm(a, b, trans_a, trans_b, bias, out):
             _tiled_gemm(a, b, dims, trans_a, trans_b, bias, half, out)
     return out
@@ -3440,8 +3454,12 @@ def mse_loss(input, target, reduction="mean"):
 # view every window at once through stride tricks. On OpenCL, conv2d is im2col + the GEMM
 # above: copying the windows out costs memory (C*R*S values per output pixel) but lets the
 # one tuned GEMM do all the arithmetic, so conv2d gets faster whenever the GEMM does, with no
-# second tuned kernel to keep per device (an implicit-GEMM kernel would need one).
-# Every backward is a gather (one work-item per input pixel sums what it fed): no atomics.
+# second tuned kernel to keep per device (an implicit-GEMM kernel would need one). On CPU
+# devices im2col writes the packed GEMM's panels itself and the products read and write
+# NCHW, so the columns are written once and read once and nothing is swapped (the conv2d
+# benchmark's kernels outside the GEMM: 155 -> 26 ms, in one run).
+# Every backward is a gather (one work-item per input pixel, or on CPU devices per plane,
+# sums what it fed): no atomics.
 
 def _pair(op, name, value, minimum):
     """kernel_size, stride, padding or dilation: an int or a pair of ints, each >= minimum (as
@@ -3506,6 +3524,32 @@ def _im2col(X, n0, nb, window, tensor_cores=False):
     cols = _like(X, (C * R * S, nb * OH * OW), np.float16 if tensor_cores else np.float32)
     X.device.launch("im2col_act" if tensor_cores else "im2col", (nb * OH * OW, C), (256, 1), n0,
                     nb, C, *window, X.data, cols.data, half=X.dtype == np.float16)
+    return cols
+
+
+_PIXEL_RUN = 64  # kernels.cl's PIXEL_RUN: the pixels one im2col_panels_t work-item copies
+
+
+def _im2col_panels(X, n0, nb, window, transposed):
+    """_im2col for CPU devices, written as the packed GEMM's panels from a zero-padded copy of
+    the samples (kernels.cl: im2col_panels): cols (C*R*S, nb*OH*OW) in panels of 16 pixels,
+    the forward product's b; or transposed, cols^T (nb*OH*OW, C*R*S) in panels of 16 taps,
+    the weight gradient's. Both are (K, Np) float32 matrices for _packed_gemm's b_cols."""
+    H, W, R, S, SH, SW, PH, PW, DH, DW, OH, OW = window
+    C, pixels = X.shape[1], nb * OH * OW
+    padded = _like(X, (nb, C, H + 2 * PH, W + 2 * PW), np.float32)
+    X.device.launch("pad_images", *_grid(nb * C * (H + 2 * PH)), n0, nb, C, H, W, PH, PW,
+                    X.data, padded.data, half=X.dtype == np.float16)
+    taps = C * R * S
+    if transposed:
+        cols = _like(X, (pixels, _round_up(taps, _PANEL_COLS)), np.float32)
+        X.device.launch("im2col_panels_t", (_ceil_div(pixels, _PIXEL_RUN),
+                                            cols.shape[1] // _PANEL_COLS), (1, 1),
+                        nb, C, *window, padded.data, cols.data)
+    else:  # one work-item per channel of a panel
+        cols = _like(X, (taps, _round_up(pixels, _PANEL_COLS)), np.float32)
+        X.device.launch("im2col_panels", *_grid(C * cols.shape[1] // _PANEL_COLS), nb, C,
+                        *window, padded.data, cols.data)
     return cols
 
 
@@ -3586,6 +3630,9 @@ def conv2d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
     if tensor_cores:
         X, weight_rows = _half_operand(X), _half_weight(w).reshape((K, group_taps))
     out = _like(X, (N, K, OH, OW), np.float16 if half else None)
+    # CPU devices' packed GEMM reads the columns as im2col writes them, and writes NCHW
+    # (grouped convolutions take the general path below).
+    panels = X.device.backend == "opencl" and X.device.gemm == "packed" and G == 1
     # Each group's filters and channels, for the NumPy versions: a group is an ordinary
     # convolution of its own channels (one einsum over a group axis would be twice as slow).
     group_slices = [(slice(g * K // G, (g + 1) * K // G), slice(g * C // G, (g + 1) * C // G))
@@ -3597,6 +3644,14 @@ def conv2d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
                                        optimize=True)
         if bias is not None:
             out.data += bias.data.reshape(K, 1, 1)
+    elif out.size and panels:
+        for n0, nb in chunks:  # out[n0:n0+nb] (nb, K, OH*OW): the filters on the columns
+            y = out if nb == N else _like(out, (nb, K, OH, OW))
+            _packed_gemm(weight_rows, _im2col_panels(X, n0, nb, window, False), False, False,
+                         bias, half, y, b_cols=nb * L, c_run=L)
+            if y is not out:
+                cl.enqueue_copy(X.device.queue, out.data, y.data, dst_offset=n0 * y.nbytes // nb,
+                                byte_count=y.nbytes)
     elif out.size:
         for n0, nb in chunks:  # y (K, nb*OH*OW): each group's filters on its channels' columns
             y = _grouped_gemm(weight_rows, _im2col(X, n0, nb, window, tensor_cores), G)
@@ -3619,6 +3674,29 @@ def conv2d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
                     grad_windows = np.einsum("nkhw,kcrs->nchwrs", g.data[:, k], weight.data[k],
                                              optimize=True)
                     grad_x.data[:, c] = _col2im_numpy(grad_windows, window)
+        elif panels:
+            Hp, Wp = H + 2 * PH, W + 2 * PW
+            for n0, nb in chunks:
+                # g[n0:n0+nb] as the (K, nb*OH*OW) matrix of its samples' pixels side by side,
+                # stored as it is, (nb, K, OH*OW): in runs of L columns, one per sample
+                g_cols = _row_block(g.reshape((N, K * L)), n0, nb).reshape((K, nb * L))
+                if w.requires_grad:  # dw = g_cols @ cols^T, summed over the chunks
+                    part = _like(g, (K, group_taps), np.float32)
+                    _packed_gemm(g_cols, _im2col_panels(X, n0, nb, window, True), False, False,
+                                 None, False, part, b_cols=group_taps, a_run=L)
+                    if grad_w is None:
+                        grad_w = part.reshape(weight.shape)
+                    else:
+                        _add_into(grad_w, part)
+                if grad_x is not None:  # dcols = w^T @ g_cols (nb, C*R*S, OH*OW), then col2im
+                    grad_cols = _like(g, (group_taps, nb * L), np.float32)
+                    _packed_gemm(weight_rows, g_cols, True, False, None, False, grad_cols,
+                                 b_run=L, c_run=L)
+                    padded = _like(g, (nb, C, Hp, Wp), np.float32)
+                    g.device.launch("col2im_planes", (nb * C,), (16,), n0, nb, C, *window,
+                                    grad_cols.data, padded.data, grad_x.data)
+            if w.requires_grad and grad_w is None:  # an empty batch: no chunks
+                grad_w = _fill(weight.shape, 0.0, weight)
         else:
             for n0, nb in chunks:
                 # g[n0:n0+nb] (nb, K, OH*OW) -> (K, nb*OH*OW)

@@ -2763,6 +2763,35 @@ def test_conv2d_im2col_in_chunks_matches_whole_batch(opencl, monkeypatch):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("shapes, geometry, per_chunk", [
+    # panels of 16 pixels straddling rows and samples, the last one ragged; two tap panels,
+    # the second ragged; stride, padding and dilation differing along H and W
+    (((3, 5, 11, 9), (7, 5, 3, 2)), dict(stride=(2, 1), padding=(1, 2), dilation=(2, 1)), None),
+    # 4608 pixels: the weight gradient's long K split into chunks, the last one short
+    (((2, 3, 48, 48), (5, 3, 3, 3)), dict(padding=1), None),
+    # im2col in chunks of two samples, one of 1 x 1 filters
+    (((5, 6, 7, 5), (4, 6, 1, 1)), dict(stride=2), 2),
+])
+def test_conv2d_on_packed_panels_matches_numpy(opencl, monkeypatch, shapes, geometry, per_chunk):
+    """On CPU devices conv2d's im2col writes the packed GEMM's panels and its product writes
+    NCHW: output and gradients are NumPy's at edges of those panels."""
+    monkeypatch.setattr(opencl, "gemm", "packed")
+    rng = np.random.default_rng(9)
+    arrays = [rng.standard_normal(s).astype(np.float32) for s in shapes]
+    arrays.append(rng.standard_normal(shapes[1][0]).astype(np.float32))
+    op = lambda x, w, b: F.conv2d(x, w, b, **geometry)
+    cpu = netcl.manager.default("cpu")
+    g = rng.standard_normal(op(*(tensor(a, cpu) for a in arrays)).shape).astype(np.float32)
+    want_out, want_grads = run_op(op, arrays, g, cpu)
+    if per_chunk:
+        C, R, S = shapes[1][1:]
+        monkeypatch.setattr(netcl, "_IM2COL_BYTES", per_chunk * C * R * S * want_out[0, 0].size * 4)
+    got_out, got_grads = run_op(op, arrays, g, opencl)
+    np.testing.assert_allclose(got_out, want_out, rtol=1e-5, atol=1e-5)
+    for got, want in zip(got_grads, want_grads):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
 def test_conv2d_skips_gradients_nobody_needs(backend):
     """The input of a first layer is data: its gradient is not computed, dw still is."""
     rng = np.random.default_rng(1)
@@ -4375,20 +4404,21 @@ def test_grouped_dilated_conv2d_of_an_empty_batch(backend):
 
 
 @pytest.mark.parametrize("gemm", ["packed", "tiled"])
+@pytest.mark.parametrize("groups", [3, 1])  # packed, groups=1: im2col into the GEMM's panels
 @pytest.mark.usefixtures("portable_half")
 def test_autocast_grouped_dilated_conv2d_is_the_float32_result_rounded(opencl, monkeypatch,
-                                                                        gemm):
+                                                                        gemm, groups):
     """Under autocast a grouped, dilated conv2d writes float16 storage: the float32 result on
     the same values, rounded once; its gradients are the float32 ones."""
     monkeypatch.setattr(opencl, "gemm", gemm)
     rng = np.random.default_rng(8)
     x = rng.standard_normal((2, 6, 8, 7)).astype(np.float16)
-    weights = [rng.standard_normal((9, 2, 3, 3)) / 5, rng.standard_normal(9)]
+    weights = [rng.standard_normal((9, 6 // groups, 3, 3)) / 5, rng.standard_normal(9)]
     results = {}
     for enabled, dtype in ((False, np.float32), (True, np.float16)):
         leaves = [param(x, opencl, dtype)] + [param(w, opencl) for w in weights]
         with netcl.Tape() as tape, netcl.autocast(enabled=enabled):
-            out = F.conv2d(*leaves, stride=(2, 1), padding=2, dilation=(2, 1), groups=3)
+            out = F.conv2d(*leaves, stride=(2, 1), padding=2, dilation=(2, 1), groups=groups)
         seed = np.random.default_rng(1).standard_normal(out.shape).astype(np.float16)
         tape.backward(out, grad=seed.astype(np.float32))
         results[enabled] = host(out), [host(p.grad) for p in leaves]
