@@ -2278,6 +2278,14 @@ __kernel void adam_step(const int n, const float lr, const float one_minus_beta1
 // during training: the optimizer kernels read found_inf to skip, amp_update_scale reads
 // found_inf_any to back off or grow.
 
+// AMPGradScaler.scale: out (n) float = x (n) * scale[0], x the loss (an activation, act_t)
+// or the gradient flowing back into it; one launch for the copy and the product.
+__kernel void times_scale(const int n, __global const float* scale, __global const act_t* x,
+                          __global float* out) {
+    const int i = get_global_id(0);
+    if (i < n) out[i] = LOAD(x, i) * scale[0];
+}
+
 // 1 / x rounded as PyTorch's `scale.double().reciprocal().float()`. Division is not trusted
 // here (OpenCL lets float division be off by 2.5 ulps, and a driver may lower a double one
 // to an approximation): the float estimate is refined by Newton steps on FMAs, which round

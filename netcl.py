@@ -5815,13 +5815,15 @@ class AMPGradScaler:
         scale = self._scale
 
         def times_scale(x):  # the scale is read on the device: the host never knows it
-            out = _cast(x, np.float32) if x.dtype == np.float16 else _copy(x)
             if device.backend == "cpu":
+                out = _cast(x, np.float32) if x.dtype == np.float16 else _copy(x)
                 with np.errstate(all="ignore"):  # an overflow to inf is what update() detects
                     out.data *= scale.data[0]
-            elif out.size:
-                device.launch("scale_by_device_scalar", *_grid(out.size), out.size, scale.data,
-                              out.data)
+                return out
+            out = _like(x, dtype=np.float32)
+            if out.size:
+                device.launch("times_scale", *_grid(out.size), out.size, scale.data, x.data,
+                              out.data, half=x.dtype == np.float16)
             return out
 
         scaled = _ScaledLoss(times_scale(loss.value), requires_grad=loss.requires_grad)
