@@ -3563,7 +3563,8 @@ def conv2d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
     tensor_cores = half and X.device.tensor_cores  # float16 operands, as in linear
     if tensor_cores:
         X, weight_rows = _half_operand(X), _half_weight(w).reshape((K, group_taps))
-    out = _like(X, (N, K, OH, OW), np.float16 if half else None)
+    # float32 outside autocast, whatever x's storage: swap_axes01 then runs its float build
+    out = _like(X, (N, K, OH, OW), np.float16 if half else _compute_dtype(X.dtype))
     # Each group's filters and channels, for the NumPy versions: a group is an ordinary
     # convolution of its own channels (one einsum over a group axis would be twice as slow).
     group_slices = [(slice(g * K // G, (g + 1) * K // G), slice(g * C // G, (g + 1) * C // G))

@@ -4396,6 +4396,18 @@ def test_autocast_grouped_dilated_conv2d_is_the_float32_result_rounded(opencl, m
         np.testing.assert_array_equal(g16, g32)
 
 
+def test_conv2d_of_float16_storage_outside_autocast_is_float32(opencl):
+    """As linear and matmul: a float16 input outside autocast gives the float32 product (the
+    output once had x's dtype while the kernel wrote floats, past the end of its buffer)."""
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal((2, 3, 6, 5)).astype(np.float16)
+    w = rng.standard_normal((4, 3, 3, 3)).astype(np.float32)
+    out = F.conv2d(tensor(x, opencl), tensor(w, opencl), padding=1)
+    single = F.conv2d(tensor(x.astype(np.float32), opencl), tensor(w, opencl), padding=1)
+    assert out.dtype == np.float32
+    np.testing.assert_array_equal(host(out), host(single))
+
+
 @pytest.mark.parametrize("call, words", [
     (lambda t: F.conv2d(t(2, 4, 5, 5), t(3, 2, 3, 3), groups=2),
      ["conv2d", "3 filters", "groups=2"]),
