@@ -4020,8 +4020,12 @@ def test_permute_is_one_launch_of_up_to_six_moving_dimensions(opencl):
 
 
 def test_shape_ops_move_float16_storage_exactly(opencl):
-    """float16 in, float16 out: the same bits moved (nothing is computed); the gradients are
-    float32, the very gradients of a float32 run."""
+    """float16 in, float16 out: the same bits moved (nothing is computed). The gradients are
+    the very gradients of a float32 run, rounded, through the permutes (whose backward moves
+    float16 gradients); the other ops' backward is float32, and what reaches them through a
+    float16 view (a slice's or unsqueeze's reshape) was rounded once, and so is a leaf's
+    gradient when its one contribution came so: each of at most two contributions to an
+    element off by half an ulp of float16, at most one more rounding of their sum."""
     rng = np.random.default_rng(2)
     x = rng.standard_normal((4, 6, 5)).astype(np.float16)
     ops = {
@@ -4036,11 +4040,16 @@ def test_shape_ops_move_float16_storage_exactly(opencl):
         "index_select": (lambda p: F.index_select(p, 1, [5, 5, 0]), lambda a: a[:, [5, 5, 0]]),
     }
     for name, (op, reference) in ops.items():
-        y16, grad16, _ = _grad_of(opencl, x, op, index_dtype=np.float16)
+        y16, grad16, w = _grad_of(opencl, x, op, index_dtype=np.float16)
         y32, grad32, _ = _grad_of(opencl, x.astype(np.float32), op)
-        assert y16.dtype == np.float16 and grad16.dtype == np.float32, name
+        assert y16.dtype == np.float16, name
         np.testing.assert_array_equal(y16.view(np.uint16), reference(x).view(np.uint16), name)
-        np.testing.assert_array_equal(grad16, grad32, name)
+        if name in ("permute", "transpose_2d"):
+            assert grad16.dtype == np.float16, name
+            np.testing.assert_array_equal(grad16, grad32.astype(np.float16), name)
+        else:
+            np.testing.assert_allclose(grad16, grad32, rtol=0,
+                                       atol=3 * 2.0 ** -11 * np.abs(w).max(), err_msg=name)
     mixed = F.cat([tensor(x, opencl), tensor(x.astype(np.float32), opencl)])
     assert mixed.dtype == np.float32  # float16 storage met with float32 widens
     np.testing.assert_array_equal(host(mixed), np.concatenate([x, x]).astype(np.float32))
@@ -4376,7 +4385,8 @@ def test_grouped_dilated_conv2d_of_an_empty_batch(backend):
 def test_autocast_grouped_dilated_conv2d_is_the_float32_result_rounded(opencl, monkeypatch,
                                                                         gemm):
     """Under autocast a grouped, dilated conv2d writes float16 storage: the float32 result on
-    the same values, rounded once; its gradients are the float32 ones."""
+    the same values, rounded once; so is the input's gradient (float16 storage, as the
+    input), and the weights' gradients are the float32 ones."""
     monkeypatch.setattr(opencl, "gemm", gemm)
     rng = np.random.default_rng(8)
     x = rng.standard_normal((2, 6, 8, 7)).astype(np.float16)
@@ -4389,10 +4399,13 @@ def test_autocast_grouped_dilated_conv2d_is_the_float32_result_rounded(opencl, m
         seed = np.random.default_rng(1).standard_normal(out.shape).astype(np.float16)
         tape.backward(out, grad=seed.astype(np.float32))
         results[enabled] = host(out), [host(p.grad) for p in leaves]
-    (single, grads32), (half, grads16) = results[False], results[True]
+    (single, (dx32, *dw32)), (half, (dx16, *dw16)) = results[False], results[True]
     assert half.dtype == np.float16
     np.testing.assert_array_equal(half, single.astype(np.float16))
-    for g16, g32 in zip(grads16, grads32):
+    assert dx16.dtype == np.float16
+    np.testing.assert_array_equal(dx16, dx32.astype(np.float16))
+    for g16, g32 in zip(dw16, dw32):
+        assert g16.dtype == np.float32
         np.testing.assert_array_equal(g16, g32)
 
 
@@ -4582,7 +4595,9 @@ def test_broadcast_keeps_the_common_cases_cheap(opencl, monkeypatch):
 
 def test_broadcast_float16_storage(opencl):
     """float16 operands broadcast in float16 storage (the float32 result rounded); a float16
-    operand against a float32 one widens, as without broadcasting."""
+    operand against a float32 one widens, as without broadcasting. The gradients are float16
+    storage too: the float32 ones but for one rounding of each elementwise term before the
+    sum over the broadcast dimensions, and one of the sum."""
     rng = np.random.default_rng(23)
     a = rng.standard_normal((6, 1, 5)).astype(np.float16)
     b = (rng.uniform(0.5, 2, (4, 1)) * rng.choice([-1, 1], (4, 1))).astype(np.float16)
@@ -4590,19 +4605,23 @@ def test_broadcast_float16_storage(opencl):
     g = rng.standard_normal((6, 4, 5)).astype(np.float16).astype(np.float32)
     for name, (functional, _, ref) in BINARY.items():
         grads = {}
-        for dtype in (np.float16, np.float32):
-            pa, pb = param(a.astype(dtype), opencl, dtype), param(b.astype(dtype), opencl, dtype)
+        # (|a|, |b|, |g|): the float32 gradients are then the sums of the terms' magnitudes
+        for key, (x, y_, seed) in {np.float16: (a, b, g), np.float32: (a, b, g),
+                                   "magnitudes": (abs(a), abs(b), abs(g))}.items():
+            dtype = np.float16 if key is np.float16 else np.float32
+            pa, pb = param(x.astype(dtype), opencl, dtype), param(y_.astype(dtype), opencl, dtype)
             with netcl.Tape() as tape:
                 y = functional(pa, pb)
-            tape.backward(y, grad=g)
-            grads[dtype] = host(pa.grad), host(pb.grad)
-            if dtype == np.float16:
+            tape.backward(y, grad=seed)
+            grads[key] = host(pa.grad), host(pb.grad)
+            if key is np.float16:
                 _assert_rounded_from(host(y), ref(a.astype(np.float64), b.astype(np.float64)),
                                      name)
-        for half_grad, float_grad in zip(grads[np.float16], grads[np.float32]):
-            assert half_grad.dtype == np.float32
-            np.testing.assert_allclose(half_grad, float_grad, rtol=1e-6, atol=1e-6,
-                                       err_msg=name)
+        for half_grad, float_grad, magnitude in zip(grads[np.float16], grads[np.float32],
+                                                    grads["magnitudes"]):
+            assert half_grad.dtype == np.float16, name
+            bound = 2.0 ** -11 * (np.abs(magnitude) + np.abs(float_grad)) + 2.0 ** -24
+            assert (np.abs(half_grad.astype(np.float64) - float_grad) <= bound).all(), name
         mixed = functional(tensor(a, opencl), tensor(b.astype(np.float32), opencl))
         assert mixed.dtype == np.float32
         np.testing.assert_array_equal(host(mixed), ref(a.astype(np.float32),
@@ -6114,11 +6133,19 @@ HALF_OP_CASES = [
 ]
 
 
+# The ops whose backward reads their output y, which float16 storage keeps rounded: their
+# gradient is the float32 one only up to that rounding. Every other op's backward reads the
+# same values in both storages and computes the same float32 arithmetic.
+_BACKWARD_READS_ROUNDED_OUTPUT = {"sigmoid", "tanh", "exp", "sqrt", "rsqrt"}
+
+
 @pytest.mark.parametrize("case", HALF_OP_CASES, ids=[c[0] for c in HALF_OP_CASES])
 def test_float16_storage_ops(opencl, case):
     """float16 in: elementwise ops, pooling and transpose write float16 (the float32 result
-    rounded), reductions, softmax and losses return float32; every gradient is float32, the
-    float32 gradient of the same values up to the float16 rounding of what backward keeps."""
+    rounded), reductions, softmax and losses return float32. The gradients of the float16
+    leaves are float16 storage through the former, float32 through the latter: exactly the
+    float32 gradient of the same values (rounded), but where backward reads the rounded
+    output (then up to that rounding)."""
     name, make, op, reference, stays_half = case
     rng = np.random.default_rng(11)
     arrays = [a.astype(np.float16) for a in make(rng)]
@@ -6129,9 +6156,10 @@ def test_float16_storage_ops(opencl, case):
         leaves = [param(a.astype(dtype), opencl, dtype) for a in arrays]
         with netcl.Tape() as tape:
             y = op(*leaves)
-            weights = np.random.default_rng(5).standard_normal(y.shape).astype(np.float32)
-            weights = tensor(weights, opencl)  # float32: the gradient reaching y is float32
-            loss = (y * weights).sum()
+            # float32 holding float16 values: the gradient reaching y is float32 (a mixed
+            # product), and rounding it to float16 storage loses nothing
+            weights = np.random.default_rng(5).standard_normal(y.shape).astype(np.float16)
+            loss = (y * tensor(weights.astype(np.float32), opencl)).sum()
         tape.backward(loss)
         outs[dtype], grads[dtype] = host(y), [host(p.grad) for p in leaves]
     if stays_half:
@@ -6140,8 +6168,15 @@ def test_float16_storage_ops(opencl, case):
         assert outs[np.float16].dtype == np.float32
         np.testing.assert_allclose(outs[np.float16], exact, rtol=1e-5, atol=1e-6, err_msg=name)
     for half_grad, float_grad in zip(grads[np.float16], grads[np.float32]):
-        assert half_grad.dtype == np.float32
-        np.testing.assert_allclose(half_grad, float_grad, rtol=4e-3, atol=1e-3, err_msg=name)
+        # a float16 output's gradient, float16 storage, flows back to float16 operands; the
+        # reductions' backward (not converted) gives float32
+        assert half_grad.dtype == (np.float16 if stays_half else np.float32), name
+        assert float_grad.dtype == np.float32, name
+        if name in _BACKWARD_READS_ROUNDED_OUTPUT:
+            np.testing.assert_allclose(half_grad, float_grad, rtol=4e-3, atol=1e-3, err_msg=name)
+        else:
+            np.testing.assert_array_equal(half_grad, float_grad.astype(half_grad.dtype),
+                                          err_msg=name)
 
 
 def test_dropout_keeps_float16_storage(opencl):
@@ -6171,7 +6206,8 @@ def test_mixed_float16_and_float32_operands_compute_in_float32(opencl):
 def test_autocast_products_are_the_float32_result_rounded(opencl, monkeypatch, gemm, m, k, n):
     """With float16 inputs, the autocast linear/matmul/conv2d output is exactly the float32
     result on the same values rounded to float16: the same float32 accumulation, one rounding.
-    The gradients, read from the float16 input the forward kept, are exactly the float32 ones.
+    So is the input's gradient, float16 storage as the input; the weights' gradients, read
+    from the float16 input the forward kept, are exactly the float32 ones, in float32.
     Both GEMM variants run here (the GPUs' tiled one too); 150 x 140 takes the 128-wide tiles."""
     monkeypatch.setattr(opencl, "gemm", gemm)
     rng = np.random.default_rng(m + k + n)
@@ -6195,10 +6231,12 @@ def test_autocast_products_are_the_float32_result_rounded(opencl, monkeypatch, g
             seed = np.random.default_rng(1).standard_normal(out.shape).astype(np.float16)
             tape.backward(out, grad=seed.astype(np.float32))
             results[enabled] = host(out), [host(p.grad) for p in leaves]
-        (single, grads32), (half, grads16) = results[False], results[True]
+        (single, (dx32, *dw32)), (half, (dx16, *dw16)) = results[False], results[True]
         assert half.dtype == np.float16 and single.dtype == np.float32, name
         np.testing.assert_array_equal(half, single.astype(np.float16), err_msg=name)
-        for g16, g32 in zip(grads16, grads32):
+        assert dx16.dtype == np.float16, name
+        np.testing.assert_array_equal(dx16, dx32.astype(np.float16), err_msg=name)
+        for g16, g32 in zip(dw16, dw32):
             assert g16.dtype == np.float32
             np.testing.assert_array_equal(g16, g32, err_msg=name)
 
@@ -6926,7 +6964,7 @@ HALF_NEW_OP_CASES = [
 @pytest.mark.parametrize("case", HALF_NEW_OP_CASES, ids=[c[0] for c in HALF_NEW_OP_CASES])
 def test_float16_storage_new_ops(opencl, case):
     """test_float16_storage_ops for these ops: float16 in, float16 out for the elementwise
-    ones, float32 for the reductions, float32 gradients either way."""
+    ones and their gradients, float32 for the reductions and theirs."""
     test_float16_storage_ops(opencl, case)
 
 
