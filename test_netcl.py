@@ -6386,6 +6386,112 @@ def test_autocast_overflow_makes_the_scaler_skip_and_back_off(opencl):
     assert scaler.get_scale() == 2.0 ** 119
 
 
+# --- float16 activation gradients under autocast
+
+def _gradient_probe(x, seen, half_grad):
+    """x itself, recorded as an op whose backward notes the storage of the gradient it gets
+    (declaring, or not, that it reads float16 gradients) and passes it on."""
+    return netcl._record(x.value, (x,), lambda g: (seen.append(g.dtype) or g,),
+                         half_grad=half_grad)
+
+
+@pytest.mark.usefixtures("portable_half")
+def test_the_tape_gives_each_backward_its_gradient_storage(opencl):
+    """A backward that reads float16 gets a float16 value's gradient in float16 storage, a
+    float32 contribution rounded; one that does not gets float32, a float16 one widened; and
+    a node with a float16 and a float32 contribution (a residual) gets their float32 sum,
+    rounded once."""
+    rng = np.random.default_rng(31)
+    x = rng.standard_normal((6, 5)).astype(np.float16)
+    seed = rng.standard_normal((6, 5)).astype(np.float32)  # not float16 values: rounded
+    for half_grad in (True, False):
+        seen = []
+        leaf = param(x, opencl, np.float16)
+        with netcl.Tape() as tape:
+            y = _gradient_probe(leaf, seen, half_grad)
+        tape.backward(y, grad=tensor(seed, opencl))  # a float32 Tensor (an array would take
+                                                     # y's dtype)
+        assert seen == [np.float16 if half_grad else np.float32]
+        expected = seed.astype(np.float16) if half_grad else seed
+        np.testing.assert_array_equal(host(leaf.grad), expected)
+    seen = []
+    leaf = param(x, opencl, np.float16)
+    with netcl.Tape() as tape:
+        h = _gradient_probe(leaf, seen, True)
+        loss = (F.relu(h) * 3.0).sum() + (h * tensor(seed, opencl)).sum()  # float16 + float32
+    tape.backward(loss)
+    assert seen == [np.float16]
+    residual = (np.float32(3.0) * (x > 0) + seed).astype(np.float16)
+    np.testing.assert_array_equal(host(leaf.grad), residual)
+    seen = []
+    single = param(x.astype(np.float32), opencl)  # a float32 value: float32 gradient
+    with netcl.Tape() as tape:
+        y = _gradient_probe(single, seen, True)
+    tape.backward(y, grad=tensor(seed, opencl))
+    assert seen == [np.float32]
+
+
+@XB_SETTINGS
+@given(m=st.integers(1, 40), k=st.integers(1, 40), n=st.integers(1, 40),
+       product=st.sampled_from(["linear", "matmul"]), gemm=st.sampled_from(["packed", "tiled"]),
+       seed=st.integers(0, 2 ** 31))
+@pytest.mark.usefixtures("portable_half")
+def test_autocast_input_gradient_is_the_float32_one_rounded(opencl, monkeypatch, m, k, n,
+                                                            product, gemm, seed):
+    """The gradient of a float16 input to linear or matmul is float16 storage: exactly the
+    float32 gradient of the same values, rounded once; the weight's stays float32, exactly
+    the float32 one."""
+    monkeypatch.setattr(opencl, "gemm", gemm)
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((m, k)).astype(np.float16)
+    w = rng.standard_normal((n, k) if product == "linear" else (k, n)) / math.sqrt(k)
+    g = rng.standard_normal((m, n)).astype(np.float16).astype(np.float32)
+    op = F.linear if product == "linear" else F.matmul
+    grads = {}
+    for enabled, dtype in ((False, np.float32), (True, np.float16)):
+        leaves = [param(x, opencl, dtype), param(w, opencl)]
+        with netcl.Tape() as tape, netcl.autocast(enabled=enabled):
+            out = op(*leaves)
+        tape.backward(out, grad=g)
+        grads[enabled] = [host(p.grad) for p in leaves]
+    (dx32, dw32), (dx16, dw16) = grads[False], grads[True]
+    assert dx16.dtype == np.float16 and dw16.dtype == np.float32
+    np.testing.assert_array_equal(dx16, dx32.astype(np.float16))
+    np.testing.assert_array_equal(dw16, dw32)
+
+
+@pytest.mark.parametrize("gemm", ["packed", "tiled"])
+@pytest.mark.usefixtures("portable_half")
+def test_autocast_cnn_activation_gradients_are_float16(opencl, monkeypatch, gemm):
+    """A small CNN under autocast: the gradients reaching its float16 activations (the
+    convolution's output, the ReLU's, the pooled one) are float16 storage, the parameters'
+    are float32 and match the float32 run within float16 precision."""
+    monkeypatch.setattr(opencl, "gemm", gemm)
+    netcl.manual_seed(4)
+    conv = nn.Conv2d(3, 8, 3, padding=1, queue=opencl.queue)
+    head = nn.Linear(8 * 4 * 4, 10, queue=opencl.queue)
+    rng = np.random.default_rng(6)
+    x = tensor(rng.standard_normal((5, 3, 8, 8)), opencl)
+    labels = rng.integers(0, 10, 5)
+    params = list(conv.parameters()) + list(head.parameters())
+    results = {}
+    for enabled in (False, True):
+        for p in params:
+            p.grad = None
+        seen = []
+        with netcl.Tape() as tape, netcl.autocast(enabled=enabled):
+            h = _gradient_probe(conv(x), seen, True)
+            h = _gradient_probe(F.relu(h), seen, True)
+            h = _gradient_probe(F.max_pool2d(h, 2), seen, True)
+            loss = F.cross_entropy(head(F.flatten(h)), labels) * 1024.0  # a loss scale
+        tape.backward(loss)
+        assert seen == [np.float16 if enabled else np.float32] * 3
+        assert all(p.grad.dtype == np.float32 for p in params)
+        results[enabled] = [host(p.grad) for p in params]
+    for g16, g32 in zip(results[True], results[False]):
+        assert _relative_error(g16, g32) < 1e-2
+
+
 # --- tensor cores: NVIDIA only (the probe decides); the fallback is tested on every device
 
 def _tensor_core_device(opencl):
