@@ -25,8 +25,10 @@
 // activations, the values a forward pass writes and keeps for backward: float, or half in the
 // half build, used for float16 storage under autocast. Half values are only loaded and stored,
 // with vload_half / vstore_half (core OpenCL 1.2), never computed with: many devices, NVIDIA's
-// among them, have no cl_khr_fp16. All arithmetic is float in both builds, and gradients,
-// weights, optimizer state and the outputs of reductions, softmax and losses are always float.
+// among them, have no cl_khr_fp16. All arithmetic is float in both builds. The gradient of an
+// activation is act_t where a backward kernel says so (the elementwise ops', pooling's,
+// col2im's dx); weights, their gradients, optimizer state and the outputs of reductions,
+// softmax and losses are always float.
 // In the float build act_t is float and LOAD/STORE are plain accesses: that build is exactly
 // the float32 library. Each kernel says which of its buffers are act_t; a kernel has the same
 // name and arguments in both builds.
@@ -227,13 +229,13 @@ float gelu_tanh_slope(const float x) {
 
 UNARY(gelu_tanh_fwd, x * gelu_tanh_s(x))
 
-// Their gradients: out (n) = dL/dx from g = dL/dout and s, the saved input x or output y
-// (an activation, act_t); g and out are gradients (float).
+// Their gradients: out (n) = dL/dx from g = dL/dout and s, the saved input x or output y.
+// All three are act_t: the gradient of a float16 activation is float16 storage too.
 #define UNARY_GRAD(NAME, EXPR)                                                          \
-__kernel void NAME(const int n, const float alpha, __global const float* g_,            \
-                   __global const act_t* s_, __global float* out) {                     \
+__kernel void NAME(const int n, const float alpha, __global const act_t* g_,            \
+                   __global const act_t* s_, __global act_t* out) {                     \
     const int i = get_global_id(0);                                                     \
-    if (i < n) { const float g = g_[i], s = LOAD(s_, i); out[i] = (EXPR); }             \
+    if (i < n) { const float g = LOAD(g_, i), s = LOAD(s_, i); STORE(out, i, (EXPR)); } \
 }
 
 UNARY_GRAD(relu_bwd, s <= 0.0f ? 0.0f : g)                     // s = y: NaN passes g, as PyTorch
@@ -265,13 +267,14 @@ __kernel void clamp_fwd(const int n, const float low, const float high,
     }
 }
 
-// dL/dx (n) = g where low <= x <= high (the bounds pass the gradient, as PyTorch's), else 0
-__kernel void clamp_bwd(const int n, const float low, const float high, __global const float* g,
-                        __global const act_t* x, __global float* out) {
+// dL/dx (n) = g where low <= x <= high (the bounds pass the gradient, as PyTorch's), else 0;
+// g, x and out act_t
+__kernel void clamp_bwd(const int n, const float low, const float high, __global const act_t* g,
+                        __global const act_t* x, __global act_t* out) {
     const int i = get_global_id(0);
     if (i < n) {
         const float v = LOAD(x, i);
-        out[i] = (v >= low && v <= high) ? g[i] : 0.0f;
+        STORE(out, i, (v >= low && v <= high) ? LOAD(g, i) : 0.0f);
     }
 }
 
@@ -328,25 +331,25 @@ BINARY(sub, a - b)
 BINARY(mul, a * b)
 BINARY(div, a / b)
 
-// d(a/b)/db = -g a / b^2 at the output's shape: g and out (n) are gradients (float), a and b
-// act_t, of out's shape (div_bwd_b) or broadcast (div_bwd_b_bcast, plan as for div_bcast).
-__kernel void div_bwd_b(const int n, __global const float* g, __global const act_t* a,
-                        __global const act_t* b, __global float* out) {
+// d(a/b)/db = -g a / b^2 at the output's shape: g and out (n), a and b act_t, of out's shape
+// (div_bwd_b) or broadcast (div_bwd_b_bcast, plan as for div_bcast).
+__kernel void div_bwd_b(const int n, __global const act_t* g, __global const act_t* a,
+                        __global const act_t* b, __global act_t* out) {
     const int i = get_global_id(0);
     if (i < n) {
         const float bv = LOAD(b, i);
-        out[i] = -g[i] * LOAD(a, i) / (bv * bv);
+        STORE(out, i, -LOAD(g, i) * LOAD(a, i) / (bv * bv));
     }
 }
 
-__kernel void div_bwd_b_bcast(const int n, const broadcast_t plan, __global const float* g,
+__kernel void div_bwd_b_bcast(const int n, const broadcast_t plan, __global const act_t* g,
                               __global const act_t* a, __global const act_t* b,
-                              __global float* out) {
+                              __global act_t* out) {
     const int i = get_global_id(0);
     if (i < n) {
         const int2 at = broadcast_offsets(plan, i);
         const float bv = LOAD(b, at.y);
-        out[i] = -g[i] * LOAD(a, at.x) / (bv * bv);
+        STORE(out, i, -LOAD(g, i) * LOAD(a, at.x) / (bv * bv));
     }
 }
 
@@ -1571,9 +1574,9 @@ __kernel void im2col_panels_t(const int nb, const int C, WINDOW_ARGS,
 // each input pixel summing the column entries that were copies of it. A 2-D launch over
 // (input pixel, channel), as im2col. A dilated window's span holds rows and columns between
 // its taps, which are skipped; the undilated case has its own loop, free of those divisions
-// (they cost it a fifth of its time on PoCL).
+// (they cost it a fifth of its time on PoCL). dcols is float (a GEMM's output), dx act_t.
 __kernel void col2im(const int n0, const int nb, const int C, WINDOW_ARGS,
-                     __global const float* dcols, __global float* dx) {
+                     __global const float* dcols, __global act_t* dx) {
     const int i = get_global_id(0), c = get_global_id(1), P = nb * OH * OW;
     if (i >= nb * H * W) return;
     const int q = i / W, w = i - q * W, n = q / H, h = q - n * H;
@@ -1601,18 +1604,19 @@ __kernel void col2im(const int n0, const int nb, const int C, WINDOW_ARGS,
             }
         }
     }
-    dx[(((n0 + n) * C + c) * H + h) * W + w] = acc;
+    STORE(dx, (((n0 + n) * C + c) * H + h) * W + w, acc);
 }
 
 // dcols (nb, C*R*S, OH*OW) (gemm_packed's runs, one per sample) -> dx (N, C, H, W) for
 // samples n0 .. n0+nb-1: the adjoint of im2col_panels, for CPU devices. A work-item owns one
 // plane (n, c) and adds each tap's OH*OW values onto a zero-padded copy of it in `padded`
 // (its own: nothing is atomic and no add needs a bounds check), output row by output row,
-// then copies the inside of that copy to dx. (col2im's gather reads each of a pixel's taps
-// from another row of dcols, and its loops' bounds differ from pixel to pixel.)
+// then copies the inside of that copy to dx (act_t: the input's storage). (col2im's gather
+// reads each of a pixel's taps from another row of dcols, and its loops' bounds differ from
+// pixel to pixel.)
 __kernel void col2im_planes(const int n0, const int nb, const int C, WINDOW_ARGS,
                             __global const float* restrict dcols,
-                            __global float* restrict padded, __global float* restrict dx) {
+                            __global float* restrict padded, __global act_t* restrict dx) {
     const int i = get_global_id(0), Hp = H + 2 * PH, Wp = W + 2 * PW, L = OH * OW;
     if (i >= nb * C) return;  // i: plane (n, c) of the chunk
     __global float* plane = padded + i * Hp * Wp;
@@ -1624,22 +1628,27 @@ __kernel void col2im_planes(const int n0, const int nb, const int C, WINDOW_ARGS
                 __global float* row = plane + (oh * SH + r * DH) * Wp + s * DW;
                 for (int ow = 0; ow < OW; ++ow) row[ow * SW] += taps[oh * OW + ow];
             }
-    __global float* out = dx + (n0 * C + i) * H * W;
+    __global act_t* out = dx + (n0 * C + i) * H * W;
     for (int h = 0; h < H; ++h)
-        for (int w = 0; w < W; ++w) out[h * W + w] = plane[(h + PH) * Wp + PW + w];
+        for (int w = 0; w < W; ++w) STORE(out, h * W + w, plane[(h + PH) * Wp + PW + w]);
 }
 
 // x (A, B, L) from element x_offset -> out (B, A, L) from element out_offset, + bias (A) when
-// has_bias: conv2d's GEMM output (K, N, OH*OW) into NCHW (out act_t: conv2d's output), and its
-// gradient back (float build).
-__kernel void swap_axes01(const int A, const int B, const int L, const int x_offset,
-                          const int out_offset, const int has_bias, __global const float* x,
-                          __global const float* bias, __global act_t* out) {
-    const int i = get_global_id(0);
-    if (i >= A * B * L) return;
-    const int q = i / L, l = i - q * L, b = q / A, a = q - b * A;
-    STORE(out, out_offset + i, x[x_offset + (a * B + b) * L + l] + (has_bias ? bias[a] : 0.0f));
+// has_bias: conv2d's GEMM output (K, N, OH*OW) into NCHW (swap_axes01: x float, out act_t,
+// conv2d's output), and its gradient back (swap_axes01_act: x and out act_t, the gradient
+// in its own storage).
+#define SWAP_AXES01(NAME, X_T)                                                                 \
+__kernel void NAME(const int A, const int B, const int L, const int x_offset,                  \
+                   const int out_offset, const int has_bias, __global const X_T* x,            \
+                   __global const float* bias, __global act_t* out) {                          \
+    const int i = get_global_id(0);                                                            \
+    if (i >= A * B * L) return;                                                                \
+    const int q = i / L, l = i - q * L, b = q / A, a = q - b * A;                              \
+    STORE(out, out_offset + i,                                                                 \
+          LOAD_##X_T(x, x_offset + (a * B + b) * L + l) + (has_bias ? bias[a] : 0.0f));        \
 }
+SWAP_AXES01(swap_axes01, float)
+SWAP_AXES01(swap_axes01_act, act_t)
 
 // The start of a pooling kernel's forward pass, for output pixel i (planes, OH, OW): `plane`,
 // the plane of x it reads, and its window's real pixels, rows [h_start, h_end) and columns
@@ -1680,8 +1689,9 @@ __kernel void max_pool2d_fwd(const int planes, WINDOW_ARGS, __global const act_t
 }
 
 // g, argmax (planes, OH, OW) -> dx (planes, H, W): each pixel sums g over the windows it won.
-__kernel void max_pool2d_bwd(const int planes, WINDOW_ARGS, __global const float* g,
-                             __global const int* argmax, __global float* dx) {
+// g and dx act_t.
+__kernel void max_pool2d_bwd(const int planes, WINDOW_ARGS, __global const act_t* g,
+                             __global const int* argmax, __global act_t* dx) {
     const int i = get_global_id(0);
     if (i >= planes * H * W) return;
     POOL_COVERING(i)
@@ -1689,9 +1699,9 @@ __kernel void max_pool2d_bwd(const int planes, WINDOW_ARGS, __global const float
     for (int oh = oh_lo; oh <= oh_hi; ++oh)
         for (int ow = ow_lo; ow <= ow_hi; ++ow) {
             const int j = base + oh * OW + ow;
-            acc += argmax[j] == h * W + w ? g[j] : 0.0f;
+            acc += argmax[j] == h * W + w ? LOAD(g, j) : 0.0f;
         }
-    dx[i] = acc;
+    STORE(dx, i, acc);
 }
 
 // x (planes, H, W) -> out (planes, OH, OW): the window's sum / (R*S), padded zeros counted.
@@ -1707,16 +1717,17 @@ __kernel void avg_pool2d_fwd(const int planes, WINDOW_ARGS, __global const act_t
     STORE(out, i, acc / (float)(R * S));
 }
 
-// g (planes, OH, OW) -> dx (planes, H, W): each pixel sums g / (R*S) over its windows.
-__kernel void avg_pool2d_bwd(const int planes, WINDOW_ARGS, __global const float* g,
-                             __global float* dx) {
+// g (planes, OH, OW) -> dx (planes, H, W): each pixel sums g / (R*S) over its windows. g and
+// dx act_t.
+__kernel void avg_pool2d_bwd(const int planes, WINDOW_ARGS, __global const act_t* g,
+                             __global act_t* dx) {
     const int i = get_global_id(0);
     if (i >= planes * H * W) return;
     POOL_COVERING(i)
     float acc = 0.0f;
     for (int oh = oh_lo; oh <= oh_hi; ++oh)
-        for (int ow = ow_lo; ow <= ow_hi; ++ow) acc += g[base + oh * OW + ow];
-    dx[i] = acc / (float)(R * S);
+        for (int ow = ow_lo; ow <= ow_hi; ++ow) acc += LOAD(g, base + oh * OW + ow);
+    STORE(dx, i, acc / (float)(R * S));
 }
 
 // --- dropout ---------------------------------------------------------------------------------
@@ -1727,8 +1738,8 @@ uint fmix32(uint h) {  // MurmurHash3's finaliser: a cheap, well-mixed 32-bit ha
     return h;
 }
 
-// out (n) = x * scale where uniform(seed, i) >= p, else 0. Forward (act_t) and backward
-// (float build) alike.
+// out (n) = x * scale where uniform(seed, i) >= p, else 0. Forward and backward alike, x and
+// out act_t (a gradient in the float build, or float16 storage in the half one).
 __kernel void dropout_mask(const int n, const uint seed, const float p, const float scale,
                            __global const act_t* x, __global act_t* out) {
     const int i = get_global_id(0);

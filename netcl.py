@@ -813,7 +813,8 @@ _result_type = functools.lru_cache(maxsize=64)(np.result_type)
 
 
 def _compute_dtype(dtype):
-    """The dtype results are computed and gradients kept in: float32 for float16 storage."""
+    """The dtype results are computed in (a reduction's, a loss's): float32 for float16
+    storage."""
     return np.dtype(np.float32) if dtype == np.float16 else np.dtype(dtype)
 
 
@@ -855,6 +856,12 @@ def _cast(x, dtype, out=None):
 def _float32(x):
     """x itself, or a float32 copy if it is float16 storage."""
     return _cast(x, np.float32) if x.dtype == np.float16 else x
+
+
+def _half_grad(x):
+    """Whether the gradient of x may be kept in float16 storage: x is float16 storage on
+    OpenCL (the NumPy backend, where autocast does nothing, keeps float32 gradients)."""
+    return x.dtype == np.float16 and x.device.backend == "opencl"
 
 
 def _add_tensors(a, b):
@@ -986,15 +993,17 @@ _FREED = object()  # _Op.backward once a Tape's backward has freed the op
 
 class _Op:
     """One recorded operation: `parents` (an _Op or a leaf/constant Node per input),
-    `backward`, and `node`, a weak reference to its output Node, which becomes a constant
-    (requires_grad False) when the op is freed."""
+    `backward`, `node`, a weak reference to its output Node, which becomes a constant
+    (requires_grad False) when the op is freed, and `half_grad`: whether backward takes its
+    gradient in float16 storage (else in float32): see _record."""
 
-    __slots__ = ("parents", "backward", "node")
+    __slots__ = ("parents", "backward", "node", "half_grad")
 
-    def __init__(self, parents, backward, node):
+    def __init__(self, parents, backward, node, half_grad=False):
         self.parents = tuple([p._op or p for p in parents])
         self.backward = backward
         self.node = weakref.ref(node)
+        self.half_grad = half_grad
 
     def free(self):
         """Drop the parents and the closure (what only this backward saved goes back to the
@@ -1161,10 +1170,15 @@ def _add_into(dst, src, alpha=1.0):
 def _accumulate_grad(leaf, grad):
     """PyTorch semantics: the first gradient is stored, later ones are added in place. The
     first is copied, so no two leaves ever share (and later mutate) one buffer; into the
-    leaf's `_grad_slot` when an optimizer gave it one (Adam's flat gradient buffer)."""
+    leaf's `_grad_slot` when an optimizer gave it one (Adam's flat gradient buffer). A
+    parameter's gradients are float32; a float16 leaf's may come in float16 storage, and
+    those are summed into a new tensor (float32 where the two storages differ), as
+    `accumulate` adds float32 in place only."""
     if leaf.grad is None:
         slot = getattr(leaf, "_grad_slot", None)
         leaf.grad = grad if grad is slot else _copy(grad, out=slot)
+    elif leaf.grad.dtype != grad.dtype or grad.dtype == np.float16:
+        leaf.grad = _add_tensors(leaf.grad, grad)
     else:
         _add_into(leaf.grad, grad)
 
@@ -1198,8 +1212,9 @@ class Tape:
         """Accumulate d(loss)/d(leaf) into every leaf's `.grad`, then free the graph.
 
         `grad` (a Tensor, Node or array shaped like loss) seeds the backward pass; without it
-        the loss must have one element and the seed is 1. Gradients are float32 even where
-        values are float16 storage (autocast).
+        the loss must have one element and the seed is 1. The gradient of a float16 value
+        (autocast's activations) is float16 storage where its op's backward writes it so, as
+        PyTorch keeps a gradient in its tensor's dtype; parameters' gradients are float32.
         """
         if not isinstance(loss, Node):
             raise TypeError(f"backward: loss must be a Node, got {type(loss).__name__}")
@@ -1244,6 +1259,8 @@ class Tape:
                 op = ops.pop()
                 g = grads.pop(id(op), None)  # pop: the gradient is freed once consumed
                 if g is not None:
+                    if (g.dtype == np.float16) is not op.half_grad:  # the storage it reads
+                        g = _cast(g, np.float16) if op.half_grad else _float32(g)
                     for parent, parent_grad in zip(op.parents, op.backward(g)):
                         if type(parent) is not _Op:  # a leaf, or a constant
                             if parent_grad is not None and parent.requires_grad:
@@ -1282,16 +1299,20 @@ class no_grad(contextlib.ContextDecorator):
         _state.grad_enabled.pop()
 
 
-def _record(value, parents, backward):
+def _record(value, parents, backward, half_grad=False):
     """Wrap an op's output; record it on every Tape open in this thread when a parent needs a
-    gradient."""
+    gradient. half_grad=True: backward reads float16 gradients, and gets its output's
+    gradient in float16 storage where the output is (_half_grad): the Tape rounds a float32
+    one (a loss's gradient, contributions summed in float32), as PyTorch keeps a gradient
+    in its tensor's dtype. Every other backward gets float32, a float16 gradient widened, so
+    an op that never heard of float16 gradients stays correct."""
     node = Node(value)
     tapes = _state.tapes
     if tapes and _state.grad_enabled[-1]:
         for parent in parents:  # a loop, not any(...): this runs for every op
             if parent.requires_grad:
                 node.requires_grad = True
-                node._op = op = _Op(parents, backward, node)
+                node._op = op = _Op(parents, backward, node, half_grad and _half_grad(value))
                 for tape in tapes:
                     tape._ops.append(op)
                 break
@@ -1399,8 +1420,13 @@ def _nodes(op, *values, numeric=True):
 # - matmul, linear and conv2d write float16 inside autocast on OpenCL (_half_activations);
 # - elementwise ops, pooling and transpose keep their input's storage: float16 in, float16 out;
 # - an op whose operands mix float16 and float32 widens the float16 one and computes in float32;
-# - reductions, softmax and losses read float16 and return float32, and every gradient is
-#   float32 (_compute_dtype).
+# - reductions, softmax and losses read float16 and return float32 (_compute_dtype);
+# - the gradient of a float16 value is float16 storage where its backward writes it so (the
+#   products' dx, elementwise ops, pooling, permutes: _record's half_grad), half the memory
+#   of the gradients that dominate backward; other backward ops return float32 for it, and
+#   their own float16 gradients reach them widened (Tape.backward). Parameters'
+#   gradients and optimizer state stay float32; the loss scale (AMPGradScaler) keeps small
+#   float16 gradients from flushing to zero, and an overflow is an inf that skips the step.
 
 def _half_activations(device):
     """Whether matmul, linear and conv2d write float16 storage: inside autocast, on an
@@ -1527,11 +1553,12 @@ def _unary_tensor(name, x, alpha=0.0):
 
 
 def _unary_grad_tensor(name, g, s, alpha=0.0):
+    """dL/dx from g = dL/dout and s, the saved x or y, all three in s's storage."""
     out = _like(g)
     if g.device.backend == "cpu":
         with np.errstate(all="ignore"):
             out.data[...] = _UNARY[name][1](g.data, s.data, alpha)
-    elif g.size:  # g and out are float32 gradients, s the saved value in its own storage
+    elif g.size:
         g.device.launch(f"{name}_bwd", *_grid(g.size), g.size, alpha, g.data, s.data, out.data,
                         half=s.dtype == np.float16)
     return out
@@ -1543,10 +1570,10 @@ def _unary(name, x, alpha=0.0):
     saved = x.value if _UNARY[name][2] == "x" else y
 
     def backward(g):
-        if name == "neg":
+        if name == "neg":  # g's own storage, whichever it is
             return (_unary_tensor("neg", g),)
         return (_unary_grad_tensor(name, g, saved, alpha),)
-    return _record(y, (x,), backward)
+    return _record(y, (x,), backward, half_grad=True)
 
 
 def neg(x):
@@ -1638,7 +1665,7 @@ def clamp(x, min=None, max=None):
         X.device.launch("clamp_fwd", *_grid(X.size), X.size, low, high, X.data, y.data,
                         half=X.dtype == np.float16)
 
-    def backward(g):
+    def backward(g):  # g, X and out in X's storage
         out = _like(g)
         if g.device.backend == "cpu":
             out.data[...] = np.where((X.data >= low) & (X.data <= high), g.data, 0)
@@ -1646,7 +1673,7 @@ def clamp(x, min=None, max=None):
             g.device.launch("clamp_bwd", *_grid(g.size), g.size, low, high, g.data, X.data,
                             out.data, half=X.dtype == np.float16)
         return (out,)
-    return _record(y, (x,), backward)
+    return _record(y, (x,), backward, half_grad=True)
 
 
 def silu(x):
@@ -1741,12 +1768,14 @@ def _unbroadcast(g, shape):
         return g if g.shape == shape else g.reshape(shape)
     _, groups = _broadcast("backward", shape, g.shape)  # cannot raise: shape broadcast to g's
     sizes = [size for size, _, _ in groups]
+    half = g.dtype == np.float16
     for axis in reversed(range(len(groups))):
         if groups[axis][1]:
             g = _sum_axis_tensor(g, math.prod(sizes[:axis]), sizes[axis],
                                  math.prod(sizes[axis + 1:]))
             del sizes[axis]
-    return g.reshape(shape)
+    # summed in float32; a float16 g is the gradient of a float16 operand, kept so
+    return (_cast(g, np.float16) if half else g).reshape(shape)
 
 
 def _scalar_op(kernel, x, constant, grad_scale):
@@ -1754,11 +1783,11 @@ def _scalar_op(kernel, x, constant, grad_scale):
     (x,) = _nodes(kernel, x)
     y = _unary_tensor(kernel, x.value, float(constant))
 
-    def backward(g):
+    def backward(g):  # in g's storage
         if kernel == "rdiv_scalar":
             return (_unary_grad_tensor("rdiv", g, x.value, float(constant)),)
         return (g if grad_scale == 1.0 else _unary_tensor("mul_scalar", g, grad_scale),)
-    return _record(y, (x,), backward)
+    return _record(y, (x,), backward, half_grad=True)
 
 
 def add(a, b):
@@ -1769,7 +1798,8 @@ def add(a, b):
         return _scalar_op("add_scalar", b, a, 1.0)
     a, b = _nodes("add", a, b)
     return _record(_binary_tensor("add", a.value, b.value), (a, b),
-                   lambda g: (_unbroadcast(g, a.shape), _unbroadcast(g, b.shape)))
+                   lambda g: (_unbroadcast(g, a.shape), _unbroadcast(g, b.shape)),
+                   half_grad=True)
 
 
 def sub(a, b):
@@ -1781,7 +1811,7 @@ def sub(a, b):
     a, b = _nodes("sub", a, b)
     return _record(_binary_tensor("sub", a.value, b.value), (a, b),
                    lambda g: (_unbroadcast(g, a.shape),
-                              _unary_tensor("neg", _unbroadcast(g, b.shape))))
+                              _unary_tensor("neg", _unbroadcast(g, b.shape))), half_grad=True)
 
 
 def mul(a, b):
@@ -1793,7 +1823,8 @@ def mul(a, b):
     a, b = _nodes("mul", a, b)
     return _record(_binary_tensor("mul", a.value, b.value), (a, b),
                    lambda g: (_unbroadcast(_binary_tensor("mul", g, b.value), a.shape),
-                              _unbroadcast(_binary_tensor("mul", g, a.value), b.shape)))
+                              _unbroadcast(_binary_tensor("mul", g, a.value), b.shape)),
+                   half_grad=True)
 
 
 def div(a, b):
@@ -1821,7 +1852,7 @@ def div(a, b):
                 g.device.launch("div_bwd_b_bcast", *_grid(g.size), g.size, plan, g.data,
                                 A.data, B.data, grad_b.data, half=half)
         return _unbroadcast(grad_a, a.shape), _unbroadcast(grad_b, b.shape)
-    return _record(_binary_tensor("div", a.value, b.value), (a, b), backward)
+    return _record(_binary_tensor("div", a.value, b.value), (a, b), backward, half_grad=True)
 
 
 # --- maximum, minimum and selection ----------------------------------------------------------
@@ -1858,7 +1889,7 @@ def _extremum(op, a, b):
             share = _binary_tensor("max_share", x, y)
             return _unbroadcast(_binary_tensor("mul", g, share), node.shape)
         return grad(a, first, second), grad(b, second, first)
-    return _record(_binary_tensor(op, A, B), (a, b), backward)
+    return _record(_binary_tensor(op, A, B), (a, b), backward, half_grad=True)
 
 
 def maximum(a, b):
@@ -1919,7 +1950,7 @@ def _where(op, cond, a, b, cond_name):
                 if a.requires_grad else None,
                 _unbroadcast(_binary_tensor("where_drop", mask, g), b.shape)
                 if b.requires_grad else None)
-    return _record(_binary_tensor("add", picked, dropped), (a, b), backward)
+    return _record(_binary_tensor("add", picked, dropped), (a, b), backward, half_grad=True)
 
 
 def where(cond, a, b):
@@ -1941,7 +1972,8 @@ def reshape(x, shape):
     """A view of x with a new shape (one -1 allowed)."""
     (x,) = _nodes("reshape", x, numeric=False)
     old_shape = x.shape
-    return _record(x.value.reshape(shape), (x,), lambda g: (g._view(old_shape),))
+    return _record(x.value.reshape(shape), (x,), lambda g: (g._view(old_shape),),
+                   half_grad=True)
 
 
 def flatten(x, start_dim=1, end_dim=-1):
@@ -2175,11 +2207,17 @@ def _tiled_gemm(a, b, dims, trans_a, trans_b, bias, half, out):
     """_gemm on kernels.cl's tiled kernels, as _tiled_plan lays it out. dims: _gemm_dims(a, b,
     trans_a, trans_b), which _gemm has already computed."""
     batch, M, K, N = dims
+    if half and trans_a:  # gemm_tn writes float: a float16 C is the float32 one, rounded
+        single = _like(out, dtype=np.float32)
+        _tiled_gemm(a, b, dims, trans_a, trans_b, bias, False, single)
+        _cast(single, np.float16, out=out)
+        return
     # The half build's tiled kernels read float16 where autocast leaves it (kernels.cl):
-    # gemm_nn and gemm_nt take a (and write C) in float16, for the forward products, and
-    # gemm_tn takes b, for linear's weight gradient g^T x. Other float16 operands widen.
+    # gemm_nn and gemm_nt take a (and write C) in float16, for the forward products and dx =
+    # g w, and gemm_tn takes b, for linear's weight gradient g^T x. Other float16 operands
+    # widen; a float32 a of a float16 C is rounded (a loss's gradient into float16 logits).
     reads_half_b = trans_a and b.dtype == np.float16
-    a = a if half else _float32(a)
+    a = _half_operand(a) if half else _float32(a)
     b = b if reads_half_b else _float32(b)
     # Split K only for float32 results: partial sums in float16 would lose what float32 keeps.
     kernel, grid, group, splits, k_chunk = _tiled_plan(
@@ -2203,10 +2241,11 @@ def _gemm(a, b, trans_a=False, trans_b=False, bias=None, half=False, out=None):
     Either operand may be a batch (batch, rows, cols) of matrices, the other a matrix all
     products share; C is then (batch, M, N), every product in one launch.
 
-    half=True (autocast, OpenCL only): C is written in float16 storage from a read as float16
-    (a float32 a, the network's input say, is rounded to it first), accumulating in float32.
-    Otherwise C is float32. An operand in float16 storage (a value the forward kept) is read
-    as such where the kernel takes it, and widened to float32 first where it does not.
+    half=True (OpenCL only): C is written in float16 storage (autocast's products, the
+    gradient of a float16 input), accumulating in float32. Otherwise C is float32. An operand
+    in float16 storage (a value the forward kept, a float16 gradient) is read as such where
+    the kernel takes it, and widened to float32 first where it does not; the tiled kernels
+    that write float16 read a as float16 too (_tiled_gemm).
     `out`, if given, is the tensor to write. On OpenCL the product runs on CPU devices'
     packed kernels (_packed_gemm), else on tensor cores where it can (both operands in
     float16 storage on a device with them: _tensor_core_gemm), else on the tiled kernels
@@ -2214,8 +2253,6 @@ def _gemm(a, b, trans_a=False, trans_b=False, bias=None, half=False, out=None):
     """
     dims = batch, M, K, N = _gemm_dims(a, b, trans_a, trans_b)
     batched = len(a.shape) == 3 or len(b.shape) == 3
-    if half and a.dtype != np.float16:
-        a = _cast(a, np.float16)
     if out is None:
         out = _like(a, (batch, M, N) if batched else (M, N), np.float16 if half else
                     _compute_dtype(_result_type(a.dtype, b.dtype)))
@@ -2241,14 +2278,16 @@ def _batch_shape(op, a_batch, b_batch):
                          f"broadcast") from None
 
 
-def _matmul_grad(x, y, shape, trans_a=False, trans_b=False):
-    """The gradient op(x) @ op(y) of an operand of `shape`: where that operand is one matrix
-    that a batch shared, the sum over the batch, as one product of the stacked rows when the
-    batch is on the side that is summed over (dB = A^T g), else summed after the products."""
+def _matmul_grad(x, y, shape, trans_a=False, trans_b=False, half=False):
+    """The gradient op(x) @ op(y) of an operand of `shape`, in float16 storage if half (but
+    for the sum below): where that operand is one matrix that a batch shared, the sum over
+    the batch, as one product of the stacked rows when the batch is on the side that is
+    summed over (dB = A^T g), else summed after the products."""
     if len(shape) == 3 or (x.ndim == 2 and y.ndim == 2):
-        return _gemm(x, y, trans_a=trans_a, trans_b=trans_b)
+        return _gemm(x, y, trans_a=trans_a, trans_b=trans_b, half=half)
     if trans_a:  # dB = sum over the batch of A_i^T g_i: the batch's rows stacked
-        return _gemm(x.reshape((-1, x.shape[-1])), y.reshape((-1, y.shape[-1])), trans_a=True)
+        return _gemm(x.reshape((-1, x.shape[-1])), y.reshape((-1, y.shape[-1])), trans_a=True,
+                     half=half)
     products = _gemm(x, y, trans_b=trans_b)  # dA = sum over the batch of g_i B_i^T
     count, rows, cols = products.shape
     return _sum_axis_tensor(products, 1, count, rows * cols).reshape((rows, cols))
@@ -2260,13 +2299,17 @@ def _matmul_batch(a, b):
     half = _half_activations(A.device)
     if half and A.device.tensor_cores:  # float16 operands: every product on the tensor cores
         A, B = _half_weight(a), _half_weight(b)
+    half_a, half_b = _half_grad(a.value), _half_grad(b.value)  # each gradient in its storage
 
     def backward(g):
         if A.dtype == B.dtype == np.float16:
             g = _half_operand(g)
-        return (_matmul_grad(g, B, A.shape, trans_b=True) if a.requires_grad else None,
-                _matmul_grad(A, g, B.shape, trans_a=True) if b.requires_grad else None)
-    return _record(_gemm(A, B, half=half), (a, b), backward)
+        return (_matmul_grad(g, B, A.shape, trans_b=True, half=half_a)
+                if a.requires_grad else None,
+                _matmul_grad(A, g, B.shape, trans_a=True, half=half_b)
+                if b.requires_grad else None)
+    return _record(_gemm(_half_operand(A) if half else A, B, half=half), (a, b), backward,
+                   half_grad=True)
 
 
 def matmul(a, b):
@@ -2328,14 +2371,18 @@ def linear(x, w, b=None):
     if tensor_cores:
         X, W = _half_operand(X), _half_weight(w)
 
+    half_x = _half_grad(x.value)  # dx in x's storage
+
     def backward(g):  # only the gradients somebody needs (the input's usually is not)
-        g = g._view((rows, w.shape[0]))
-        if tensor_cores:
-            g = _half_operand(g)
+        g = g._view((rows, w.shape[0]))  # float16 under autocast: the tensor cores' operand
         # A parameter's gradient is written straight into its slot in the optimizer's flat
-        # buffer when it has one free (_free_grad_slot; None otherwise: a new tensor).
-        grads = [_gemm(g, W)._view(x.shape) if x.requires_grad else None,      # dx = g W
-                 _gemm(g, X, trans_a=True, out=_free_grad_slot(w)) if w.requires_grad else None]
+        # buffer when it has one free (_free_grad_slot; None otherwise: a new tensor). dw
+        # first: where the kernels widen a float16 g for it (the tiled ones), that float32
+        # copy is freed before dx is allocated.
+        grad_w = (_gemm(g, X, trans_a=True, out=_free_grad_slot(w))      # dw = g^T x
+                  if w.requires_grad else None)
+        grads = [_gemm(g, W, half=half_x)._view(x.shape) if x.requires_grad else None,  # g W
+                 grad_w]
         if b is not None:                                        # db = the sum of g's rows
             cols = w.shape[0]
             slot = _free_grad_slot(b)
@@ -2347,9 +2394,10 @@ def linear(x, w, b=None):
             else:
                 grads.append(None)
         return grads
-    out = _gemm(X, W, trans_b=True, bias=None if b is None else b.value, half=half)
+    out = _gemm(_half_operand(X) if half else X, W, trans_b=True,
+                bias=None if b is None else b.value, half=half)
     return _record(out._view(x.shape[:-1] + (w.shape[0],)),
-                   (x, w) + ((b,) if b is not None else ()), backward)
+                   (x, w) + ((b,) if b is not None else ()), backward, half_grad=True)
 
 
 # --- shape ops --------------------------------------------------------------------------------
@@ -2441,7 +2489,7 @@ def permute(x, dims):
                          f"{_MAX_PERMUTE_RANK} separate dimensions")
     inverse = tuple(sorted(range(len(dims)), key=dims.__getitem__))  # np.argsort, for a few ints
     return _record(_permute_tensor(x.value, dims), (x,),
-                   lambda g: (_permute_tensor(g, inverse),))
+                   lambda g: (_permute_tensor(g, inverse),), half_grad=True)
 
 
 def _swap_dims(x, dim0, dim1):
@@ -2467,7 +2515,8 @@ def transpose(x, dim0=None, dim1=None):
     (x,) = _nodes("transpose", x, numeric=False)
     if len(x.shape) != 2:
         raise ValueError(f"transpose: expected a 2-D operand, got shape {x.shape}")
-    return _record(_transpose_tensor(x.value), (x,), lambda g: (_transpose_tensor(g),))
+    return _record(_transpose_tensor(x.value), (x,), lambda g: (_transpose_tensor(g),),
+                   half_grad=True)
 
 
 def squeeze(x, dim=None):
@@ -3629,7 +3678,8 @@ def conv2d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
     tensor_cores = half and X.device.tensor_cores  # float16 operands, as in linear
     if tensor_cores:
         X, weight_rows = _half_operand(X), _half_weight(w).reshape((K, group_taps))
-    out = _like(X, (N, K, OH, OW), np.float16 if half else None)
+    # float32 outside autocast, whatever x's storage: swap_axes01 then runs its float build
+    out = _like(X, (N, K, OH, OW), np.float16 if half else _compute_dtype(X.dtype))
     # CPU devices' packed GEMM reads the columns as im2col writes them, and writes NCHW
     # (grouped convolutions take the general path below).
     panels = X.device.backend == "opencl" and X.device.gemm == "packed" and G == 1
@@ -3660,8 +3710,10 @@ def conv2d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
                             out.data, half=half)  # (K, nb, OH*OW) + bias -> out[n0:n0+nb]
 
     def backward(g):  # g (N, K, OH, OW) -> dx (N, C, H, W), dw (K, C, R, S), db (K,)
-        # A gradient nobody needs is not computed: a first layer's input is data.
-        grad_x = _like(X, dtype=_compute_dtype(X.dtype)) if x.requires_grad else None
+        # A gradient nobody needs is not computed: a first layer's input is data. dx is in
+        # x's storage (not X's: on tensor cores that may be a float16 copy of a float32 x).
+        grad_x = (_like(X, dtype=np.float16 if _half_grad(x.value) else
+                        _compute_dtype(x.dtype)) if x.requires_grad else None)
         grad_w = None
         if g.device.backend == "cpu":
             windows = _windows_numpy(X.data, window, 0.0)
@@ -3694,15 +3746,17 @@ def conv2d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
                                  b_run=L, c_run=L)
                     padded = _like(g, (nb, C, Hp, Wp), np.float32)
                     g.device.launch("col2im_planes", (nb * C,), (16,), n0, nb, C, *window,
-                                    grad_cols.data, padded.data, grad_x.data)
+                                    grad_cols.data, padded.data, grad_x.data,
+                                    half=grad_x.dtype == np.float16)
             if w.requires_grad and grad_w is None:  # an empty batch: no chunks
                 grad_w = _fill(weight.shape, 0.0, weight)
         else:
             for n0, nb in chunks:
-                # g[n0:n0+nb] (nb, K, OH*OW) -> (K, nb*OH*OW)
-                g_rows = _like(g, (K, nb * L), np.float16 if tensor_cores else None)
-                g.device.launch("swap_axes01", *_grid(g_rows.size), nb, K, L, n0 * K * L, 0, 0,
-                                g.data, None, g_rows.data, half=tensor_cores)
+                # g[n0:n0+nb] (nb, K, OH*OW) -> (K, nb*OH*OW), in g's storage: float16 under
+                # autocast (the tensor cores' operand; the other GEMMs read or widen it)
+                g_rows = _like(g, (K, nb * L))
+                g.device.launch("swap_axes01_act", *_grid(g_rows.size), nb, K, L, n0 * K * L,
+                                0, 0, g.data, None, g_rows.data, half=g.dtype == np.float16)
                 if w.requires_grad:  # dw = g_rows @ cols^T per group, summed over the chunks
                     cols = _im2col(X, n0, nb, window, tensor_cores)
                     part = _grouped_gemm(g_rows, cols, G, trans_b=True)
@@ -3713,7 +3767,8 @@ def conv2d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
                 if grad_x is not None:  # dcols = w^T @ g_rows per group, then col2im
                     grad_cols = _grouped_gemm(weight_rows, g_rows, G, trans_a=True)
                     g.device.launch("col2im", (nb * H * W, C), (256, 1), n0, nb, C, *window,
-                                    grad_cols.data, grad_x.data)
+                                    grad_cols.data, grad_x.data,
+                                    half=grad_x.dtype == np.float16)
             if w.requires_grad and grad_w is None:  # an empty batch: no chunks
                 grad_w = _fill(weight.shape, 0.0, weight)
         grad_b = None
@@ -3721,7 +3776,7 @@ def conv2d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
             per_image = _sum_axis_tensor(g, N * K, L, 1)
             grad_b = _sum_axis_tensor(per_image, 1, N, K).reshape((K,))
         return (grad_x, grad_w) + ((grad_b,) if b is not None else ())
-    return _record(out, (x, w) + ((b,) if b is not None else ()), backward)
+    return _record(out, (x, w) + ((b,) if b is not None else ()), backward, half_grad=True)
 
 
 def _pool_args(op, kernel_size, stride, padding):
@@ -3765,17 +3820,17 @@ def max_pool2d(x, kernel_size, stride=None, padding=0):
         X.device.launch("max_pool2d_fwd", *_grid(out.size), N * C, *window, X.data, out.data,
                         argmax.data, half=X.dtype == np.float16)
 
-    def backward(g):  # g (N, C, OH, OW) -> dx (N, C, H, W)
-        grad_x = _like(X, dtype=_compute_dtype(X.dtype))
+    def backward(g):  # g (N, C, OH, OW) -> dx (N, C, H, W), both in x's storage
+        grad_x = _like(g, X.shape)
         if g.device.backend == "cpu":
             planes = np.arange(N * C).reshape(N, C, 1, 1) * (H * W)
             grad_x.data[...] = np.bincount((planes + argmax.data).ravel(), g.data.ravel(),
                                            N * C * H * W).reshape(X.shape)
         elif grad_x.size:
             g.device.launch("max_pool2d_bwd", *_grid(grad_x.size), N * C, *window, g.data,
-                            argmax.data, grad_x.data)
+                            argmax.data, grad_x.data, half=g.dtype == np.float16)
         return (grad_x,)
-    return _record(out, (x,), backward)
+    return _record(out, (x,), backward, half_grad=True)
 
 
 def avg_pool2d(x, kernel_size, stride=None, padding=0):
@@ -3793,16 +3848,16 @@ def avg_pool2d(x, kernel_size, stride=None, padding=0):
                         half=X.dtype == np.float16)
 
     def backward(g):  # g (N, C, OH, OW) -> dx (N, C, H, W): each window's share, g / (R*S)
-        grad_x = _like(X, dtype=_compute_dtype(X.dtype))
+        grad_x = _like(g, X.shape)  # both in x's storage
         if g.device.backend == "cpu":
             shares = np.broadcast_to((g.data / (R * S)).reshape(N, C, OH, OW, 1, 1),
                                      (N, C, OH, OW, R, S))
             grad_x.data[...] = _col2im_numpy(shares, window)
         elif grad_x.size:
             g.device.launch("avg_pool2d_bwd", *_grid(grad_x.size), N * C, *window, g.data,
-                            grad_x.data)
+                            grad_x.data, half=g.dtype == np.float16)
         return (grad_x,)
-    return _record(out, (x,), backward)
+    return _record(out, (x,), backward, half_grad=True)
 
 
 # --- dropout ----------------------------------------------------------------------------------
@@ -3842,7 +3897,7 @@ def dropout(x, p=0.5, training=True):
             v.device.launch("dropout_mask", *_grid(v.size), v.size, seed, p, scale,
                             v.data, out.data, half=v.dtype == np.float16)
         return out
-    return _record(masked(x.value), (x,), lambda g: (masked(g),))
+    return _record(masked(x.value), (x,), lambda g: (masked(g),), half_grad=True)
 
 
 # --- normalisation, embedding and attention ---------------------------------------------------
@@ -5684,17 +5739,18 @@ class ReduceLROnPlateau:
 # Mixed precision here means float16 *storage* for activations. Inside `autocast`, matmul,
 # linear and conv2d write their outputs as float16 and the ops after them keep that storage
 # (operations: "float16 storage"), so the activations a forward pass keeps for backward take
-# half the memory and half the memory traffic. Every kernel still computes in float32 (half
-# arithmetic, cl_khr_fp16, is missing on many devices, NVIDIA's OpenCL among them), and
-# weights, gradients and optimizer state stay float32.
+# half the memory and half the memory traffic, and so do their gradients in backward (the
+# gradient of a float16 activation is float16 storage, as in PyTorch). Every kernel still
+# computes in float32 (half arithmetic, cl_khr_fp16, is missing on many devices, NVIDIA's
+# OpenCL among them), and weights, their gradients and optimizer state stay float32.
 #
 # AMPGradScaler is PyTorch's GradScaler (torch/amp/grad_scaler.py): the loss is multiplied by
 # a scale before backward; unscale_ divides the gradients by it and checks them for inf/NaN;
 # step skips the update if it found any; update lowers the scale after such a step and raises
-# it after growth_interval clean ones. As netcl's gradients are float32, small ones do not
-# underflow and large ones rarely overflow, so the scale mostly grows: what the scaler gives
-# is PyTorch's training loop, unchanged, and the skip of any step whose gradients hold an
-# inf/NaN. It all runs on the device. The scale, the growth tracker and the inf flags live in
+# it after growth_interval clean ones. The activations' float16 gradients are what it is
+# for, as in PyTorch: scaled up, small ones do not flush to zero, and one that overflows
+# float16 becomes an inf that reaches the parameters' float32 gradients, so the step is
+# skipped and the scale backs off. It all runs on the device. The scale, the growth tracker and the inf flags live in
 # device memory; the inf check is one pass over the gradients; where PyTorch reads found_inf on
 # the host to decide whether to call optimizer.step (`.item()` in _maybe_opt_step), netcl
 # always calls it and its kernel skips; the scale update is one single-work-item kernel. So an
@@ -5703,9 +5759,11 @@ class ReduceLROnPlateau:
 class autocast(contextlib.ContextDecorator):
     """Inside `with autocast():` (or a function decorated with it), matmul, linear and conv2d
     on an OpenCL device read and write activations as float16 storage, accumulating in
-    float32; elementwise ops keep float16, reductions, softmax and losses return float32, and
-    gradients and weights stay float32. `autocast(enabled=False)` inside it turns it off
-    again. On the NumPy backend it does nothing."""
+    float32; elementwise ops keep float16, reductions, softmax and losses return float32. The
+    gradients of float16 activations are float16 storage too (scale the loss with
+    AMPGradScaler); parameters, their gradients and optimizer state stay float32.
+    `autocast(enabled=False)` inside it turns it off again. On the NumPy backend it does
+    nothing."""
 
     def __init__(self, enabled=True):
         self.enabled = bool(enabled)

@@ -4052,8 +4052,12 @@ def test_permute_is_one_launch_of_up_to_six_moving_dimensions(opencl):
 
 
 def test_shape_ops_move_float16_storage_exactly(opencl):
-    """float16 in, float16 out: the same bits moved (nothing is computed); the gradients are
-    float32, the very gradients of a float32 run."""
+    """float16 in, float16 out: the same bits moved (nothing is computed). The gradients are
+    the very gradients of a float32 run, rounded, through the permutes (whose backward moves
+    float16 gradients); the other ops' backward is float32, and what reaches them through a
+    float16 view (a slice's or unsqueeze's reshape) was rounded once, and so is a leaf's
+    gradient when its one contribution came so: each of at most two contributions to an
+    element off by half an ulp of float16, at most one more rounding of their sum."""
     rng = np.random.default_rng(2)
     x = rng.standard_normal((4, 6, 5)).astype(np.float16)
     ops = {
@@ -4068,11 +4072,16 @@ def test_shape_ops_move_float16_storage_exactly(opencl):
         "index_select": (lambda p: F.index_select(p, 1, [5, 5, 0]), lambda a: a[:, [5, 5, 0]]),
     }
     for name, (op, reference) in ops.items():
-        y16, grad16, _ = _grad_of(opencl, x, op, index_dtype=np.float16)
+        y16, grad16, w = _grad_of(opencl, x, op, index_dtype=np.float16)
         y32, grad32, _ = _grad_of(opencl, x.astype(np.float32), op)
-        assert y16.dtype == np.float16 and grad16.dtype == np.float32, name
+        assert y16.dtype == np.float16, name
         np.testing.assert_array_equal(y16.view(np.uint16), reference(x).view(np.uint16), name)
-        np.testing.assert_array_equal(grad16, grad32, name)
+        if name in ("permute", "transpose_2d"):
+            assert grad16.dtype == np.float16, name
+            np.testing.assert_array_equal(grad16, grad32.astype(np.float16), name)
+        else:
+            np.testing.assert_allclose(grad16, grad32, rtol=0,
+                                       atol=3 * 2.0 ** -11 * np.abs(w).max(), err_msg=name)
     mixed = F.cat([tensor(x, opencl), tensor(x.astype(np.float32), opencl)])
     assert mixed.dtype == np.float32  # float16 storage met with float32 widens
     np.testing.assert_array_equal(host(mixed), np.concatenate([x, x]).astype(np.float32))
@@ -4409,7 +4418,8 @@ def test_grouped_dilated_conv2d_of_an_empty_batch(backend):
 def test_autocast_grouped_dilated_conv2d_is_the_float32_result_rounded(opencl, monkeypatch,
                                                                         gemm, groups):
     """Under autocast a grouped, dilated conv2d writes float16 storage: the float32 result on
-    the same values, rounded once; its gradients are the float32 ones."""
+    the same values, rounded once; so is the input's gradient (float16 storage, as the
+    input), and the weights' gradients are the float32 ones."""
     monkeypatch.setattr(opencl, "gemm", gemm)
     rng = np.random.default_rng(8)
     x = rng.standard_normal((2, 6, 8, 7)).astype(np.float16)
@@ -4422,11 +4432,26 @@ def test_autocast_grouped_dilated_conv2d_is_the_float32_result_rounded(opencl, m
         seed = np.random.default_rng(1).standard_normal(out.shape).astype(np.float16)
         tape.backward(out, grad=seed.astype(np.float32))
         results[enabled] = host(out), [host(p.grad) for p in leaves]
-    (single, grads32), (half, grads16) = results[False], results[True]
+    (single, (dx32, *dw32)), (half, (dx16, *dw16)) = results[False], results[True]
     assert half.dtype == np.float16
     np.testing.assert_array_equal(half, single.astype(np.float16))
-    for g16, g32 in zip(grads16, grads32):
+    assert dx16.dtype == np.float16
+    np.testing.assert_array_equal(dx16, dx32.astype(np.float16))
+    for g16, g32 in zip(dw16, dw32):
+        assert g16.dtype == np.float32
         np.testing.assert_array_equal(g16, g32)
+
+
+def test_conv2d_of_float16_storage_outside_autocast_is_float32(opencl):
+    """As linear and matmul: a float16 input outside autocast gives the float32 product (the
+    output once had x's dtype while the kernel wrote floats, past the end of its buffer)."""
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal((2, 3, 6, 5)).astype(np.float16)
+    w = rng.standard_normal((4, 3, 3, 3)).astype(np.float32)
+    out = F.conv2d(tensor(x, opencl), tensor(w, opencl), padding=1)
+    single = F.conv2d(tensor(x.astype(np.float32), opencl), tensor(w, opencl), padding=1)
+    assert out.dtype == np.float32
+    np.testing.assert_array_equal(host(out), host(single))
 
 
 @pytest.mark.parametrize("call, words", [
@@ -4603,7 +4628,9 @@ def test_broadcast_keeps_the_common_cases_cheap(opencl, monkeypatch):
 
 def test_broadcast_float16_storage(opencl):
     """float16 operands broadcast in float16 storage (the float32 result rounded); a float16
-    operand against a float32 one widens, as without broadcasting."""
+    operand against a float32 one widens, as without broadcasting. The gradients are float16
+    storage too: the float32 ones but for one rounding of each elementwise term before the
+    sum over the broadcast dimensions, and one of the sum."""
     rng = np.random.default_rng(23)
     a = rng.standard_normal((6, 1, 5)).astype(np.float16)
     b = (rng.uniform(0.5, 2, (4, 1)) * rng.choice([-1, 1], (4, 1))).astype(np.float16)
@@ -4611,19 +4638,23 @@ def test_broadcast_float16_storage(opencl):
     g = rng.standard_normal((6, 4, 5)).astype(np.float16).astype(np.float32)
     for name, (functional, _, ref) in BINARY.items():
         grads = {}
-        for dtype in (np.float16, np.float32):
-            pa, pb = param(a.astype(dtype), opencl, dtype), param(b.astype(dtype), opencl, dtype)
+        # (|a|, |b|, |g|): the float32 gradients are then the sums of the terms' magnitudes
+        for key, (x, y_, seed) in {np.float16: (a, b, g), np.float32: (a, b, g),
+                                   "magnitudes": (abs(a), abs(b), abs(g))}.items():
+            dtype = np.float16 if key is np.float16 else np.float32
+            pa, pb = param(x.astype(dtype), opencl, dtype), param(y_.astype(dtype), opencl, dtype)
             with netcl.Tape() as tape:
                 y = functional(pa, pb)
-            tape.backward(y, grad=g)
-            grads[dtype] = host(pa.grad), host(pb.grad)
-            if dtype == np.float16:
+            tape.backward(y, grad=seed)
+            grads[key] = host(pa.grad), host(pb.grad)
+            if key is np.float16:
                 _assert_rounded_from(host(y), ref(a.astype(np.float64), b.astype(np.float64)),
                                      name)
-        for half_grad, float_grad in zip(grads[np.float16], grads[np.float32]):
-            assert half_grad.dtype == np.float32
-            np.testing.assert_allclose(half_grad, float_grad, rtol=1e-6, atol=1e-6,
-                                       err_msg=name)
+        for half_grad, float_grad, magnitude in zip(grads[np.float16], grads[np.float32],
+                                                    grads["magnitudes"]):
+            assert half_grad.dtype == np.float16, name
+            bound = 2.0 ** -11 * (np.abs(magnitude) + np.abs(float_grad)) + 2.0 ** -24
+            assert (np.abs(half_grad.astype(np.float64) - float_grad) <= bound).all(), name
         mixed = functional(tensor(a, opencl), tensor(b.astype(np.float32), opencl))
         assert mixed.dtype == np.float32
         np.testing.assert_array_equal(host(mixed), ref(a.astype(np.float32),
@@ -6155,11 +6186,19 @@ HALF_OP_CASES = [
 ]
 
 
+# The ops whose backward reads their output y, which float16 storage keeps rounded: their
+# gradient is the float32 one only up to that rounding. Every other op's backward reads the
+# same values in both storages and computes the same float32 arithmetic.
+_BACKWARD_READS_ROUNDED_OUTPUT = {"sigmoid", "tanh", "exp", "sqrt", "rsqrt"}
+
+
 @pytest.mark.parametrize("case", HALF_OP_CASES, ids=[c[0] for c in HALF_OP_CASES])
 def test_float16_storage_ops(opencl, case):
     """float16 in: elementwise ops, pooling and transpose write float16 (the float32 result
-    rounded), reductions, softmax and losses return float32; every gradient is float32, the
-    float32 gradient of the same values up to the float16 rounding of what backward keeps."""
+    rounded), reductions, softmax and losses return float32. The gradients of the float16
+    leaves are float16 storage through the former, float32 through the latter: exactly the
+    float32 gradient of the same values (rounded), but where backward reads the rounded
+    output (then up to that rounding)."""
     name, make, op, reference, stays_half = case
     rng = np.random.default_rng(11)
     arrays = [a.astype(np.float16) for a in make(rng)]
@@ -6170,9 +6209,10 @@ def test_float16_storage_ops(opencl, case):
         leaves = [param(a.astype(dtype), opencl, dtype) for a in arrays]
         with netcl.Tape() as tape:
             y = op(*leaves)
-            weights = np.random.default_rng(5).standard_normal(y.shape).astype(np.float32)
-            weights = tensor(weights, opencl)  # float32: the gradient reaching y is float32
-            loss = (y * weights).sum()
+            # float32 holding float16 values: the gradient reaching y is float32 (a mixed
+            # product), and rounding it to float16 storage loses nothing
+            weights = np.random.default_rng(5).standard_normal(y.shape).astype(np.float16)
+            loss = (y * tensor(weights.astype(np.float32), opencl)).sum()
         tape.backward(loss)
         outs[dtype], grads[dtype] = host(y), [host(p.grad) for p in leaves]
     if stays_half:
@@ -6181,8 +6221,15 @@ def test_float16_storage_ops(opencl, case):
         assert outs[np.float16].dtype == np.float32
         np.testing.assert_allclose(outs[np.float16], exact, rtol=1e-5, atol=1e-6, err_msg=name)
     for half_grad, float_grad in zip(grads[np.float16], grads[np.float32]):
-        assert half_grad.dtype == np.float32
-        np.testing.assert_allclose(half_grad, float_grad, rtol=4e-3, atol=1e-3, err_msg=name)
+        # a float16 output's gradient, float16 storage, flows back to float16 operands; the
+        # reductions' backward (not converted) gives float32
+        assert half_grad.dtype == (np.float16 if stays_half else np.float32), name
+        assert float_grad.dtype == np.float32, name
+        if name in _BACKWARD_READS_ROUNDED_OUTPUT:
+            np.testing.assert_allclose(half_grad, float_grad, rtol=4e-3, atol=1e-3, err_msg=name)
+        else:
+            np.testing.assert_array_equal(half_grad, float_grad.astype(half_grad.dtype),
+                                          err_msg=name)
 
 
 def test_dropout_keeps_float16_storage(opencl):
@@ -6212,7 +6259,8 @@ def test_mixed_float16_and_float32_operands_compute_in_float32(opencl):
 def test_autocast_products_are_the_float32_result_rounded(opencl, monkeypatch, gemm, m, k, n):
     """With float16 inputs, the autocast linear/matmul/conv2d output is exactly the float32
     result on the same values rounded to float16: the same float32 accumulation, one rounding.
-    The gradients, read from the float16 input the forward kept, are exactly the float32 ones.
+    So is the input's gradient, float16 storage as the input; the weights' gradients, read
+    from the float16 input the forward kept, are exactly the float32 ones, in float32.
     Both GEMM variants run here (the GPUs' tiled one too); 150 x 140 takes the 128-wide tiles."""
     monkeypatch.setattr(opencl, "gemm", gemm)
     rng = np.random.default_rng(m + k + n)
@@ -6236,10 +6284,12 @@ def test_autocast_products_are_the_float32_result_rounded(opencl, monkeypatch, g
             seed = np.random.default_rng(1).standard_normal(out.shape).astype(np.float16)
             tape.backward(out, grad=seed.astype(np.float32))
             results[enabled] = host(out), [host(p.grad) for p in leaves]
-        (single, grads32), (half, grads16) = results[False], results[True]
+        (single, (dx32, *dw32)), (half, (dx16, *dw16)) = results[False], results[True]
         assert half.dtype == np.float16 and single.dtype == np.float32, name
         np.testing.assert_array_equal(half, single.astype(np.float16), err_msg=name)
-        for g16, g32 in zip(grads16, grads32):
+        assert dx16.dtype == np.float16, name
+        np.testing.assert_array_equal(dx16, dx32.astype(np.float16), err_msg=name)
+        for g16, g32 in zip(dw16, dw32):
             assert g16.dtype == np.float32
             np.testing.assert_array_equal(g16, g32, err_msg=name)
 
@@ -6387,6 +6437,112 @@ def test_autocast_overflow_makes_the_scaler_skip_and_back_off(opencl):
     for p, old in zip(model.parameters(), before):
         np.testing.assert_array_equal(host(p), old)
     assert scaler.get_scale() == 2.0 ** 119
+
+
+# --- float16 activation gradients under autocast
+
+def _gradient_probe(x, seen, half_grad):
+    """x itself, recorded as an op whose backward notes the storage of the gradient it gets
+    (declaring, or not, that it reads float16 gradients) and passes it on."""
+    return netcl._record(x.value, (x,), lambda g: (seen.append(g.dtype) or g,),
+                         half_grad=half_grad)
+
+
+@pytest.mark.usefixtures("portable_half")
+def test_the_tape_gives_each_backward_its_gradient_storage(opencl):
+    """A backward that reads float16 gets a float16 value's gradient in float16 storage, a
+    float32 contribution rounded; one that does not gets float32, a float16 one widened; and
+    a node with a float16 and a float32 contribution (a residual) gets their float32 sum,
+    rounded once."""
+    rng = np.random.default_rng(31)
+    x = rng.standard_normal((6, 5)).astype(np.float16)
+    seed = rng.standard_normal((6, 5)).astype(np.float32)  # not float16 values: rounded
+    for half_grad in (True, False):
+        seen = []
+        leaf = param(x, opencl, np.float16)
+        with netcl.Tape() as tape:
+            y = _gradient_probe(leaf, seen, half_grad)
+        tape.backward(y, grad=tensor(seed, opencl))  # a float32 Tensor (an array would take
+                                                     # y's dtype)
+        assert seen == [np.float16 if half_grad else np.float32]
+        expected = seed.astype(np.float16) if half_grad else seed
+        np.testing.assert_array_equal(host(leaf.grad), expected)
+    seen = []
+    leaf = param(x, opencl, np.float16)
+    with netcl.Tape() as tape:
+        h = _gradient_probe(leaf, seen, True)
+        loss = (F.relu(h) * 3.0).sum() + (h * tensor(seed, opencl)).sum()  # float16 + float32
+    tape.backward(loss)
+    assert seen == [np.float16]
+    residual = (np.float32(3.0) * (x > 0) + seed).astype(np.float16)
+    np.testing.assert_array_equal(host(leaf.grad), residual)
+    seen = []
+    single = param(x.astype(np.float32), opencl)  # a float32 value: float32 gradient
+    with netcl.Tape() as tape:
+        y = _gradient_probe(single, seen, True)
+    tape.backward(y, grad=tensor(seed, opencl))
+    assert seen == [np.float32]
+
+
+@XB_SETTINGS
+@given(m=st.integers(1, 40), k=st.integers(1, 40), n=st.integers(1, 40),
+       product=st.sampled_from(["linear", "matmul"]), gemm=st.sampled_from(["packed", "tiled"]),
+       seed=st.integers(0, 2 ** 31))
+@pytest.mark.usefixtures("portable_half")
+def test_autocast_input_gradient_is_the_float32_one_rounded(opencl, monkeypatch, m, k, n,
+                                                            product, gemm, seed):
+    """The gradient of a float16 input to linear or matmul is float16 storage: exactly the
+    float32 gradient of the same values, rounded once; the weight's stays float32, exactly
+    the float32 one."""
+    monkeypatch.setattr(opencl, "gemm", gemm)
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((m, k)).astype(np.float16)
+    w = rng.standard_normal((n, k) if product == "linear" else (k, n)) / math.sqrt(k)
+    g = rng.standard_normal((m, n)).astype(np.float16).astype(np.float32)
+    op = F.linear if product == "linear" else F.matmul
+    grads = {}
+    for enabled, dtype in ((False, np.float32), (True, np.float16)):
+        leaves = [param(x, opencl, dtype), param(w, opencl)]
+        with netcl.Tape() as tape, netcl.autocast(enabled=enabled):
+            out = op(*leaves)
+        tape.backward(out, grad=g)
+        grads[enabled] = [host(p.grad) for p in leaves]
+    (dx32, dw32), (dx16, dw16) = grads[False], grads[True]
+    assert dx16.dtype == np.float16 and dw16.dtype == np.float32
+    np.testing.assert_array_equal(dx16, dx32.astype(np.float16))
+    np.testing.assert_array_equal(dw16, dw32)
+
+
+@pytest.mark.parametrize("gemm", ["packed", "tiled"])
+@pytest.mark.usefixtures("portable_half")
+def test_autocast_cnn_activation_gradients_are_float16(opencl, monkeypatch, gemm):
+    """A small CNN under autocast: the gradients reaching its float16 activations (the
+    convolution's output, the ReLU's, the pooled one) are float16 storage, the parameters'
+    are float32 and match the float32 run within float16 precision."""
+    monkeypatch.setattr(opencl, "gemm", gemm)
+    netcl.manual_seed(4)
+    conv = nn.Conv2d(3, 8, 3, padding=1, queue=opencl.queue)
+    head = nn.Linear(8 * 4 * 4, 10, queue=opencl.queue)
+    rng = np.random.default_rng(6)
+    x = tensor(rng.standard_normal((5, 3, 8, 8)), opencl)
+    labels = rng.integers(0, 10, 5)
+    params = list(conv.parameters()) + list(head.parameters())
+    results = {}
+    for enabled in (False, True):
+        for p in params:
+            p.grad = None
+        seen = []
+        with netcl.Tape() as tape, netcl.autocast(enabled=enabled):
+            h = _gradient_probe(conv(x), seen, True)
+            h = _gradient_probe(F.relu(h), seen, True)
+            h = _gradient_probe(F.max_pool2d(h, 2), seen, True)
+            loss = F.cross_entropy(head(F.flatten(h)), labels) * 1024.0  # a loss scale
+        tape.backward(loss)
+        assert seen == [np.float16 if enabled else np.float32] * 3
+        assert all(p.grad.dtype == np.float32 for p in params)
+        results[enabled] = [host(p.grad) for p in params]
+    for g16, g32 in zip(results[True], results[False]):
+        assert _relative_error(g16, g32) < 1e-2
 
 
 # --- tensor cores: NVIDIA only (the probe decides); the fallback is tested on every device
@@ -6967,7 +7123,7 @@ HALF_NEW_OP_CASES = [
 @pytest.mark.parametrize("case", HALF_NEW_OP_CASES, ids=[c[0] for c in HALF_NEW_OP_CASES])
 def test_float16_storage_new_ops(opencl, case):
     """test_float16_storage_ops for these ops: float16 in, float16 out for the elementwise
-    ones, float32 for the reductions, float32 gradients either way."""
+    ones and their gradients, float32 for the reductions and theirs."""
     test_float16_storage_ops(opencl, case)
 
 
