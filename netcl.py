@@ -4838,7 +4838,7 @@ class _BatchNorm(Module):
         return out
 
     def extra_repr(self):
-        # PyTorch's string; its bias=False (a weight without a bias) netcl does not offer
+        """PyTorch's string (its bias=False, a weight without a bias, netcl does not offer)."""
         return (f"{self.num_features}, eps={self.eps}, momentum={self.momentum}, "
                 f"affine={self.affine}, bias={self.affine}, "
                 f"track_running_stats={self.track_running_stats}")
