@@ -399,6 +399,9 @@ __kernel void nonzero_mask(const int n, __global const int* cond, __global act_t
 // the other kernels the third dimension is a batch: product z reads A and B batch_a and
 // batch_b elements on (0 for a matrix every product shares) and writes the z-th C.
 #define TILE_K 16
+// The bias a GEMM adds to C[r][c]: has_bias 0: none; 1: bias[c], one per column (linear's);
+// 2: bias[r], one per row (conv2d's, an output channel's).
+#define BIAS_AT(has_bias, bias, r, c) ((has_bias) ? (bias)[(has_bias) == 2 ? (r) : (c)] : 0.0f)
 #define LOAD_float(p, i) ((p)[i])
 #define LOAD_act_t(p, i) LOAD(p, i)
 #define STORE_float(p, i, v) ((p)[i] = (v))
@@ -467,7 +470,7 @@ void NAME(const int M, const int N, const int K, const int k_chunk, const int ba
         if (r >= M) continue;                                                                  \
         for (int j = 0; j < WPT; ++j) {                                                        \
             const int c = col0 + (j / 4) * 64 + tx * 4 + j % 4;                                \
-            if (c < N) STORE_##C_T(C, r * N + c, acc[i][j] + (has_bias ? bias[c] : 0.0f));     \
+            if (c < N) STORE_##C_T(C, r * N + c, acc[i][j] + BIAS_AT(has_bias, bias, r, c));    \
         }                                                                                      \
     }                                                                                          \
 }
@@ -620,12 +623,13 @@ void NAME(const int M, const int N, const int K, const int k_chunk, const int ba
                                 acc[i][4 * h + 3]};                                             \
             if (N % 4 == 0) {  /* whole float4s; else C's rows are not 16-byte aligned */       \
                 float4 v4 = (float4)(v[0], v[1], v[2], v[3]);                                   \
-                if (add_bias) v4 += LOAD4_float(bias, c);                                       \
+                if (add_bias) v4 += has_bias == 2 ? (float4)(bias[r]) : LOAD4_float(bias, c);   \
                 STORE4_##C_T(C, r * N + c, v4);                                                 \
             } else {                                                                            \
                 _Pragma("unroll") for (int q = 0; q < 4; ++q)                                   \
                     if (c + q < N)                                                              \
-                        STORE_##C_T(C, r * N + c + q, v[q] + (add_bias ? bias[c + q] : 0.0f));  \
+                        STORE_##C_T(C, r * N + c + q, v[q] + BIAS_AT(add_bias ? has_bias : 0,  \
+                                                                     bias, r, c + q));          \
             }                                                                                   \
         }                                                                                       \
     }                                                                                           \
@@ -672,8 +676,10 @@ VGEMM_FAMILY(128x256, 128, 256, 8, 8, 8, 4)
 // A __local pointer cast to an integer is the shared-memory address PTX wants.
 #define SHARED_ADDRESS(p) ((uint)(size_t)(p))
 
+// `.ca` caches the copy in L1 as well (`.cg` would bypass it): the work-groups sharing a
+// compute unit often read the same rows of A, which made n = 4096 5% faster on the H200.
 inline void tc_copy16(__local uint4* dst, __global const ushort* src, const int valid) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 16, %2;"
                  :: "r"(SHARED_ADDRESS(dst)), "l"(src), "r"(valid ? 16 : 0) : "memory");
 }
 
@@ -821,12 +827,13 @@ void NAME(const int M, const int N, const int K, const int k_chunk, const int ba
         for (int n = 0; n < (WN / 8); ++n) {                                                       \
             const int col = n0 + wn * WN + n * 8 + t2;                                             \
             if (col >= N) continue;                                                                \
-            const float b0 = has_bias ? bias[col] : 0.0f;                                          \
-            const float b1 = has_bias && col + 1 < N ? bias[col + 1] : 0.0f;                       \
             for (int h = 0; h < 2; ++h) {                                                          \
                 const int row = m0 + wm * WM + i * 16 + g + h * 8;                                 \
-                if (row < M) STORE_PAIR(C, row * N + col, col + 1 < N,                             \
-                                        acc[i][n][2 * h] + b0, acc[i][n][2 * h + 1] + b1);         \
+                if (row >= M) continue;                                                            \
+                const float b0 = BIAS_AT(has_bias, bias, row, col);                                \
+                const float b1 = col + 1 < N ? BIAS_AT(has_bias, bias, row, col + 1) : 0.0f;       \
+                STORE_PAIR(C, row * N + col, col + 1 < N, acc[i][n][2 * h] + b0,                   \
+                           acc[i][n][2 * h + 1] + b1);                                             \
             }                                                                                      \
         }                                                                                          \
 }
@@ -834,12 +841,14 @@ void NAME(const int M, const int N, const int K, const int k_chunk, const int ba
     do { vstore_half((v0), (i), (C)); if (both) vstore_half((v1), (i) + 1, (C)); } while (0)
 #define STORE_PAIR_FLOAT(C, i, both, v0, v1)                                                   \
     do { (C)[i] = (v0); if (both) (C)[(i) + 1] = (v1); } while (0)
-// Two tile configurations, chosen per product by the host (netcl.py: _tensor_core_gemm):
+// Three tile configurations, chosen per product by the host (netcl.py: _tensor_core_gemm):
 // 128x128 blocks of eight 64x32 warp tiles, 3 stages, for products with many blocks; 128x64
 // blocks of four 64x32 warp tiles, 4 stages, which keep all compute units busy on smaller
-// ones (n = 1024: 83 against 65 TFLOP/s on the H200). The local memory of both is 48 KiB,
-// all a work-group may have there. Names: layout (op(A) = A or A^T, op(B) = B or B^T), C's
-// storage (h: half, f: float), and the block (l: large, s: small).
+// ones (n = 1024: 83 against 65 TFLOP/s on the H200); 64x128 blocks of four 32x64 warp
+// tiles, 4 stages, for products of at most 64 rows (conv2d's with 64 filters), which the
+// others would compute half of in vain. The local memory of each is 48 KiB, all a
+// work-group may have there. Names: layout (op(A) = A or A^T, op(B) = B or B^T), C's
+// storage (h: half, f: float), and the block (l: large, s: small, m: 64 rows).
 #define GEMM_TC_FAMILY(BLOCK, BM, BN, WM, WN, STAGES, WAIT, ALIGNED)                           \
 GEMM_TC(gemm_tc_nn_h##BLOCK, BM, BN, WM, WN, STAGES, WAIT, 0, 1, half, STORE_PAIR_HALF, ALIGNED) \
 GEMM_TC(gemm_tc_nt_h##BLOCK, BM, BN, WM, WN, STAGES, WAIT, 0, 0, half, STORE_PAIR_HALF, ALIGNED) \
@@ -853,6 +862,7 @@ GEMM_TC(gemm_tc_tn_f##BLOCK, BM, BN, WM, WN, STAGES, WAIT, 1, 1, float, STORE_PA
 GEMM_TC_FAMILY(_l, 128, 128, 64, 32, 3, "cp.async.wait_group 1;", 1)
 GEMM_TC_FAMILY(_s, 128, 64, 64, 32, 4, "cp.async.wait_group 2;", 1)
 GEMM_TC_FAMILY(_u, 128, 64, 64, 32, 4, "cp.async.wait_group 2;", 0)
+GEMM_TC_FAMILY(_m, 64, 128, 32, 64, 4, "cp.async.wait_group 2;", 1)
 
 // The probe netcl runs once per device before trusting the kernels above: one warp, one
 // 16x8x16 product D = A B, A (16, 16) row-major and B given as B^T (8, 16), in halves.
@@ -1436,8 +1446,11 @@ __kernel void bce_logits_bwd(const int n, const int g_stride, const float scale,
     const int lo = (hp) < (R) ? 0 : ((hp) - (R)) / (SH) + 1;                                   \
     const int hi = (hp) / (SH) < (OH) - 1 ? (hp) / (SH) : (OH) - 1;
 
-// x (N, C, H, W) -> cols (C*R*S, nb*OH*OW) for samples n0 .. n0+nb-1: column (n, oh, ow) holds
-// the window of that output pixel, row (c, r, s) one of its taps; zero over padding. A 2-D
+// x (N, C, H, W) -> cols for samples n0 .. n0+nb-1: column (n, oh, ow) holds the window of
+// that output pixel, row (c, r, s) one of its taps; zero over padding. Element (tap t, sample
+// n, pixel l) is at t * tap_stride + n * image_stride + l: cols (C*R*S, nb*OH*OW) with
+// tap_stride nb*OH*OW and image_stride OH*OW, or (nb, C*R*S, OH*OW), one matrix per sample,
+// with tap_stride OH*OW and image_stride C*R*S*OH*OW. A 2-D
 // launch over (output pixel, channel): each work-item copies its R*S taps, so the index
 // arithmetic (integer division is slow on CPUs) is shared by R*S values, and neighbouring
 // work-items still write neighbouring addresses. x is act_t; cols is float (im2col, a
@@ -1445,18 +1458,20 @@ __kernel void bce_logits_bwd(const int n, const int g_stride, const float scale,
 // cores, in the half build).
 #define IM2COL(NAME, COL_T)                                                                    \
 __kernel void NAME(const int n0, const int nb, const int C, WINDOW_ARGS,                       \
-                   __global const act_t* x, __global COL_T* cols) {                            \
-    const int p = get_global_id(0), c = get_global_id(1), P = nb * OH * OW;                    \
-    if (p >= P) return;                                                                        \
+                   const int tap_stride, const int image_stride, __global const act_t* x,      \
+                   __global COL_T* cols) {                                                     \
+    const int p = get_global_id(0), c = get_global_id(1);                                      \
+    if (p >= nb * OH * OW) return;                                                             \
     const int q = p / OW, ow = p - q * OW, n = q / OH, oh = q - n * OH;                        \
     __global const act_t* plane = x + ((n0 + n) * C + c) * H * W;                              \
-    __global COL_T* column = cols + c * R * S * P + p;                                         \
+    __global COL_T* column = cols + c * R * S * tap_stride + n * image_stride + oh * OW + ow;  \
     for (int r = 0; r < R; ++r) {                                                              \
         const int h = oh * SH - PH + r * DH;                                                   \
         for (int s = 0; s < S; ++s) {                                                          \
             const int w = ow * SW - PW + s * DW;                                               \
             const int inside = h >= 0 && h < H && w >= 0 && w < W;                             \
-            STORE_##COL_T(column, (r * S + s) * P, inside ? LOAD(plane, h * W + w) : 0.0f);    \
+            STORE_##COL_T(column, (r * S + s) * tap_stride,                                    \
+                          inside ? LOAD(plane, h * W + w) : 0.0f);                             \
         }                                                                                      \
     }                                                                                          \
 }
@@ -1570,27 +1585,28 @@ __kernel void im2col_panels_t(const int nb, const int C, WINDOW_ARGS,
     }
 }
 
-// dcols (C*R*S, nb*OH*OW) -> dx (N, C, H, W) for samples n0 .. n0+nb-1: the adjoint of im2col,
-// each input pixel summing the column entries that were copies of it. A 2-D launch over
-// (input pixel, channel), as im2col. A dilated window's span holds rows and columns between
-// its taps, which are skipped; the undilated case has its own loop, free of those divisions
-// (they cost it a fifth of its time on PoCL). dcols is float (a GEMM's output), dx act_t.
-__kernel void col2im(const int n0, const int nb, const int C, WINDOW_ARGS,
-                     __global const float* dcols, __global act_t* dx) {
-    const int i = get_global_id(0), c = get_global_id(1), P = nb * OH * OW;
+// dcols (laid out as im2col's cols) -> dx (N, C, H, W) for samples n0 .. n0+nb-1: the adjoint
+// of im2col, each input pixel summing the column entries that were copies of it. A 2-D launch
+// over (input pixel, channel), as im2col. A dilated window's span holds rows and columns
+// between its taps, which are skipped; the undilated case has its own loop, free of those
+// divisions (they cost it a fifth of its time on PoCL). dcols is float (a GEMM's output), dx
+// act_t.
+__kernel void col2im(const int n0, const int nb, const int C, WINDOW_ARGS, const int tap_stride,
+                     const int image_stride, __global const float* dcols, __global act_t* dx) {
+    const int i = get_global_id(0), c = get_global_id(1);
     if (i >= nb * H * W) return;
     const int q = i / W, w = i - q * W, n = q / H, h = q - n * H;
     const int hp = h + PH, wp = w + PW;
     COVERING(hp, (R - 1) * DH + 1, SH, OH, oh_lo, oh_hi)
     COVERING(wp, (S - 1) * DW + 1, SW, OW, ow_lo, ow_hi)
-    __global const float* taps = dcols + c * R * S * P + n * OH * OW;
+    __global const float* taps = dcols + c * R * S * tap_stride + n * image_stride;
     float acc = 0.0f;
     if (DH == 1 && DW == 1) {
         for (int oh = oh_lo; oh <= oh_hi; ++oh) {
             const int r = hp - oh * SH;
             for (int ow = ow_lo; ow <= ow_hi; ++ow) {
                 const int s = wp - ow * SW;
-                acc += taps[(r * S + s) * P + oh * OW + ow];
+                acc += taps[(r * S + s) * tap_stride + oh * OW + ow];
             }
         }
     } else {
@@ -1600,7 +1616,7 @@ __kernel void col2im(const int n0, const int nb, const int C, WINDOW_ARGS,
             for (int ow = ow_lo; ow <= ow_hi; ++ow) {
                 const int ds = wp - ow * SW;
                 if (ds % DW) continue;
-                acc += taps[((dr / DH) * S + ds / DW) * P + oh * OW + ow];
+                acc += taps[((dr / DH) * S + ds / DW) * tap_stride + oh * OW + ow];
             }
         }
     }

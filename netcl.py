@@ -2002,8 +2002,9 @@ _TILE_K = 16                # the depth of a slice: split-K chunks are multiples
 # 4: (rows, columns, work-items) of C a work-group computes, and the TFLOP/s each reached on
 # a large product on the H200. A product takes the block with the least padded work per
 # unit of that speed, among those whose blocks keep at least half the compute units busy
-# (the smallest block always qualifies): n = 4096 takes 128x256, n = 1024 64x128, conv2d's
-# forward (50176 x 64) 64x64.
+# (the smallest block always qualifies): n = 4096 takes 128x256, n = 1024 64x128. A batch of
+# products takes the smallest block: conv2d's three (one per sample, 64 x 784 x 288 and
+# alike) ran 1.1-1.5x faster in it than in the others on the H200.
 _VECTOR_BLOCKS = ((64, 64, 256, 31.0), (64, 128, 128, 34.0), (128, 256, 512, 43.0))
 # Split K over the grid only into chunks at least this long, and only a K of two chunks or
 # more: a shorter chunk does too little arithmetic to pay for writing its partial product
@@ -2015,8 +2016,9 @@ _SPLIT_K_MIN = 1024
 _VECTOR_SPLIT_K_MIN = 256
 _SPLIT_GROUPS_PER_UNIT = 4
 # kernels.cl's tensor-core blocks: (rows, columns, work-items) of the large and small one,
-# and their k-tile depth (split-K chunks are multiples of it).
-_TC_LARGE, _TC_SMALL = (128, 128, 256), (128, 64, 128)
+# and of the one for products of at most 64 rows; their k-tile depth (split-K chunks are
+# multiples of it).
+_TC_LARGE, _TC_SMALL, _TC_SHORT = (128, 128, 256), (128, 64, 128), (64, 128, 128)
 _TC_TILE_K = 32
 _TC_VECTOR = 8  # halves the tensor-core kernels copy at a time (16 bytes)
 # A product up to this many multiply-adds takes the gathering tensor-core block however few
@@ -2049,7 +2051,7 @@ def _batch_strides(a, b, M, K, N):
 
 
 def _packed_gemm(a, b, trans_a, trans_b, bias, half, out, b_cols=None, a_run=None,
-                 b_run=None, c_run=None):
+                 b_run=None, c_run=None, bias_rows=False):
     """_gemm on CPU devices: op(a) packed into panels of 6 rows and op(b) into panels of 16
     columns (kernels.cl: pack_a, pack_b), so the product streams both through the caches.
     Packing reads float16 storage and writes float32, so it takes any operand's storage and
@@ -2058,7 +2060,7 @@ def _packed_gemm(a, b, trans_a, trans_b, bias, half, out, b_cols=None, a_run=Non
     panels, a (K, Np) float32 matrix (kernels.cl: im2col_panels). With a_run, b_run or
     c_run, the columns of that untransposed matrix come in runs of that many, one per sample
     (kernels.cl: RUN_AT): a (M, nb*L) is stored (nb, M, L), say, as conv2d's gradient is;
-    with c_run the bias (M) is per row, an output channel's."""
+    with c_run (or bias_rows) the bias (M) is per row, an output channel's."""
     batch, M, K, N = _gemm_dims(a, b, trans_a, trans_b)
     N = N if b_cols is None else b_cols
     device = a.device
@@ -2102,13 +2104,13 @@ def _packed_gemm(a, b, trans_a, trans_b, bias, half, out, b_cols=None, a_run=Non
     device.launch("gemm_packed", grid[::-1] + (batch * splits,) if rows_first else
                   grid + (batch * splits,), (8, 1, 1), M, N, K, k_chunk, int(rows_first),
                   a_k, a_r, b_panel, b_k, stride_a, stride_b, N if c_run is None else c_run,
-                  int(bias is not None), int(c_run is not None), A.data, B.data,
+                  int(bias is not None), int(bias_rows or c_run is not None), A.data, B.data,
                   None if bias is None else bias.data, target.data, half=half)
     if splits > 1:
         _sum_axis_tensor(target, 1, splits, M * N, out=out.reshape((1, M * N)))
 
 
-def _tensor_core_gemm(a, b, trans_a, trans_b, bias, out):
+def _tensor_core_gemm(a, b, trans_a, trans_b, bias, out, bias_rows=False):
     """Run _gemm's product on tensor cores if it can: both operands in float16 storage and a
     device whose probe passed. Returns whether it did."""
     device = a.device
@@ -2116,39 +2118,53 @@ def _tensor_core_gemm(a, b, trans_a, trans_b, bias, out):
             (trans_a and trans_b)):
         return False
     batch, M, K, N = _gemm_dims(a, b, trans_a, trans_b)
-    if not K:
+    plan = _tensor_core_plan(batch, M, K, N, trans_a, trans_b, bias is not None,
+                             out.dtype == np.float16, device.compute_units)
+    if plan is None:
         return False
+    kernel, grid, group, splits, k_chunk = plan
+    target = _like(out, (batch, splits, M, N)) if splits > 1 else out
+    device.launch(kernel, grid, group, M, N, K, k_chunk, *_batch_strides(a, b, M, K, N),
+                  _bias_code(bias, bias_rows), a.data, b.data,
+                  None if bias is None else bias.data, target.data, half=True)
+    if splits > 1:
+        _sum_axis_tensor(target, batch, splits, M * N, out=out.reshape((batch, M * N)))
+    return True
+
+
+@functools.lru_cache(maxsize=1024)
+def _tensor_core_plan(batch, M, K, N, trans_a, trans_b, has_bias, half_out, units):
+    """_tensor_core_gemm's launch, a function of the sizes alone: (kernel, global size, local
+    size, splits, k_chunk), or None where the float32 kernels do the product better. Cached,
+    as _tiled_plan is."""
+    if not K:
+        return None
     # Where an operand's contiguous dimension is not a multiple of _TC_VECTOR, its rows are
     # not 16-byte aligned and the small block gathers instead.
     aligned = (M if trans_a else K) % _TC_VECTOR == 0 and (K if trans_b else N) % _TC_VECTOR == 0
-    # The large block when its blocks alone fill every compute unit.
+    # A product of 64 rows or fewer takes the short block; others the large one when its
+    # blocks alone fill every compute unit.
     large_rows, large_cols, _ = _TC_LARGE
-    large = (aligned and batch * _ceil_div(M, large_rows) * _ceil_div(N, large_cols)
-             >= device.compute_units)
-    rows, cols, threads = _TC_LARGE if large else _TC_SMALL
+    short = aligned and M <= _TC_SHORT[0]
+    large = (aligned and not short and batch * _ceil_div(M, large_rows) *
+             _ceil_div(N, large_cols) >= units)
+    rows, cols, threads = _TC_SHORT if short else _TC_LARGE if large else _TC_SMALL
     blocks = batch * _ceil_div(M, rows) * _ceil_div(N, cols)
     # Split K when the blocks leave most compute units idle and K is long enough to share
     # (a weight gradient summed over a large batch): float32 partial products, then their sum.
     # (A gathering block is slow: it takes one more split to fill every unit.)
-    units = device.compute_units
     fill = units // blocks if aligned else _ceil_div(units, blocks)
     splits = (max(1, min(fill, K // _SPLIT_K_MIN))
-              if bias is None and out.dtype == np.float32 and 2 * blocks <= units else 1)
+              if not has_bias and not half_out and 2 * blocks <= units else 1)
     if not aligned and blocks * splits < units and M * N * K > _TC_GATHER_ANYWAY:
-        return False  # too few gathering blocks: the split-K float32 kernels do it faster
+        return None  # too few gathering blocks: the split-K float32 kernels do it faster
     k_chunk = _round_up(_ceil_div(K, splits), _TC_TILE_K) if splits > 1 else K
     splits = _ceil_div(K, k_chunk)
     layout = "tn" if trans_a else "nt" if trans_b else "nn"
-    block = "l" if large else "s" if aligned else "u"
-    kernel = f"gemm_tc_{layout}_{'h' if out.dtype == np.float16 else 'f'}_{block}"
-    target = _like(out, (batch, splits, M, N)) if splits > 1 else out
-    device.launch(kernel, (_ceil_div(N, cols) * threads, _ceil_div(M, rows), batch * splits),
-                  (threads, 1, 1), M, N, K, k_chunk, *_batch_strides(a, b, M, K, N),
-                  int(bias is not None), a.data, b.data, None if bias is None else bias.data,
-                  target.data, half=True)
-    if splits > 1:
-        _sum_axis_tensor(target, batch, splits, M * N, out=out.reshape((batch, M * N)))
-    return True
+    block = "m" if short else "l" if large else "s" if aligned else "u"
+    kernel = f"gemm_tc_{layout}_{'h' if half_out else 'f'}_{block}"
+    return (kernel, (_ceil_div(N, cols) * threads, _ceil_div(M, rows), batch * splits),
+            (threads, 1, 1), splits, k_chunk)
 
 
 def _vector_block(batch, M, N, units, blocks):
@@ -2178,7 +2194,8 @@ def _tiled_plan(batch, M, K, N, trans_a, trans_b, may_split, has_bias, units, bl
     # B, K of B^T) a multiple of 4 (C's rows need not be: the kernels store those one by one)
     vector = blocks and (M if trans_a else K) % 4 == 0 and (K if trans_b else N) % 4 == 0
     if vector:
-        rows, cols, threads = _vector_block(batch, M, N, units, blocks)
+        rows, cols, threads = _vector_block(batch, M, N, units, blocks[:1] if batch > 1 else
+                                            blocks)
         kernel, group = f"gemm_{layout}_{rows}x{cols}", (threads, 1, 1)
     else:
         big = batch * _ceil_div(M, _TILE_BIG) * _ceil_div(N, _TILE_BIG) >= units
@@ -2203,13 +2220,13 @@ def _tiled_plan(batch, M, K, N, trans_a, trans_b, may_split, has_bias, units, bl
     return kernel, grid + (batch * splits,), group, splits, k_chunk
 
 
-def _tiled_gemm(a, b, dims, trans_a, trans_b, bias, half, out):
+def _tiled_gemm(a, b, dims, trans_a, trans_b, bias, bias_rows, half, out):
     """_gemm on kernels.cl's tiled kernels, as _tiled_plan lays it out. dims: _gemm_dims(a, b,
     trans_a, trans_b), which _gemm has already computed."""
     batch, M, K, N = dims
     if half and trans_a:  # gemm_tn writes float: a float16 C is the float32 one, rounded
         single = _like(out, dtype=np.float32)
-        _tiled_gemm(a, b, dims, trans_a, trans_b, bias, False, single)
+        _tiled_gemm(a, b, dims, trans_a, trans_b, bias, bias_rows, False, single)
         _cast(single, np.float16, out=out)
         return
     # The half build's tiled kernels read float16 where autocast leaves it (kernels.cl):
@@ -2229,15 +2246,21 @@ def _tiled_gemm(a, b, dims, trans_a, trans_b, bias, half, out):
                         target.data, half=reads_half_b)
     else:
         a.device.launch(kernel, grid, group, M, N, K, k_chunk, *_batch_strides(a, b, M, K, N),
-                        int(bias is not None), a.data, b.data,
+                        _bias_code(bias, bias_rows), a.data, b.data,
                         None if bias is None else bias.data, target.data,
                         half=half or reads_half_b)
     if splits > 1:
         _sum_axis_tensor(target, batch, splits, M * N, out=out._view((batch, M * N)))
 
 
-def _gemm(a, b, trans_a=False, trans_b=False, bias=None, half=False, out=None):
+def _bias_code(bias, bias_rows):
+    """The GEMM kernels' has_bias: 0 none, 1 one per column of C, 2 one per row."""
+    return 0 if bias is None else 2 if bias_rows else 1
+
+
+def _gemm(a, b, trans_a=False, trans_b=False, bias=None, half=False, out=None, bias_rows=False):
     """C (M, N) = op(a) @ op(b) [+ bias (N)]; op transposes when asked, without a copy.
+    With bias_rows the bias is (M,), one per row of C (conv2d's output channels).
     Either operand may be a batch (batch, rows, cols) of matrices, the other a matrix all
     products share; C is then (batch, M, N), every product in one launch.
 
@@ -2260,12 +2283,12 @@ def _gemm(a, b, trans_a=False, trans_b=False, bias=None, half=False, out=None):
         np.matmul(np.swapaxes(a.data, -1, -2) if trans_a else a.data,
                   np.swapaxes(b.data, -1, -2) if trans_b else b.data, out=out.data)
         if bias is not None:
-            out.data += bias.data
+            out.data += bias.data[:, None] if bias_rows else bias.data
     elif M and N and batch:  # (an empty C has nothing to write)
         if a.device.gemm == "packed":
-            _packed_gemm(a, b, trans_a, trans_b, bias, half, out)
-        elif not _tensor_core_gemm(a, b, trans_a, trans_b, bias, out):
-            _tiled_gemm(a, b, dims, trans_a, trans_b, bias, half, out)
+            _packed_gemm(a, b, trans_a, trans_b, bias, half, out, bias_rows=bias_rows)
+        elif not _tensor_core_gemm(a, b, trans_a, trans_b, bias, out, bias_rows):
+            _tiled_gemm(a, b, dims, trans_a, trans_b, bias, bias_rows, half, out)
     return out
 
 
@@ -3564,16 +3587,25 @@ def _col2im_numpy(windows, window):
 _IM2COL_BYTES = 1 << 28  # conv2d's im2col buffer at most (256 MiB): larger batches go in chunks
 
 
-def _im2col(X, n0, nb, window, tensor_cores=False):
+def _im2col(X, n0, nb, window, tensor_cores=False, per_image=False):
     """Samples n0 .. n0+nb-1 of x (N, C, H, W) -> cols (C*R*S, nb*OH*OW): column p holds the
-    window of output pixel p, zeros where it covers padding. float32, or with tensor_cores
-    (x in float16 storage) float16: their operands."""
+    window of output pixel p, zeros where it covers padding; per_image: (nb, C*R*S, OH*OW),
+    one such matrix per sample. float32, or with tensor_cores (x in float16 storage)
+    float16: their operands."""
     H, W, R, S, SH, SW, PH, PW, DH, DW, OH, OW = window
-    C = X.shape[1]
-    cols = _like(X, (C * R * S, nb * OH * OW), np.float16 if tensor_cores else np.float32)
-    X.device.launch("im2col_act" if tensor_cores else "im2col", (nb * OH * OW, C), (256, 1), n0,
-                    nb, C, *window, X.data, cols.data, half=X.dtype == np.float16)
+    C, L = X.shape[1], OH * OW
+    shape = (nb, C * R * S, L) if per_image else (C * R * S, nb * L)
+    cols = _like(X, shape, np.float16 if tensor_cores else np.float32)
+    X.device.launch("im2col_act" if tensor_cores else "im2col", (nb * L, C), (256, 1), n0, nb, C,
+                    *window, *_cols_strides(cols.shape, L), X.data, cols.data,
+                    half=X.dtype == np.float16)
     return cols
+
+
+def _cols_strides(shape, pixels):
+    """kernels.cl's (tap_stride, image_stride) of im2col's columns: shaped (nb, taps, pixels),
+    one matrix per sample, or (taps, nb * pixels), the samples' pixels side by side."""
+    return (pixels, shape[1] * pixels) if len(shape) == 3 else (shape[1], pixels)
 
 
 _PIXEL_RUN = 64  # kernels.cl's PIXEL_RUN: the pixels one im2col_panels_t work-item copies
@@ -3702,6 +3734,19 @@ def conv2d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
             if y is not out:
                 cl.enqueue_copy(X.device.queue, out.data, y.data, dst_offset=n0 * y.nbytes // nb,
                                 byte_count=y.nbytes)
+    elif out.size and G == 1:
+        for n0, nb in chunks:  # out[n] (K, OH*OW) = w (K, C*R*S) @ cols[n] + b, a batch of nb
+            y = out if nb == N else _like(out, (nb, K, OH, OW))
+            cols = _im2col(X, n0, nb, window, tensor_cores, per_image=True)
+            if half and not tensor_cores:  # float32 operands, the result rounded once
+                _cast(_gemm(weight_rows, cols, bias=bias, bias_rows=True), np.float16,
+                      out=y.reshape((nb, K, L)))
+            else:
+                _gemm(weight_rows, cols, bias=bias, half=half, out=y.reshape((nb, K, L)),
+                      bias_rows=True)
+            if y is not out:
+                cl.enqueue_copy(X.device.queue, out.data, y.data, dst_offset=n0 * y.nbytes // nb,
+                                byte_count=y.nbytes)
     elif out.size:
         for n0, nb in chunks:  # y (K, nb*OH*OW): each group's filters on its channels' columns
             y = _grouped_gemm(weight_rows, _im2col(X, n0, nb, window, tensor_cores), G)
@@ -3750,6 +3795,25 @@ def conv2d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
                                     half=grad_x.dtype == np.float16)
             if w.requires_grad and grad_w is None:  # an empty batch: no chunks
                 grad_w = _fill(weight.shape, 0.0, weight)
+        elif G == 1:
+            for n0, nb in chunks:  # one product per sample, read from g as it is stored
+                g_rows = _row_block(g.reshape((N, K * L)), n0, nb).reshape((nb, K, L))
+                if w.requires_grad:  # dw = sum over samples of g[n] @ cols[n]^T
+                    cols = _im2col(X, n0, nb, window, tensor_cores, per_image=True)
+                    part = _gemm(g_rows, cols, trans_b=True)  # (nb, K, C*R*S)
+                    if nb > 1:
+                        part = _sum_axis_tensor(part, 1, nb, K * group_taps)
+                    if grad_w is None:
+                        grad_w = part.reshape(weight.shape)
+                    else:
+                        _add_into(grad_w, part)
+                if grad_x is not None:  # dcols[n] = w^T @ g[n] (nb, C*R*S, OH*OW), then col2im
+                    grad_cols = _gemm(weight_rows, g_rows, trans_a=True)
+                    g.device.launch("col2im", (nb * H * W, C), (256, 1), n0, nb, C, *window,
+                                    *_cols_strides(grad_cols.shape, L), grad_cols.data,
+                                    grad_x.data, half=grad_x.dtype == np.float16)
+            if w.requires_grad and grad_w is None:  # an empty batch: no chunks
+                grad_w = _fill(weight.shape, 0.0, weight)
         else:
             for n0, nb in chunks:
                 # g[n0:n0+nb] (nb, K, OH*OW) -> (K, nb*OH*OW), in g's storage: float16 under
@@ -3767,8 +3831,8 @@ def conv2d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
                 if grad_x is not None:  # dcols = w^T @ g_rows per group, then col2im
                     grad_cols = _grouped_gemm(weight_rows, g_rows, G, trans_a=True)
                     g.device.launch("col2im", (nb * H * W, C), (256, 1), n0, nb, C, *window,
-                                    grad_cols.data, grad_x.data,
-                                    half=grad_x.dtype == np.float16)
+                                    *_cols_strides(grad_cols.shape, L), grad_cols.data,
+                                    grad_x.data, half=grad_x.dtype == np.float16)
             if w.requires_grad and grad_w is None:  # an empty batch: no chunks
                 grad_w = _fill(weight.shape, 0.0, weight)
         grad_b = None

@@ -2518,22 +2518,24 @@ def _force_gemm_form(opencl, monkeypatch, form):
                                      (70, 8192, 60), (68, 132, 260), (4, 8, 4), (4, 0, 8),
                                      (68, 8192, 64), (36, 2048, 10)])
 def test_every_gemm_form_matches_numpy(opencl, monkeypatch, form, m, k, n):
-    """Every layout, with and without bias; (130, 300, 900) is past _PANEL_MACS, where the
-    packed form packs both operands into panels, and (70, 8192, 60) has the long K over a
-    small C that it splits into _PANEL_K_CHUNK-long chunks (without bias). The vector
+    """Every layout, without bias, with one per column or one per row; (130, 300, 900) is
+    past _PANEL_MACS, where the packed form packs both operands into panels, and (70, 8192,
+    60) has the long K over a small C that it splits into _PANEL_K_CHUNK-long chunks
+    (without bias). The vector
     kernels take the shapes whose operands' rows are multiples of 4, (68, 132, 260) in
     every layout, ragged against each block; (36, 2048, 10) takes them for A B^T, whose C
     has rows of 10, and splits K with the bias (split_k)."""
     _force_gemm_form(opencl, monkeypatch, form)
     rng = np.random.default_rng(m * 7 + k * 3 + n)
     a, b = rng.standard_normal((m, k)), rng.standard_normal((k, n))
-    bias = rng.standard_normal(n)
+    biases = {None: 0, "columns": rng.standard_normal(n), "rows": rng.standard_normal(m)}
     for trans_a, trans_b in ((False, False), (False, True), (True, False)):
         A = tensor(a.T.copy() if trans_a else a, opencl)
         B = tensor(b.T.copy() if trans_b else b, opencl)
-        for with_bias in (False, True):
-            out = netcl._gemm(A, B, trans_a, trans_b, tensor(bias, opencl) if with_bias else None)
-            expected = a @ b + (bias if with_bias else 0)
+        for per, bias in biases.items():  # none, one per column (linear), per row (conv2d)
+            out = netcl._gemm(A, B, trans_a, trans_b, None if per is None else tensor(bias, opencl),
+                              bias_rows=per == "rows")
+            expected = a @ b + (bias[:, None] if per == "rows" else bias)
             np.testing.assert_allclose(host(out), expected, rtol=1e-4,
                                        atol=1e-4 * max(1.0, np.abs(expected).max()))
 
@@ -2542,8 +2544,8 @@ def test_every_gemm_form_matches_numpy(opencl, monkeypatch, form, m, k, n):
     (4096, 4096, 4096, False, False, "gemm_nn_128x256", 1),
     (1024, 1024, 1024, False, True, "gemm_nt_64x128", 1),
     (4096, 4096, 784, True, False, "gemm_tn_128x256", 1),  # a large MLP's first weight gradient
-    (50176, 288, 64, False, False, "gemm_nn_64x64", 1),     # conv2d's forward: 64 columns
-    (64, 50176, 288, False, True, "gemm_nt_64x64", 105),    # its weight gradient: split K
+    (50176, 288, 64, False, False, "gemm_nn_64x64", 1),     # tall, 64 columns
+    (64, 50176, 288, False, True, "gemm_nt_64x64", 105),    # a long K over a small C: split
     (4096, 4096, 10, False, True, "gemm_nt_64x64", 9),      # rows of 10 in C: stored singly
     (128, 784, 256, False, True, "gemm_nt_64x64", 1),       # a small MLP's first layer
     (4096, 4095, 4096, False, False, "gemm_nn_big", 1),     # rows of 4095: no float4s
@@ -2566,6 +2568,29 @@ def test_gpu_gemm_picks_its_kernel_by_shape(opencl, monkeypatch, m, k, n, trans_
     (name, grid), *sums = launched
     assert (name, grid[2]) == (kernel, splits)
     assert len(sums) == (splits > 1)  # the partial products' sum
+
+
+def test_gpu_conv2d_runs_one_batched_product_each_and_no_transposes(opencl, monkeypatch):
+    """On a GPU of 132 compute units, the benchmark's conv2d (64, 32, 28, 28) with 64 3x3
+    filters: forward, weight gradient and input gradient are one batched GEMM each, a
+    product per sample read and written where conv2d keeps its tensors (NCHW), so no
+    transposing kernel runs; the weight gradient's per-sample products are then summed.
+    The launches are recorded, not run."""
+    monkeypatch.setattr(opencl, "gemm", "tiled")
+    monkeypatch.setattr(opencl, "compute_units", 132)
+    launched = []
+    monkeypatch.setattr(opencl, "launch", lambda name, grid, *args, **kwargs:
+                        launched.append((name, grid)))
+    x, w, b = (netcl.Parameter(netcl.Tensor.empty(shape, queue=opencl.queue))
+               for shape in ((64, 32, 28, 28), (64, 32, 3, 3), (64,)))
+    with netcl.Tape() as tape:
+        out = F.conv2d(x, w, b, padding=1)
+    tape.backward(out, grad=netcl.Tensor.empty(out.shape, queue=opencl.queue))
+    products = [(name, grid[2]) for name, grid in launched if name.startswith("gemm")]
+    assert products == [("gemm_nn_64x64", 64), ("gemm_nt_64x64", 64), ("gemm_tn_64x64", 64)]
+    names = [name for name, _ in launched]
+    assert not [name for name in names if name.startswith("swap")]
+    assert names.count("im2col") == 2 and names.count("col2im") == 1
 
 
 def test_tiled_gemm_plan_follows_the_device_compute_units(opencl, monkeypatch):
@@ -2771,11 +2796,17 @@ def test_conv2d_im2col_in_chunks_matches_whole_batch(opencl, monkeypatch):
     (((2, 3, 48, 48), (5, 3, 3, 3)), dict(padding=1), None),
     # im2col in chunks of two samples, one of 1 x 1 filters
     (((5, 6, 7, 5), (4, 6, 1, 1)), dict(stride=2), 2),
+    # 28 x 28 pixels per sample, a multiple of 4: the vector kernels, one product per sample
+    (((3, 4, 28, 28), (8, 4, 3, 3)), dict(padding=1), None),
 ])
-def test_conv2d_on_packed_panels_matches_numpy(opencl, monkeypatch, shapes, geometry, per_chunk):
-    """On CPU devices conv2d's im2col writes the packed GEMM's panels and its product writes
-    NCHW: output and gradients are NumPy's at edges of those panels."""
-    monkeypatch.setattr(opencl, "gemm", "packed")
+@pytest.mark.parametrize("gemm", ["packed", "tiled"])
+def test_conv2d_on_its_gemm_layouts_matches_numpy(opencl, monkeypatch, shapes, geometry,
+                                                  per_chunk, gemm):
+    """On CPU devices (packed) conv2d's im2col writes the packed GEMM's panels and its product
+    writes NCHW; on GPUs (tiled) each sample's columns are a matrix of their own, and each
+    product of the forward and backward is one batched GEMM that reads and writes NCHW.
+    Output and gradients are NumPy's at the edges of those panels and tiles."""
+    monkeypatch.setattr(opencl, "gemm", gemm)
     rng = np.random.default_rng(9)
     arrays = [rng.standard_normal(s).astype(np.float32) for s in shapes]
     arrays.append(rng.standard_normal(shapes[1][0]).astype(np.float32))
@@ -6556,12 +6587,13 @@ def _tensor_core_device(opencl):
 @XB_SETTINGS
 @given(m=st.integers(1, 300), n=st.integers(1, 300), k=st.integers(1, 300),
        layout=st.sampled_from(["nn", "nt", "tn"]), half_out=st.booleans(),
-       with_bias=st.booleans(), aligned=st.booleans(), seed=st.integers(0, 2 ** 31))
+       per=st.sampled_from([None, "columns", "rows"]), aligned=st.booleans(),
+       seed=st.integers(0, 2 ** 31))
 def test_tensor_core_gemm_is_a_float32_product_of_float16_operands(
-        opencl, m, n, k, layout, half_out, with_bias, aligned, seed):
-    """Every layout, ragged edges and rows that are not 16-byte aligned included: within
-    float32 accumulation error of the exact product of the float16 operands (plus one rounding
-    to float16 for a float16 output)."""
+        opencl, m, n, k, layout, half_out, per, aligned, seed):
+    """Every layout, ragged edges and rows that are not 16-byte aligned included, without
+    bias or with one per column or per row: within float32 accumulation error of the exact
+    product of the float16 operands (plus one rounding to float16 for a float16 output)."""
     dev = _tensor_core_device(opencl)
     if aligned:  # the contiguous dimension of each operand a multiple of 8, or any size
         round8 = lambda v: -(-v // 8) * 8
@@ -6573,19 +6605,53 @@ def test_tensor_core_gemm_is_a_float32_product_of_float16_operands(
     rng = np.random.default_rng(seed)
     a = rng.standard_normal((m, k)).astype(np.float16)
     b = rng.standard_normal((k, n)).astype(np.float16)
-    bias = rng.standard_normal(n).astype(np.float32) if with_bias else None
+    bias = None if per is None else rng.standard_normal(m if per == "rows" else n)
     A = tensor(a.T.copy() if layout == "tn" else a, dev)
     B = tensor(b.T.copy() if layout == "nt" else b, dev)
     out = netcl.Tensor.empty((m, n), np.float16 if half_out else np.float32, dev.queue)
     assert netcl._tensor_core_gemm(A, B, layout == "tn", layout == "nt",
-                                   None if bias is None else tensor(bias, dev), out)
-    exact = a.astype(np.float64) @ b.astype(np.float64) + (0.0 if bias is None else bias)
+                                   None if bias is None else tensor(bias, dev), out,
+                                   bias_rows=per == "rows")
+    added = 0.0 if bias is None else bias.astype(np.float32).astype(np.float64)
+    exact = a.astype(np.float64) @ b.astype(np.float64) + (
+        added[:, None] if per == "rows" else added)
     bound = k * 2.0 ** -23 * (np.abs(a).astype(np.float64) @ np.abs(b)) + 1e-30
-    if with_bias:  # the bias is added in float32 too: one more rounding of the result
+    if per is not None:  # the bias is added in float32 too: one more rounding of the result
         bound = bound + 2.0 ** -24 * np.abs(exact)
     if half_out:
         bound = bound + 2.0 ** -11 * np.abs(exact) + 2.0 ** -24
     assert (np.abs(host(out).astype(np.float64) - exact) <= bound).all()
+
+
+@pytest.mark.parametrize("layout, m, n, k, batch, kernel, splits", [
+    ("nn", 4096, 4096, 4096, 1, "gemm_tc_nn_h_l", 1),    # many blocks: 128x128
+    ("nn", 1024, 1024, 1024, 1, "gemm_tc_nn_h_s", 1),    # 128 large blocks: 128x64
+    ("nn", 64, 784, 288, 64, "gemm_tc_nn_h_m", 1),       # conv2d's forward, 64 filters
+    ("nt", 64, 288, 784, 64, "gemm_tc_nt_f_m", 1),       # ... its weight gradient per sample
+    ("tn", 288, 784, 64, 64, "gemm_tc_tn_f_l", 1),       # ... its input gradient's columns
+    ("nt", 64, 288, 8192, 1, "gemm_tc_nt_f_m", 8),       # few blocks, long K: split
+    ("nn", 4096, 10, 256, 1, "gemm_tc_nn_h_u", 1),       # rows of 10: gathered
+])
+def test_tensor_core_gemm_picks_its_block_by_shape(opencl, monkeypatch, layout, m, n, k,
+                                                    batch, kernel, splits):
+    """On a GPU of 132 compute units whose tensor-core probe passed: which block each
+    product takes, and into how many chunks it splits K. The launches are recorded, not run
+    (any device can check this plan)."""
+    monkeypatch.setattr(opencl, "_tensor_cores", True)
+    monkeypatch.setattr(opencl, "compute_units", 132)
+    launched = []
+    monkeypatch.setattr(opencl, "launch", lambda name, grid, *args, **kwargs:
+                        launched.append((name, grid)))
+    lead = (batch,) if batch > 1 else ()
+    a = netcl.Tensor.empty((k, m) if layout == "tn" else (m, k), np.float16, opencl.queue)
+    b = netcl.Tensor.empty(lead + ((n, k) if layout == "nt" else (k, n)), np.float16,
+                           opencl.queue)
+    out = netcl.Tensor.empty(lead + (m, n), np.float16 if kernel.split("_")[3] == "h" else np.float32,
+                             opencl.queue)
+    assert netcl._tensor_core_gemm(a, b, layout == "tn", layout == "nt", None, out)
+    (name, grid), *sums = launched
+    assert (name, grid[2]) == (kernel, batch * splits)
+    assert len(sums) == (splits > 1)
 
 
 @pytest.mark.parametrize("layout, m, n, k", [
