@@ -1320,18 +1320,22 @@ __kernel void cross_entropy_soft(const int outer, const int C, const int inner,
 
 // dx (outer, C, inner) = g_r (softmax(x) sum_c t'_c - t'), g_r = scale * g[r * g_stride]:
 // g_stride is 0 when the loss was reduced to a scalar, 1 for reduction="none". Index targets
-// are one-hot (soft = 0: `index` is read, else `target`).
+// are one-hot (soft = 0: `index` is read, else `target`). dx is written to out (float), or,
+// where out_half is not null, rounded once into it (float16 logits' gradient: no cast after).
 __kernel void cross_entropy_bwd(const int outer, const int C, const int inner,
                                 const int g_stride, const float scale, const int soft,
                                 const int ignore_index, const float smoothing,
                                 __global const float* g, __global const act_t* x,
                                 __global const int* index, __global const float* target,
-                                __global float* out) {
+                                __global float* out, __global half* out_half) {
     const int r = get_global_id(0);
     if (r >= outer * inner) return;
     const int base = (r / inner) * C * inner + r % inner;
     if (!soft && index[r] == ignore_index) {
-        for (int c = 0; c < C; ++c) out[base + c * inner] = 0.0f;
+        for (int c = 0; c < C; ++c) {
+            if (out_half) vstore_half(0.0f, base + c * inner, out_half);
+            else out[base + c * inner] = 0.0f;
+        }
         return;
     }
     const float m = row_max(x + base, C, inner), total = row_exp_sum(x + base, C, inner, m);
@@ -1343,7 +1347,9 @@ __kernel void cross_entropy_bwd(const int outer, const int C, const int inner,
     for (int c = 0; c < C; ++c) {
         const int j = base + c * inner;
         const float t = soft ? target[j] : (c == index[r] ? 1.0f : 0.0f);
-        out[j] = g_r * (exp(LOAD(x, j) - m) / total * mass - (keep * t + uniform));
+        const float d = g_r * (exp(LOAD(x, j) - m) / total * mass - (keep * t + uniform));
+        if (out_half) vstore_half(d, j, out_half);
+        else out[j] = d;
     }
 }
 

@@ -3308,7 +3308,10 @@ def cross_entropy(logits, target, reduction="mean", ignore_index=-100, label_smo
     per_target = int(reduction == "none")  # g has one value per target, else one in all
 
     def backward(g):  # g () or loss_shape -> dlogits (outer, C, inner), dtarget (probabilities)
-        grad_x = _like(X, dtype=losses.dtype) if x.requires_grad else None
+        # dlogits in the logits' storage, float16 under autocast: the kernel rounds it once,
+        # as the Tape's cast for their op would, so that cast (a launch) is not needed.
+        grad_x = (_like(X, dtype=X.dtype if _half_grad(X) else losses.dtype)
+                  if x.requires_grad else None)
         grad_t = _like(T) if t is not None else None
         if g.device.backend == "cpu":
             g_rows = scale * g.data.reshape((outer, 1, inner) if per_target else (1, 1, 1))
@@ -3328,10 +3331,12 @@ def cross_entropy(logits, target, reduction="mean", ignore_index=-100, label_smo
                 grad_t.data[...] = (-(1 - smoothing) * log_p * g_rows).reshape(T.shape)
         elif losses.size:
             if grad_x is not None:
+                half_grad = grad_x.dtype == np.float16
                 g.device.launch("cross_entropy_bwd", *_grid(losses.size), outer, C, inner,
                                 per_target, scale, int(soft), ignore_index, smoothing, g.data,
                                 X.data, None if soft else T.data, T.data if soft else None,
-                                grad_x.data, half=half)
+                                None if half_grad else grad_x.data,
+                                grad_x.data if half_grad else None, half=half)
             if grad_t is not None:
                 g.device.launch("cross_entropy_target_bwd", *_grid(losses.size), outer, C,
                                 inner, per_target, scale, smoothing, g.data, X.data,

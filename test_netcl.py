@@ -6190,15 +6190,17 @@ HALF_OP_CASES = [
 # gradient is the float32 one only up to that rounding. Every other op's backward reads the
 # same values in both storages and computes the same float32 arithmetic.
 _BACKWARD_READS_ROUNDED_OUTPUT = {"sigmoid", "tanh", "exp", "sqrt", "rsqrt"}
+# cross_entropy returns float32 but writes its logits' gradient in their storage, rounded once.
+_HALF_GRADIENT_OF_A_FLOAT32_OUTPUT = {"cross_entropy"}
 
 
 @pytest.mark.parametrize("case", HALF_OP_CASES, ids=[c[0] for c in HALF_OP_CASES])
 def test_float16_storage_ops(opencl, case):
     """float16 in: elementwise ops, pooling and transpose write float16 (the float32 result
     rounded), reductions, softmax and losses return float32. The gradients of the float16
-    leaves are float16 storage through the former, float32 through the latter: exactly the
-    float32 gradient of the same values (rounded), but where backward reads the rounded
-    output (then up to that rounding)."""
+    leaves are float16 storage through the former and cross_entropy, float32 through the
+    rest: exactly the float32 gradient of the same values (rounded), but where backward reads
+    the rounded output (then up to that rounding)."""
     name, make, op, reference, stays_half = case
     rng = np.random.default_rng(11)
     arrays = [a.astype(np.float16) for a in make(rng)]
@@ -6223,7 +6225,8 @@ def test_float16_storage_ops(opencl, case):
     for half_grad, float_grad in zip(grads[np.float16], grads[np.float32]):
         # a float16 output's gradient, float16 storage, flows back to float16 operands; the
         # reductions' backward (not converted) gives float32
-        assert half_grad.dtype == (np.float16 if stays_half else np.float32), name
+        half_storage = stays_half or name in _HALF_GRADIENT_OF_A_FLOAT32_OUTPUT
+        assert half_grad.dtype == (np.float16 if half_storage else np.float32), name
         assert float_grad.dtype == np.float32, name
         if name in _BACKWARD_READS_ROUNDED_OUTPUT:
             np.testing.assert_allclose(half_grad, float_grad, rtol=4e-3, atol=1e-3, err_msg=name)
@@ -6543,6 +6546,36 @@ def test_autocast_cnn_activation_gradients_are_float16(opencl, monkeypatch, gemm
         results[enabled] = [host(p.grad) for p in params]
     for g16, g32 in zip(results[True], results[False]):
         assert _relative_error(g16, g32) < 1e-2
+
+
+@pytest.mark.parametrize("target", ["index", "ignored", "smoothed", "soft"])
+@pytest.mark.usefixtures("portable_half")
+def test_cross_entropy_writes_the_float16_logits_gradient_itself(opencl, target):
+    """The gradient of float16 logits is float16 storage written by the loss's own backward
+    kernel: exactly the float32 gradient of the same values, rounded once, with no cast
+    launched after it (the Tape would cast a float32 one for the op that made the logits)."""
+    rng = np.random.default_rng(41)
+    logits = rng.standard_normal((9, 7)).astype(np.float16)
+    labels, kwargs = rng.integers(0, 7, 9), {}
+    if target == "ignored":
+        labels[::3] = -100
+    elif target == "smoothed":
+        kwargs["label_smoothing"] = 0.1
+    elif target == "soft":
+        labels = rng.dirichlet(np.ones(7), 9).astype(np.float32)
+    grads = {}
+    for dtype in (np.float32, np.float16):
+        seen = []
+        leaf = param(logits, opencl, dtype)
+        with netcl.Tape() as tape:
+            loss = F.cross_entropy(_gradient_probe(leaf, seen, True), labels, **kwargs)
+        launches = opencl.launches
+        tape.backward(loss)
+        assert opencl.launches == launches + 1, dtype  # cross_entropy_bwd alone
+        assert seen == [dtype]
+        grads[dtype] = host(leaf.grad)
+    assert grads[np.float16].dtype == np.float16
+    np.testing.assert_array_equal(grads[np.float16], grads[np.float32].astype(np.float16))
 
 
 # --- tensor cores: NVIDIA only (the probe decides); the fallback is tested on every device
