@@ -1131,6 +1131,12 @@ class Node:
         mixed-precision section's scaled loss), names that one's instead."""
         return self._op
 
+    def _seed(self):
+        """Where a backward from this one-element node with no grad given starts, and the
+        gradient there: its own _Op (itself, for a leaf) and 1. The scaled loss starts a step
+        further down instead, at the loss, whose gradient is the scale."""
+        return self._op or self, _fill(self.shape, 1.0, self.value)
+
     def to(self, device):
         """This node's value on `device`, as torch.Tensor.to: self if it is there already,
         else a new Node (inside a Tape its gradient flows back to this device). A Parameter
@@ -1233,8 +1239,9 @@ class Tape:
             if loss.value.size != 1:
                 raise RuntimeError(f"backward: grad can be implied only for a loss of one "
                                    f"element, got shape {loss.shape}")
-            grad = _fill(loss.shape, 1.0, loss.value)
+            start, grad = loss._seed()
         else:
+            start = loss._op or loss
             grad = _float32(_as_tensor("backward", grad.value if isinstance(grad, Node) else grad,
                                        loss.value))
             if grad.dtype.kind != "f":  # kernels would read an int32 tensor's bits as floats
@@ -1244,11 +1251,11 @@ class Tape:
                 raise ValueError(f"backward: grad shape {grad.shape} != loss shape {loss.shape}")
         if loss._op is not root:  # the loss's own step runs first, then the tape's; freed with them
             self._ops.append(loss._op)
-        if loss._op is None:  # the loss is itself a leaf
-            _accumulate_grad(loss, grad)
+        if type(start) is not _Op:  # a leaf: the loss itself, or the one a scaled loss scales
+            _accumulate_grad(start, grad)
             self._free()
             return
-        grads = {id(loss._op): grad}
+        grads = {id(start): grad}
         ops = self._ops
         recorded = None  # ids of the ops still on this Tape, gathered when a freed parent is met
         try:
@@ -5793,15 +5800,21 @@ def _zero_flag(flag):
 class _ScaledLoss(Node):
     """AMPGradScaler.scale's loss * scale: recorded on no Tape on purpose, since the scaler
     usually runs after the `with Tape()` block has closed. Tape.backward runs its step first,
-    then the graph of the loss it was made from, which that Tape must have recorded."""
+    then the graph of the loss it was made from, which that Tape must have recorded. From the
+    implicit seed 1 it skips that step: the loss's gradient is then the scale itself, one
+    copy (1 * scale is exact) in place of a fill of ones and a kernel that scales them."""
 
-    __slots__ = ()
+    __slots__ = ("_scaler",)
 
     def _taped_root(self):
         if not self.requires_grad:
             return self._op  # freed by a backward already, or None: never recorded
         parent = self._op.parents[0]
         return parent if type(parent) is _Op else None  # None: the loss was a leaf
+
+    def _seed(self):
+        scale = self._scaler._scale
+        return self._op.parents[0], _copy(scale, out=_like(scale, self.shape))
 
 
 # Where each optimizer stands between two update() calls (PyTorch's OptState).
@@ -5890,6 +5903,7 @@ class AMPGradScaler:
             return out
 
         scaled = _ScaledLoss(times_scale(loss.value), requires_grad=loss.requires_grad)
+        scaled._scaler = self
         if loss.requires_grad:
             scaled._op = _Op((loss,), lambda g: (times_scale(g),), scaled)
         return scaled

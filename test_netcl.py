@@ -6923,6 +6923,38 @@ def test_scaler_growth_stops_short_of_inf(backend):
             scaler.state_dict()["_growth_tracker"] == 0
 
 
+def test_backward_from_a_scaled_loss_seeds_the_loss_with_the_scale(backend):
+    """From the implicit seed 1, backward through scaler.scale(loss) starts at the loss, its
+    gradient a copy of the scale (no kernel): the gradients an explicit seed 1 gives through
+    the scaling's own backward, bit for bit, for a loss a Tape recorded and for a leaf. The
+    graph is freed all the same."""
+    g = np.random.default_rng(43).standard_normal((3, 4)).astype(np.float32)
+    launches, grads = {}, {}
+    for seed in ("implicit", "explicit"):
+        p, leaf = param(np.ones((3, 4)), backend), param([2.5], backend)
+        scaler = netcl.AMPGradScaler(init_scale=3.0)
+        with netcl.Tape() as tape:
+            loss = (p * g).sum()
+        scaled, scaled_leaf = scaler.scale(loss), scaler.scale(leaf)
+        before = backend.launches
+        if seed == "implicit":
+            tape.backward(scaled)
+            tape.backward(scaled_leaf)
+        else:
+            tape.backward(scaled, grad=np.ones((), np.float32))
+            tape.backward(scaled_leaf, grad=np.ones(1, np.float32))
+        launches[seed], grads[seed] = backend.launches - before, (host(p.grad), host(leaf.grad))
+        for node in (scaled, scaled_leaf):
+            with raises_naming(RuntimeError, "already freed"):
+                tape.backward(node)
+    np.testing.assert_array_equal(grads["implicit"][0], 3.0 * g)
+    np.testing.assert_array_equal(grads["implicit"][1], [3.0])
+    for a, b in zip(grads["implicit"], grads["explicit"]):
+        np.testing.assert_array_equal(a, b)
+    if backend.backend == "opencl":  # the explicit seeds' two times_scale kernels
+        assert launches["implicit"] == launches["explicit"] - 2
+
+
 @pytest.mark.usefixtures("portable_half")
 def test_scaler_scales_a_float16_loss_and_takes_a_new_scale(opencl):
     p = param([1.0, 2.0], opencl)
