@@ -2324,22 +2324,34 @@ float reciprocal_as_pytorch(const float x) {
 
 // aten's _amp_foreach_non_finite_check_and_unscale_ on g (n): g *= 1 / scale[0] in place, and
 // any inf or NaN sets found_inf (zeroed beforehand by the host's queue) and found_inf_any
-// (zeroed by amp_update_scale).
-// The check tests each value, not a sum of squares, which could overflow from finite values.
-// Work-items stride over g; one that saw a non-finite value sets the flags with atomic_or
-// (several may: the result is the same).
-__kernel void amp_unscale(const int n, __global const float* scale, __global float* g,
-                          __global int* found_inf, __global int* found_inf_any) {
+// (zeroed by amp_update_scale). The check tests each value, not a sum of squares, which could
+// overflow from finite values. Work-items stride over g; one that saw a non-finite value sets
+// the flags with atomic_or (several may: the result is the same).
+// Where partials is not null, the pass also writes norm_partials' 2-norm partials of the
+// unscaled g (partials[first + group id]), for the fused clip: the same grid, the same sums
+// of the same values, so the same numbers as norm_partials run after it.
+__kernel __attribute__((reqd_work_group_size(256, 1, 1)))
+void amp_unscale(const int n, const int first, __global const float* scale, __global float* g,
+                 __global int* found_inf, __global int* found_inf_any,
+                 __global float* partials) {
+    __local float scratch[256];
     const float inv_scale = reciprocal_as_pytorch(scale[0]);
     int found = 0;
+    float acc = 0.0f;
     for (int i = get_global_id(0); i < n; i += get_global_size(0)) {
         const float v = g[i];
         found |= !isfinite(v);
-        g[i] = v * inv_scale;
+        const float unscaled = v * inv_scale;
+        g[i] = unscaled;
+        acc += unscaled * unscaled;
     }
     if (found) {
         atomic_or(found_inf, 1);
         atomic_or(found_inf_any, 1);
+    }
+    if (partials) {  // the same for every work-item: all of them reach the reduction's barriers
+        const float total = group_reduce(scratch, acc, 0);
+        if (get_local_id(0) == 0) partials[first + get_group_id(0)] = total;
     }
 }
 

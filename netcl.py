@@ -5403,6 +5403,10 @@ class Adam(Optimizer):
         self._flat.owner = weakref.ref(self)  # while this optimizer lives, Module.to refuses
         self._step_count = Tensor.from_host(np.zeros(1, np.int32), device.queue)  # t
         self._scalars = Tensor.empty((4,), np.float32, device.queue)  # see _prepare
+        # None, or for the duration of one AMPGradScaler.step(max_norm=...) that unscaled the
+        # gradients, the partials of their 2-norm that its pass wrote (_norm_partials' layout):
+        # the clip takes those rather than read every gradient again.
+        self._grad_norm_partials = None
 
     def _set_hyperparameters(self, betas, eps, weight_decay):
         _check_hyperparameter("epsilon value", eps, name="eps")
@@ -5422,7 +5426,11 @@ class Adam(Optimizer):
         runs = self._runs()
         if not runs:
             return
-        partials = None if max_norm is None else _norm_partials([g for _, g, *_ in runs], 2.0)
+        partials = None
+        if max_norm is not None:
+            partials = self._grad_norm_partials
+            if partials is None:
+                partials = _norm_partials([g for _, g, *_ in runs], 2.0)
         self._prepare(partials, max_norm)
         for p, g, m, v, p_half in runs:
             self._update(p, g, m, v, p_half)
@@ -5763,10 +5771,11 @@ class ReduceLROnPlateau:
 # for, as in PyTorch: scaled up, small ones do not flush to zero, and one that overflows
 # float16 becomes an inf that reaches the parameters' float32 gradients, so the step is
 # skipped and the scale backs off. It all runs on the device. The scale, the growth tracker and the inf flags live in
-# device memory; the inf check is one pass over the gradients; where PyTorch reads found_inf on
-# the host to decide whether to call optimizer.step (`.item()` in _maybe_opt_step), netcl
-# always calls it and its kernel skips; the scale update is one single-work-item kernel. So an
-# AMP step never waits for the device; only get_scale() and state_dict() read it.
+# device memory; the inf check is one pass over the gradients (for Adam's fused clip the same
+# pass sums their squares for the norm); where PyTorch reads found_inf on the host to decide
+# whether to call optimizer.step (`.item()` in _maybe_opt_step), netcl always calls it and its
+# kernel skips; the scale update is one single-work-item kernel. So an AMP step never waits
+# for the device; only get_scale() and state_dict() read it.
 
 class autocast(contextlib.ContextDecorator):
     """Inside `with autocast():` (or a function decorated with it), matmul, linear and conv2d
@@ -5912,8 +5921,13 @@ class AMPGradScaler:
         """Divide the optimizer's gradients by the scale in place, and note on the device
         whether any of them is inf or NaN (one pass over the flat gradient buffer of Adam and
         AdamW; one launch per gradient otherwise)."""
-        if not self._enabled:
-            return
+        if self._enabled:
+            self._unscale(optimizer)
+
+    def _unscale(self, optimizer, norm_partials=False):
+        """unscale_'s work. With norm_partials, the same pass also sums the squares of the
+        unscaled gradients and returns them as _norm_partials(grads, 2.0) would (the same
+        numbers in its layout), so that a clip after it need not read every gradient again."""
         self._check_scale("unscale_")
         state = self._per_optimizer.setdefault(id(optimizer), {"stage": _READY, "found_inf": None})
         if state["stage"] == _UNSCALED:
@@ -5926,20 +5940,31 @@ class AMPGradScaler:
             raise ValueError("Attempting to unscale FP16 gradients.")
         device = self._scale.device
         _devices_of("AMPGradScaler.unscale_", self._scale, *grads)
+        scale, found_inf_any = self._scale, self._found_inf_any
         found_inf = _zero_flag(Tensor.empty((1,), np.int32, device.queue))
-        for g in grads:
-            if device.backend == "cpu":
-                # 1/scale in float64, then rounded, as PyTorch (scale.double().reciprocal()).
-                inv_scale = np.float32(1.0 / np.float64(self._scale.data[0]))
+        partials = None
+        if device.backend == "cpu":
+            # 1/scale in float64, then rounded, as PyTorch (scale.double().reciprocal()).
+            inv_scale = np.float32(1.0 / np.float64(scale.data[0]))
+            for g in grads:
                 if not np.isfinite(g.data).all():
-                    found_inf.data[0] = self._found_inf_any.data[0] = 1
+                    found_inf.data[0] = found_inf_any.data[0] = 1
                 with np.errstate(all="ignore"):
                     g.data *= inv_scale
-            elif g.size:
-                device.launch("amp_unscale", (_norm_groups(g.size, device) * 256,), (256,),
-                              g.size, self._scale.data, g.data, found_inf.data,
-                              self._found_inf_any.data)
+            if norm_partials and grads:
+                partials = _norm_partials(grads, 2.0)
+        else:
+            groups = [_norm_groups(g.size, device) for g in grads]
+            if norm_partials and grads:
+                partials = Tensor.empty((builtins.sum(groups),), np.float32, device.queue)
+            first = 0
+            for g, count in zip(grads, groups):
+                device.launch("amp_unscale", (count * 256,), (256,), g.size, first, scale.data,
+                              g.data, found_inf.data, found_inf_any.data,
+                              None if partials is None else partials.data)
+                first += count
         state["stage"], state["found_inf"] = _UNSCALED, found_inf
+        return partials
 
     def step(self, optimizer, *args, **kwargs):
         """optimizer.step(*args, **kwargs) after unscaling (unless unscale_ was called), as a
@@ -5952,16 +5977,25 @@ class AMPGradScaler:
         state = self._per_optimizer.get(id(optimizer), {"stage": _READY})
         if state["stage"] == _STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
+        partials = None
         if state["stage"] == _READY:
-            self.unscale_(optimizer)
+            # Adam's clip reads every gradient for their norm, as unscaling does: one pass
+            # unscales and sums the squares, and the clip takes the sums (_grad_norm_partials).
+            clips = isinstance(optimizer, Adam) and (
+                args[0] if args else kwargs.get("max_norm")) is not None
+            partials = self._unscale(optimizer, norm_partials=clips)
             state = self._per_optimizer[id(optimizer)]
         result = None
         if getattr(optimizer, "_skips_on_device", False):
             optimizer._found_inf = state["found_inf"]
+            if partials is not None:
+                optimizer._grad_norm_partials = partials
             try:
                 result = optimizer.step(*args, **kwargs)
             finally:
                 optimizer._found_inf = None
+                if partials is not None:
+                    optimizer._grad_norm_partials = None
         elif not state["found_inf"].to_host()[0]:
             # An optimizer that cannot skip by itself: decide on the host, as PyTorch does.
             result = optimizer.step(*args, **kwargs)

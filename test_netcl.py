@@ -7108,8 +7108,9 @@ def test_amp_step_makes_no_host_sync(opencl, kind, path):
 
 
 def test_amp_optimizer_launches_do_not_grow_with_parameter_count(backend):
-    """unscale_ (one pass over the flat gradients), the fused clip + step, and update: the
-    same launches for 2 parameters as for 20."""
+    """One pass over the flat gradients that unscales them and sums their squares, the
+    fused clip + step (adam_prepare, adam_step), and update: the same four launches for 2
+    parameters as for 20."""
     counts = []
     for layers in (1, 10):
         model = _mlp(backend, (8,) * (layers + 1), seed=4)
@@ -7123,7 +7124,95 @@ def test_amp_optimizer_launches_do_not_grow_with_parameter_count(backend):
         scaler.step(opt, max_norm=1.0)
         scaler.update()
         counts.append(backend.launches - launches)
-    assert counts == [0, 0] if backend.backend == "cpu" else counts == [5, 5]
+    assert counts == [0, 0] if backend.backend == "cpu" else counts == [4, 4]
+
+
+@pytest.mark.parametrize("kind", ["adam", "adamw"])
+def test_scaler_step_unscales_in_the_pass_that_sums_the_squares_for_the_clip(backend, kind):
+    """scaler.step(opt, max_norm=c) unscales the gradients in the pass that sums their squares
+    for the clip: bit for bit the parameters, moments, step count and unscaled gradients of
+    unscale_ then step(max_norm=c), whose norm is a pass of its own; and, to rounding, the
+    parameters of unscale_, clip_grad_norm, step(). A step with an inf or a NaN gradient is
+    skipped by each, bit for bit."""
+    shapes = [(5, 7), (7,), (3, 5), (3,)]
+    initial = [a.astype(np.float32) for a in map(np.random.default_rng(23).standard_normal,
+                                                 shapes)]
+    rng = np.random.default_rng(24)
+    grads_per_step = [[(rng.standard_normal(s) * 10.0 ** rng.uniform(-1, 1)).astype(np.float32)
+                       for s in shapes] for _ in range(6)]
+    grads_per_step[3][1][2], grads_per_step[4][0][1, 3] = np.inf, np.nan
+    runs = {}
+    for path in ("fused", "unscale_first", "clip_grad_norm"):
+        params = [param(p, backend) for p in initial]
+        opt = _make(kind, params, 0.01, {"weight_decay": 0.01})
+        scaler = netcl.AMPGradScaler(init_scale=1024.0, growth_interval=2)
+        runs[path] = []
+        for grads in grads_per_step:
+            opt.zero_grad()
+            _scaled_backward(scaler, params, grads)
+            if path == "fused":
+                scaler.step(opt, max_norm=1.0)
+            else:
+                scaler.unscale_(opt)
+                if path == "clip_grad_norm":
+                    netcl.clip_grad_norm(params, 1.0)
+                    scaler.step(opt)
+                else:
+                    scaler.step(opt, max_norm=1.0)
+            scaler.update()
+            runs[path].append(([host(p) for p in params], [host(p.grad) for p in params],
+                               _moments(opt, kind)))
+        runs[path].append(scaler.state_dict())
+    fused, split, recipe = runs["fused"], runs["unscale_first"], runs["clip_grad_norm"]
+    assert fused[-1] == split[-1] == recipe[-1] and fused[-1]["scale"] == 512.0
+    for step, ((p_f, g_f, m_f), (p_s, g_s, m_s), (p_r, _, m_r)) in enumerate(
+            zip(fused[:-1], split[:-1], recipe[:-1])):
+        for a, b, c in zip(p_f, p_s, p_r):
+            np.testing.assert_array_equal(a, b, err_msg=f"step {step}")
+            np.testing.assert_allclose(a, c, rtol=1e-5, atol=1e-6, err_msg=f"step {step}")
+        for a, b in zip(g_f, g_s):
+            np.testing.assert_array_equal(a, b, err_msg=f"step {step}")
+        for i in m_f:
+            for a, b, c in zip(m_f[i], m_s[i], m_r[i]):
+                np.testing.assert_array_equal(a, b, err_msg=f"step {step}")
+                np.testing.assert_allclose(a, c, rtol=1e-5, atol=1e-6, err_msg=f"step {step}")
+        if step in (3, 4):  # skipped: what the step before left, step count included
+            for a, b in zip(p_f, fused[step - 1][0]):
+                np.testing.assert_array_equal(a, b, err_msg=f"step {step}")
+            assert m_f[0][0] == 3
+    assert fused[-2][2][0][0] == 4  # the step count: applied steps only
+
+
+def test_scaler_overflow_skips_the_fused_step_and_backs_off(backend):
+    """Scaled gradients that overflow float32: the fused unscale + clip + step leaves the
+    parameters, the moments and the step count bit-identical, the gradients unscaled (inf
+    where they overflowed), and the scale backs off; the next step applies."""
+    rng = np.random.default_rng(27)
+    initial = [rng.standard_normal(s).astype(np.float32) for s in ((4, 3), (3,))]
+    params = [param(p, backend) for p in initial]
+    opt = netcl.AdamW(params, lr=1e-2)
+    scaler = netcl.AMPGradScaler(init_scale=2.0 ** 120)
+    grads = [np.full((4, 3), 1e-3, np.float32), np.array([2.0 ** 10, 1.0, -1.0], np.float32)]
+    opt.zero_grad()
+    _scaled_backward(scaler, params, grads)  # 2**130: inf; the others stay finite
+    scaler.step(opt, max_norm=1.0)
+    scaler.update()
+    for p, old in zip(params, initial):
+        np.testing.assert_array_equal(host(p), old)
+    reference = _GradScalerReference(2.0 ** 120, 2.0, 0.5, 2000)
+    unscaled, found_inf = reference.unscale(reference.scaled_grads(grads))
+    assert found_inf and np.isinf(unscaled[1][0])
+    for p, expected in zip(params, unscaled):
+        np.testing.assert_array_equal(host(p.grad), expected)
+    for step, exp_avg, exp_avg_sq in _moments(opt, "adamw").values():
+        assert step == 0 and not exp_avg.any() and not exp_avg_sq.any()
+    assert scaler.get_scale() == 2.0 ** 119
+    opt.zero_grad()
+    _scaled_backward(scaler, params, [g / 2.0 ** 10 for g in grads])
+    scaler.step(opt, max_norm=1.0)
+    scaler.update()
+    assert _moments(opt, "adamw")[0][0] == 1
+    assert not np.array_equal(host(params[0]), initial[0])
 
 
 _SCALER_REJECTED = [
