@@ -2292,7 +2292,7 @@ __kernel void adam_step(const int n, const float lr, const float one_minus_beta1
 // ============================================================================ mixed precision
 // AMPGradScaler's device state: scale (1) float, growth_tracker (1) int, and found_inf flags
 // (1) int, one per optimizer plus found_inf_any for the scaler. The host never reads them
-// during training: the optimizer kernels read found_inf to skip, amp_update_scale reads
+// during training: the optimizer kernels read found_inf to skip, update_scale reads
 // found_inf_any to back off or grow.
 
 // AMPGradScaler.scale: out (n) float = x (n) * scale[0], x the loss (an activation, act_t)
@@ -2324,7 +2324,7 @@ float reciprocal_as_pytorch(const float x) {
 
 // aten's _amp_foreach_non_finite_check_and_unscale_ on g (n): g *= 1 / scale[0] in place, and
 // any inf or NaN sets found_inf (zeroed beforehand by the host's queue) and found_inf_any
-// (zeroed by amp_update_scale). The check tests each value, not a sum of squares, which could
+// (zeroed by update_scale). The check tests each value, not a sum of squares, which could
 // overflow from finite values. Work-items stride over g; one that saw a non-finite value sets
 // the flags with atomic_or (several may: the result is the same).
 // Where partials is not null, the pass also writes norm_partials' 2-norm partials of the
@@ -2359,10 +2359,9 @@ void amp_unscale(const int n, const int first, __global const float* scale, __gl
 // scale *= backoff_factor and the tracker restarts; after growth_interval clean steps in a
 // row scale *= growth_factor (kept only if finite) and the tracker restarts. found_inf_any is
 // then zeroed for the next step.
-__kernel void amp_update_scale(const float growth_factor, const float backoff_factor,
-                               const int growth_interval, __global int* found_inf_any,
-                               __global float* scale, __global int* growth_tracker) {
-    if (get_global_id(0) != 0) return;
+void update_scale(const float growth_factor, const float backoff_factor,
+                  const int growth_interval, __global int* found_inf_any,
+                  __global float* scale, __global int* growth_tracker) {
     if (found_inf_any[0]) {
         scale[0] = scale[0] * backoff_factor;
         growth_tracker[0] = 0;
@@ -2377,4 +2376,26 @@ __kernel void amp_update_scale(const float growth_factor, const float backoff_fa
         }
     }
     found_inf_any[0] = 0;
+}
+
+// AMPGradScaler.update, where it runs by itself (something read the scale before the next
+// scale()).
+__kernel void amp_update_scale(const float growth_factor, const float backoff_factor,
+                               const int growth_interval, __global int* found_inf_any,
+                               __global float* scale, __global int* growth_tracker) {
+    if (get_global_id(0) != 0) return;
+    update_scale(growth_factor, backoff_factor, growth_interval, found_inf_any, scale,
+                 growth_tracker);
+}
+
+// AMPGradScaler.scale of a one-element loss x (1) (act_t) after an update() that has not run
+// yet: the update, then out (1) float = x * the new scale, on one work-item, in one launch.
+__kernel void amp_update_then_scale(const float growth_factor, const float backoff_factor,
+                                    const int growth_interval, __global int* found_inf_any,
+                                    __global float* scale, __global int* growth_tracker,
+                                    __global const act_t* x, __global float* out) {
+    if (get_global_id(0) != 0) return;
+    update_scale(growth_factor, backoff_factor, growth_interval, found_inf_any, scale,
+                 growth_tracker);
+    out[0] = LOAD(x, 0) * scale[0];
 }

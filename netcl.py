@@ -5770,12 +5770,15 @@ class ReduceLROnPlateau:
 # it after growth_interval clean ones. The activations' float16 gradients are what it is
 # for, as in PyTorch: scaled up, small ones do not flush to zero, and one that overflows
 # float16 becomes an inf that reaches the parameters' float32 gradients, so the step is
-# skipped and the scale backs off. It all runs on the device. The scale, the growth tracker and the inf flags live in
-# device memory; the inf check is one pass over the gradients (for Adam's fused clip the same
-# pass sums their squares for the norm); where PyTorch reads found_inf on the host to decide
-# whether to call optimizer.step (`.item()` in _maybe_opt_step), netcl always calls it and its
-# kernel skips; the scale update is one single-work-item kernel. So an AMP step never waits
-# for the device; only get_scale() and state_dict() read it.
+# skipped and the scale backs off. It all runs on the device. The scale, the growth tracker
+# and the inf flags live in device memory; the inf check is one pass over the gradients (for
+# Adam's fused clip the same pass sums their squares for the norm); where PyTorch reads
+# found_inf on the host to decide whether to call optimizer.step (`.item()` in
+# _maybe_opt_step), netcl always calls it and its kernel skips; the scale update waits for
+# the next scale(), whose single-work-item kernel runs it and scales the loss. So an AMP step
+# never waits for the device, and the scaler adds one launch to a clipping Adam step (the
+# scaling; its unscale pass is the norm's) and two to others; only get_scale() and
+# state_dict() read the device.
 
 class autocast(contextlib.ContextDecorator):
     """Inside `with autocast():` (or a function decorated with it), matmul, linear and conv2d
@@ -5822,7 +5825,7 @@ class _ScaledLoss(Node):
         return parent if type(parent) is _Op else None  # None: the loss was a leaf
 
     def _seed(self):
-        scale = self._scaler._scale
+        scale = self._scaler._current_scale()
         return self._op.parents[0], _copy(scale, out=_like(scale, self.shape))
 
 
@@ -5869,6 +5872,7 @@ class AMPGradScaler:
         # inf check since the last update (which reads it and zeroes it).
         self._scale = self._growth_tracker = self._found_inf_any = None
         self._per_optimizer = {}  # id(optimizer) -> {"stage", "found_inf": int32 (1,) flag}
+        self._update_pending = False  # update() was called and has not run yet (see update)
 
     @staticmethod
     def _check_settings(scale_name, scale, growth_factor, backoff_factor, growth_interval):
@@ -5897,25 +5901,34 @@ class AMPGradScaler:
         elif device is not self._scale.device:
             raise ValueError(f"AMPGradScaler.scale: the loss is on {device.name}, the scale on "
                              f"{self._scale.device.name}")
-        scale = self._scale
-
-        def times_scale(x):  # the scale is read on the device: the host never knows it
-            if device.backend == "cpu":
-                out = _cast(x, np.float32) if x.dtype == np.float16 else _copy(x)
-                with np.errstate(all="ignore"):  # an overflow to inf is what update() detects
-                    out.data *= scale.data[0]
-                return out
-            out = _like(x, dtype=np.float32)
-            if out.size:
-                device.launch("times_scale", *_grid(out.size), out.size, scale.data, x.data,
-                              out.data, half=x.dtype == np.float16)
-            return out
-
-        scaled = _ScaledLoss(times_scale(loss.value), requires_grad=loss.requires_grad)
+        value = loss.value
+        if self._update_pending and value.size == 1 and device.backend == "opencl":
+            # The usual step: last step's update() and this product in one kernel.
+            self._update_pending = False
+            out = _like(value, dtype=np.float32)
+            device.launch("amp_update_then_scale", (1,), (1,), *self._update_args(),
+                          value.data, out.data, half=value.dtype == np.float16)
+        else:
+            out = self._times_scale(value)
+        scaled = _ScaledLoss(out, requires_grad=loss.requires_grad)
         scaled._scaler = self
         if loss.requires_grad:
-            scaled._op = _Op((loss,), lambda g: (times_scale(g),), scaled)
+            scaled._op = _Op((loss,), lambda g: (self._times_scale(g),), scaled)
         return scaled
+
+    def _times_scale(self, x):
+        """x * scale in float32, the scale read on the device: the host never knows it."""
+        scale = self._current_scale()
+        if x.device.backend == "cpu":
+            out = _cast(x, np.float32) if x.dtype == np.float16 else _copy(x)
+            with np.errstate(all="ignore"):  # an overflow to inf is what update() detects
+                out.data *= scale.data[0]
+            return out
+        out = _like(x, dtype=np.float32)
+        if out.size:
+            x.device.launch("times_scale", *_grid(out.size), out.size, scale.data, x.data,
+                            out.data, half=x.dtype == np.float16)
+        return out
 
     def unscale_(self, optimizer):
         """Divide the optimizer's gradients by the scale in place, and note on the device
@@ -5940,7 +5953,7 @@ class AMPGradScaler:
             raise ValueError("Attempting to unscale FP16 gradients.")
         device = self._scale.device
         _devices_of("AMPGradScaler.unscale_", self._scale, *grads)
-        scale, found_inf_any = self._scale, self._found_inf_any
+        scale, found_inf_any = self._current_scale(), self._found_inf_any
         found_inf = _zero_flag(Tensor.empty((1,), np.int32, device.queue))
         partials = None
         if device.backend == "cpu":
@@ -6004,16 +6017,30 @@ class AMPGradScaler:
 
     def update(self, new_scale=None):
         """Back off after a step with an inf/NaN gradient, grow after growth_interval clean
-        steps (aten's _amp_update_scale_, one kernel); or, with new_scale, set the scale."""
+        steps (aten's _amp_update_scale_); or, with new_scale, set the scale.
+
+        The former is deferred: the next scale() of a one-element loss runs it in the kernel
+        that scales the loss, a launch less per step. Everything that reads the scale before
+        that (get_scale, state_dict, load_state_dict, unscale_, update(new_scale), another
+        scale(), a backward through a scaled loss) runs it first, so nothing sees the delay."""
         if not self._enabled:
             return
         self._check_scale("update")
         if new_scale is not None:
-            _write(self._scale, np.array([float(new_scale)], np.float32))
+            _write(self._current_scale(), np.array([float(new_scale)], np.float32))
             _zero_flag(self._found_inf_any)
         elif not any(state["found_inf"] is not None for state in self._per_optimizer.values()):
             raise RuntimeError("No inf checks were recorded prior to update.")
-        elif self._scale.device.backend == "cpu":
+        else:
+            self._update_pending = True
+        self._per_optimizer = {}
+
+    def _current_scale(self):
+        """The scale tensor, after the update() still pending, if one is (see update)."""
+        if not self._update_pending:
+            return self._scale
+        self._update_pending = False
+        if self._scale.device.backend == "cpu":  # kernels.cl: update_scale
             scale, tracker, found_inf = (self._scale.data, self._growth_tracker.data,
                                          self._found_inf_any.data)
             if found_inf[0]:
@@ -6029,11 +6056,13 @@ class AMPGradScaler:
                 tracker[0] += 1
             found_inf[0] = 0
         else:
-            self._scale.device.launch(
-                "amp_update_scale", (1,), (1,), self._growth_factor, self._backoff_factor,
-                self._growth_interval, self._found_inf_any.data, self._scale.data,
-                self._growth_tracker.data)
-        self._per_optimizer = {}
+            self._scale.device.launch("amp_update_scale", (1,), (1,), *self._update_args())
+        return self._scale
+
+    def _update_args(self):
+        """The update's arguments to amp_update_scale and amp_update_then_scale."""
+        return (self._growth_factor, self._backoff_factor, self._growth_interval,
+                self._found_inf_any.data, self._scale.data, self._growth_tracker.data)
 
     def _check_scale(self, funcname):
         if self._scale is None:  # PyTorch's message (an assert there)
@@ -6045,16 +6074,19 @@ class AMPGradScaler:
         """The current scale as a float (a sync: it reads the device); 1.0 when disabled."""
         if not self._enabled:
             return 1.0
-        return self._init_scale if self._scale is None else float(self._scale.to_host()[0])
+        if self._scale is None:
+            return self._init_scale
+        return float(self._current_scale().to_host()[0])
 
     def state_dict(self):
         """PyTorch's keys: scale, growth_factor, backoff_factor, growth_interval,
         _growth_tracker (reads the device); {} when disabled."""
         if not self._enabled:
             return {}
+        scale = self.get_scale()  # first: it runs a pending update, which moves the tracker
         tracker = (self._init_growth_tracker if self._growth_tracker is None
                    else int(self._growth_tracker.to_host()[0]))
-        return {"scale": self.get_scale(), "growth_factor": self._growth_factor,
+        return {"scale": scale, "growth_factor": self._growth_factor,
                 "backoff_factor": self._backoff_factor, "growth_interval": self._growth_interval,
                 "_growth_tracker": tracker}
 
@@ -6073,6 +6105,7 @@ class AMPGradScaler:
         scale, growth_factor, backoff_factor, growth_interval, tracker = values
         self._check_settings("scale", scale, growth_factor, backoff_factor, growth_interval)
         _check_int("AMPGradScaler.load_state_dict", "_growth_tracker", tracker, 0)
+        self._current_scale()  # a pending update runs with the factors it was called with
         self._init_scale = float(scale)
         self._growth_factor, self._backoff_factor = float(growth_factor), float(backoff_factor)
         self._growth_interval = int(growth_interval)
