@@ -2323,10 +2323,11 @@ float reciprocal_as_pytorch(const float x) {
 }
 
 // aten's _amp_foreach_non_finite_check_and_unscale_ on g (n): g *= 1 / scale[0] in place, and
-// any inf or NaN sets found_inf (zeroed beforehand by the host's queue) and found_inf_any
-// (zeroed by update_scale). The check tests each value, not a sum of squares, which could
-// overflow from finite values. Work-items stride over g; one that saw a non-finite value sets
-// the flags with atomic_or (several may: the result is the same).
+// any inf or NaN sets found_inf (zeroed beforehand by the host's queue; null for the fused
+// clip, which skips on the norm) and found_inf_any (zeroed by update_scale). The check tests
+// each value, not a sum of squares, which could overflow from finite values. Work-items
+// stride over g; one that saw a non-finite value sets the flags with atomic_or (several may:
+// the result is the same).
 // Where partials is not null, the pass also writes norm_partials' 2-norm partials of the
 // unscaled g (partials[first + group id]), for the fused clip: the same grid, the same sums
 // of the same values, so the same numbers as norm_partials run after it.
@@ -2346,7 +2347,7 @@ void amp_unscale(const int n, const int first, __global const float* scale, __gl
         acc += unscaled * unscaled;
     }
     if (found) {
-        atomic_or(found_inf, 1);
+        if (found_inf) atomic_or(found_inf, 1);
         atomic_or(found_inf_any, 1);
     }
     if (partials) {  // the same for every work-item: all of them reach the reduction's barriers

@@ -5940,7 +5940,10 @@ class AMPGradScaler:
     def _unscale(self, optimizer, norm_partials=False):
         """unscale_'s work. With norm_partials, the same pass also sums the squares of the
         unscaled gradients and returns them as _norm_partials(grads, 2.0) would (the same
-        numbers in its layout), so that a clip after it need not read every gradient again."""
+        numbers in its layout), so that a clip after it need not read every gradient again.
+        That clip needs no inf flag of this optimizer's own either: a non-finite scaled
+        gradient is non-finite unscaled, so is the norm of these partials, and a non-finite
+        norm skips the step just the same (found_inf_any, for update(), is set all the same)."""
         self._check_scale("unscale_")
         state = self._per_optimizer.setdefault(id(optimizer), {"stage": _READY, "found_inf": None})
         if state["stage"] == _UNSCALED:
@@ -5954,27 +5957,31 @@ class AMPGradScaler:
         device = self._scale.device
         _devices_of("AMPGradScaler.unscale_", self._scale, *grads)
         scale, found_inf_any = self._current_scale(), self._found_inf_any
-        found_inf = _zero_flag(Tensor.empty((1,), np.int32, device.queue))
+        found_inf = None if norm_partials else _zero_flag(_like(scale, (1,), np.int32))
         partials = None
         if device.backend == "cpu":
             # 1/scale in float64, then rounded, as PyTorch (scale.double().reciprocal()).
             inv_scale = np.float32(1.0 / np.float64(scale.data[0]))
+            found = False
             for g in grads:
-                if not np.isfinite(g.data).all():
-                    found_inf.data[0] = found_inf_any.data[0] = 1
+                found = found or not np.isfinite(g.data).all()
                 with np.errstate(all="ignore"):
                     g.data *= inv_scale
+            if found:
+                found_inf_any.data[0] = 1
+                if found_inf is not None:
+                    found_inf.data[0] = 1
             if norm_partials and grads:
                 partials = _norm_partials(grads, 2.0)
         else:
             groups = [_norm_groups(g.size, device) for g in grads]
             if norm_partials and grads:
-                partials = Tensor.empty((builtins.sum(groups),), np.float32, device.queue)
+                partials = _like(scale, (builtins.sum(groups),))
             first = 0
             for g, count in zip(grads, groups):
                 device.launch("amp_unscale", (count * 256,), (256,), g.size, first, scale.data,
-                              g.data, found_inf.data, found_inf_any.data,
-                              None if partials is None else partials.data)
+                              g.data, None if found_inf is None else found_inf.data,
+                              found_inf_any.data, None if partials is None else partials.data)
                 first += count
         state["stage"], state["found_inf"] = _UNSCALED, found_inf
         return partials
@@ -6029,7 +6036,7 @@ class AMPGradScaler:
         if new_scale is not None:
             _write(self._current_scale(), np.array([float(new_scale)], np.float32))
             _zero_flag(self._found_inf_any)
-        elif not any(state["found_inf"] is not None for state in self._per_optimizer.values()):
+        elif not any(state["stage"] != _READY for state in self._per_optimizer.values()):
             raise RuntimeError("No inf checks were recorded prior to update.")
         else:
             self._update_pending = True

@@ -7278,6 +7278,24 @@ def test_scaler_overflow_skips_the_fused_step_and_backs_off(backend):
     assert not np.array_equal(host(params[0]), initial[0])
 
 
+def test_fused_clip_skips_a_norm_that_overflows_without_backing_off(backend):
+    """Finite gradients whose sum of squares overflows float32: the clip's norm is inf, so
+    the fused step skips (bit-identical parameters, as when unscale_ came first), while the
+    inf check found nothing, so the scale does not back off."""
+    for unscale_first in (False, True):
+        p = param(np.ones(4, np.float32), backend)
+        opt, scaler = netcl.AdamW([p], lr=0.1), netcl.AMPGradScaler(init_scale=4.0)
+        _scaled_backward(scaler, [p], [np.full(4, 1e20, np.float32)])
+        if unscale_first:
+            scaler.unscale_(opt)
+        scaler.step(opt, max_norm=1.0)
+        scaler.update()
+        np.testing.assert_array_equal(host(p), np.ones(4, np.float32))
+        np.testing.assert_array_equal(host(p.grad), np.full(4, 1e20, np.float32))
+        assert scaler.state_dict()["scale"] == 4.0 and scaler.state_dict()["_growth_tracker"] == 1
+        assert _moments(opt, "adamw")[0][0] == 0
+
+
 def _scaler_read(scaler, read):
     """What `read` ("none", "get_scale", "state_dict") sees of the scaler."""
     return None if read == "none" else getattr(scaler, read)()
