@@ -5871,7 +5871,8 @@ class AMPGradScaler:
         # growth tracker (1,) int32, and found_inf_any (1,) int32, the OR of every optimizer's
         # inf check since the last update (which reads it and zeroes it).
         self._scale = self._growth_tracker = self._found_inf_any = None
-        self._per_optimizer = {}  # id(optimizer) -> {"stage", "found_inf": int32 (1,) flag}
+        # id(optimizer) -> {"stage", "found_inf": int32 (1,) flag, None after a fused clip's pass}
+        self._per_optimizer = {}
         self._update_pending = False  # update() was called and has not run yet (see update)
 
     @staticmethod
