@@ -1330,18 +1330,22 @@ __kernel void cross_entropy_soft(const int outer, const int C, const int inner,
 
 // dx (outer, C, inner) = g_r (softmax(x) sum_c t'_c - t'), g_r = scale * g[r * g_stride]:
 // g_stride is 0 when the loss was reduced to a scalar, 1 for reduction="none". Index targets
-// are one-hot (soft = 0: `index` is read, else `target`).
+// are one-hot (soft = 0: `index` is read, else `target`). dx is written to out (float), or,
+// where out_half is not null, rounded once into it (float16 logits' gradient: no cast after).
 __kernel void cross_entropy_bwd(const int outer, const int C, const int inner,
                                 const int g_stride, const float scale, const int soft,
                                 const int ignore_index, const float smoothing,
                                 __global const float* g, __global const act_t* x,
                                 __global const int* index, __global const float* target,
-                                __global float* out) {
+                                __global float* out, __global half* out_half) {
     const int r = get_global_id(0);
     if (r >= outer * inner) return;
     const int base = (r / inner) * C * inner + r % inner;
     if (!soft && index[r] == ignore_index) {
-        for (int c = 0; c < C; ++c) out[base + c * inner] = 0.0f;
+        for (int c = 0; c < C; ++c) {
+            if (out_half) vstore_half(0.0f, base + c * inner, out_half);
+            else out[base + c * inner] = 0.0f;
+        }
         return;
     }
     const float m = row_max(x + base, C, inner), total = row_exp_sum(x + base, C, inner, m);
@@ -1353,7 +1357,9 @@ __kernel void cross_entropy_bwd(const int outer, const int C, const int inner,
     for (int c = 0; c < C; ++c) {
         const int j = base + c * inner;
         const float t = soft ? target[j] : (c == index[r] ? 1.0f : 0.0f);
-        out[j] = g_r * (exp(LOAD(x, j) - m) / total * mass - (keep * t + uniform));
+        const float d = g_r * (exp(LOAD(x, j) - m) / total * mass - (keep * t + uniform));
+        if (out_half) vstore_half(d, j, out_half);
+        else out[j] = d;
     }
 }
 
@@ -2302,7 +2308,7 @@ __kernel void adam_step(const int n, const float lr, const float one_minus_beta1
 // ============================================================================ mixed precision
 // AMPGradScaler's device state: scale (1) float, growth_tracker (1) int, and found_inf flags
 // (1) int, one per optimizer plus found_inf_any for the scaler. The host never reads them
-// during training: the optimizer kernels read found_inf to skip, amp_update_scale reads
+// during training: the optimizer kernels read found_inf to skip, update_scale reads
 // found_inf_any to back off or grow.
 
 // AMPGradScaler.scale: out (n) float = x (n) * scale[0], x the loss (an activation, act_t)
@@ -2333,23 +2339,36 @@ float reciprocal_as_pytorch(const float x) {
 }
 
 // aten's _amp_foreach_non_finite_check_and_unscale_ on g (n): g *= 1 / scale[0] in place, and
-// any inf or NaN sets found_inf (zeroed beforehand by the host's queue) and found_inf_any
-// (zeroed by amp_update_scale).
-// The check tests each value, not a sum of squares, which could overflow from finite values.
-// Work-items stride over g; one that saw a non-finite value sets the flags with atomic_or
-// (several may: the result is the same).
-__kernel void amp_unscale(const int n, __global const float* scale, __global float* g,
-                          __global int* found_inf, __global int* found_inf_any) {
+// any inf or NaN sets found_inf (zeroed beforehand by the host's queue; null for the fused
+// clip, which skips on the norm) and found_inf_any (zeroed by update_scale). The check tests
+// each value, not a sum of squares, which could overflow from finite values. Work-items
+// stride over g; one that saw a non-finite value sets the flags with atomic_or (several may:
+// the result is the same).
+// Where partials is not null, the pass also writes norm_partials' 2-norm partials of the
+// unscaled g (partials[first + group id]), for the fused clip: the same grid, the same sums
+// of the same values, so the same numbers as norm_partials run after it.
+__kernel __attribute__((reqd_work_group_size(256, 1, 1)))
+void amp_unscale(const int n, const int first, __global const float* scale, __global float* g,
+                 __global int* found_inf, __global int* found_inf_any,
+                 __global float* partials) {
+    __local float scratch[256];
     const float inv_scale = reciprocal_as_pytorch(scale[0]);
     int found = 0;
+    float acc = 0.0f;
     for (int i = get_global_id(0); i < n; i += get_global_size(0)) {
         const float v = g[i];
         found |= !isfinite(v);
-        g[i] = v * inv_scale;
+        const float unscaled = v * inv_scale;
+        g[i] = unscaled;
+        acc += unscaled * unscaled;
     }
     if (found) {
-        atomic_or(found_inf, 1);
+        if (found_inf) atomic_or(found_inf, 1);
         atomic_or(found_inf_any, 1);
+    }
+    if (partials) {  // the same for every work-item: all of them reach the reduction's barriers
+        const float total = group_reduce(scratch, acc, 0);
+        if (get_local_id(0) == 0) partials[first + get_group_id(0)] = total;
     }
 }
 
@@ -2357,10 +2376,9 @@ __kernel void amp_unscale(const int n, __global const float* scale, __global flo
 // scale *= backoff_factor and the tracker restarts; after growth_interval clean steps in a
 // row scale *= growth_factor (kept only if finite) and the tracker restarts. found_inf_any is
 // then zeroed for the next step.
-__kernel void amp_update_scale(const float growth_factor, const float backoff_factor,
-                               const int growth_interval, __global int* found_inf_any,
-                               __global float* scale, __global int* growth_tracker) {
-    if (get_global_id(0) != 0) return;
+void update_scale(const float growth_factor, const float backoff_factor,
+                  const int growth_interval, __global int* found_inf_any,
+                  __global float* scale, __global int* growth_tracker) {
     if (found_inf_any[0]) {
         scale[0] = scale[0] * backoff_factor;
         growth_tracker[0] = 0;
@@ -2375,4 +2393,26 @@ __kernel void amp_update_scale(const float growth_factor, const float backoff_fa
         }
     }
     found_inf_any[0] = 0;
+}
+
+// AMPGradScaler.update, where it runs by itself (something read the scale before the next
+// scale()).
+__kernel void amp_update_scale(const float growth_factor, const float backoff_factor,
+                               const int growth_interval, __global int* found_inf_any,
+                               __global float* scale, __global int* growth_tracker) {
+    if (get_global_id(0) != 0) return;
+    update_scale(growth_factor, backoff_factor, growth_interval, found_inf_any, scale,
+                 growth_tracker);
+}
+
+// AMPGradScaler.scale of a one-element loss x (1) (act_t) after an update() that has not run
+// yet: the update, then out (1) float = x * the new scale, on one work-item, in one launch.
+__kernel void amp_update_then_scale(const float growth_factor, const float backoff_factor,
+                                    const int growth_interval, __global int* found_inf_any,
+                                    __global float* scale, __global int* growth_tracker,
+                                    __global const act_t* x, __global float* out) {
+    if (get_global_id(0) != 0) return;
+    update_scale(growth_factor, backoff_factor, growth_interval, found_inf_any, scale,
+                 growth_tracker);
+    out[0] = LOAD(x, 0) * scale[0];
 }

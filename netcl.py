@@ -1131,6 +1131,12 @@ class Node:
         mixed-precision section's scaled loss), names that one's instead."""
         return self._op
 
+    def _seed(self):
+        """Where a backward from this one-element node with no grad given starts, and the
+        gradient there: its own _Op (itself, for a leaf) and 1. The scaled loss starts a step
+        further down instead, at the loss, whose gradient is the scale."""
+        return self._op or self, _fill(self.shape, 1.0, self.value)
+
     def to(self, device):
         """This node's value on `device`, as torch.Tensor.to: self if it is there already,
         else a new Node (inside a Tape its gradient flows back to this device). A Parameter
@@ -1233,8 +1239,9 @@ class Tape:
             if loss.value.size != 1:
                 raise RuntimeError(f"backward: grad can be implied only for a loss of one "
                                    f"element, got shape {loss.shape}")
-            grad = _fill(loss.shape, 1.0, loss.value)
+            start, grad = loss._seed()
         else:
+            start = loss._op or loss
             grad = _float32(_as_tensor("backward", grad.value if isinstance(grad, Node) else grad,
                                        loss.value))
             if grad.dtype.kind != "f":  # kernels would read an int32 tensor's bits as floats
@@ -1244,11 +1251,11 @@ class Tape:
                 raise ValueError(f"backward: grad shape {grad.shape} != loss shape {loss.shape}")
         if loss._op is not root:  # the loss's own step runs first, then the tape's; freed with them
             self._ops.append(loss._op)
-        if loss._op is None:  # the loss is itself a leaf
-            _accumulate_grad(loss, grad)
+        if type(start) is not _Op:  # a leaf: the loss itself, or the one a scaled loss scales
+            _accumulate_grad(start, grad)
             self._free()
             return
-        grads = {id(loss._op): grad}
+        grads = {id(start): grad}
         ops = self._ops
         recorded = None  # ids of the ops still on this Tape, gathered when a freed parent is met
         try:
@@ -3331,7 +3338,10 @@ def cross_entropy(logits, target, reduction="mean", ignore_index=-100, label_smo
     per_target = int(reduction == "none")  # g has one value per target, else one in all
 
     def backward(g):  # g () or loss_shape -> dlogits (outer, C, inner), dtarget (probabilities)
-        grad_x = _like(X, dtype=losses.dtype) if x.requires_grad else None
+        # dlogits in the logits' storage, float16 under autocast: the kernel rounds it once,
+        # as the Tape's cast for their op would, so that cast (a launch) is not needed.
+        grad_x = (_like(X, dtype=X.dtype if _half_grad(X) else losses.dtype)
+                  if x.requires_grad else None)
         grad_t = _like(T) if t is not None else None
         if g.device.backend == "cpu":
             g_rows = scale * g.data.reshape((outer, 1, inner) if per_target else (1, 1, 1))
@@ -3351,10 +3361,12 @@ def cross_entropy(logits, target, reduction="mean", ignore_index=-100, label_smo
                 grad_t.data[...] = (-(1 - smoothing) * log_p * g_rows).reshape(T.shape)
         elif losses.size:
             if grad_x is not None:
+                half_grad = grad_x.dtype == np.float16
                 g.device.launch("cross_entropy_bwd", *_grid(losses.size), outer, C, inner,
                                 per_target, scale, int(soft), ignore_index, smoothing, g.data,
                                 X.data, None if soft else T.data, T.data if soft else None,
-                                grad_x.data, half=half)
+                                None if half_grad else grad_x.data,
+                                grad_x.data if half_grad else None, half=half)
             if grad_t is not None:
                 g.device.launch("cross_entropy_target_bwd", *_grid(losses.size), outer, C,
                                 inner, per_target, scale, smoothing, g.data, X.data,
@@ -5455,6 +5467,10 @@ class Adam(Optimizer):
         self._flat.owner = weakref.ref(self)  # while this optimizer lives, Module.to refuses
         self._step_count = Tensor.from_host(np.zeros(1, np.int32), device.queue)  # t
         self._scalars = Tensor.empty((4,), np.float32, device.queue)  # see _prepare
+        # None, or for the duration of one AMPGradScaler.step(max_norm=...) that unscaled the
+        # gradients, the partials of their 2-norm that its pass wrote (_norm_partials' layout):
+        # the clip takes those rather than read every gradient again.
+        self._grad_norm_partials = None
 
     def _set_hyperparameters(self, betas, eps, weight_decay):
         _check_hyperparameter("epsilon value", eps, name="eps")
@@ -5474,7 +5490,11 @@ class Adam(Optimizer):
         runs = self._runs()
         if not runs:
             return
-        partials = None if max_norm is None else _norm_partials([g for _, g, *_ in runs], 2.0)
+        partials = None
+        if max_norm is not None:
+            partials = self._grad_norm_partials
+            if partials is None:
+                partials = _norm_partials([g for _, g, *_ in runs], 2.0)
         self._prepare(partials, max_norm)
         for p, g, m, v, p_half in runs:
             self._update(p, g, m, v, p_half)
@@ -5814,11 +5834,15 @@ class ReduceLROnPlateau:
 # it after growth_interval clean ones. The activations' float16 gradients are what it is
 # for, as in PyTorch: scaled up, small ones do not flush to zero, and one that overflows
 # float16 becomes an inf that reaches the parameters' float32 gradients, so the step is
-# skipped and the scale backs off. It all runs on the device. The scale, the growth tracker and the inf flags live in
-# device memory; the inf check is one pass over the gradients; where PyTorch reads found_inf on
-# the host to decide whether to call optimizer.step (`.item()` in _maybe_opt_step), netcl
-# always calls it and its kernel skips; the scale update is one single-work-item kernel. So an
-# AMP step never waits for the device; only get_scale() and state_dict() read it.
+# skipped and the scale backs off. It all runs on the device. The scale, the growth tracker
+# and the inf flags live in device memory; the inf check is one pass over the gradients (for
+# Adam's fused clip the same pass sums their squares for the norm); where PyTorch reads
+# found_inf on the host to decide whether to call optimizer.step (`.item()` in
+# _maybe_opt_step), netcl always calls it and its kernel skips; the scale update waits for
+# the next scale(), whose single-work-item kernel runs it and scales the loss. So an AMP step
+# never waits for the device, and the scaler adds one launch to a clipping Adam step (the
+# scaling; its unscale pass is the norm's) and two to others; only get_scale() and
+# state_dict() read the device.
 
 class autocast(contextlib.ContextDecorator):
     """Inside `with autocast():` (or a function decorated with it), matmul, linear and conv2d
@@ -5852,15 +5876,21 @@ def _zero_flag(flag):
 class _ScaledLoss(Node):
     """AMPGradScaler.scale's loss * scale: recorded on no Tape on purpose, since the scaler
     usually runs after the `with Tape()` block has closed. Tape.backward runs its step first,
-    then the graph of the loss it was made from, which that Tape must have recorded."""
+    then the graph of the loss it was made from, which that Tape must have recorded. From the
+    implicit seed 1 it skips that step: the loss's gradient is then the scale itself, one
+    copy (1 * scale is exact) in place of a fill of ones and a kernel that scales them."""
 
-    __slots__ = ()
+    __slots__ = ("_scaler",)
 
     def _taped_root(self):
         if not self.requires_grad:
             return self._op  # freed by a backward already, or None: never recorded
         parent = self._op.parents[0]
         return parent if type(parent) is _Op else None  # None: the loss was a leaf
+
+    def _seed(self):
+        scale = self._scaler._current_scale()
+        return self._op.parents[0], _copy(scale, out=_like(scale, self.shape))
 
 
 # Where each optimizer stands between two update() calls (PyTorch's OptState).
@@ -5905,7 +5935,9 @@ class AMPGradScaler:
         # growth tracker (1,) int32, and found_inf_any (1,) int32, the OR of every optimizer's
         # inf check since the last update (which reads it and zeroes it).
         self._scale = self._growth_tracker = self._found_inf_any = None
-        self._per_optimizer = {}  # id(optimizer) -> {"stage", "found_inf": int32 (1,) flag}
+        # id(optimizer) -> {"stage", "found_inf": int32 (1,) flag, None after a fused clip's pass}
+        self._per_optimizer = {}
+        self._update_pending = False  # update() was called and has not run yet (see update)
 
     @staticmethod
     def _check_settings(scale_name, scale, growth_factor, backoff_factor, growth_interval):
@@ -5934,31 +5966,49 @@ class AMPGradScaler:
         elif device is not self._scale.device:
             raise ValueError(f"AMPGradScaler.scale: the loss is on {device.name}, the scale on "
                              f"{self._scale.device.name}")
-        scale = self._scale
-
-        def times_scale(x):  # the scale is read on the device: the host never knows it
-            if device.backend == "cpu":
-                out = _cast(x, np.float32) if x.dtype == np.float16 else _copy(x)
-                with np.errstate(all="ignore"):  # an overflow to inf is what update() detects
-                    out.data *= scale.data[0]
-                return out
-            out = _like(x, dtype=np.float32)
-            if out.size:
-                device.launch("times_scale", *_grid(out.size), out.size, scale.data, x.data,
-                              out.data, half=x.dtype == np.float16)
-            return out
-
-        scaled = _ScaledLoss(times_scale(loss.value), requires_grad=loss.requires_grad)
+        value = loss.value
+        if self._update_pending and value.size == 1 and device.backend == "opencl":
+            # The usual step: last step's update() and this product in one kernel.
+            self._update_pending = False
+            out = _like(value, dtype=np.float32)
+            device.launch("amp_update_then_scale", (1,), (1,), *self._update_args(),
+                          value.data, out.data, half=value.dtype == np.float16)
+        else:
+            out = self._times_scale(value)
+        scaled = _ScaledLoss(out, requires_grad=loss.requires_grad)
+        scaled._scaler = self
         if loss.requires_grad:
-            scaled._op = _Op((loss,), lambda g: (times_scale(g),), scaled)
+            scaled._op = _Op((loss,), lambda g: (self._times_scale(g),), scaled)
         return scaled
+
+    def _times_scale(self, x):
+        """x * scale in float32, the scale read on the device: the host never knows it."""
+        scale = self._current_scale()
+        if x.device.backend == "cpu":
+            out = _cast(x, np.float32) if x.dtype == np.float16 else _copy(x)
+            with np.errstate(all="ignore"):  # an overflow to inf is what update() detects
+                out.data *= scale.data[0]
+            return out
+        out = _like(x, dtype=np.float32)
+        if out.size:
+            x.device.launch("times_scale", *_grid(out.size), out.size, scale.data, x.data,
+                            out.data, half=x.dtype == np.float16)
+        return out
 
     def unscale_(self, optimizer):
         """Divide the optimizer's gradients by the scale in place, and note on the device
         whether any of them is inf or NaN (one pass over the flat gradient buffer of Adam and
         AdamW; one launch per gradient otherwise)."""
-        if not self._enabled:
-            return
+        if self._enabled:
+            self._unscale(optimizer)
+
+    def _unscale(self, optimizer, norm_partials=False):
+        """unscale_'s work. With norm_partials, the same pass also sums the squares of the
+        unscaled gradients and returns them as _norm_partials(grads, 2.0) would (the same
+        numbers in its layout), so that a clip after it need not read every gradient again.
+        That clip needs no inf flag of this optimizer's own either: a non-finite scaled
+        gradient is non-finite unscaled, so is the norm of these partials, and a non-finite
+        norm skips the step just the same (found_inf_any, for update(), is set all the same)."""
         self._check_scale("unscale_")
         state = self._per_optimizer.setdefault(id(optimizer), {"stage": _READY, "found_inf": None})
         if state["stage"] == _UNSCALED:
@@ -5971,20 +6021,35 @@ class AMPGradScaler:
             raise ValueError("Attempting to unscale FP16 gradients.")
         device = self._scale.device
         _devices_of("AMPGradScaler.unscale_", self._scale, *grads)
-        found_inf = _zero_flag(Tensor.empty((1,), np.int32, device.queue))
-        for g in grads:
-            if device.backend == "cpu":
-                # 1/scale in float64, then rounded, as PyTorch (scale.double().reciprocal()).
-                inv_scale = np.float32(1.0 / np.float64(self._scale.data[0]))
-                if not np.isfinite(g.data).all():
-                    found_inf.data[0] = self._found_inf_any.data[0] = 1
+        scale, found_inf_any = self._current_scale(), self._found_inf_any
+        found_inf = None if norm_partials else _zero_flag(_like(scale, (1,), np.int32))
+        partials = None
+        if device.backend == "cpu":
+            # 1/scale in float64, then rounded, as PyTorch (scale.double().reciprocal()).
+            inv_scale = np.float32(1.0 / np.float64(scale.data[0]))
+            found = False
+            for g in grads:
+                found = found or not np.isfinite(g.data).all()
                 with np.errstate(all="ignore"):
                     g.data *= inv_scale
-            elif g.size:
-                device.launch("amp_unscale", (_norm_groups(g.size, device) * 256,), (256,),
-                              g.size, self._scale.data, g.data, found_inf.data,
-                              self._found_inf_any.data)
+            if found:
+                found_inf_any.data[0] = 1
+                if found_inf is not None:
+                    found_inf.data[0] = 1
+            if norm_partials and grads:
+                partials = _norm_partials(grads, 2.0)
+        else:
+            groups = [_norm_groups(g.size, device) for g in grads]
+            if norm_partials and grads:
+                partials = _like(scale, (builtins.sum(groups),))
+            first = 0
+            for g, count in zip(grads, groups):
+                device.launch("amp_unscale", (count * 256,), (256,), g.size, first, scale.data,
+                              g.data, None if found_inf is None else found_inf.data,
+                              found_inf_any.data, None if partials is None else partials.data)
+                first += count
         state["stage"], state["found_inf"] = _UNSCALED, found_inf
+        return partials
 
     def step(self, optimizer, *args, **kwargs):
         """optimizer.step(*args, **kwargs) after unscaling (unless unscale_ was called), as a
@@ -5997,16 +6062,25 @@ class AMPGradScaler:
         state = self._per_optimizer.get(id(optimizer), {"stage": _READY})
         if state["stage"] == _STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
+        partials = None
         if state["stage"] == _READY:
-            self.unscale_(optimizer)
+            # Adam's clip reads every gradient for their norm, as unscaling does: one pass
+            # unscales and sums the squares, and the clip takes the sums (_grad_norm_partials).
+            clips = isinstance(optimizer, Adam) and (
+                args[0] if args else kwargs.get("max_norm")) is not None
+            partials = self._unscale(optimizer, norm_partials=clips)
             state = self._per_optimizer[id(optimizer)]
         result = None
         if getattr(optimizer, "_skips_on_device", False):
             optimizer._found_inf = state["found_inf"]
+            if partials is not None:
+                optimizer._grad_norm_partials = partials
             try:
                 result = optimizer.step(*args, **kwargs)
             finally:
                 optimizer._found_inf = None
+                if partials is not None:
+                    optimizer._grad_norm_partials = None
         elif not state["found_inf"].to_host()[0]:
             # An optimizer that cannot skip by itself: decide on the host, as PyTorch does.
             result = optimizer.step(*args, **kwargs)
@@ -6015,16 +6089,30 @@ class AMPGradScaler:
 
     def update(self, new_scale=None):
         """Back off after a step with an inf/NaN gradient, grow after growth_interval clean
-        steps (aten's _amp_update_scale_, one kernel); or, with new_scale, set the scale."""
+        steps (aten's _amp_update_scale_); or, with new_scale, set the scale.
+
+        The former is deferred: the next scale() of a one-element loss runs it in the kernel
+        that scales the loss, a launch less per step. Everything that reads the scale before
+        that (get_scale, state_dict, load_state_dict, unscale_, update(new_scale), another
+        scale(), a backward through a scaled loss) runs it first, so nothing sees the delay."""
         if not self._enabled:
             return
         self._check_scale("update")
         if new_scale is not None:
-            _write(self._scale, np.array([float(new_scale)], np.float32))
+            _write(self._current_scale(), np.array([float(new_scale)], np.float32))
             _zero_flag(self._found_inf_any)
-        elif not any(state["found_inf"] is not None for state in self._per_optimizer.values()):
+        elif not any(state["stage"] != _READY for state in self._per_optimizer.values()):
             raise RuntimeError("No inf checks were recorded prior to update.")
-        elif self._scale.device.backend == "cpu":
+        else:
+            self._update_pending = True
+        self._per_optimizer = {}
+
+    def _current_scale(self):
+        """The scale tensor, after the update() still pending, if one is (see update)."""
+        if not self._update_pending:
+            return self._scale
+        self._update_pending = False
+        if self._scale.device.backend == "cpu":  # kernels.cl: update_scale
             scale, tracker, found_inf = (self._scale.data, self._growth_tracker.data,
                                          self._found_inf_any.data)
             if found_inf[0]:
@@ -6040,11 +6128,13 @@ class AMPGradScaler:
                 tracker[0] += 1
             found_inf[0] = 0
         else:
-            self._scale.device.launch(
-                "amp_update_scale", (1,), (1,), self._growth_factor, self._backoff_factor,
-                self._growth_interval, self._found_inf_any.data, self._scale.data,
-                self._growth_tracker.data)
-        self._per_optimizer = {}
+            self._scale.device.launch("amp_update_scale", (1,), (1,), *self._update_args())
+        return self._scale
+
+    def _update_args(self):
+        """The update's arguments to amp_update_scale and amp_update_then_scale."""
+        return (self._growth_factor, self._backoff_factor, self._growth_interval,
+                self._found_inf_any.data, self._scale.data, self._growth_tracker.data)
 
     def _check_scale(self, funcname):
         if self._scale is None:  # PyTorch's message (an assert there)
@@ -6056,16 +6146,19 @@ class AMPGradScaler:
         """The current scale as a float (a sync: it reads the device); 1.0 when disabled."""
         if not self._enabled:
             return 1.0
-        return self._init_scale if self._scale is None else float(self._scale.to_host()[0])
+        if self._scale is None:
+            return self._init_scale
+        return float(self._current_scale().to_host()[0])
 
     def state_dict(self):
         """PyTorch's keys: scale, growth_factor, backoff_factor, growth_interval,
         _growth_tracker (reads the device); {} when disabled."""
         if not self._enabled:
             return {}
+        scale = self.get_scale()  # first: it runs a pending update, which moves the tracker
         tracker = (self._init_growth_tracker if self._growth_tracker is None
                    else int(self._growth_tracker.to_host()[0]))
-        return {"scale": self.get_scale(), "growth_factor": self._growth_factor,
+        return {"scale": scale, "growth_factor": self._growth_factor,
                 "backoff_factor": self._backoff_factor, "growth_interval": self._growth_interval,
                 "_growth_tracker": tracker}
 
@@ -6084,6 +6177,7 @@ class AMPGradScaler:
         scale, growth_factor, backoff_factor, growth_interval, tracker = values
         self._check_settings("scale", scale, growth_factor, backoff_factor, growth_interval)
         _check_int("AMPGradScaler.load_state_dict", "_growth_tracker", tracker, 0)
+        self._current_scale()  # a pending update runs with the factors it was called with
         self._init_scale = float(scale)
         self._growth_factor, self._backoff_factor = float(growth_factor), float(backoff_factor)
         self._growth_interval = int(growth_interval)

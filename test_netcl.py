@@ -46,7 +46,7 @@ import sys
 import threading
 import time
 import weakref
-from collections import namedtuple
+from collections import Counter, namedtuple
 
 import numpy as np
 import pytest
@@ -6221,15 +6221,17 @@ HALF_OP_CASES = [
 # gradient is the float32 one only up to that rounding. Every other op's backward reads the
 # same values in both storages and computes the same float32 arithmetic.
 _BACKWARD_READS_ROUNDED_OUTPUT = {"sigmoid", "tanh", "exp", "sqrt", "rsqrt"}
+# cross_entropy returns float32 but writes its logits' gradient in their storage, rounded once.
+_HALF_GRADIENT_OF_A_FLOAT32_OUTPUT = {"cross_entropy"}
 
 
 @pytest.mark.parametrize("case", HALF_OP_CASES, ids=[c[0] for c in HALF_OP_CASES])
 def test_float16_storage_ops(opencl, case):
     """float16 in: elementwise ops, pooling and transpose write float16 (the float32 result
     rounded), reductions, softmax and losses return float32. The gradients of the float16
-    leaves are float16 storage through the former, float32 through the latter: exactly the
-    float32 gradient of the same values (rounded), but where backward reads the rounded
-    output (then up to that rounding)."""
+    leaves are float16 storage through the former and cross_entropy, float32 through the
+    rest: exactly the float32 gradient of the same values (rounded), but where backward reads
+    the rounded output (then up to that rounding)."""
     name, make, op, reference, stays_half = case
     rng = np.random.default_rng(11)
     arrays = [a.astype(np.float16) for a in make(rng)]
@@ -6254,7 +6256,8 @@ def test_float16_storage_ops(opencl, case):
     for half_grad, float_grad in zip(grads[np.float16], grads[np.float32]):
         # a float16 output's gradient, float16 storage, flows back to float16 operands; the
         # reductions' backward (not converted) gives float32
-        assert half_grad.dtype == (np.float16 if stays_half else np.float32), name
+        half_storage = stays_half or name in _HALF_GRADIENT_OF_A_FLOAT32_OUTPUT
+        assert half_grad.dtype == (np.float16 if half_storage else np.float32), name
         assert float_grad.dtype == np.float32, name
         if name in _BACKWARD_READS_ROUNDED_OUTPUT:
             np.testing.assert_allclose(half_grad, float_grad, rtol=4e-3, atol=1e-3, err_msg=name)
@@ -6574,6 +6577,36 @@ def test_autocast_cnn_activation_gradients_are_float16(opencl, monkeypatch, gemm
         results[enabled] = [host(p.grad) for p in params]
     for g16, g32 in zip(results[True], results[False]):
         assert _relative_error(g16, g32) < 1e-2
+
+
+@pytest.mark.parametrize("target", ["index", "ignored", "smoothed", "soft"])
+@pytest.mark.usefixtures("portable_half")
+def test_cross_entropy_writes_the_float16_logits_gradient_itself(opencl, target):
+    """The gradient of float16 logits is float16 storage written by the loss's own backward
+    kernel: exactly the float32 gradient of the same values, rounded once, with no cast
+    launched after it (the Tape would cast a float32 one for the op that made the logits)."""
+    rng = np.random.default_rng(41)
+    logits = rng.standard_normal((9, 7)).astype(np.float16)
+    labels, kwargs = rng.integers(0, 7, 9), {}
+    if target == "ignored":
+        labels[::3] = -100
+    elif target == "smoothed":
+        kwargs["label_smoothing"] = 0.1
+    elif target == "soft":
+        labels = rng.dirichlet(np.ones(7), 9).astype(np.float32)
+    grads = {}
+    for dtype in (np.float32, np.float16):
+        seen = []
+        leaf = param(logits, opencl, dtype)
+        with netcl.Tape() as tape:
+            loss = F.cross_entropy(_gradient_probe(leaf, seen, True), labels, **kwargs)
+        launches = opencl.launches
+        tape.backward(loss)
+        assert opencl.launches == launches + 1, dtype  # cross_entropy_bwd alone
+        assert seen == [dtype]
+        grads[dtype] = host(leaf.grad)
+    assert grads[np.float16].dtype == np.float16
+    np.testing.assert_array_equal(grads[np.float16], grads[np.float32].astype(np.float16))
 
 
 # --- tensor cores: NVIDIA only (the probe decides); the fallback is tested on every device
@@ -6956,6 +6989,38 @@ def test_scaler_growth_stops_short_of_inf(backend):
             scaler.state_dict()["_growth_tracker"] == 0
 
 
+def test_backward_from_a_scaled_loss_seeds_the_loss_with_the_scale(backend):
+    """From the implicit seed 1, backward through scaler.scale(loss) starts at the loss, its
+    gradient a copy of the scale (no kernel): the gradients an explicit seed 1 gives through
+    the scaling's own backward, bit for bit, for a loss a Tape recorded and for a leaf. The
+    graph is freed all the same."""
+    g = np.random.default_rng(43).standard_normal((3, 4)).astype(np.float32)
+    launches, grads = {}, {}
+    for seed in ("implicit", "explicit"):
+        p, leaf = param(np.ones((3, 4)), backend), param([2.5], backend)
+        scaler = netcl.AMPGradScaler(init_scale=3.0)
+        with netcl.Tape() as tape:
+            loss = (p * g).sum()
+        scaled, scaled_leaf = scaler.scale(loss), scaler.scale(leaf)
+        before = backend.launches
+        if seed == "implicit":
+            tape.backward(scaled)
+            tape.backward(scaled_leaf)
+        else:
+            tape.backward(scaled, grad=np.ones((), np.float32))
+            tape.backward(scaled_leaf, grad=np.ones(1, np.float32))
+        launches[seed], grads[seed] = backend.launches - before, (host(p.grad), host(leaf.grad))
+        for node in (scaled, scaled_leaf):
+            with raises_naming(RuntimeError, "already freed"):
+                tape.backward(node)
+    np.testing.assert_array_equal(grads["implicit"][0], 3.0 * g)
+    np.testing.assert_array_equal(grads["implicit"][1], [3.0])
+    for a, b in zip(grads["implicit"], grads["explicit"]):
+        np.testing.assert_array_equal(a, b)
+    if backend.backend == "opencl":  # the explicit seeds' two times_scale kernels
+        assert launches["implicit"] == launches["explicit"] - 2
+
+
 @pytest.mark.usefixtures("portable_half")
 def test_scaler_scales_a_float16_loss_and_takes_a_new_scale(opencl):
     p = param([1.0, 2.0], opencl)
@@ -7109,8 +7174,9 @@ def test_amp_step_makes_no_host_sync(opencl, kind, path):
 
 
 def test_amp_optimizer_launches_do_not_grow_with_parameter_count(backend):
-    """unscale_ (one pass over the flat gradients), the fused clip + step, and update: the
-    same launches for 2 parameters as for 20."""
+    """One pass over the flat gradients that unscales them and sums their squares, then the
+    fused clip + step (adam_prepare, adam_step); update() runs in the next scale()'s kernel:
+    three launches for 2 parameters as for 20."""
     counts = []
     for layers in (1, 10):
         model = _mlp(backend, (8,) * (layers + 1), seed=4)
@@ -7124,7 +7190,357 @@ def test_amp_optimizer_launches_do_not_grow_with_parameter_count(backend):
         scaler.step(opt, max_norm=1.0)
         scaler.update()
         counts.append(backend.launches - launches)
-    assert counts == [0, 0] if backend.backend == "cpu" else counts == [5, 5]
+    assert counts == [0, 0] if backend.backend == "cpu" else counts == [3, 3]
+
+
+def _clipping_step(model, opt, scaler, x, y, amp):
+    """One step of the benchmarks' loop: AdamW clipping at 1.0, through the scaler if amp."""
+    with netcl.Tape() as tape, netcl.autocast(enabled=amp):
+        loss = F.cross_entropy(model(x), y)
+    opt.zero_grad()
+    if amp:
+        tape.backward(scaler.scale(loss))
+        scaler.step(opt, max_norm=1.0)
+        scaler.update()
+    else:
+        tape.backward(loss)
+        opt.step(max_norm=1.0)
+
+
+@pytest.mark.parametrize("gemm", ["packed", "tiled"])
+@pytest.mark.usefixtures("portable_half")
+def test_an_autocast_step_launches_what_a_float32_step_does_and_two_more(opencl, monkeypatch,
+                                                                         gemm):
+    """Outside the matrix products (whose float16 operands cost packs or widening casts on
+    the portable kernels, and nothing on tensor cores), an autocast step with a scaler and a
+    clipping AdamW launches the float32 step's kernels, its norm pass being the one that
+    unscales, and two more: the input's cast to float16 and the loss's scaling, which runs
+    the previous update() as well. The loss's gradient comes without a kernel, the logits'
+    in float16 without a cast. And no host sync."""
+    monkeypatch.setattr(opencl, "gemm", gemm)
+    launched, in_product = [], [0]
+    launch, gemm_product = opencl.launch, netcl._gemm
+
+    def recording_launch(name, *args, **kwargs):
+        if not in_product[0]:
+            launched.append(name)
+        return launch(name, *args, **kwargs)
+
+    def product(*args, **kwargs):
+        in_product[0] += 1
+        try:
+            return gemm_product(*args, **kwargs)
+        finally:
+            in_product[0] -= 1
+
+    monkeypatch.setattr(opencl, "launch", recording_launch)
+    monkeypatch.setattr(netcl, "_gemm", product)
+    rng = np.random.default_rng(29)
+    x = tensor(rng.standard_normal((16, 64)).astype(np.float32), opencl)
+    y = rng.integers(0, 10, 16)
+    counts = {}
+    for amp in (False, True):
+        model = _digits_mlp(opencl, hidden=32, seed=7)
+        opt, scaler = netcl.AdamW(model.parameters(), lr=1e-3), netcl.AMPGradScaler()
+        for _ in range(2):  # the first scale() has no update to run
+            _clipping_step(model, opt, scaler, x, y, amp)
+        launched.clear()
+        syncs = opencl.syncs
+        _clipping_step(model, opt, scaler, x, y, amp)
+        assert opencl.syncs == syncs
+        counts[amp] = Counter(launched)
+    single, mixed = counts[False], counts[True]
+    assert mixed - single == Counter({"cast_to_act": 1, "amp_update_then_scale": 1,
+                                      "amp_unscale": 1})
+    assert single - mixed == Counter({"norm_partials": 1})
+    assert sum(mixed.values()) == sum(single.values()) + 2
+
+
+@pytest.mark.parametrize("kind", ["adam", "adamw"])
+def test_scaler_step_unscales_in_the_pass_that_sums_the_squares_for_the_clip(backend, kind):
+    """scaler.step(opt, max_norm=c) unscales the gradients in the pass that sums their squares
+    for the clip: bit for bit the parameters, moments, step count and unscaled gradients of
+    unscale_ then step(max_norm=c), whose norm is a pass of its own; and, to rounding, the
+    parameters of unscale_, clip_grad_norm, step(). A step with an inf or a NaN gradient is
+    skipped by each, bit for bit."""
+    shapes = [(5, 7), (7,), (3, 5), (3,)]
+    initial = [a.astype(np.float32) for a in map(np.random.default_rng(23).standard_normal,
+                                                 shapes)]
+    rng = np.random.default_rng(24)
+    grads_per_step = [[(rng.standard_normal(s) * 10.0 ** rng.uniform(-1, 1)).astype(np.float32)
+                       for s in shapes] for _ in range(6)]
+    grads_per_step[3][1][2], grads_per_step[4][0][1, 3] = np.inf, np.nan
+    runs = {}
+    for path in ("fused", "unscale_first", "clip_grad_norm"):
+        params = [param(p, backend) for p in initial]
+        opt = _make(kind, params, 0.01, {"weight_decay": 0.01})
+        scaler = netcl.AMPGradScaler(init_scale=1024.0, growth_interval=2)
+        runs[path] = []
+        for grads in grads_per_step:
+            opt.zero_grad()
+            _scaled_backward(scaler, params, grads)
+            if path == "fused":
+                scaler.step(opt, max_norm=1.0)
+            else:
+                scaler.unscale_(opt)
+                if path == "clip_grad_norm":
+                    netcl.clip_grad_norm(params, 1.0)
+                    scaler.step(opt)
+                else:
+                    scaler.step(opt, max_norm=1.0)
+            scaler.update()
+            runs[path].append(([host(p) for p in params], [host(p.grad) for p in params],
+                               _moments(opt, kind)))
+        runs[path].append(scaler.state_dict())
+    fused, split, recipe = runs["fused"], runs["unscale_first"], runs["clip_grad_norm"]
+    assert fused[-1] == split[-1] == recipe[-1] and fused[-1]["scale"] == 512.0
+    for step, ((p_f, g_f, m_f), (p_s, g_s, m_s), (p_r, _, m_r)) in enumerate(
+            zip(fused[:-1], split[:-1], recipe[:-1])):
+        for a, b, c in zip(p_f, p_s, p_r):
+            np.testing.assert_array_equal(a, b, err_msg=f"step {step}")
+            np.testing.assert_allclose(a, c, rtol=1e-5, atol=1e-6, err_msg=f"step {step}")
+        for a, b in zip(g_f, g_s):
+            np.testing.assert_array_equal(a, b, err_msg=f"step {step}")
+        for i in m_f:
+            for a, b, c in zip(m_f[i], m_s[i], m_r[i]):
+                np.testing.assert_array_equal(a, b, err_msg=f"step {step}")
+                np.testing.assert_allclose(a, c, rtol=1e-5, atol=1e-6, err_msg=f"step {step}")
+        if step in (3, 4):  # skipped: what the step before left, step count included
+            for a, b in zip(p_f, fused[step - 1][0]):
+                np.testing.assert_array_equal(a, b, err_msg=f"step {step}")
+            assert m_f[0][0] == 3
+    assert fused[-2][2][0][0] == 4  # the step count: applied steps only
+
+
+def test_scaler_overflow_skips_the_fused_step_and_backs_off(backend):
+    """Scaled gradients that overflow float32: the fused unscale + clip + step leaves the
+    parameters, the moments and the step count bit-identical, the gradients unscaled (inf
+    where they overflowed), and the scale backs off; the next step applies."""
+    rng = np.random.default_rng(27)
+    initial = [rng.standard_normal(s).astype(np.float32) for s in ((4, 3), (3,))]
+    params = [param(p, backend) for p in initial]
+    opt = netcl.AdamW(params, lr=1e-2)
+    scaler = netcl.AMPGradScaler(init_scale=2.0 ** 120)
+    grads = [np.full((4, 3), 1e-3, np.float32), np.array([2.0 ** 10, 1.0, -1.0], np.float32)]
+    opt.zero_grad()
+    _scaled_backward(scaler, params, grads)  # 2**130: inf; the others stay finite
+    scaler.step(opt, max_norm=1.0)
+    scaler.update()
+    for p, old in zip(params, initial):
+        np.testing.assert_array_equal(host(p), old)
+    reference = _GradScalerReference(2.0 ** 120, 2.0, 0.5, 2000)
+    unscaled, found_inf = reference.unscale(reference.scaled_grads(grads))
+    assert found_inf and np.isinf(unscaled[1][0])
+    for p, expected in zip(params, unscaled):
+        np.testing.assert_array_equal(host(p.grad), expected)
+    for step, exp_avg, exp_avg_sq in _moments(opt, "adamw").values():
+        assert step == 0 and not exp_avg.any() and not exp_avg_sq.any()
+    assert scaler.get_scale() == 2.0 ** 119
+    opt.zero_grad()
+    _scaled_backward(scaler, params, [g / 2.0 ** 10 for g in grads])
+    scaler.step(opt, max_norm=1.0)
+    scaler.update()
+    assert _moments(opt, "adamw")[0][0] == 1
+    assert not np.array_equal(host(params[0]), initial[0])
+
+
+def test_fused_clip_skips_a_norm_that_overflows_without_backing_off(backend):
+    """Finite gradients whose sum of squares overflows float32: the clip's norm is inf, so
+    the fused step skips (bit-identical parameters, as when unscale_ came first), while the
+    inf check found nothing, so the scale does not back off."""
+    for unscale_first in (False, True):
+        p = param(np.ones(4, np.float32), backend)
+        opt, scaler = netcl.AdamW([p], lr=0.1), netcl.AMPGradScaler(init_scale=4.0)
+        _scaled_backward(scaler, [p], [np.full(4, 1e20, np.float32)])
+        if unscale_first:
+            scaler.unscale_(opt)
+        scaler.step(opt, max_norm=1.0)
+        scaler.update()
+        np.testing.assert_array_equal(host(p), np.ones(4, np.float32))
+        np.testing.assert_array_equal(host(p.grad), np.full(4, 1e20, np.float32))
+        assert scaler.state_dict()["scale"] == 4.0 and scaler.state_dict()["_growth_tracker"] == 1
+        assert _moments(opt, "adamw")[0][0] == 0
+
+
+def _scaler_read(scaler, read):
+    """What `read` ("none", "get_scale", "state_dict") sees of the scaler."""
+    return None if read == "none" else getattr(scaler, read)()
+
+
+_SCALER_SHAPES = [(4,), (2, 3)]
+
+
+def _scaler_plan_step(rng, inf=False, loss="scalar", step="step", update="update",
+                      late_at="after_scale", reads=("none",) * 4):
+    """One step of a call sequence for _scaler_calls: gradients (an inf in the first if
+    asked); the loss: "scalar", "scalar_grad" (with an explicit seed) or "vector"; how it
+    steps; how it updates ("late": after the next step's scale() or backward, per that
+    step's late_at); what it reads at four points (_scaler_read)."""
+    grads = [(rng.standard_normal(s) * 10.0 ** rng.uniform(-1, 1)).astype(np.float32)
+             for s in _SCALER_SHAPES]
+    if inf:
+        grads[0][1] = np.inf
+    return {"grads": grads, "loss": loss, "step": step, "update": update, "late_at": late_at,
+            "reads": reads}
+
+
+def _scaler_calls(backend, plan, growth_interval, at_once):
+    """Run the call sequence `plan` on a fresh AdamW and scaler; at_once: a get_scale() right
+    after every update(), which runs it then, and a state_dict() at every read. Returns every
+    scaled loss, gradient, read and parameter seen, in order, and the final states."""
+    initial = [a.astype(np.float32) for a in map(np.random.default_rng(37).standard_normal,
+                                                 _SCALER_SHAPES)]
+    params = [param(p, backend) for p in initial]
+    opt = netcl.AdamW(params, lr=0.01)
+    scaler = netcl.AMPGradScaler(init_scale=8.0, growth_factor=4.0,
+                                 growth_interval=growth_interval)
+    loaded = {"scale": 16.0, "growth_factor": 2.0, "backoff_factor": 0.25, "growth_interval": 2,
+              "_growth_tracker": 1}
+    seen = []
+
+    def update(how):
+        if how != "new_scale":
+            scaler.update()
+            if at_once:
+                scaler.get_scale()
+        if how in ("new_scale", "update_new_scale"):
+            scaler.update(new_scale=32.0)
+        elif how == "update_load":
+            scaler.load_state_dict(loaded)
+
+    late = None
+    for step, p in enumerate(plan):
+        reads = ["state_dict"] * 4 if at_once else p["reads"]
+        seen.append(_scaler_read(scaler, reads[0]))
+        opt.zero_grad()
+        with netcl.Tape() as tape:
+            pieces = [(q * g).reshape((-1,)) for q, g in zip(params, p["grads"])]
+            loss = F.cat(pieces) if p["loss"] == "vector" else sum(
+                (piece.sum() for piece in pieces), start=0.0)
+        scaled = scaler.scale(loss)
+        if late == "after_scale":
+            update("update")
+        seen.append(host(scaled))
+        if p["loss"] == "scalar":
+            tape.backward(scaled)
+        else:
+            tape.backward(scaled, grad=np.ones(scaled.shape, np.float32))
+        if late == "after_backward":
+            update("update")
+        late = None
+        seen.append([host(q.grad) for q in params])
+        seen.append(_scaler_read(scaler, reads[1]))
+        if p["step"].startswith("unscale"):
+            scaler.unscale_(opt)
+        if p["step"] == "unscale_clip_step":
+            netcl.clip_grad_norm(params, 1.0)
+        if p["step"] == "step_max_norm":
+            scaler.step(opt, max_norm=1.0)
+        else:
+            scaler.step(opt)
+        seen.append(_scaler_read(scaler, reads[2]))
+        if p["update"] == "late" and step + 1 < len(plan):
+            late = plan[step + 1]["late_at"]
+        else:
+            update("update" if p["update"] == "late" else p["update"])
+        seen.append(_scaler_read(scaler, reads[3]))
+        seen.append([host(q) for q in params])
+    return seen, scaler.state_dict(), opt.state_dict()["state"]
+
+
+def _assert_deferred_update_invisible(backend, plan, growth_interval):
+    """The deferred update() against one run at once: the same everything, bit for bit."""
+    eager, eager_state, eager_moments = _scaler_calls(backend, plan, growth_interval, True)
+    deferred, state, moments = _scaler_calls(backend, plan, growth_interval, False)
+    for i, (expected, got) in enumerate(zip(eager, deferred)):
+        if isinstance(got, list):
+            for a, b in zip(expected, got):
+                np.testing.assert_array_equal(a, b, err_msg=f"record {i}")
+        elif isinstance(got, np.ndarray):
+            np.testing.assert_array_equal(expected, got, err_msg=f"record {i}")
+        elif got is not None:  # a read: the eager run read state_dict() there
+            assert got == (expected if isinstance(got, dict) else expected["scale"]), \
+                f"record {i}"
+    assert state == eager_state
+    for i in moments:
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            np.testing.assert_array_equal(moments[i][key], eager_moments[i][key])
+
+
+@TRAINING_SETTINGS
+@given(data=st.data(), seed=st.integers(0, 2 ** 31 - 1))
+def test_deferred_update_is_what_an_update_at_once_gives(backend, data, seed):
+    """update() runs later (in the next scale() of a one-element loss, or first thing in
+    whatever reads the scale before that): call sequences with reads anywhere give what a
+    scaler whose every update() runs at once gives: the same scaled losses, gradients,
+    parameters, moments, get_scale() and state_dict(), bit for bit, through update(new_scale),
+    load_state_dict, unscale_, clipping, losses of several elements, explicit seeds and
+    update() between a scale() and its backward."""
+    rng = np.random.default_rng(seed)
+    plan = [_scaler_plan_step(
+        rng, inf=data.draw(st.booleans()),
+        loss=data.draw(st.sampled_from(["scalar", "scalar_grad", "vector"])),
+        step=data.draw(st.sampled_from(["step", "step_max_norm", "unscale_step",
+                                        "unscale_clip_step"])),
+        update=data.draw(st.sampled_from(["update", "update", "new_scale", "late",
+                                          "update_new_scale", "update_load"])),
+        late_at=data.draw(st.sampled_from(["after_scale", "after_backward"])),
+        reads=data.draw(st.lists(st.sampled_from(["none", "none", "get_scale", "state_dict"]),
+                                 min_size=4, max_size=4))) for _ in range(5)]
+    # 1: every update() changes the scale; 3: most change only the growth tracker
+    _assert_deferred_update_invisible(backend, plan, data.draw(st.sampled_from([1, 3])))
+
+
+# Each way the scale is read while an update() is pending: (the first step's settings, the
+# second's), every read "none" but where named.
+_PENDING_UPDATE_READERS = {
+    "backward's implicit seed": ({"update": "late"}, {"late_at": "after_scale"}),
+    "backward's explicit seed": ({"update": "late"}, {"late_at": "after_scale",
+                                                      "loss": "scalar_grad"}),
+    "unscale_": ({"update": "late"}, {"late_at": "after_backward", "step": "unscale_step"}),
+    "step's unscaling": ({"update": "late"}, {"late_at": "after_backward",
+                                              "step": "step_max_norm"}),
+    "update(new_scale)": ({"update": "update_new_scale"}, {}),
+    "load_state_dict": ({"update": "update_load"}, {}),
+    "scale() of several elements": ({}, {"loss": "vector"}),
+    "get_scale": ({"reads": ("none", "none", "none", "get_scale")}, {}),
+    "state_dict": ({"reads": ("none", "none", "none", "state_dict")}, {}),
+}
+
+
+@pytest.mark.parametrize("reader", list(_PENDING_UPDATE_READERS))
+@pytest.mark.parametrize("growth_interval", [1, 2])
+def test_whatever_reads_the_scale_runs_a_pending_update_first(backend, reader,
+                                                              growth_interval):
+    rng = np.random.default_rng(39)
+    first, second = _PENDING_UPDATE_READERS[reader]
+    plan = [_scaler_plan_step(rng, **first), _scaler_plan_step(rng, **second),
+            _scaler_plan_step(rng, inf=True), _scaler_plan_step(rng, **second)]
+    _assert_deferred_update_invisible(backend, plan, growth_interval)
+
+
+@pytest.mark.usefixtures("portable_half")
+def test_scale_of_a_float16_loss_runs_the_pending_update(opencl):
+    """The next scale() of a one-element float16 loss (autocast's) runs the update() left
+    pending in its own kernel: the loss times the new scale, no launch of its own."""
+    p = param([1.0, 2.0], opencl)
+    opt = netcl.SGD([p], lr=0.0)
+    scaler = netcl.AMPGradScaler(init_scale=4.0, growth_interval=1)
+    x = tensor(np.ones((1, 2), np.float32), opencl)
+    for expected_scale in (4.0, 8.0):
+        with netcl.Tape() as tape, netcl.autocast():
+            out = F.linear(x, F.reshape(p, (1, 2))).reshape(())
+        assert out.dtype == np.float16
+        launches = opencl.launches
+        scaled = scaler.scale(out)
+        assert opencl.launches == launches + 1
+        assert float(scaled.value) == 3.0 * expected_scale
+        opt.zero_grad()
+        tape.backward(scaled)
+        np.testing.assert_array_equal(host(p.grad), [expected_scale] * 2)
+        scaler.step(opt)
+        scaler.update()
+    assert scaler.state_dict()["scale"] == 16.0
 
 
 _SCALER_REJECTED = [
