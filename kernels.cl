@@ -40,6 +40,9 @@
 #ifndef TENSOR_CORES  // 1 only in the half build, on a device whose tensor-core probe passed
 #define TENSOR_CORES 0
 #endif
+#ifndef CPU_DEVICE  // 1 on CPU devices (PoCL): see the gradient norms' loops
+#define CPU_DEVICE 0
+#endif
 #ifdef cl_khr_fp64  // double is used in one place: the loss scale's reciprocal (AMP section)
 #pragma OPENCL EXTENSION cl_khr_fp64 : enable
 #endif
@@ -2194,6 +2197,21 @@ __kernel void sgd_step(const int n, const float lr, const float momentum, const 
 // of all tensors inside the kernel that needs the norm. NaN propagates through both, as
 // through PyTorch's norm: a NaN gradient gives a NaN norm.
 
+// On a GPU the work-items stride over x, so neighbours read neighbouring elements. On a CPU
+// device each work-item takes a run of its own instead, a multiple of 8 elements long, read
+// in float8 vectors: PoCL ran the strided loop 4x slower (270K gradients: 450 against 100 µs).
+// cpu_run is that run, [x, y), of n elements.
+inline int2 cpu_run(const int n) {
+    const int per = ((n + (int)get_global_size(0) - 1) / (int)get_global_size(0) + 7) & ~7;
+    const int begin = min(n, (int)get_global_id(0) * per);
+    return (int2)(begin, min(n, begin + per));
+}
+
+// The eight lanes of a float8 sum, added pairwise.
+inline float lanes_sum(const float8 v) {
+    return ((v.s0 + v.s1) + (v.s2 + v.s3)) + ((v.s4 + v.s5) + (v.s6 + v.s7));
+}
+
 // x (n) -> partials[first + group id]. The loops are specialised by norm type, so the
 // common 2-norm is a plain multiply-add per element.
 __kernel __attribute__((reqd_work_group_size(256, 1, 1)))
@@ -2204,7 +2222,16 @@ void norm_partials(const int n, const float norm_type, const int first, __global
     const int take_max = isinf(norm_type);
     float acc = 0.0f;
     if (norm_type == 2.0f) {
+#if CPU_DEVICE  // amp_unscale sums the same squares in the same order
+        const int2 run = cpu_run(n);
+        float8 acc8 = 0.0f;
+        int i = run.x;
+        for (; i + 8 <= run.y; i += 8) { const float8 v = vload8(0, x + i); acc8 = fma(v, v, acc8); }
+        for (; i < run.y; ++i) acc = fma(x[i], x[i], acc);
+        acc += lanes_sum(acc8);
+#else
         for (int i = get_global_id(0); i < n; i += stride) { const float v = x[i]; acc += v * v; }
+#endif
     } else if (take_max) {
         for (int i = get_global_id(0); i < n; i += stride) acc = max_keeping_nan(acc, fabs(x[i]));
     } else {
@@ -2355,6 +2382,26 @@ void amp_unscale(const int n, const int first, __global const float* scale, __gl
     const float inv_scale = reciprocal_as_pytorch(scale[0]);
     int found = 0;
     float acc = 0.0f;
+#if CPU_DEVICE  // norm_partials' runs of float8 (see there)
+    const int2 run = cpu_run(n);
+    float8 acc8 = 0.0f;
+    int8 bad = 0;
+    int i = run.x;
+    for (; i + 8 <= run.y; i += 8) {
+        const float8 v = vload8(0, g + i), unscaled = v * inv_scale;
+        bad |= isinf(v) | isnan(v);
+        vstore8(unscaled, 0, g + i);
+        acc8 = fma(unscaled, unscaled, acc8);
+    }
+    for (; i < run.y; ++i) {
+        const float v = g[i], unscaled = v * inv_scale;
+        found |= !isfinite(v);
+        g[i] = unscaled;
+        acc = fma(unscaled, unscaled, acc);
+    }
+    found |= any(bad);
+    acc += lanes_sum(acc8);
+#else
     for (int i = get_global_id(0); i < n; i += get_global_size(0)) {
         const float v = g[i];
         found |= !isfinite(v);
@@ -2362,6 +2409,7 @@ void amp_unscale(const int n, const int first, __global const float* scale, __gl
         g[i] = unscaled;
         acc += unscaled * unscaled;
     }
+#endif
     if (found) {
         if (found_inf) atomic_or(found_inf, 1);
         atomic_or(found_inf_any, 1);

@@ -399,7 +399,8 @@ class Device:
         the tensor-core kernels if asked), as {kernel name: pyopencl.Kernel}."""
         source = _kernel_source()
         options = ["-cl-mad-enable", "-cl-kernel-arg-info",  # never fast-relaxed: keep NaN/Inf
-                   f"-DHALF_STORAGE={int(half)}", f"-DTENSOR_CORES={int(tensor_cores)}"]
+                   f"-DHALF_STORAGE={int(half)}", f"-DTENSOR_CORES={int(tensor_cores)}",
+                   f"-DCPU_DEVICE={int(bool(self.cl_device.type & cl.device_type.CPU))}"]
         if self.cl_device.single_fp_config & cl.device_fp_config.CORRECTLY_ROUNDED_DIVIDE_SQRT:
             # IEEE division and sqrt where the device offers them, as PyTorch computes them
             # (OpenCL's default allows errors of 2.5 and 3 ulps)

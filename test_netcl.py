@@ -7344,6 +7344,33 @@ def test_scaler_overflow_skips_the_fused_step_and_backs_off(backend):
     assert not np.array_equal(host(params[0]), initial[0])
 
 
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("where", [0, 7, 8, 517, 1000, 1002])
+def test_scaler_finds_one_inf_wherever_it_is(backend, fused, where):
+    """One inf in a gradient of 1003 values is found wherever it sits: at a vector lane, the
+    last lane of a run, a run's tail (CPU devices read runs of float8, kernels.cl: cpu_run),
+    or the last element. The step is skipped and the scale backs off; without the inf the
+    unscaled gradient is g exactly (a power-of-two scale)."""
+    g = np.random.default_rng(where).standard_normal(1003).astype(np.float32)
+    for bad in (False, True):
+        p = param(np.zeros(1003), backend)
+        opt = netcl.optim.AdamW([p], lr=0.1)
+        scaler = netcl.AMPGradScaler(init_scale=256.0)
+        grad = g.copy()
+        if bad:
+            grad[where] = np.inf
+        _scaled_backward(scaler, [p], [grad])
+        if fused:
+            scaler.step(opt, max_norm=1.0)
+        else:
+            scaler.unscale_(opt)
+            np.testing.assert_array_equal(host(p.grad), grad)
+            scaler.step(opt)
+        scaler.update()
+        assert scaler.get_scale() == (128.0 if bad else 256.0)
+        assert (host(p) == 0).all() == bad
+
+
 def test_fused_clip_skips_a_norm_that_overflows_without_backing_off(backend):
     """Finite gradients whose sum of squares overflows float32: the clip's norm is inf, so
     the fused step skips (bit-identical parameters, as when unscale_ came first), while the
