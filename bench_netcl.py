@@ -11,6 +11,7 @@ torch.cuda.synchronize()), so queued work is counted.
 """
 import argparse
 import contextlib
+import gc
 import io
 import json
 import math
@@ -156,7 +157,8 @@ def mlp_amp_comparison(device, sizes, batch):
     pool, results = device.pool, {}
     overall_peak = pool.peak_bytes
     for amp in (False, True):
-        _last_model[0] = None  # freed now, not while this run is measured
+        _last_model[0] = None  # freed now, not while this run is measured:
+        gc.collect()  # a model freed by the collector during the run would lower its peak
         pool.empty_cache()  # the previous run's buffers go back to the driver
         baseline = pool.peak_bytes = pool.in_use_bytes  # the pool's peak from here on
         fn, sync = mlp_step_netcl(device, sizes, batch, amp)

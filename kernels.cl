@@ -743,30 +743,113 @@ inline void tc_load_operand(__local uint4* tile, __global const ushort* X, const
     }
 }
 
-// Queue the copies of k-tile `k0` of a BM x BN block into local memory. a_t: op(A) is A^T
-// (A stored (K, M), m-fast); b_n: op(B) is B (stored (K, N), n-fast), not B^T (N, K).
-inline void tc_load_tile(__local uint4* As, __local uint4* Bs, __global const ushort* A,
-                         __global const ushort* B, const int M, const int N, const int K,
-                         const int k_end, const int m0, const int n0, const int k0,
-                         const int tid, const int threads, const int BM, const int BN,
-                         const int a_t, const int b_n, const int aligned) {
-    tc_load_operand(As, A, M, K, k_end, m0, k0, tid, threads, BM, a_t, aligned);
-    tc_load_operand(Bs, B, N, K, k_end, n0, k0, tid, threads, BN, b_n, aligned);
+// A float32 operand (the first layer's input, which autocast reads without a cast of its
+// own) cannot be copied by cp.async: the copy has to round it to half. Its chunks of a
+// k-tile are read into registers instead (tc_read_operand), ROWS * TC_BK / 8 / threads
+// float8s per work-item, and rounded into local memory (tc_write_operand) once the tile
+// before has been computed, so the loads are in flight while its products run. The
+// rounding is cast_to_act's: the same halves as casting first. Every block's tiles are a
+// whole number of chunks per work-item, so the loops over them have a known trip count.
+#define TC_PER_THREAD(ROWS, THREADS) ((ROWS) * TC_BK / 8 / (THREADS))
+
+// Eight floats of row `row` from column `col` (rows past `rows`, columns past `width` 0).
+// Inside the matrix, two 16-byte loads in PTX, whose place among the products (volatile,
+// as theirs) the compiler keeps: issued before the tile is computed, used after.
+inline float8 tc_read8(__global const float* X, const int row, const int rows, const int col,
+                       const int width) {
+    if (row >= rows || col >= width) return (float8)(0.0f);
+    __global const float* p = X + row * width + col;
+    float v[8];
+    if (col + 8 <= width) {
+        asm volatile("ld.global.nc.v4.f32 {%0,%1,%2,%3}, [%4];"
+                     : "=f"(v[0]), "=f"(v[1]), "=f"(v[2]), "=f"(v[3]) : "l"(p));
+        asm volatile("ld.global.nc.v4.f32 {%0,%1,%2,%3}, [%4];"
+                     : "=f"(v[4]), "=f"(v[5]), "=f"(v[6]), "=f"(v[7]) : "l"(p + 4));
+    } else {
+        for (int i = 0; i < 8; ++i) v[i] = col + i < width ? p[i] : 0.0f;
+    }
+    return (float8)(v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7]);
 }
 
-// C (M, N) = op(A) @ op(B) [+ bias (N)]: A, B float16 storage; C_T half or float.
-#define GEMM_TC(NAME, BM, BN, WM, WN, STAGES, WAIT_OLDEST, A_T, B_N, C_T, STORE_PAIR, ALIGNED)   \
+// Eight floats rounded to halves (to nearest even, as vstore_half) and stored as one
+// 16-byte chunk of local memory, after the products before it (volatile).
+inline void tc_write8(__local uint4* dst, const float8 v) {
+    uint h[4];
+    const float f[8] = {v.s0, v.s1, v.s2, v.s3, v.s4, v.s5, v.s6, v.s7};
+    for (int i = 0; i < 4; ++i)  // the lower-addressed half in the lower 16 bits
+        asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(h[i]) : "f"(f[2 * i + 1]), "f"(f[2 * i]));
+    asm volatile("st.shared.v4.b32 [%0], {%1,%2,%3,%4};"
+                 :: "r"(SHARED_ADDRESS(dst)), "r"(h[0]), "r"(h[1]), "r"(h[2]), "r"(h[3])
+                 : "memory");
+}
+
+// tc_load_operand's chunks of a float32 operand, into registers.
+inline void tc_read_operand(float8* reg, __global const float* X, const int rows, const int K,
+                            const int k_end, const int r0, const int k0, const int tid,
+                            const int threads, const int ROWS, const int mn_fast) {
+    for (int n = 0; n < TC_PER_THREAD(ROWS, threads); ++n) {
+        const int e = tid + n * threads;
+        if (mn_fast) {
+            const int krow = e / (ROWS / 8), c = e % (ROWS / 8), k = k0 + krow;
+            reg[n] = tc_read8(X, k < k_end ? k : K, K, r0 + c * 8, rows);
+        } else {
+            const int row = e >> 2, c = e & 3, k = k0 + c * 8;
+            reg[n] = tc_read8(X, r0 + row, rows, k < k_end ? k : K, K);
+        }
+    }
+}
+
+// ... and from registers into the tile, rounded to half, where tc_load_operand puts them.
+inline void tc_write_operand(__local uint4* tile, const float8* reg, const int tid,
+                             const int threads, const int ROWS, const int mn_fast) {
+    for (int n = 0; n < TC_PER_THREAD(ROWS, threads); ++n) {
+        const int e = tid + n * threads;
+        const int chunk = mn_fast ? MNFAST_CHUNK(e / (ROWS / 8), e % (ROWS / 8), ROWS / 8)
+                                  : KFAST_CHUNK(e >> 2, e & 3);
+        tc_write8(tile + chunk, reg[n]);
+    }
+}
+
+// Start k-tile `k0` of a BM x BN block into stage `stage` of local memory: cp.async copies
+// for float16 operands, register reads for a float32 one (A if F32_A, B if F32_B), which
+// TC_FINISH_TILE then writes. a_t: op(A) is A^T (A stored (K, M), m-fast); b_n: op(B) is B
+// (stored (K, N), n-fast), not B^T (N, K). Macros over GEMM_TC's locals.
+#define TC_START_TILE(stage, k0)                                                                 \
+    do {                                                                                         \
+        __local uint4* As_ = smem + (stage) * stage_chunks;                                      \
+        if (f32_a) tc_read_operand(a_reg, (__global const float*)A, M, K, k_end, m0, (k0), tid,  \
+                                   threads, bm, a_t);                                            \
+        else tc_load_operand(As_, (__global const ushort*)A, M, K, k_end, m0, (k0), tid,         \
+                             threads, bm, a_t, aligned);                                         \
+        if (f32_b) tc_read_operand(b_reg, (__global const float*)B, N, K, k_end, n0, (k0), tid,  \
+                                   threads, bn, b_n);                                            \
+        else tc_load_operand(As_ + a_chunks, (__global const ushort*)B, N, K, k_end, n0, (k0),  \
+                             tid, threads, bn, b_n, aligned);                                    \
+    } while (0)
+#define TC_FINISH_TILE(stage)                                                                    \
+    do {                                                                                         \
+        if (f32_a) tc_write_operand(smem + (stage) * stage_chunks, a_reg, tid, threads, bm, a_t); \
+        if (f32_b) tc_write_operand(smem + (stage) * stage_chunks + a_chunks, b_reg, tid,        \
+                                    threads, bn, b_n);                                           \
+    } while (0)
+
+// C (M, N) = op(A) @ op(B) [+ bias (N)]: A, B float16 storage (or one of them float32, with
+// F32_A or F32_B); C_T half or float.
+#define GEMM_TC(NAME, BM, BN, WM, WN, STAGES, WAIT_OLDEST, A_T, B_N, C_T, STORE_PAIR, ALIGNED,   \
+                F32_A, F32_B)                                                                    \
 __kernel __attribute__((reqd_work_group_size((BM / WM) * (BN / WN) * 32, 1, 1)))                   \
 void NAME(const int M, const int N, const int K, const int k_chunk, const int batch_a,         \
-          const int batch_b, const int has_bias, __global const ushort* A,                         \
-          __global const ushort* B, __global const float* bias, __global C_T* C) {                 \
+          const int batch_b, const int has_bias, __global const void* A,                           \
+          __global const void* B, __global const float* bias, __global C_T* C) {                   \
     /* z = product * splits + split: product z / splits of a batch (A and B batch_a and */         \
     /* batch_b elements on), k in [k_begin, k_end), into its own slice of C (split-K) */           \
     const int splits = (K + k_chunk - 1) / k_chunk, product = get_group_id(2) / splits;            \
     const int k_begin = (get_group_id(2) - product * splits) * k_chunk;                            \
     const int k_end = min(K, k_begin + k_chunk);                                                   \
-    A += product * batch_a;                                                                        \
-    B += product * batch_b;                                                                        \
+    A = F32_A ? (__global const void*)((__global const float*)A + product * batch_a)               \
+              : (__global const void*)((__global const ushort*)A + product * batch_a);             \
+    B = F32_B ? (__global const void*)((__global const float*)B + product * batch_b)               \
+              : (__global const void*)((__global const ushort*)B + product * batch_b);             \
     C += get_group_id(2) * M * N;                                                                  \
     __local uint4 smem[STAGES * (BM + BN) * TC_BK / 8];                                            \
     const int threads = (BM / WM) * (BN / WN) * 32;                                                \
@@ -774,15 +857,21 @@ void NAME(const int M, const int N, const int K, const int k_chunk, const int ba
     const int wm = warp / (BN / WN), wn = warp % (BN / WN);                                        \
     const int m0 = get_group_id(1) * BM, n0 = get_group_id(0) * BN;                                \
     const int a_chunks = BM * TC_BK / 8, stage_chunks = (BM + BN) * TC_BK / 8;                     \
+    /* the parameters, for TC_START_TILE and TC_FINISH_TILE */                                     \
+    const int bm = BM, bn = BN, a_t = A_T, b_n = B_N, aligned = ALIGNED;                           \
+    const int f32_a = F32_A, f32_b = F32_B;                                                        \
+    float8 a_reg[F32_A ? TC_PER_THREAD(BM, (BM / WM) * (BN / WN) * 32) : 1];                       \
+    float8 b_reg[F32_B ? TC_PER_THREAD(BN, (BM / WM) * (BN / WN) * 32) : 1];                       \
     float acc[(WM / 16)][(WN / 8)][4];                                                             \
     for (int i = 0; i < WM / 16; ++i)                                                             \
         for (int j = 0; j < WN / 8; ++j)                                                          \
             for (int c = 0; c < 4; ++c) acc[i][j][c] = 0.0f;                                      \
     const int tiles = (k_end - k_begin + TC_BK - 1) / TC_BK;                                       \
     for (int s = 0; s < STAGES - 1; ++s) {  /* prologue: the first k-tiles in flight */            \
-        if (s < tiles) tc_load_tile(smem + s * stage_chunks, smem + s * stage_chunks + a_chunks,   \
-                                    A, B, M, N, K, k_end, m0, n0, k_begin + s * TC_BK, tid,        \
-                                    threads, BM, BN, A_T, B_N, ALIGNED);                           \
+        if (s < tiles) {                                                                           \
+            TC_START_TILE(s, k_begin + s * TC_BK);                                                 \
+            TC_FINISH_TILE(s);                                                                     \
+        }                                                                                          \
         asm volatile("cp.async.commit_group;" ::: "memory");                                       \
     }                                                                                              \
     for (int t = 0; t < tiles; ++t) {                                                              \
@@ -791,12 +880,7 @@ void NAME(const int M, const int N, const int K, const int k_chunk, const int ba
         barrier(CLK_LOCAL_MEM_FENCE);                                                              \
         /* refill the stage computed on in the last iteration: every warp is past it now */        \
         const int next = t + STAGES - 1;                                                           \
-        if (next < tiles) {                                                                        \
-            const int s = next % STAGES;                                                           \
-            tc_load_tile(smem + s * stage_chunks, smem + s * stage_chunks + a_chunks,              \
-                         A, B, M, N, K, k_end, m0, n0, k_begin + next * TC_BK, tid,                \
-                         threads, BM, BN, A_T, B_N, ALIGNED);                                      \
-        }                                                                                          \
+        if (next < tiles) TC_START_TILE(next % STAGES, k_begin + next * TC_BK);                    \
         asm volatile("cp.async.commit_group;" ::: "memory");                                       \
         __local uint4* As = smem + (t % STAGES) * stage_chunks;                                    \
         __local uint4* Bs = As + a_chunks;                                                         \
@@ -822,6 +906,8 @@ void NAME(const int M, const int N, const int K, const int k_chunk, const int ba
             for (int i = 0; i < (WM / 16); ++i)                                                    \
                 for (int n = 0; n < (WN / 8); ++n) tc_mma(acc[i][n], a[i], b[n]);                  \
         }                                                                                          \
+        /* a float32 operand's next tile: into its stage, read by the warps after a barrier */     \
+        if (next < tiles) TC_FINISH_TILE(next % STAGES);                                           \
     }                                                                                              \
     asm volatile("cp.async.wait_all;" ::: "memory");                                               \
     /* acc[i][n]: rows g and g + 8, columns 2t and 2t + 1 of the 16x8 tile (PTX's layout) */       \
@@ -853,12 +939,25 @@ void NAME(const int M, const int N, const int K, const int k_chunk, const int ba
 // work-group may have there. Names: layout (op(A) = A or A^T, op(B) = B or B^T), C's
 // storage (h: half, f: float), and the block (l: large, s: small, m: 64 rows).
 #define GEMM_TC_FAMILY(BLOCK, BM, BN, WM, WN, STAGES, WAIT, ALIGNED)                           \
-GEMM_TC(gemm_tc_nn_h##BLOCK, BM, BN, WM, WN, STAGES, WAIT, 0, 1, half, STORE_PAIR_HALF, ALIGNED) \
-GEMM_TC(gemm_tc_nt_h##BLOCK, BM, BN, WM, WN, STAGES, WAIT, 0, 0, half, STORE_PAIR_HALF, ALIGNED) \
-GEMM_TC(gemm_tc_tn_h##BLOCK, BM, BN, WM, WN, STAGES, WAIT, 1, 1, half, STORE_PAIR_HALF, ALIGNED) \
-GEMM_TC(gemm_tc_nn_f##BLOCK, BM, BN, WM, WN, STAGES, WAIT, 0, 1, float, STORE_PAIR_FLOAT, ALIGNED) \
-GEMM_TC(gemm_tc_nt_f##BLOCK, BM, BN, WM, WN, STAGES, WAIT, 0, 0, float, STORE_PAIR_FLOAT, ALIGNED) \
-GEMM_TC(gemm_tc_tn_f##BLOCK, BM, BN, WM, WN, STAGES, WAIT, 1, 1, float, STORE_PAIR_FLOAT, ALIGNED)
+GEMM_TC(gemm_tc_nn_h##BLOCK, BM, BN, WM, WN, STAGES, WAIT, 0, 1, half, STORE_PAIR_HALF,        \
+        ALIGNED, 0, 0)                                                                         \
+GEMM_TC(gemm_tc_nt_h##BLOCK, BM, BN, WM, WN, STAGES, WAIT, 0, 0, half, STORE_PAIR_HALF,        \
+        ALIGNED, 0, 0)                                                                         \
+GEMM_TC(gemm_tc_tn_h##BLOCK, BM, BN, WM, WN, STAGES, WAIT, 1, 1, half, STORE_PAIR_HALF,        \
+        ALIGNED, 0, 0)                                                                         \
+GEMM_TC(gemm_tc_nn_f##BLOCK, BM, BN, WM, WN, STAGES, WAIT, 0, 1, float, STORE_PAIR_FLOAT,      \
+        ALIGNED, 0, 0)                                                                         \
+GEMM_TC(gemm_tc_nt_f##BLOCK, BM, BN, WM, WN, STAGES, WAIT, 0, 0, float, STORE_PAIR_FLOAT,      \
+        ALIGNED, 0, 0)                                                                         \
+GEMM_TC(gemm_tc_tn_f##BLOCK, BM, BN, WM, WN, STAGES, WAIT, 1, 1, float, STORE_PAIR_FLOAT,      \
+        ALIGNED, 0, 0)
+// A float32 input's two products (netcl.py: linear): the forward x @ W^T, A float32, C
+// half (_xa), and the weight gradient g^T @ x, B float32, C float (_xb).
+#define GEMM_TC_FLOAT_INPUT(BLOCK, BM, BN, WM, WN, STAGES, WAIT)                                \
+GEMM_TC(gemm_tc_nt_h##BLOCK##_xa, BM, BN, WM, WN, STAGES, WAIT, 0, 0, half, STORE_PAIR_HALF,   \
+        1, 1, 0)                                                                               \
+GEMM_TC(gemm_tc_tn_f##BLOCK##_xb, BM, BN, WM, WN, STAGES, WAIT, 1, 1, float, STORE_PAIR_FLOAT, \
+        1, 0, 1)
 // cp.async.wait_group takes a literal: how many younger copy groups may stay in flight. The
 // small block also comes gathering its chunks (_u), for operands whose contiguous dimension
 // is not a multiple of 8 (a 10-class output layer's gradient, say).
@@ -866,6 +965,9 @@ GEMM_TC_FAMILY(_l, 128, 128, 64, 32, 3, "cp.async.wait_group 1;", 1)
 GEMM_TC_FAMILY(_s, 128, 64, 64, 32, 4, "cp.async.wait_group 2;", 1)
 GEMM_TC_FAMILY(_u, 128, 64, 64, 32, 4, "cp.async.wait_group 2;", 0)
 GEMM_TC_FAMILY(_m, 64, 128, 32, 64, 4, "cp.async.wait_group 2;", 1)
+GEMM_TC_FLOAT_INPUT(_l, 128, 128, 64, 32, 3, "cp.async.wait_group 1;")
+GEMM_TC_FLOAT_INPUT(_s, 128, 64, 64, 32, 4, "cp.async.wait_group 2;")
+GEMM_TC_FLOAT_INPUT(_m, 64, 128, 32, 64, 4, "cp.async.wait_group 2;")
 
 // The probe netcl runs once per device before trusting the kernels above: one warp, one
 // 16x8x16 product D = A B, A (16, 16) row-major and B given as B^T (8, 16), in halves.
@@ -2284,10 +2386,24 @@ __kernel void scale_by_device_scalar(const int n, __global const float* scale, _
 // sets skip; without, grad_scale = 1. With has_found_inf, a nonzero found_inf (1) (an
 // AMPGradScaler's inf check) sets skip too. step (1) counts the applied steps t: it advances
 // only when the step is not skipped. 1 - beta^t = -expm1(t ln beta), accurate in float32.
+// With `update` (an AMPGradScaler's fused step, after its unscaling pass), the same
+// work-item also works out what the scaler's update() will make of its state, into spare
+// buffers (update_scale_into, AMP section): update() then only swaps them on the host.
+void update_scale_into(const float growth_factor, const float backoff_factor,
+                       const int growth_interval, __global const int* state_found_inf,
+                       __global const float* state_scale, __global const int* state_tracker,
+                       __global int* found_inf_next, __global float* scale_next,
+                       __global int* tracker_next);
+
 __kernel __attribute__((reqd_work_group_size(256, 1, 1)))
 void adam_prepare(const int num_partials, const float max_norm, const float log_beta1,
                   const float log_beta2, const int has_found_inf, __global const float* partials,
-                  __global const int* found_inf, __global int* step, __global float* scalars) {
+                  __global const int* found_inf, __global int* step, __global float* scalars,
+                  const int update, const float growth_factor, const float backoff_factor,
+                  const int growth_interval, __global const int* state_found_inf,
+                  __global const float* state_scale, __global const int* state_tracker,
+                  __global int* found_inf_next, __global float* scale_next,
+                  __global int* tracker_next) {
     __local float scratch[256];
     float grad_scale = 1.0f;
     int skip = has_found_inf && found_inf[0];
@@ -2304,6 +2420,9 @@ void adam_prepare(const int num_partials, const float max_norm, const float log_
     scalars[1] = skip ? 1.0f : 0.0f;
     scalars[2] = -expm1((float)t * log_beta1);
     scalars[3] = sqrt(-expm1((float)t * log_beta2));
+    if (update)
+        update_scale_into(growth_factor, backoff_factor, growth_interval, state_found_inf,
+                          state_scale, state_tracker, found_inf_next, scale_next, tracker_next);
 }
 
 // torch/optim/adam.py's update on p, g, m (exp_avg), v (exp_avg_sq), all (n): the whole flat
@@ -2441,6 +2560,20 @@ void update_scale(const float growth_factor, const float backoff_factor,
         }
     }
     found_inf_any[0] = 0;
+}
+
+// update_scale on a copy: the state (found_inf_any, scale, growth tracker) as it is, the
+// updated state in the `_next` buffers (adam_prepare's `update`).
+void update_scale_into(const float growth_factor, const float backoff_factor,
+                       const int growth_interval, __global const int* state_found_inf,
+                       __global const float* state_scale, __global const int* state_tracker,
+                       __global int* found_inf_next, __global float* scale_next,
+                       __global int* tracker_next) {
+    found_inf_next[0] = state_found_inf[0];
+    scale_next[0] = state_scale[0];
+    tracker_next[0] = state_tracker[0];
+    update_scale(growth_factor, backoff_factor, growth_interval, found_inf_next, scale_next,
+                 tracker_next);
 }
 
 // AMPGradScaler.update, where it runs by itself (something read the scale before the next

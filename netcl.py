@@ -1237,7 +1237,7 @@ class Tape:
             raise RuntimeError("backward: this loss was recorded on another Tape, not on this "
                                "one; call backward on a Tape that was open when it was computed")
         if grad is None:
-            if loss.value.size != 1:
+            if math.prod(loss.shape) != 1:
                 raise RuntimeError(f"backward: grad can be implied only for a loss of one "
                                    f"element, got shape {loss.shape}")
             start, grad = loss._seed()
@@ -2033,6 +2033,11 @@ _TC_VECTOR = 8  # halves the tensor-core kernels copy at a time (16 bytes)
 # its blocks: it is launch-bound either way, and the float32 kernels would first widen its
 # float16 operands (a small model's 10-class layer: three casts a step).
 _TC_GATHER_ANYWAY = 1 << 24
+# The largest float32 input (elements) the tensor cores read without a cast (linear): there
+# the launch saved counts most. Beyond it a cast and the copying kernels are faster: on the
+# H200 the 784-feature first layer of a 4096 batch took 250 µs a product on the kernels
+# that round as they load, against 110 on the copying ones after a 10 µs cast.
+_TC_FLOAT_INPUT_MAX = 1 << 20
 # kernels.cl's packed kernels (pack_a, pack_b, gemm_packed; CPU devices): op(a) in panels of
 # 6 rows, op(b) in panels of 16 columns; a work-item computes one 6x16 block of C.
 _PANEL_ROWS, _PANEL_COLS = 6, 16
@@ -2122,12 +2127,12 @@ def _tensor_core_gemm(a, b, trans_a, trans_b, bias, out, bias_rows=False):
     """Run _gemm's product on tensor cores if it can: both operands in float16 storage and a
     device whose probe passed. Returns whether it did."""
     device = a.device
-    if not (a.dtype == b.dtype == np.float16 and device.tensor_cores and not
-            (trans_a and trans_b)):
+    float_side = _tensor_core_float_side(a, b, trans_a, trans_b)
+    if float_side is None or not device.tensor_cores:
         return False
     batch, M, K, N = _gemm_dims(a, b, trans_a, trans_b)
     plan = _tensor_core_plan(batch, M, K, N, trans_a, trans_b, bias is not None,
-                             out.dtype == np.float16, device.compute_units)
+                             out.dtype == np.float16, device.compute_units, float_side)
     if plan is None:
         return False
     kernel, grid, group, splits, k_chunk = plan
@@ -2140,11 +2145,28 @@ def _tensor_core_gemm(a, b, trans_a, trans_b, bias, out, bias_rows=False):
     return True
 
 
+def _tensor_core_float_side(a, b, trans_a, trans_b):
+    """Which operand of a tensor-core product is float32: "" (neither: both are float16
+    storage), "a" (x @ W^T, a float32 input's forward) or "b" (g^T @ x, its weight gradient);
+    None for any other mix of dtypes and layouts, which the tensor cores do not take."""
+    if trans_a and trans_b:
+        return None
+    if a.dtype == b.dtype == np.float16:
+        return ""
+    if a.dtype == np.float32 and b.dtype == np.float16 and trans_b:
+        return "a"
+    if a.dtype == np.float16 and b.dtype == np.float32 and trans_a:
+        return "b"
+    return None
+
+
 @functools.lru_cache(maxsize=1024)
-def _tensor_core_plan(batch, M, K, N, trans_a, trans_b, has_bias, half_out, units):
+def _tensor_core_plan(batch, M, K, N, trans_a, trans_b, has_bias, half_out, units,
+                      float_side=""):
     """_tensor_core_gemm's launch, a function of the sizes alone: (kernel, global size, local
     size, splits, k_chunk), or None where the float32 kernels do the product better. Cached,
-    as _tiled_plan is."""
+    as _tiled_plan is. float_side: which operand is float32 (_tensor_core_float_side); only
+    the aligned blocks come with such kernels."""
     if not K:
         return None
     # Where an operand's contiguous dimension is not a multiple of _TC_VECTOR, its rows are
@@ -2170,7 +2192,10 @@ def _tensor_core_plan(batch, M, K, N, trans_a, trans_b, has_bias, half_out, unit
     splits = _ceil_div(K, k_chunk)
     layout = "tn" if trans_a else "nt" if trans_b else "nn"
     block = "m" if short else "l" if large else "s" if aligned else "u"
-    kernel = f"gemm_tc_{layout}_{'h' if half_out else 'f'}_{block}"
+    if float_side and (block == "u" or half_out != (float_side == "a")):
+        return None  # the float32-input kernels: x @ W^T to half, g^T @ x to float (kernels.cl)
+    kernel = f"gemm_tc_{layout}_{'h' if half_out else 'f'}_{block}" + (
+        f"_x{float_side}" if float_side else "")
     return (kernel, (_ceil_div(N, cols) * threads, _ceil_div(M, rows), batch * splits),
             (threads, 1, 1), splits, k_chunk)
 
@@ -2382,6 +2407,20 @@ def matmul(a, b):
     return reshape(out, out_shape)
 
 
+def _tensor_cores_read_float32(X, out_features, has_bias):
+    """Whether the tensor-core kernels read linear's float32 input X (rows, in) as it is, in
+    both the forward and the weight gradient, rounding it to half on the way into local
+    memory (kernels.cl: tc_read_operand): no cast of X of its own, and no float16 copy kept
+    for backward. Both products must have such a kernel (an aligned block)."""
+    if X.dtype != np.float32 or X.size > _TC_FLOAT_INPUT_MAX:
+        return False
+    (rows, features), units = X.shape, X.device.compute_units
+    return (_tensor_core_plan(1, rows, features, out_features, False, True, has_bias, True,
+                              units, "a") is not None and
+            _tensor_core_plan(1, out_features, rows, features, True, False, False, False,
+                              units, "b") is not None)
+
+
 def linear(x, w, b=None):
     """x (..., in) @ w.T + b: w is (out, in) as in PyTorch, b (out,) or None. Inside autocast
     (OpenCL) x is read and the output written as float16 storage; w and b stay float32."""
@@ -2397,10 +2436,13 @@ def linear(x, w, b=None):
     X, W = x.value._view((rows, x.shape[-1])), w.value
     half = _half_activations(X.device)
     # On tensor cores every product takes float16 operands: x rounded as autocast's other
-    # devices do, and a float16 copy of the weight, kept for backward.
+    # devices do (a float32 x in the kernels' loads where they can: no copy to keep), and a
+    # float16 copy of the weight, kept for backward.
     tensor_cores = half and X.device.tensor_cores
     if tensor_cores:
-        X, W = _half_operand(X), _half_weight(w)
+        W = _half_weight(w)
+        if not _tensor_cores_read_float32(X, w.shape[0], b is not None):
+            X = _half_operand(X)
 
     half_x = _half_grad(x.value)  # dx in x's storage
 
@@ -2425,7 +2467,7 @@ def linear(x, w, b=None):
             else:
                 grads.append(None)
         return grads
-    out = _gemm(_half_operand(X) if half else X, W, trans_b=True,
+    out = _gemm(_half_operand(X) if half and not tensor_cores else X, W, trans_b=True,
                 bias=None if b is None else b.value, half=half)
     return _record(out._view(x.shape[:-1] + (w.shape[0],)),
                    (x, w) + ((b,) if b is not None else ()), backward, half_grad=True)
@@ -5474,6 +5516,10 @@ class Adam(Optimizer):
         # gradients, the partials of their 2-norm that its pass wrote (_norm_partials' layout):
         # the clip takes those rather than read every gradient again.
         self._grad_norm_partials = None
+        # None, or for the duration of such a step, the arguments with which adam_prepare also
+        # works out the scaler's next state (AMPGradScaler._speculation); _scaler_updated says
+        # whether a launch took them.
+        self._scaler_update, self._scaler_updated = None, False
 
     def _set_hyperparameters(self, betas, eps, weight_decay):
         _check_hyperparameter("epsilon value", eps, name="eps")
@@ -5548,11 +5594,14 @@ class Adam(Optimizer):
             # The kernel computes 1 - beta^t as -expm1(t ln beta), with ln beta from the host
             # in float64: 1 - beta2 from beta2 rounded to float32 would keep 4 digits of 0.001.
             log = lambda beta: math.log(beta) if beta > 0 else -math.inf
+            update = self._scaler_update
             step_count.device.launch(
                 "adam_prepare", (256,), (256,), 0 if partials is None else partials.size,
                 0.0 if max_norm is None else float(max_norm), log(beta1), log(beta2),
                 int(found_inf is not None), None if partials is None else partials.data,
-                None if found_inf is None else found_inf.data, step_count.data, scalars.data)
+                None if found_inf is None else found_inf.data, step_count.data, scalars.data,
+                int(update is not None), *(update or (0.0, 0.0, 0) + (None,) * 6))
+            self._scaler_updated = update is not None
 
     def _update(self, p, g, m, v, p_half=None):
         """The rule of the class docstring on param p, grad g, exp_avg m, exp_avg_sq v; p_half,
@@ -5881,9 +5930,30 @@ class _ScaledLoss(Node):
     usually runs after the `with Tape()` block has closed. Tape.backward runs its step first,
     then the graph of the loss it was made from, which that Tape must have recorded. From the
     implicit seed 1 it skips that step: the loss's gradient is then the scale itself, one
-    copy (1 * scale is exact) in place of a fill of ones and a kernel that scales them."""
+    copy (1 * scale is exact) in place of a fill of ones and a kernel that scales them.
 
-    __slots__ = ("_scaler",)
+    Its value may be made on demand (AMPGradScaler.scale): a training loop only passes the
+    scaled loss to backward, which needs its shape alone, so the product is a launch saved.
+    `_scale` is then the scale tensor to multiply by, which the scaler keeps as it is until
+    that value has been made (AMPGradScaler._settle)."""
+
+    __slots__ = ("_scaler", "_loss", "_scale")
+
+    @property
+    def value(self):
+        value = Node.value.__get__(self)
+        if value is None:  # made now, from the scale this loss was scaled with
+            value = self._scaler._times_scale(self._loss, self._scale)
+            self.value, self._scale = value, None
+        return value
+
+    @value.setter
+    def value(self, value):
+        Node.value.__set__(self, value)
+
+    shape = property(lambda self: self._loss.shape, doc="The loss's shape.")
+    dtype = property(lambda self: np.dtype(np.float32), doc="float32: the scale is float32.")
+    device = property(lambda self: self._loss.device, doc="The loss's Device.")
 
     def _taped_root(self):
         if not self.requires_grad:
@@ -5894,6 +5964,10 @@ class _ScaledLoss(Node):
     def _seed(self):
         scale = self._scaler._current_scale()
         return self._op.parents[0], _copy(scale, out=_like(scale, self.shape))
+
+    def _made(self):
+        """Whether the value exists (it has been read, or was made at once)."""
+        return Node.value.__get__(self) is not None
 
 
 # Where each optimizer stands between two update() calls (PyTorch's OptState).
@@ -5941,6 +6015,11 @@ class AMPGradScaler:
         # id(optimizer) -> {"stage", "found_inf": int32 (1,) flag, None after a fused clip's pass}
         self._per_optimizer = {}
         self._update_pending = False  # update() was called and has not run yet (see update)
+        # On OpenCL, spare (found_inf_any, scale, growth tracker) buffers, which a fused
+        # Adam step fills with the state update() will give (_speculation); _speculated: they
+        # hold it, and nothing has changed found_inf_any since.
+        self._spare, self._speculated = None, False
+        self._lazy = None  # a weak reference to the latest loss whose value waits (_settle)
 
     @staticmethod
     def _check_settings(scale_name, scale, growth_factor, backoff_factor, growth_interval):
@@ -5966,27 +6045,41 @@ class AMPGradScaler:
             self._growth_tracker = Tensor.from_host(
                 np.array([self._init_growth_tracker], np.int32), queue)
             self._found_inf_any = _zero_flag(Tensor.empty((1,), np.int32, queue))
+            if device.backend == "opencl":
+                self._spare = (Tensor.empty((1,), np.int32, queue),
+                               Tensor.empty((1,), np.float32, queue),
+                               Tensor.empty((1,), np.int32, queue))
         elif device is not self._scale.device:
             raise ValueError(f"AMPGradScaler.scale: the loss is on {device.name}, the scale on "
                              f"{self._scale.device.name}")
         value = loss.value
-        if self._update_pending and value.size == 1 and device.backend == "opencl":
-            # The usual step: last step's update() and this product in one kernel.
+        self._settle()  # the previous loss's value, if it waits and is still held
+        lazy = value.size == 1 and device.backend == "opencl"
+        if self._update_pending and lazy:
+            # Last step's update() and this product in one kernel.
             self._update_pending = False
             out = _like(value, dtype=np.float32)
             device.launch("amp_update_then_scale", (1,), (1,), *self._update_args(),
                           value.data, out.data, half=value.dtype == np.float16)
+            lazy = False
         else:
-            out = self._times_scale(value)
-        scaled = _ScaledLoss(out, requires_grad=loss.requires_grad)
+            # The usual step (update() ran in the fused step: see _speculation): the value is
+            # made when it is first read, if ever; backward needs the scale alone.
+            out = None if lazy else self._times_scale(value)
+        scaled = _ScaledLoss.__new__(_ScaledLoss)
+        scaled.value, scaled._loss, scaled._scale = out, value, self._scale if lazy else None
+        scaled.grad, scaled.requires_grad, scaled._op = None, loss.requires_grad, None
         scaled._scaler = self
+        if lazy:
+            self._lazy = weakref.ref(scaled)
         if loss.requires_grad:
             scaled._op = _Op((loss,), lambda g: (self._times_scale(g),), scaled)
         return scaled
 
-    def _times_scale(self, x):
-        """x * scale in float32, the scale read on the device: the host never knows it."""
-        scale = self._current_scale()
+    def _times_scale(self, x, scale=None):
+        """x * scale in float32 (the current scale, unless another is given), the scale read
+        on the device: the host never knows it."""
+        scale = scale or self._current_scale()
         if x.device.backend == "cpu":
             out = _cast(x, np.float32) if x.dtype == np.float16 else _copy(x)
             with np.errstate(all="ignore"):  # an overflow to inf is what update() detects
@@ -5997,6 +6090,24 @@ class AMPGradScaler:
             x.device.launch("times_scale", *_grid(out.size), out.size, scale.data, x.data,
                             out.data, half=x.dtype == np.float16)
         return out
+
+    def _settle(self):
+        """Make the value of the latest scaled loss whose value waits, if it is still held,
+        before the scale tensor it was scaled with changes."""
+        scaled = self._lazy and self._lazy()
+        self._lazy = None
+        if scaled is not None and not scaled._made():
+            scaled.value  # noqa: B018 (made now)
+
+    def _speculation(self):
+        """adam_prepare's arguments for working out update()'s result into the spare buffers,
+        after this step's unscaling pass: found_inf_any, scale and tracker are then final
+        unless another optimizer is unscaled before update()."""
+        self._settle()  # a spare may be the scale an earlier loss waits to be scaled with
+        spare_found, spare_scale, spare_tracker = self._spare
+        return (self._growth_factor, self._backoff_factor, self._growth_interval,
+                self._found_inf_any.data, self._scale.data, self._growth_tracker.data,
+                spare_found.data, spare_scale.data, spare_tracker.data)
 
     def unscale_(self, optimizer):
         """Divide the optimizer's gradients by the scale in place, and note on the device
@@ -6013,6 +6124,7 @@ class AMPGradScaler:
         gradient is non-finite unscaled, so is the norm of these partials, and a non-finite
         norm skips the step just the same (found_inf_any, for update(), is set all the same)."""
         self._check_scale("unscale_")
+        self._speculated = False  # this pass may change found_inf_any
         state = self._per_optimizer.setdefault(id(optimizer), {"stage": _READY, "found_inf": None})
         if state["stage"] == _UNSCALED:
             raise RuntimeError("unscale_() has already been called on this optimizer since the "
@@ -6078,12 +6190,16 @@ class AMPGradScaler:
             optimizer._found_inf = state["found_inf"]
             if partials is not None:
                 optimizer._grad_norm_partials = partials
+                if self._spare is not None:  # update()'s work, in Adam's adam_prepare
+                    optimizer._scaler_update = self._speculation()
             try:
                 result = optimizer.step(*args, **kwargs)
             finally:
                 optimizer._found_inf = None
                 if partials is not None:
                     optimizer._grad_norm_partials = None
+                    self._speculated = optimizer._scaler_updated
+                    optimizer._scaler_update, optimizer._scaler_updated = None, False
         elif not state["found_inf"].to_host()[0]:
             # An optimizer that cannot skip by itself: decide on the host, as PyTorch does.
             result = optimizer.step(*args, **kwargs)
@@ -6094,20 +6210,29 @@ class AMPGradScaler:
         """Back off after a step with an inf/NaN gradient, grow after growth_interval clean
         steps (aten's _amp_update_scale_); or, with new_scale, set the scale.
 
-        The former is deferred: the next scale() of a one-element loss runs it in the kernel
-        that scales the loss, a launch less per step. Everything that reads the scale before
-        that (get_scale, state_dict, load_state_dict, unscale_, update(new_scale), another
-        scale(), a backward through a scaled loss) runs it first, so nothing sees the delay."""
+        After a fused Adam step (step(adam, max_norm=...)) the device has already worked out
+        the new state into spare buffers (_speculation), and update() swaps them in: no
+        launch. Otherwise it is deferred: the next scale() of a one-element loss runs it in
+        the kernel that scales the loss, a launch less per step. Everything that reads the
+        scale before that (get_scale, state_dict, load_state_dict, unscale_, update(new_scale),
+        another scale(), a backward through a scaled loss) runs it first, so nothing sees the
+        delay."""
         if not self._enabled:
             return
         self._check_scale("update")
         if new_scale is not None:
+            self._settle()
             _write(self._current_scale(), np.array([float(new_scale)], np.float32))
             _zero_flag(self._found_inf_any)
         elif not any(state["stage"] != _READY for state in self._per_optimizer.values()):
             raise RuntimeError("No inf checks were recorded prior to update.")
+        elif self._speculated:
+            state = self._found_inf_any, self._scale, self._growth_tracker
+            (self._found_inf_any, self._scale, self._growth_tracker), self._spare = \
+                self._spare, state
         else:
             self._update_pending = True
+        self._speculated = False
         self._per_optimizer = {}
 
     def _current_scale(self):
@@ -6115,6 +6240,7 @@ class AMPGradScaler:
         if not self._update_pending:
             return self._scale
         self._update_pending = False
+        self._settle()  # the update changes the scale in place
         if self._scale.device.backend == "cpu":  # kernels.cl: update_scale
             scale, tracker, found_inf = (self._scale.data, self._growth_tracker.data,
                                          self._found_inf_any.data)
@@ -6181,6 +6307,8 @@ class AMPGradScaler:
         self._check_settings("scale", scale, growth_factor, backoff_factor, growth_interval)
         _check_int("AMPGradScaler.load_state_dict", "_growth_tracker", tracker, 0)
         self._current_scale()  # a pending update runs with the factors it was called with
+        self._settle()
+        self._speculated = False
         self._init_scale = float(scale)
         self._growth_factor, self._backoff_factor = float(growth_factor), float(backoff_factor)
         self._growth_interval = int(growth_interval)

@@ -6687,6 +6687,69 @@ def test_tensor_core_gemm_picks_its_block_by_shape(opencl, monkeypatch, layout, 
     assert len(sums) == (splits > 1)
 
 
+@XB_SETTINGS
+@given(m=st.integers(1, 300), n=st.integers(1, 300), k=st.integers(1, 300),
+       side=st.sampled_from(["a", "b"]), bias=st.booleans(), split=st.booleans(),
+       seed=st.integers(0, 2 ** 31))
+def test_tensor_core_gemm_rounds_a_float32_operand_as_a_cast_would(opencl, m, n, k, side,
+                                                                    bias, split, seed):
+    """linear's two products of a float32 input, x @ W^T (to half, with or without bias) and
+    g^T @ x (to float, K split or not), read x as float32: bit for bit the product of x cast
+    to float16 first, with values across float16's range (subnormals, overflow to inf)."""
+    dev = _tensor_core_device(opencl)
+    round8 = lambda v: -(-v // 8) * 8  # the float16 operand's rows 16-byte aligned
+    if side == "a":
+        k, bias, split = round8(k), bias, False
+    else:
+        m, n, bias = round8(m), round8(n), False
+        k = k * 40 if split else k  # a long K over few blocks is split
+    rng = np.random.default_rng(seed)
+    shape_x = (m, k) if side == "a" else (k, n)
+    x = (rng.standard_normal(shape_x) * 10.0 ** rng.uniform(-9, 5, shape_x)).astype(np.float32)
+    other = rng.standard_normal((n, k) if side == "a" else (k, m)).astype(np.float16)
+    X32, X16, O = tensor(x, dev), tensor(x.astype(np.float16), dev), tensor(other, dev)
+    b = tensor(rng.standard_normal(n), dev) if bias else None
+    outs = []
+    for X in (X32, X16):
+        out = netcl.Tensor.empty((m, n), np.float16 if side == "a" else np.float32, dev.queue)
+        args = (X, O, False, True) if side == "a" else (O, X, True, False)
+        assert netcl._tensor_core_gemm(*args, b, out)
+        outs.append(host(out))
+    np.testing.assert_array_equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("rows, features, outputs, forward, weight_gradient", [
+    (128, 784, 256, ["gemm_tc_nt_h_s_xa"], "gemm_tc_tn_f_s_xb"),    # the small MLP's first layer
+    (1024, 784, 4096, ["gemm_tc_nt_h_l_xa"], "gemm_tc_tn_f_l_xb"),  # 128x128 blocks
+    (4096, 784, 4096, ["cast_to_act", "gemm_tc_nt_h_l"], "gemm_tc_tn_f_l"),  # large: a cast
+    (64, 784, 256, ["gemm_tc_nt_h_m_xa"], "gemm_tc_tn_f_s_xb"),     # 64 rows
+    (128, 30, 256, ["cast_to_act", "gemm_tc_nt_h_u"], "gemm_tc_tn_f_u"),  # unaligned: a cast
+])
+def test_linear_on_tensor_cores_reads_a_float32_input_without_a_cast(
+        opencl, monkeypatch, rows, features, outputs, forward, weight_gradient):
+    """Under autocast on tensor cores (132 compute units) the first layer's products read the
+    float32 input themselves: no cast_to_act, no float16 copy of it, where both products have
+    such a kernel and the input is small (netcl._TC_FLOAT_INPUT_MAX); elsewhere the input is
+    cast first. The launches are recorded, not run."""
+    for name, value in (("_tensor_cores", True), ("compute_units", 132), ("gemm", "tiled")):
+        monkeypatch.setattr(opencl, name, value)
+    launched = []
+    monkeypatch.setattr(opencl, "launch", lambda name, *args, **kwargs: launched.append(name))
+    x = netcl.Tensor.empty((rows, features), np.float32, opencl.queue)
+    layer = nn.Linear(features, outputs, queue=opencl.queue)
+    netcl.optim.AdamW(layer.parameters())  # which keeps the weight's float16 copy
+    for _ in range(2):  # the first forward makes that copy
+        launched.clear()
+        with netcl.Tape() as tape, netcl.autocast():
+            out = layer(x)
+            loss = out.sum()
+        assert out.dtype == np.float16
+    assert launched[:len(forward)] == forward and launched[len(forward)] == "sum_rows"
+    launched.clear()
+    tape.backward(loss)
+    assert [name for name in launched if name.startswith("gemm")] == [weight_gradient]
+
+
 @pytest.mark.parametrize("layout, m, n, k", [
     ("nt", 64, 288, 8192),    # a convolution's weight gradient: few blocks, long K, split
     ("nn", 4096, 2048, 10),   # the gradient through a 10-class layer: unaligned rows
@@ -7002,6 +7065,7 @@ def test_backward_from_a_scaled_loss_seeds_the_loss_with_the_scale(backend):
         with netcl.Tape() as tape:
             loss = (p * g).sum()
         scaled, scaled_leaf = scaler.scale(loss), scaler.scale(leaf)
+        assert host(scaled) == host(loss) * 3.0 and host(scaled_leaf) == [7.5]  # values made
         before = backend.launches
         if seed == "implicit":
             tape.backward(scaled)
@@ -7209,14 +7273,15 @@ def _clipping_step(model, opt, scaler, x, y, amp):
 
 @pytest.mark.parametrize("gemm", ["packed", "tiled"])
 @pytest.mark.usefixtures("portable_half")
-def test_an_autocast_step_launches_what_a_float32_step_does_and_two_more(opencl, monkeypatch,
+def test_an_autocast_step_launches_what_a_float32_step_does_and_one_more(opencl, monkeypatch,
                                                                          gemm):
     """Outside the matrix products (whose float16 operands cost packs or widening casts on
     the portable kernels, and nothing on tensor cores), an autocast step with a scaler and a
     clipping AdamW launches the float32 step's kernels, its norm pass being the one that
-    unscales, and two more: the input's cast to float16 and the loss's scaling, which runs
-    the previous update() as well. The loss's gradient comes without a kernel, the logits'
-    in float16 without a cast. And no host sync."""
+    unscales, and one more: the input's cast to float16 (which tensor cores do without, see
+    test_linear_on_tensor_cores_reads_a_float32_input_without_a_cast). The scaler's update()
+    runs in adam_prepare, the loss's scaled value is never read, the loss's gradient comes
+    without a kernel, the logits' in float16 without a cast. And no host sync."""
     monkeypatch.setattr(opencl, "gemm", gemm)
     launched, in_product = [], [0]
     launch, gemm_product = opencl.launch, netcl._gemm
@@ -7250,10 +7315,9 @@ def test_an_autocast_step_launches_what_a_float32_step_does_and_two_more(opencl,
         assert opencl.syncs == syncs
         counts[amp] = Counter(launched)
     single, mixed = counts[False], counts[True]
-    assert mixed - single == Counter({"cast_to_act": 1, "amp_update_then_scale": 1,
-                                      "amp_unscale": 1})
+    assert mixed - single == Counter({"cast_to_act": 1, "amp_unscale": 1})
     assert single - mixed == Counter({"norm_partials": 1})
-    assert sum(mixed.values()) == sum(single.values()) + 2
+    assert sum(mixed.values()) == sum(single.values()) + 1
 
 
 @pytest.mark.parametrize("kind", ["adam", "adamw"])
@@ -7387,6 +7451,37 @@ def test_fused_clip_skips_a_norm_that_overflows_without_backing_off(backend):
         np.testing.assert_array_equal(host(p.grad), np.full(4, 1e20, np.float32))
         assert scaler.state_dict()["scale"] == 4.0 and scaler.state_dict()["_growth_tracker"] == 1
         assert _moments(opt, "adamw")[0][0] == 0
+
+
+def test_a_scaled_loss_read_late_is_the_loss_times_its_own_scale(backend, monkeypatch):
+    """scale(loss)'s value may be made only when it is read (no launch in a loop that never
+    reads it); read steps later, after update() has grown the scale every step, each is its
+    loss times the scale it was scaled with. A fused step runs update()'s work in
+    adam_prepare: after the first step, no kernel of the scaler's own runs."""
+    p = param(np.ones(3), backend)
+    opt = netcl.AdamW([p], lr=0.1)
+    scaler = netcl.AMPGradScaler(init_scale=8.0, growth_interval=1)  # doubles every step
+    launched = []
+    if backend.backend == "opencl":
+        launch = backend.launch
+        monkeypatch.setattr(backend, "launch", lambda name, *args, **kwargs: (
+            launched.append(name), launch(name, *args, **kwargs))[1])
+    kept = []
+    for step in range(4):
+        opt.zero_grad()
+        with netcl.Tape() as tape:
+            loss = (p * np.array([1.0, 2.0, 3.0], np.float32)).sum()
+        scaled = scaler.scale(loss)
+        kept.append((scaled, float(host(loss))))
+        tape.backward(scaled)
+        scaler.step(opt, max_norm=1.0)
+        scaler.update()
+        if step == 0:
+            launched.clear()
+    assert not {"amp_update_scale", "amp_update_then_scale"} & set(launched)
+    assert scaler.get_scale() == 8.0 * 2 ** 4
+    for step, (scaled, value) in enumerate(kept):
+        assert host(scaled) == np.float32(value) * np.float32(8.0 * 2 ** step), step
 
 
 def _scaler_read(scaler, read):
@@ -7549,7 +7644,9 @@ def test_whatever_reads_the_scale_runs_a_pending_update_first(backend, reader,
 @pytest.mark.usefixtures("portable_half")
 def test_scale_of_a_float16_loss_runs_the_pending_update(opencl):
     """The next scale() of a one-element float16 loss (autocast's) runs the update() left
-    pending in its own kernel: the loss times the new scale, no launch of its own."""
+    pending (SGD's step has no adam_prepare to run it in) in its own kernel: the loss times
+    the new scale, no launch of its own. With no update pending (the first scale()), the
+    value waits until it is read: no launch."""
     p = param([1.0, 2.0], opencl)
     opt = netcl.SGD([p], lr=0.0)
     scaler = netcl.AMPGradScaler(init_scale=4.0, growth_interval=1)
@@ -7560,7 +7657,7 @@ def test_scale_of_a_float16_loss_runs_the_pending_update(opencl):
         assert out.dtype == np.float16
         launches = opencl.launches
         scaled = scaler.scale(out)
-        assert opencl.launches == launches + 1
+        assert opencl.launches == launches + (expected_scale != 4.0)
         assert float(scaled.value) == 3.0 * expected_scale
         opt.zero_grad()
         tape.backward(scaled)
