@@ -2436,13 +2436,17 @@ def linear(x, w, b=None):
     X, W = x.value._view((rows, x.shape[-1])), w.value
     half = _half_activations(X.device)
     # On tensor cores every product takes float16 operands: x rounded as autocast's other
-    # devices do (a float32 x in the kernels' loads where they can: no copy to keep), and a
-    # float16 copy of the weight, kept for backward.
+    # devices do, and a float16 copy of the weight, kept for backward. A float32 x is read as
+    # it is where the kernels can (_tensor_cores_read_float32); else it is cast for the
+    # forward and cast again for the weight's gradient, not kept cast through the backward
+    # pass, whose peak the copy would add to (7 MiB for 4096 x 784; a cast takes ~10 µs).
     tensor_cores = half and X.device.tensor_cores
+    X_product, cast_again = X, False
     if tensor_cores:
         W = _half_weight(w)
         if not _tensor_cores_read_float32(X, w.shape[0], b is not None):
-            X = _half_operand(X)
+            X_product = _half_operand(X)
+            cast_again = X_product is not X
 
     half_x = _half_grad(x.value)  # dx in x's storage
 
@@ -2452,8 +2456,8 @@ def linear(x, w, b=None):
         # buffer when it has one free (_free_grad_slot; None otherwise: a new tensor). dw
         # first: where the kernels widen a float16 g for it (the tiled ones), that float32
         # copy is freed before dx is allocated.
-        grad_w = (_gemm(g, X, trans_a=True, out=_free_grad_slot(w))      # dw = g^T x
-                  if w.requires_grad else None)
+        grad_w = (_gemm(g, _half_operand(X) if cast_again else X, trans_a=True,  # dw = g^T x
+                        out=_free_grad_slot(w)) if w.requires_grad else None)
         grads = [_gemm(g, W, half=half_x)._view(x.shape) if x.requires_grad else None,  # g W
                  grad_w]
         if b is not None:                                        # db = the sum of g's rows
@@ -2467,8 +2471,9 @@ def linear(x, w, b=None):
             else:
                 grads.append(None)
         return grads
-    out = _gemm(_half_operand(X) if half and not tensor_cores else X, W, trans_b=True,
+    out = _gemm(_half_operand(X) if half and not tensor_cores else X_product, W, trans_b=True,
                 bias=None if b is None else b.value, half=half)
+    del X_product  # (a cast of x is not kept for backward)
     return _record(out._view(x.shape[:-1] + (w.shape[0],)),
                    (x, w) + ((b,) if b is not None else ()), backward, half_grad=True)
 

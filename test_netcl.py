@@ -6719,18 +6719,20 @@ def test_tensor_core_gemm_rounds_a_float32_operand_as_a_cast_would(opencl, m, n,
 
 
 @pytest.mark.parametrize("rows, features, outputs, forward, weight_gradient", [
-    (128, 784, 256, ["gemm_tc_nt_h_s_xa"], "gemm_tc_tn_f_s_xb"),    # the small MLP's first layer
-    (1024, 784, 4096, ["gemm_tc_nt_h_l_xa"], "gemm_tc_tn_f_l_xb"),  # 128x128 blocks
-    (4096, 784, 4096, ["cast_to_act", "gemm_tc_nt_h_l"], "gemm_tc_tn_f_l"),  # large: a cast
-    (64, 784, 256, ["gemm_tc_nt_h_m_xa"], "gemm_tc_tn_f_s_xb"),     # 64 rows
-    (128, 30, 256, ["cast_to_act", "gemm_tc_nt_h_u"], "gemm_tc_tn_f_u"),  # unaligned: a cast
+    (128, 784, 256, ["gemm_tc_nt_h_s_xa"], ["gemm_tc_tn_f_s_xb"]),  # the small MLP's first layer
+    (1024, 784, 4096, ["gemm_tc_nt_h_l_xa"], ["gemm_tc_tn_f_l_xb"]),  # 128x128 blocks
+    (64, 784, 256, ["gemm_tc_nt_h_m_xa"], ["gemm_tc_tn_f_s_xb"]),     # 64 rows
+    # large, or unaligned: a cast for each product, none kept through the backward pass
+    (4096, 784, 4096, ["cast_to_act", "gemm_tc_nt_h_l"], ["cast_to_act", "gemm_tc_tn_f_l"]),
+    (128, 30, 256, ["cast_to_act", "gemm_tc_nt_h_u"], ["cast_to_act", "gemm_tc_tn_f_u"]),
 ])
 def test_linear_on_tensor_cores_reads_a_float32_input_without_a_cast(
         opencl, monkeypatch, rows, features, outputs, forward, weight_gradient):
     """Under autocast on tensor cores (132 compute units) the first layer's products read the
     float32 input themselves: no cast_to_act, no float16 copy of it, where both products have
     such a kernel and the input is small (netcl._TC_FLOAT_INPUT_MAX); elsewhere the input is
-    cast first. The launches are recorded, not run."""
+    cast for each product, and the forward's cast is not kept for backward. The launches are
+    recorded, not run."""
     for name, value in (("_tensor_cores", True), ("compute_units", 132), ("gemm", "tiled")):
         monkeypatch.setattr(opencl, name, value)
     launched = []
@@ -6738,16 +6740,23 @@ def test_linear_on_tensor_cores_reads_a_float32_input_without_a_cast(
     x = netcl.Tensor.empty((rows, features), np.float32, opencl.queue)
     layer = nn.Linear(features, outputs, queue=opencl.queue)
     netcl.optim.AdamW(layer.parameters())  # which keeps the weight's float16 copy
-    for _ in range(2):  # the first forward makes that copy
-        launched.clear()
-        with netcl.Tape() as tape, netcl.autocast():
-            out = layer(x)
-            loss = out.sum()
-        assert out.dtype == np.float16
+    with netcl.Tape(), netcl.autocast():  # the first forward makes that copy
+        layer(x)
+    launched.clear()
+    in_use = opencl.pool.in_use_bytes
+    with netcl.Tape() as tape, netcl.autocast():
+        out = layer(x)
+        loss = out.sum()
+    assert out.dtype == np.float16
     assert launched[:len(forward)] == forward and launched[len(forward)] == "sum_rows"
+    held = opencl.pool.in_use_bytes - in_use  # out and loss: no float16 copy of x
+    assert held == netcl._bucket(out.value.nbytes) + netcl._bucket(4)
     launched.clear()
     tape.backward(loss)
-    assert [name for name in launched if name.startswith("gemm")] == [weight_gradient]
+    # (the sum's backward casts the gradient of the float16 output first)
+    assert launched[:3] == ["expand_axis", "expand_axis", "cast_to_act"]
+    assert [name for name in launched[3:] if name.startswith(("gemm", "cast"))] == \
+        weight_gradient
 
 
 @pytest.mark.parametrize("layout, m, n, k", [
