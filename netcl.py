@@ -2123,14 +2123,15 @@ def _packed_gemm(a, b, trans_a, trans_b, bias, half, out, b_cols=None, a_run=Non
         _sum_axis_tensor(target, 1, splits, M * N, out=out.reshape((1, M * N)))
 
 
-def _tensor_core_gemm(a, b, trans_a, trans_b, bias, out, bias_rows=False):
-    """Run _gemm's product on tensor cores if it can: both operands in float16 storage and a
-    device whose probe passed. Returns whether it did."""
+def _tensor_core_gemm(a, b, trans_a, trans_b, bias, out, bias_rows=False, dims=None):
+    """Run _gemm's product on tensor cores if it can: both operands in float16 storage (or
+    one float32 one, _tensor_core_float_side) and a device whose probe passed. Returns
+    whether it did. dims: _gemm_dims(a, b, trans_a, trans_b), if the caller has them."""
     device = a.device
     float_side = _tensor_core_float_side(a, b, trans_a, trans_b)
     if float_side is None or not device.tensor_cores:
         return False
-    batch, M, K, N = _gemm_dims(a, b, trans_a, trans_b)
+    batch, M, K, N = dims or _gemm_dims(a, b, trans_a, trans_b)
     plan = _tensor_core_plan(batch, M, K, N, trans_a, trans_b, bias is not None,
                              out.dtype == np.float16, device.compute_units, float_side)
     if plan is None:
@@ -2320,7 +2321,7 @@ def _gemm(a, b, trans_a=False, trans_b=False, bias=None, half=False, out=None, b
     elif M and N and batch:  # (an empty C has nothing to write)
         if a.device.gemm == "packed":
             _packed_gemm(a, b, trans_a, trans_b, bias, half, out, bias_rows=bias_rows)
-        elif not _tensor_core_gemm(a, b, trans_a, trans_b, bias, out, bias_rows):
+        elif not _tensor_core_gemm(a, b, trans_a, trans_b, bias, out, bias_rows, dims):
             _tiled_gemm(a, b, dims, trans_a, trans_b, bias, bias_rows, half, out)
     return out
 
