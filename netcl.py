@@ -5940,26 +5940,43 @@ class _ScaledLoss(Node):
 
     Its value may be made on demand (AMPGradScaler.scale): a training loop only passes the
     scaled loss to backward, which needs its shape alone, so the product is a launch saved.
-    `_scale` is then the scale tensor to multiply by, which the scaler keeps as it is until
-    that value has been made (AMPGradScaler._settle)."""
+    `_loss` and `_scale` are then the loss's value and the scale tensor to multiply, which
+    the scaler keeps as they are until that value has been made (AMPGradScaler._settle)."""
 
     __slots__ = ("_scaler", "_loss", "_scale")
 
     @property
     def value(self):
         value = Node.value.__get__(self)
-        if value is None:  # made now, from the scale this loss was scaled with
+        if value is None:  # made now, from the loss and scale as they were at scale()
             value = self._scaler._times_scale(self._loss, self._scale)
-            self.value, self._scale = value, None
+            self.value, self._loss, self._scale = value, None, None
         return value
 
     @value.setter
     def value(self, value):
         Node.value.__set__(self, value)
 
-    shape = property(lambda self: self._loss.shape, doc="The loss's shape.")
-    dtype = property(lambda self: np.dtype(np.float32), doc="float32: the scale is float32.")
-    device = property(lambda self: self._loss.device, doc="The loss's Device.")
+    def _made(self):
+        """Whether the value exists (it has been read, or was made at once)."""
+        return Node.value.__get__(self) is not None
+
+    # What describes the value, without making it: a waiting value is a one-element float32
+    # product on the loss's device.
+    @property
+    def shape(self):
+        """The value's shape."""
+        return self.value.shape if self._loss is None else self._loss.shape
+
+    @property
+    def dtype(self):
+        """The value's dtype."""
+        return self.value.dtype if self._loss is None else np.dtype(np.float32)
+
+    @property
+    def device(self):
+        """The value's Device."""
+        return self.value.device if self._loss is None else self._loss.device
 
     def _taped_root(self):
         if not self.requires_grad:
@@ -5970,10 +5987,6 @@ class _ScaledLoss(Node):
     def _seed(self):
         scale = self._scaler._current_scale()
         return self._op.parents[0], _copy(scale, out=_like(scale, self.shape))
-
-    def _made(self):
-        """Whether the value exists (it has been read, or was made at once)."""
-        return Node.value.__get__(self) is not None
 
 
 # Where each optimizer stands between two update() calls (PyTorch's OptState).
@@ -6060,7 +6073,14 @@ class AMPGradScaler:
                              f"{self._scale.device.name}")
         value = loss.value
         self._settle()  # the previous loss's value, if it waits and is still held
-        lazy = value.size == 1 and device.backend == "opencl"
+        # The value may wait for a one-element loss an op computed, unless it is the memory of
+        # a leaf it was made from (a parameter's view, which a step changes: steps settle
+        # first anyway, see step).
+        memory = value._base or value
+        lazy = (value.size == 1 and device.backend == "opencl" and loss._op is not None and
+                not any(isinstance(parent, Node) and (memory is parent.value or
+                                                      memory is parent.value._base)
+                        for parent in loss._op.parents))
         if self._update_pending and lazy:
             # Last step's update() and this product in one kernel.
             self._update_pending = False
@@ -6073,7 +6093,8 @@ class AMPGradScaler:
             # made when it is first read, if ever; backward needs the scale alone.
             out = None if lazy else self._times_scale(value)
         scaled = _ScaledLoss.__new__(_ScaledLoss)
-        scaled.value, scaled._loss, scaled._scale = out, value, self._scale if lazy else None
+        scaled.value, scaled._loss, scaled._scale = (None, value, self._scale) if lazy else (
+            out, None, None)
         scaled.grad, scaled.requires_grad, scaled._op = None, loss.requires_grad, None
         scaled._scaler = self
         if lazy:
@@ -6085,7 +6106,7 @@ class AMPGradScaler:
     def _times_scale(self, x, scale=None):
         """x * scale in float32 (the current scale, unless another is given), the scale read
         on the device: the host never knows it."""
-        scale = scale or self._current_scale()
+        scale = self._current_scale() if scale is None else scale
         if x.device.backend == "cpu":
             out = _cast(x, np.float32) if x.dtype == np.float16 else _copy(x)
             with np.errstate(all="ignore"):  # an overflow to inf is what update() detects
@@ -6108,8 +6129,8 @@ class AMPGradScaler:
     def _speculation(self):
         """adam_prepare's arguments for working out update()'s result into the spare buffers,
         after this step's unscaling pass: found_inf_any, scale and tracker are then final
-        unless another optimizer is unscaled before update()."""
-        self._settle()  # a spare may be the scale an earlier loss waits to be scaled with
+        unless another optimizer is unscaled before update(). (step has settled any loss
+        waiting to be scaled with a spare.)"""
         spare_found, spare_scale, spare_tracker = self._spare
         return (self._growth_factor, self._backoff_factor, self._growth_interval,
                 self._found_inf_any.data, self._scale.data, self._growth_tracker.data,
@@ -6180,6 +6201,9 @@ class AMPGradScaler:
         if "closure" in kwargs:
             raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
         self._check_scale("step")
+        # A waiting loss value is made first: the step changes what the loss may share memory
+        # with, and a fused one writes the spares, of which one may be the scale it waits for.
+        self._settle()
         state = self._per_optimizer.get(id(optimizer), {"stage": _READY})
         if state["stage"] == _STEPPED:
             raise RuntimeError("step() has already been called since the last update().")

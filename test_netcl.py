@@ -7493,6 +7493,34 @@ def test_a_scaled_loss_read_late_is_the_loss_times_its_own_scale(backend, monkey
         assert host(scaled) == np.float32(value) * np.float32(8.0 * 2 ** step), step
 
 
+@pytest.mark.parametrize("make_loss", ["reshape", "leaf"])
+@pytest.mark.parametrize("kind", ["sgd", "adam", "adam_clip"])
+def test_a_scaled_loss_sharing_memory_with_a_parameter_keeps_its_value(backend, make_loss,
+                                                                         kind):
+    """A loss that is a view of a parameter (or the parameter itself) changes when the step
+    updates it; its scaled value, read after the step, is still the loss before the step
+    times the scale, as PyTorch's (computed at scale())."""
+    p = param([2.0], backend)
+    opt = netcl.SGD([p], lr=1.0) if kind == "sgd" else netcl.AdamW([p], lr=1.0)
+    scaler = netcl.AMPGradScaler(init_scale=4.0)
+    with netcl.Tape() as tape:
+        loss = p.reshape(()) if make_loss == "reshape" else p
+    scaled = scaler.scale(loss)
+    tape.backward(scaled)
+    scaler.step(opt, **({"max_norm": 1.0} if kind == "adam_clip" else {}))
+    scaler.update()
+    assert host(p)[0] != 2.0 and float(host(scaled).reshape(-1)[0]) == 8.0
+
+
+def test_a_scaled_float64_loss_is_float64_on_the_numpy_backend(cpu):
+    """The scaled loss's dtype is its value's: float64 for a float64 loss on NumPy."""
+    x = param(np.array([1.5, 2.0]), cpu, dtype=np.float64)
+    with netcl.Tape():
+        loss = (x * x).sum()
+    scaled = netcl.AMPGradScaler(init_scale=4.0).scale(loss)
+    assert scaled.dtype == host(scaled).dtype == np.float64 and host(scaled) == 25.0
+
+
 def _scaler_read(scaler, read):
     """What `read` ("none", "get_scale", "state_dict") sees of the scaler."""
     return None if read == "none" else getattr(scaler, read)()
