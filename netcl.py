@@ -5947,6 +5947,7 @@ class _ScaledLoss(Node):
 
     @property
     def value(self):
+        """loss * scale (a Tensor), made on the first read if it waits."""
         value = Node.value.__get__(self)
         if value is None:  # made now, from the loss and scale as they were at scale()
             value = self._scaler._times_scale(self._loss, self._scale)
@@ -5955,6 +5956,7 @@ class _ScaledLoss(Node):
 
     @value.setter
     def value(self, value):
+        """Node's own slot holds it (None while it waits)."""
         Node.value.__set__(self, value)
 
     def _made(self):
