@@ -43,6 +43,12 @@
 #ifndef CPU_DEVICE  // 1 on CPU devices (PoCL): see the gradient norms' loops
 #define CPU_DEVICE 0
 #endif
+#ifndef PANEL_ROWS  // the packed GEMM's block of C on CPU devices (see there): 6x16 or 12x32
+#define PANEL_ROWS 6
+#endif
+#ifndef PANEL_COLS
+#define PANEL_COLS 16
+#endif
 #ifdef cl_khr_fp64  // double is used in one place: the loss scale's reciprocal (AMP section)
 #pragma OPENCL EXTENSION cl_khr_fp64 : enable
 #endif
@@ -985,27 +991,46 @@ __kernel void tensor_core_probe(__global const uint* A, __global const uint* Bt,
 
 // GEMM for CPU devices (PoCL). Local memory is slow there and wide vector loads are
 // fast, so both operands are first packed (transposing if asked, padding with zeros) into
-// layouts whose rows are aligned float8 runs: Ap (Mp, K) with Mp a multiple of 6, and
-// Bp (K, Np) with Np a multiple of 16. Each work-item then computes a 6x16 block of C with
-// twelve float8 accumulators and no bounds checks in the loop over K: with the two float8
-// of B and a broadcast of A they fill AVX2's sixteen registers (4x16 blocks, eight
-// accumulators, left the multiply-adds waiting on each other: 1.3x slower; 8x16 spills).
+// layouts whose rows are aligned vector runs: Ap (Mp, K) with Mp a multiple of PANEL_ROWS,
+// and Bp (K, Np) with Np a multiple of PANEL_COLS. Each work-item then computes a
+// PANEL_ROWS x PANEL_COLS block of C, two panel_v vectors per row of accumulators, with no
+// bounds checks in the loop over K: with the two vectors of B and a broadcast of A they
+// fill the vector registers. The block is the device's (netcl.py: _panel_shape): 6x16 in
+// float8 with AVX2's sixteen registers (4x16 blocks, eight accumulators, left the
+// multiply-adds waiting on each other: 1.3x slower; 8x16 spills), 12x32 in float16 with
+// AVX-512's thirty-two (6x32 was 0.8x as fast, 6x16 in float8 0.55x).
 // Packing reads either operand as act_t and writes float, so the inner loop never sees half;
 // C is act_t.
-//
+#if PANEL_COLS == 32
+typedef float16 panel_v;
+#define PANEL_LOAD(p) (*(__global const float16*)(p))
+#define PANEL_STORE(v, p) vstore16((v), 0, (p))
+#else
+typedef float8 panel_v;
+#define PANEL_LOAD(p) (*(__global const float8*)(p))
+#define PANEL_STORE(v, p) vstore8((v), 0, (p))
+#endif
+#define PANEL_HALF (PANEL_COLS / 2)  // the columns of one panel_v
+// PANEL_ROW_LIST(X) is X(0) X(1) .. X(PANEL_ROWS - 1): the block's rows, one by one.
+#define PANEL_ROWS_0_5(X) X(0) X(1) X(2) X(3) X(4) X(5)
+#if PANEL_ROWS == 12
+#define PANEL_ROW_LIST(X) PANEL_ROWS_0_5(X) X(6) X(7) X(8) X(9) X(10) X(11)
+#else
+#define PANEL_ROW_LIST(X) PANEL_ROWS_0_5(X)
+#endif
+
 // A matrix's columns may come in runs (conv2d's tensors (nb, rows, OH*OW) read as the matrix
 // (rows, nb*OH*OW) of its samples' pixels side by side): with runs of `run` columns, run j of
 // every row follows run j - 1 of them all, element (row, col) at RUN_AT(row, col, rows, run).
 // A plain matrix is one run (run = its width), for which RUN_AT is row * run + col.
 #define RUN_AT(row, col, rows, run) \
     (((col) / (run)) * ((rows) - 1) * (run) + (row) * (run) + (col))
-#define PANEL_ROWS 6  // netcl.py: _PANEL_ROWS
 
 // A (act_t) stored (M, K) in runs along K, or (K, M) when transposed -> Ap in panels of
-// PANEL_ROWS rows: Ap[p][k][r] = A[6p + r][k] (0 past M), so that a work-item's rows are one
-// contiguous run per k. A work-item packs PACK_K k's of one panel (one k each was 1.6-2.4x
-// slower at n=1024), copying a whole block without checks when it lies in one run. The
-// second dimension of the launch is a batch: matrix j is `batch` on in A.
+// PANEL_ROWS rows: Ap[p][k][r] = A[PANEL_ROWS p + r][k] (0 past M), so that a work-item's
+// rows are one contiguous run per k. A work-item packs PACK_K k's of one panel (one k each
+// was 1.6-2.4x slower at n=1024), copying a whole block without checks when it lies in one
+// run. The second dimension of the launch is a batch: matrix j is `batch` on in A.
 #define PACK_K 8
 __kernel void pack_a(const int M, const int K, const int Mp, const int transposed,
                      const int run, const int batch, __global const act_t* A,
@@ -1037,131 +1062,135 @@ __kernel void pack_a(const int M, const int K, const int Mp, const int transpose
         }
 }
 
-// B (act_t) stored (K, N) in runs along N, or (N, K) when transposed -> Bp in panels of 16
-// columns: Bp[p][k][c] = B[k][16p + c] (0 past N), a work-item's columns one contiguous run;
-// PACK_K k's of one panel per work-item, as pack_a.
+// B (act_t) stored (K, N) in runs along N, or (N, K) when transposed -> Bp in panels of
+// PANEL_COLS columns: Bp[p][k][c] = B[k][PANEL_COLS p + c] (0 past N), a work-item's
+// columns one contiguous run; PACK_K k's of one panel per work-item, as pack_a.
 __kernel void pack_b(const int K, const int N, const int Np, const int transposed,
                      const int run, const int batch, __global const act_t* B,
                      __global float* Bp) {
     const int blocks = (K + PACK_K - 1) / PACK_K;
     const int i = get_global_id(0), j = get_global_id(1);  // i: PACK_K k's of one panel
-    if (i >= Np / 16 * blocks) return;
-    const int p = i / blocks, k0 = (i - p * blocks) * PACK_K, n0 = 16 * p;
+    if (i >= Np / PANEL_COLS * blocks) return;
+    const int p = i / blocks, k0 = (i - p * blocks) * PACK_K, n0 = PANEL_COLS * p;
     B += j * batch;
-    __global float* out = Bp + j * K * Np + n0 * K + 16 * k0;
-    if (n0 + 16 <= N && k0 + PACK_K <= K && (transposed || n0 % run + 16 <= run)) {
+    __global float* out = Bp + j * K * Np + n0 * K + PANEL_COLS * k0;
+    if (n0 + PANEL_COLS <= N && k0 + PACK_K <= K &&
+        (transposed || n0 % run + PANEL_COLS <= run)) {
         if (transposed) {
-            for (int c = 0; c < 16; ++c)
-                for (int k = 0; k < PACK_K; ++k) out[16 * k + c] = LOAD(B, (n0 + c) * K + k0 + k);
+            for (int c = 0; c < PANEL_COLS; ++c)
+                for (int k = 0; k < PACK_K; ++k)
+                    out[PANEL_COLS * k + c] = LOAD(B, (n0 + c) * K + k0 + k);
         } else {
             __global const act_t* rows = B + RUN_AT(k0, n0, K, run);
             for (int k = 0; k < PACK_K; ++k)
-                for (int c = 0; c < 16; ++c) out[16 * k + c] = LOAD(rows, k * run + c);
+                for (int c = 0; c < PANEL_COLS; ++c)
+                    out[PANEL_COLS * k + c] = LOAD(rows, k * run + c);
         }
         return;
     }
     for (int k = 0; k < PACK_K && k0 + k < K; ++k)
-        for (int c = 0; c < 16; ++c) {
+        for (int c = 0; c < PANEL_COLS; ++c) {
             const int n = n0 + c;
-            out[16 * k + c] = n < N ? (transposed ? LOAD(B, n * K + k0 + k)
-                                                  : LOAD(B, RUN_AT(k0 + k, n, K, run))) : 0.0f;
+            out[PANEL_COLS * k + c] = n < N ? (transposed ? LOAD(B, n * K + k0 + k)
+                                                          : LOAD(B, RUN_AT(k0 + k, n, K, run)))
+                                            : 0.0f;
         }
 }
 
-// op(A) @ op(B) -> C (M, N) [+ bias (N)]; a work-item owns rows 6i..6i+5 and columns
-// 16j..16j+15, with (i, j) = (id 1, id 0), or (id 0, id 1) when rows_first: consecutive
-// work-items then share their columns of B, so a wide B (conv2d's columns) is read once
-// instead of once per block of rows (conv2d's forward product, N = 50176 and M = 64: 64 ->
-// 41 ms). Ap and Bp are packed panels (above) or, for small products that need no
-// packing, the operands' own rows, as the strides say: element (row 6i + r, k) of Ap is at
-// 6iK + k a_k + r a_r (panels: a_k = 6, a_r = 1; rows: 1, K), and the 16 columns of k in Bp
-// start at 16j b_panel + k b_k (panels: b_panel = K, b_k = 16; rows: 1, Np). With panels the
-// loop over K streams both operands. Products are written a*b+c: PoCL turns fma()/mad()
-// into calls. The third dimension is a batch: product z reads Ap and Bp batch_a and batch_b
-// on and writes C M*N on. A split K is such a batch: product z then covers k_chunk k's from
-// z k_chunk (the offsets are in batch_a and batch_b) and writes its partial product.
+// op(A) @ op(B) -> C (M, N) [+ bias (N)]; a work-item owns the PANEL_ROWS rows from
+// PANEL_ROWS i and the PANEL_COLS columns from PANEL_COLS j. The blocks (i, j) are taken in
+// bands of `band` column panels, a band's blocks row by row: the band's panels of B, sized
+// to stay in a core's L2 cache, are then read from memory once, and each panel of A once
+// per band (at n=1024 the 12x32 blocks ran 1.3x faster than row by row over all of C, and
+// 1.05x faster than column by column, where each panel of B came from L3 once per row
+// panel). Ap and Bp are packed panels (above) or, for
+// small products that need no packing, the operands' own rows, as the strides say: element
+// (row PANEL_ROWS i + r, k) of Ap is at PANEL_ROWS i K + k a_k + r a_r (panels: a_k =
+// PANEL_ROWS, a_r = 1; rows: 1, K), and the PANEL_COLS columns of k in Bp start at
+// PANEL_COLS j b_panel + k b_k (panels: b_panel = K, b_k = PANEL_COLS; rows: 1, Np). With
+// panels the loop over K streams both operands. Products are written a*b+c: PoCL turns
+// fma()/mad() into calls. The third dimension is a batch: product z reads Ap and Bp batch_a
+// and batch_b on and writes C M*N on. A split K is such a batch: product z then covers
+// k_chunk k's from z k_chunk (the offsets are in batch_a and batch_b) and writes its partial
+// product.
 // C's columns come in runs of c_run (RUN_AT, above; a plain C has one, c_run = N): conv2d's
 // output has one per sample, (nb, K, OH*OW) from columns (sample, pixel), and then its bias
 // is per row (bias_rows), an output channel's.
+// Row r's accumulators are c<r>_0 and c<r>_1 (its two panel_v), one variable each: as an
+// array they stayed in memory.
+#define PANEL_ACCUMULATORS(r) panel_v c##r##_0 = 0.0f, c##r##_1 = 0.0f;
+#define PANEL_ROW_OFFSET(r) const int o##r = row + r < M ? r * a_r : 0;
+#define PANEL_MULTIPLY_ADD(r)                                                                  \
+    { const float av = ak[A_ROW(r)]; c##r##_0 = av * b0 + c##r##_0;                          \
+      c##r##_1 = av * b1 + c##r##_1; }
+#define PANEL_SPILL(r) PANEL_STORE(c##r##_0, out[r]); PANEL_STORE(c##r##_1, out[r] + PANEL_HALF);
+#define PANEL_STORE_ROW(r)                                                                     \
+    { const float add = per_row ? bias[row + r] : 0.0f;                                        \
+      PANEL_STORE(c##r##_0 + b0 + add, c_row);                                                 \
+      PANEL_STORE(c##r##_1 + b1 + add, c_row + PANEL_HALF);                                    \
+      c_row += c_run; }
 __kernel void gemm_packed(const int M, const int N, const int K, const int k_chunk,
-                          const int rows_first, const int a_k, const int a_r,
+                          const int band, const int a_k, const int a_r,
                           const int b_panel, const int b_k, const int batch_a, const int batch_b,
                           const int c_run, const int has_bias, const int bias_rows,
                           __global const float* Ap,
                           __global const float* Bp, __global const float* bias,
                           __global act_t* C) {
-    const int z = get_global_id(2);
-    const int x = get_global_id(0), y = get_global_id(1);  // (PoCL wants a constant dimension)
-    const int col = (rows_first ? y : x) * 16, row = (rows_first ? x : y) * PANEL_ROWS;
-    if (col >= N || row >= M) return;  // the launch rounds up; and past M, only padding
+    const int id = get_global_id(0), z = get_global_id(2);
+    const int row_panels = (M + PANEL_ROWS - 1) / PANEL_ROWS;
+    const int col_panels = (N + PANEL_COLS - 1) / PANEL_COLS;
+    if (id >= row_panels * col_panels) return;  // the launch rounds up
+    const int first = id / (band * row_panels) * band;  // the band's first column panel
+    const int width = min(band, col_panels - first), in_band = id - first * row_panels;
+    const int i = in_band / width, row = i * PANEL_ROWS;
+    const int col = (first + in_band - i * width) * PANEL_COLS;
     C += z * M * N;
     __global const float* a = Ap + z * batch_a + row * K;
     __global const float* b = Bp + z * batch_b + col * b_panel;
     const int k_end = k_chunk < K ? min(k_chunk, K - z * k_chunk) : K;  // its part of K
-    float8 c00 = 0.0f, c01 = 0.0f, c10 = 0.0f, c11 = 0.0f, c20 = 0.0f, c21 = 0.0f;
-    float8 c30 = 0.0f, c31 = 0.0f, c40 = 0.0f, c41 = 0.0f, c50 = 0.0f, c51 = 0.0f;
-    // The loop over K, k's rows of A at ak = a + k A_K and ak[R1] .. ak[R5] past ak[0], with
-    // a_k a constant in each case: with a_k and the offsets all runtime values it ran 2x
-    // slower.
-#define GEMM_PACKED_LOOP(A_K, R1, R2, R3, R4, R5)                                              \
+    PANEL_ROW_LIST(PANEL_ACCUMULATORS)
+    // The loop over K, k's rows of A at ak = a + k A_K and ak[A_ROW(r)] for row r, with a_k
+    // a constant in each case: with a_k and the offsets all runtime values it ran 2x slower.
+#define GEMM_PACKED_LOOP(A_K)                                                                  \
     _Pragma("unroll 4")                                                                        \
     for (int k = 0; k < k_end; ++k) {                                                          \
-        const float8 b0 = *(__global const float8*)(b + k * b_k);                              \
-        const float8 b1 = *(__global const float8*)(b + k * b_k + 8);                          \
+        const panel_v b0 = PANEL_LOAD(b + k * b_k), b1 = PANEL_LOAD(b + k * b_k + PANEL_HALF); \
         __global const float* ak = a + k * (A_K);                                              \
-        const float a0 = ak[0], a1 = ak[R1], a2 = ak[R2], a3 = ak[R3], a4 = ak[R4], a5 = ak[R5]; \
-        c00 = a0 * b0 + c00; c01 = a0 * b1 + c01;                                              \
-        c10 = a1 * b0 + c10; c11 = a1 * b1 + c11;                                              \
-        c20 = a2 * b0 + c20; c21 = a2 * b1 + c21;                                              \
-        c30 = a3 * b0 + c30; c31 = a3 * b1 + c31;                                              \
-        c40 = a4 * b0 + c40; c41 = a4 * b1 + c41;                                              \
-        c50 = a5 * b0 + c50; c51 = a5 * b1 + c51;                                              \
+        PANEL_ROW_LIST(PANEL_MULTIPLY_ADD)                                                     \
     }
     if (a_k == PANEL_ROWS) {  // panels (a_r = 1)
-        GEMM_PACKED_LOOP(PANEL_ROWS, 1, 2, 3, 4, 5)
+#define A_ROW(r) r
+        GEMM_PACKED_LOOP(PANEL_ROWS)
+#undef A_ROW
     } else {  // A's own rows (a_k = 1): one past M reads row `row` instead, never stored
-        const int r1 = row + 1 < M ? a_r : 0, r2 = row + 2 < M ? 2 * a_r : 0;
-        const int r3 = row + 3 < M ? 3 * a_r : 0, r4 = row + 4 < M ? 4 * a_r : 0;
-        const int r5 = row + 5 < M ? 5 * a_r : 0;
-        GEMM_PACKED_LOOP(1, r1, r2, r3, r4, r5)
+        PANEL_ROW_LIST(PANEL_ROW_OFFSET)
+#define A_ROW(r) o##r
+        GEMM_PACKED_LOOP(1)
+#undef A_ROW
     }
-    int at[16];  // RUN_AT(0, col + c, M, c_run), with one division per work-item
-    for (int c = 0, run = col / c_run, left = (run + 1) * c_run - col; c < 16; ++c, --left) {
+    int at[PANEL_COLS];  // RUN_AT(0, col + c, M, c_run), with one division per work-item
+    for (int c = 0, run = col / c_run, left = (run + 1) * c_run - col; c < PANEL_COLS;
+         ++c, --left) {
         if (left == 0) { ++run; left = c_run; }
         at[c] = run * (M - 1) * c_run + col + c;
     }
 #if !HALF_STORAGE
-    // A whole block in one run: float8 stores (with scalar ones, conv2d's input-gradient
+    // A whole block in one run: vector stores (with scalar ones, conv2d's input-gradient
     // product, K = 64, took 1.2x as long).
-    if (row + PANEL_ROWS <= M && col + 16 <= N && at[15] == at[0] + 15) {
+    if (row + PANEL_ROWS <= M && col + PANEL_COLS <= N && at[PANEL_COLS - 1] ==
+        at[0] + PANEL_COLS - 1) {
         const int per_col = has_bias && !bias_rows, per_row = has_bias && bias_rows;
-        const float8 b0 = per_col ? *(__global const float8*)(bias + col) : 0.0f;
-        const float8 b1 = per_col ? *(__global const float8*)(bias + col + 8) : 0.0f;
+        const panel_v b0 = per_col ? PANEL_LOAD(bias + col) : 0.0f;
+        const panel_v b1 = per_col ? PANEL_LOAD(bias + col + PANEL_HALF) : 0.0f;
         __global float* c_row = C + at[0] + row * c_run;
-        float add = per_row ? bias[row] : 0.0f;
-        vstore8(c00 + b0 + add, 0, c_row); vstore8(c01 + b1 + add, 0, c_row + 8);
-        c_row += c_run; add = per_row ? bias[row + 1] : 0.0f;
-        vstore8(c10 + b0 + add, 0, c_row); vstore8(c11 + b1 + add, 0, c_row + 8);
-        c_row += c_run; add = per_row ? bias[row + 2] : 0.0f;
-        vstore8(c20 + b0 + add, 0, c_row); vstore8(c21 + b1 + add, 0, c_row + 8);
-        c_row += c_run; add = per_row ? bias[row + 3] : 0.0f;
-        vstore8(c30 + b0 + add, 0, c_row); vstore8(c31 + b1 + add, 0, c_row + 8);
-        c_row += c_run; add = per_row ? bias[row + 4] : 0.0f;
-        vstore8(c40 + b0 + add, 0, c_row); vstore8(c41 + b1 + add, 0, c_row + 8);
-        c_row += c_run; add = per_row ? bias[row + 5] : 0.0f;
-        vstore8(c50 + b0 + add, 0, c_row); vstore8(c51 + b1 + add, 0, c_row + 8);
+        PANEL_ROW_LIST(PANEL_STORE_ROW)
         return;
     }
 #endif
-    float out[PANEL_ROWS][16];
-    vstore8(c00, 0, out[0]); vstore8(c01, 1, out[0]);
-    vstore8(c10, 0, out[1]); vstore8(c11, 1, out[1]);
-    vstore8(c20, 0, out[2]); vstore8(c21, 1, out[2]);
-    vstore8(c30, 0, out[3]); vstore8(c31, 1, out[3]);
-    vstore8(c40, 0, out[4]); vstore8(c41, 1, out[4]);
-    vstore8(c50, 0, out[5]); vstore8(c51, 1, out[5]);
+    float out[PANEL_ROWS][PANEL_COLS];
+    PANEL_ROW_LIST(PANEL_SPILL)
     for (int r = 0; r < PANEL_ROWS && row + r < M; ++r)
-        for (int c = 0; c < 16 && col + c < N; ++c)
+        for (int c = 0; c < PANEL_COLS && col + c < N; ++c)
             STORE(C, at[c] + (row + r) * c_run, out[r][c] +
                   (has_bias ? bias[bias_rows ? row + r : col + c] : 0.0f));
 }
@@ -1594,14 +1623,14 @@ IM2COL(im2col_act, act_t)
 // im2col ran 1.6x slower on PoCL); then the windows are copied out of the padded samples
 // straight into gemm_packed's panels (what pack_b would make of im2col's cols), so the
 // columns are written once and never repacked. Two layouts, P = nb*OH*OW:
-// - im2col_panels: cols as the product's B, (C*R*S, P) in panels of 16 pixels: element
-//   (tap k, pixel p) at (p / 16) (C*R*S) 16 + 16 k + p % 16. A work-item copies the R*S
-//   taps of channel c for one panel, R*S runs of 16 floats in one contiguous block, and
+// - im2col_panels: cols as the product's B, (C*R*S, P) in panels of PANEL_COLS (Pc) pixels:
+//   element (tap k, pixel p) at (p / Pc) (C*R*S) Pc + Pc k + p % Pc. A work-item copies the
+//   R*S taps of channel c for one panel, R*S runs of Pc floats in one contiguous block, and
 //   work-item j + 1 writes the block after j's (neighbours writing neighbouring blocks made
 //   it 2x faster).
-// - im2col_panels_t: cols^T as B, (P, C*R*S) in panels of 16 taps: element (pixel p, tap k)
-//   at (k / 16) P 16 + 16 p + k % 16, for conv2d's weight gradient g cols^T. A work-item
-//   copies the 16 taps of one panel for PIXEL_RUN pixels, one contiguous block.
+// - im2col_panels_t: cols^T as B, (P, C*R*S) in panels of Pc taps: element (pixel p, tap k)
+//   at (k / Pc) P Pc + Pc p + k % Pc, for conv2d's weight gradient g cols^T. A work-item
+//   copies the Pc taps of one panel for PIXEL_RUN pixels, one contiguous block.
 // Past P the panels of im2col_panels hold zeros, and past C*R*S those of im2col_panels_t
 // copies of some pixel: columns of B that gemm_packed computes but never stores.
 
@@ -1624,26 +1653,28 @@ __kernel void pad_images(const int n0, const int nb, const int C, const int H, c
     for (int w = PW + W; w < Wp; ++w) out[w] = 0.0f;
 }
 
-// padded (nb, C, Hp, Wp) -> cols (C*R*S, P) in panels of 16 pixels. WINDOW_ARGS are the
+// padded (nb, C, Hp, Wp) -> cols (C*R*S, P) in panels of PANEL_COLS pixels. WINDOW_ARGS are the
 // unpadded x's: the window of output pixel (oh, ow) starts at padded (oh SH, ow SW). The
 // panel's pixels are copied a stretch of one output row at a time: each tap's stretch is
 // then one strided run of padded (gathering each pixel's own copy was 2x slower).
 __kernel void im2col_panels(const int nb, const int C, WINDOW_ARGS, __global const float* padded,
                             __global float* cols) {
-    const int block = get_global_id(0), P = nb * OH * OW, panels = (P + 15) / 16;
+    const int block = get_global_id(0), P = nb * OH * OW;
+    const int panels = (P + PANEL_COLS - 1) / PANEL_COLS;
     const int Hp = H + 2 * PH, Wp = W + 2 * PW;
     if (block >= panels * C) return;  // block (i, c): channel c of panel i
     const int i = block / C, c = block - i * C;
-    const int p = i * 16, end = P - p < 16 ? P - p : 16;  // pixels p .. p+end-1 (the last short)
+    const int p = i * PANEL_COLS;
+    const int end = P - p < PANEL_COLS ? P - p : PANEL_COLS;  // pixels p .. p+end-1
     int q = p / OW, ow = p - q * OW, n = q / OH, oh = q - n * OH;
-    __global float* out = cols + block * R * S * 16;
+    __global float* out = cols + block * R * S * PANEL_COLS;
     for (int j = 0; j < end;) {  // pixels p+j .. p+j+len-1 lie in output row (n, oh)
         const int len = OW - ow < end - j ? OW - ow : end - j;
         __global const float* window = padded + ((n * C + c) * Hp + oh * SH) * Wp + ow * SW;
         for (int r = 0; r < R; ++r)
             for (int s = 0; s < S; ++s) {
                 __global const float* tap = window + r * DH * Wp + s * DW;
-                __global float* to = out + (r * S + s) * 16 + j;
+                __global float* to = out + (r * S + s) * PANEL_COLS + j;
                 for (int t = 0; t < len; ++t) to[t] = tap[t * SW];
             }
         j += len;
@@ -1654,13 +1685,14 @@ __kernel void im2col_panels(const int nb, const int C, WINDOW_ARGS, __global con
         }
     }
     for (int k = 0; k < R * S; ++k)  // past P
-        for (int j = end; j < 16; ++j) out[16 * k + j] = 0.0f;
+        for (int j = end; j < PANEL_COLS; ++j) out[PANEL_COLS * k + j] = 0.0f;
 }
 
-#define PIXEL_RUN 64  // 16 was 1.3x slower: each work-item works out its 16 taps first
-// padded (nb, C, Hp, Wp) -> cols^T (P, C*R*S) in panels of 16 taps; as im2col_panels, 16
-// pixels at a time: each tap's stretch of them in one output row is read as a strided run
-// into a 16x16 tile, whose pixels are then written out as rows of 16 taps (gathering each
+#define PIXEL_RUN 64  // 16 was 1.3x slower: each work-item works out its taps first
+// padded (nb, C, Hp, Wp) -> cols^T (P, C*R*S) in panels of PANEL_COLS taps; as
+// im2col_panels, 16 pixels at a time: each tap's stretch of them in one output row is read as
+// a strided run into a PANEL_COLS x 16 tile, whose pixels are then written out as rows of
+// PANEL_COLS taps (gathering each
 // pixel's taps instead was 1.2x slower). Launched with one work-item per work-group, which
 // PoCL then does not interleave with its neighbours' (1.2x faster than 16).
 __kernel void im2col_panels_t(const int nb, const int C, WINDOW_ARGS,
@@ -1668,21 +1700,21 @@ __kernel void im2col_panels_t(const int nb, const int C, WINDOW_ARGS,
     const int i = get_global_id(0), panel = get_global_id(1), P = nb * OH * OW;
     const int Hp = H + 2 * PH, Wp = W + 2 * PW;
     if (i * PIXEL_RUN >= P) return;
-    int tap[16];  // where each tap lies in the window's sample
-    for (int t = 0; t < 16; ++t) {
-        const int k = panel * 16 + t, c = k / (R * S), rs = k - c * R * S, r = rs / S;
+    int tap[PANEL_COLS];  // where each tap lies in the window's sample
+    for (int t = 0; t < PANEL_COLS; ++t) {
+        const int k = panel * PANEL_COLS + t, c = k / (R * S), rs = k - c * R * S, r = rs / S;
         tap[t] = c < C ? (c * Hp + r * DH) * Wp + (rs - r * S) * DW : 0;
     }
     const int p = i * PIXEL_RUN, pixels = P - p < PIXEL_RUN ? P - p : PIXEL_RUN;
     int q = p / OW, ow = p - q * OW, n = q / OH, oh = q - n * OH;
-    __global float* out = cols + (panel * P + p) * 16;
-    for (int first = 0; first < pixels; first += 16, out += 16 * 16) {
-        float tile[16][16];  // [tap][pixel]
+    __global float* out = cols + (panel * P + p) * PANEL_COLS;
+    for (int first = 0; first < pixels; first += 16, out += 16 * PANEL_COLS) {
+        float tile[PANEL_COLS][16];  // [tap][pixel]
         const int end = pixels - first < 16 ? pixels - first : 16;
         for (int j = 0; j < end;) {  // pixels first+j .. first+j+len-1 lie in row (n, oh)
             const int len = OW - ow < end - j ? OW - ow : end - j;
             __global const float* window = padded + (n * C * Hp + oh * SH) * Wp + ow * SW;
-            for (int t = 0; t < 16; ++t)
+            for (int t = 0; t < PANEL_COLS; ++t)
                 for (int u = 0; u < len; ++u) tile[t][j + u] = window[tap[t] + u * SW];
             j += len;
             ow += len;
@@ -1692,7 +1724,7 @@ __kernel void im2col_panels_t(const int nb, const int C, WINDOW_ARGS,
             }
         }
         for (int u = 0; u < end; ++u)
-            for (int t = 0; t < 16; ++t) out[16 * u + t] = tile[t][u];
+            for (int t = 0; t < PANEL_COLS; ++t) out[PANEL_COLS * u + t] = tile[t][u];
     }
 }
 

@@ -2540,6 +2540,46 @@ def test_every_gemm_form_matches_numpy(opencl, monkeypatch, form, m, k, n):
                                        atol=1e-4 * max(1.0, np.abs(expected).max()))
 
 
+@pytest.fixture(scope="session", params=[(6, 16), (12, 32)], ids=["6x16", "12x32"])
+def packed(request, opencl):
+    """A Device on the OpenCL device whose packed GEMM computes blocks of C of this shape,
+    whatever the CPU's own (kernels.cl: gemm_packed; netcl._panel_shape picks 12x32 where
+    vectors hold 16 floats, 6x16 elsewhere): CI's machine tests both builds."""
+    import pyopencl as cl
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(netcl, "_panel_shape", lambda cl_device: request.param)
+        device = netcl.Device("opencl", f"{opencl.name} ({request.param} panels)",
+                              cl.CommandQueue(opencl.context), opencl.cl_device)
+    device.gemm = "packed"
+    assert (device.panel_rows, device.panel_cols) == request.param
+    return device
+
+
+@pytest.mark.parametrize("batch_a, batch_b, m, k, n", [
+    (0, 0, 1, 1, 1), (0, 0, 13, 70, 33),  # small: A's own rows, ragged against 6, 12, 16, 32
+    (0, 0, 130, 300, 900),                 # past _PANEL_MACS: both operands in panels
+    (0, 0, 25, 1000, 700),                 # bands of column panels, the last one narrower
+    (0, 0, 70, 8192, 60),                  # a long K over a small C, split into chunks
+    (3, 3, 20, 50, 40), (2, 0, 37, 64, 35), (0, 4, 7, 9, 65)])  # batches, one side or both
+def test_packed_gemm_in_either_panel_shape_matches_numpy(packed, batch_a, batch_b, m, k, n):
+    """Every layout, with no bias, one per column and one per row, in either panel shape."""
+    rng = np.random.default_rng(m + k + n)
+    a = rng.standard_normal((batch_a, m, k) if batch_a else (m, k))
+    b = rng.standard_normal((batch_b, k, n) if batch_b else (k, n))
+    t = lambda x: np.ascontiguousarray(np.swapaxes(x, -1, -2))
+    biases = {None: 0, "columns": rng.standard_normal(n), "rows": rng.standard_normal(m)}
+    for trans_a, trans_b in ((False, False), (False, True), (True, False)):
+        A, B = tensor(t(a) if trans_a else a, packed), tensor(t(b) if trans_b else b, packed)
+        for per, bias in biases.items():
+            if per is not None and (batch_a or batch_b):
+                continue  # a batch's products take no bias
+            out = netcl._gemm(A, B, trans_a, trans_b, None if per is None else tensor(bias, packed),
+                              bias_rows=per == "rows")
+            expected = a @ b + (bias[:, None] if per == "rows" else bias)
+            np.testing.assert_allclose(host(out), expected, rtol=1e-4,
+                                       atol=1e-4 * max(1.0, np.abs(expected).max()))
+
+
 @pytest.mark.parametrize("m, k, n, trans_a, trans_b, kernel, splits", [
     (4096, 4096, 4096, False, False, "gemm_nn_128x256", 1),
     (1024, 1024, 1024, False, True, "gemm_nt_64x128", 1),
@@ -2788,7 +2828,7 @@ def test_conv2d_im2col_in_chunks_matches_whole_batch(opencl, monkeypatch):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("shapes, geometry, per_chunk", [
+CONV2D_GEMM_CASES = [
     # panels of 16 pixels straddling rows and samples, the last one ragged; two tap panels,
     # the second ragged; stride, padding and dilation differing along H and W
     (((3, 5, 11, 9), (7, 5, 3, 2)), dict(stride=(2, 1), padding=(1, 2), dilation=(2, 1)), None),
@@ -2798,7 +2838,10 @@ def test_conv2d_im2col_in_chunks_matches_whole_batch(opencl, monkeypatch):
     (((5, 6, 7, 5), (4, 6, 1, 1)), dict(stride=2), 2),
     # 28 x 28 pixels per sample, a multiple of 4: the vector kernels, one product per sample
     (((3, 4, 28, 28), (8, 4, 3, 3)), dict(padding=1), None),
-])
+]
+
+
+@pytest.mark.parametrize("shapes, geometry, per_chunk", CONV2D_GEMM_CASES)
 @pytest.mark.parametrize("gemm", ["packed", "tiled"])
 def test_conv2d_on_its_gemm_layouts_matches_numpy(opencl, monkeypatch, shapes, geometry,
                                                   per_chunk, gemm):
@@ -2807,6 +2850,18 @@ def test_conv2d_on_its_gemm_layouts_matches_numpy(opencl, monkeypatch, shapes, g
     product of the forward and backward is one batched GEMM that reads and writes NCHW.
     Output and gradients are NumPy's at the edges of those panels and tiles."""
     monkeypatch.setattr(opencl, "gemm", gemm)
+    _check_conv2d_against_numpy(opencl, monkeypatch, shapes, geometry, per_chunk)
+
+
+@pytest.mark.parametrize("shapes, geometry, per_chunk", CONV2D_GEMM_CASES)
+def test_conv2d_in_either_panel_shape_matches_numpy(packed, monkeypatch, shapes, geometry,
+                                                    per_chunk):
+    """im2col's panels (of pixels, and of taps for the weight gradient) as wide as the packed
+    GEMM's, in either shape."""
+    _check_conv2d_against_numpy(packed, monkeypatch, shapes, geometry, per_chunk)
+
+
+def _check_conv2d_against_numpy(opencl, monkeypatch, shapes, geometry, per_chunk):
     rng = np.random.default_rng(9)
     arrays = [rng.standard_normal(s).astype(np.float32) for s in shapes]
     arrays.append(rng.standard_normal(shapes[1][0]).astype(np.float32))
