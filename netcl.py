@@ -2028,7 +2028,7 @@ _SPLIT_GROUPS_PER_UNIT = 4
 # kernels.cl's tensor-core blocks: (rows, columns, work-items) of the large and small one,
 # and of the one for products of at most 64 rows; their k-tile depth (split-K chunks are
 # multiples of it).
-_TC_LARGE, _TC_SMALL, _TC_SHORT = (128, 128, 256), (128, 64, 128), (64, 128, 128)
+_TC_LARGE, _TC_SMALL, _TC_SHORT = (128, 128, 128), (128, 64, 128), (64, 128, 128)
 _TC_TILE_K = 32
 _TC_VECTOR = 8  # halves the tensor-core kernels copy at a time (16 bytes)
 # A product up to this many multiply-adds takes the gathering tensor-core block however few
