@@ -1043,6 +1043,9 @@ typedef float8 panel_v;
 #define PANEL_STORE(v, p) vstore8((v), 0, (p))
 #endif
 #define PANEL_HALF (PANEL_COLS / 2)  // the columns of one panel_v
+#if !((PANEL_ROWS == 6 && PANEL_COLS == 16) || (PANEL_ROWS == 12 && PANEL_COLS == 32))
+#error "the packed GEMM's blocks are 6x16 or 12x32"
+#endif
 // PANEL_ROW_LIST(X) is X(0) X(1) .. X(PANEL_ROWS - 1): the block's rows, one by one.
 #define PANEL_ROWS_0_5(X) X(0) X(1) X(2) X(3) X(4) X(5)
 #if PANEL_ROWS == 12

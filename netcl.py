@@ -2081,8 +2081,8 @@ def _batch_strides(a, b, M, K, N):
 def _packed_gemm(a, b, trans_a, trans_b, bias, half, out, b_cols=None, a_run=None,
                  b_run=None, c_run=None, bias_rows=False):
     """_gemm on CPU devices: op(a) packed into panels of the device's panel_rows rows and op(b)
-    into panels of its panel_cols columns (kernels.cl: pack_a, pack_b), so the product streams both through the caches.
-    Packing reads float16 storage and writes float32, so it takes any operand's storage and
+    into panels of its panel_cols columns (kernels.cl: pack_a, pack_b), so the product
+    streams both through the caches. Packing reads float16 storage and writes float32, so it takes any operand's storage and
     the inner loop reads float only.
     For conv2d, whose pixels are columns: with b_cols, b is op(b) (K, b_cols) already in
     panels, a (K, Np) float32 matrix (kernels.cl: im2col_panels). With a_run, b_run or
@@ -2126,8 +2126,9 @@ def _packed_gemm(a, b, trans_a, trans_b, bias, half, out, b_cols=None, a_run=Non
     k_chunk = _PANEL_K_CHUNK if splits > 1 else K
     if splits > 1:
         stride_a, stride_b = rows * k_chunk, cols * k_chunk
-    # Blocks of C in bands of column panels whose B stays in L2 (kernels.cl: gemm_packed).
-    band = max(1, _PANEL_BAND_BYTES // (4 * cols * max(k_chunk, 1)))
+    # Blocks of C in bands of column panels whose B stays in L2 (kernels.cl: gemm_packed);
+    # at most all of them, so that the kernel's band * row panels stays within C's blocks.
+    band = min(Np // cols, max(1, _PANEL_BAND_BYTES // (4 * cols * max(k_chunk, 1))))
     target = _like(out, (splits, M, N)) if splits > 1 else out
     device.launch("gemm_packed", (_round_up(Mp // rows * (Np // cols), 8), 1, batch * splits),
                   (8, 1, 1), M, N, K, k_chunk, band,
@@ -3778,8 +3779,13 @@ def conv2d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
     G, group_taps = groups, w.shape[1] * R * S  # group_taps: the rows of one group's columns
     X, weight, bias = x.value, w.value, None if b is None else b.value
     weight_rows = weight.reshape((K, group_taps))  # a view: the GEMM's left operand
+    # CPU devices' packed GEMM reads the columns as im2col writes them, and writes NCHW
+    # (grouped convolutions take the general path below).
+    panels = X.device.backend == "opencl" and X.device.gemm == "packed" and G == 1
     # im2col on the whole batch at once (fewer launches), in chunks of samples if too large.
-    per_chunk = max(1, _IM2COL_BYTES // max(1, C * R * S * L * 4))  # columns are float32
+    # Columns are float32; the weight gradient's panels pad each pixel's taps to a panel.
+    taps = _round_up(C * R * S, X.device.panel_cols) if panels else C * R * S
+    per_chunk = max(1, _IM2COL_BYTES // max(1, taps * L * 4))
     chunks = [(n0, min(per_chunk, N - n0)) for n0 in range(0, N, per_chunk)]
 
     half = _half_activations(X.device)
@@ -3788,9 +3794,6 @@ def conv2d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
         X, weight_rows = _half_operand(X), _half_weight(w).reshape((K, group_taps))
     # float32 outside autocast, whatever x's storage: swap_axes01 then runs its float build
     out = _like(X, (N, K, OH, OW), np.float16 if half else _compute_dtype(X.dtype))
-    # CPU devices' packed GEMM reads the columns as im2col writes them, and writes NCHW
-    # (grouped convolutions take the general path below).
-    panels = X.device.backend == "opencl" and X.device.gemm == "packed" and G == 1
     # Each group's filters and channels, for the NumPy versions: a group is an ordinary
     # convolution of its own channels (one einsum over a group axis would be twice as slow).
     group_slices = [(slice(g * K // G, (g + 1) * K // G), slice(g * C // G, (g + 1) * C // G))

@@ -2550,8 +2550,10 @@ def packed(request, opencl):
         patch.setattr(netcl, "_panel_shape", lambda cl_device: request.param)
         device = netcl.Device("opencl", f"{opencl.name} ({request.param} panels)",
                               cl.CommandQueue(opencl.context), opencl.cl_device)
+    netcl._devices_by_queue[id(device.queue)] = device  # tensors on its queue are its own
     device.gemm = "packed"
     assert (device.panel_rows, device.panel_cols) == request.param
+    assert netcl.Tensor.from_host(np.zeros(1), device.queue).device is device
     return device
 
 
@@ -2573,8 +2575,10 @@ def test_packed_gemm_in_either_panel_shape_matches_numpy(packed, batch_a, batch_
         for per, bias in biases.items():
             if per is not None and (batch_a or batch_b):
                 continue  # a batch's products take no bias
+            launches = packed.launches
             out = netcl._gemm(A, B, trans_a, trans_b, None if per is None else tensor(bias, packed),
                               bias_rows=per == "rows")
+            assert out.device is packed and packed.launches > launches
             expected = a @ b + (bias[:, None] if per == "rows" else bias)
             np.testing.assert_allclose(host(out), expected, rtol=1e-4,
                                        atol=1e-4 * max(1.0, np.abs(expected).max()))
@@ -2813,13 +2817,19 @@ def run_op(op, arrays, g, device, dtype=np.float32):
 
 # --- conv2d -----------------------------------------------------------------------------------
 
+def _im2col_taps(device, taps):
+    """The float32 columns per pixel conv2d's im2col budgets for: on CPU devices (packed) the
+    weight gradient's panels pad a pixel's taps to a whole panel."""
+    return netcl._round_up(taps, device.panel_cols) if device.gemm == "packed" else taps
+
+
 def test_conv2d_im2col_in_chunks_matches_whole_batch(opencl, monkeypatch):
     rng = np.random.default_rng(0)
     arrays = [rng.standard_normal(s).astype(np.float32) for s in ((5, 3, 6, 5), (4, 3, 3, 3), (4,))]
     g = rng.standard_normal((5, 4, 3, 3)).astype(np.float32)
     op = lambda x, w, b: F.conv2d(x, w, b, stride=2, padding=1)
     whole = run_op(op, arrays, g, opencl)
-    monkeypatch.setattr(netcl, "_IM2COL_BYTES", 2 * 27 * 9 * 4)  # two samples per chunk
+    monkeypatch.setattr(netcl, "_IM2COL_BYTES", 2 * _im2col_taps(opencl, 27) * 9 * 4)  # 2 a chunk
     launches = opencl.launches
     chunked = run_op(op, arrays, g, opencl)
     assert opencl.launches - launches > 15  # 3 chunks: the chunked path really ran
@@ -2853,6 +2863,22 @@ def test_conv2d_on_its_gemm_layouts_matches_numpy(opencl, monkeypatch, shapes, g
     _check_conv2d_against_numpy(opencl, monkeypatch, shapes, geometry, per_chunk)
 
 
+def test_packed_gemm_bands_no_wider_than_its_columns(packed, monkeypatch):
+    """A short K would make a band of column panels wider than C (kernels.cl: gemm_packed
+    maps its ids through band x row panels, which must stay within C's blocks: an int)."""
+    launched = []
+    launch = packed.launch
+    monkeypatch.setattr(packed, "launch", lambda name, *args, **kwargs: (
+        launched.append((name, args)), launch(name, *args, **kwargs)))
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal((20000, 1)), rng.standard_normal((1, 40))
+    out = netcl._gemm(tensor(a, packed), tensor(b, packed))
+    (grid, local, M, N, K, k_chunk, band, *_), = [args for name, args in launched
+                                                  if name == "gemm_packed"]
+    assert 1 <= band <= -(-N // packed.panel_cols)
+    np.testing.assert_allclose(host(out), a @ b, rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("shapes, geometry, per_chunk", CONV2D_GEMM_CASES)
 def test_conv2d_in_either_panel_shape_matches_numpy(packed, monkeypatch, shapes, geometry,
                                                     per_chunk):
@@ -2871,7 +2897,8 @@ def _check_conv2d_against_numpy(opencl, monkeypatch, shapes, geometry, per_chunk
     want_out, want_grads = run_op(op, arrays, g, cpu)
     if per_chunk:
         C, R, S = shapes[1][1:]
-        monkeypatch.setattr(netcl, "_IM2COL_BYTES", per_chunk * C * R * S * want_out[0, 0].size * 4)
+        taps = _im2col_taps(opencl, C * R * S)
+        monkeypatch.setattr(netcl, "_IM2COL_BYTES", per_chunk * taps * want_out[0, 0].size * 4)
     got_out, got_grads = run_op(op, arrays, g, opencl)
     np.testing.assert_allclose(got_out, want_out, rtol=1e-5, atol=1e-5)
     for got, want in zip(got_grads, want_grads):
