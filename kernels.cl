@@ -559,11 +559,18 @@ GEMM(gemm_tn_split, 4, 1, float, A_COLMAJOR, 0, act_t, B_ROWMAJOR, 0, float)
             (S)[e / (ROWS / 4)][e % (ROWS / 4)] = R[l];                                         \
         }                                                                                       \
     }
+// VGEMM_KERNEL fetches op(A) and op(B) with FETCH_A and FETCH_B (VGEMM_FETCH's arguments)
+// and takes EXTRA_ARGS after C: the implicit convolution's (conv2d, below) gather B from
+// an image.
 #define VGEMM(NAME, BM, BN, BK, TM, TN, LM, A_T, A_K_FAST, B_T, B_K_FAST, C_T)                  \
+    VGEMM_KERNEL(NAME, BM, BN, BK, TM, TN, LM, A_T, A_K_FAST, B_T, B_K_FAST, C_T, VGEMM_FETCH,  \
+                 VGEMM_FETCH, )
+#define VGEMM_KERNEL(NAME, BM, BN, BK, TM, TN, LM, A_T, A_K_FAST, B_T, B_K_FAST, C_T, FETCH_A,  \
+                     FETCH_B, EXTRA_ARGS)                                                       \
 __kernel __attribute__((reqd_work_group_size((BM / TM) * (BN / TN), 1, 1)))                     \
 void NAME(const int M, const int N, const int K, const int k_chunk, const int batch_a,          \
           const int batch_b, const int has_bias, __global const A_T* A, __global const B_T* B,  \
-          __global const float* bias, __global C_T* C) {                                        \
+          __global const float* bias, __global C_T* C EXTRA_ARGS) {                             \
     const int THREADS = (BM / TM) * (BN / TN), LN = 32 / LM;                                    \
     /* z = product * splits + split: product z / splits of a batch (A and B batch_a and */      \
     /* batch_b elements on), k in [k_begin, k_end), into its own slice of C (split-K) */        \
@@ -589,8 +596,8 @@ void NAME(const int M, const int N, const int K, const int k_chunk, const int ba
         _Pragma("unroll") for (int j = 0; j < TN; ++j) acc[i][j] = 0.0f;                        \
     float4 a_next[(BM * BK / 4 + (BM / TM) * (BN / TN) - 1) / ((BM / TM) * (BN / TN))];         \
     float4 b_next[(BN * BK / 4 + (BM / TM) * (BN / TN) - 1) / ((BM / TM) * (BN / TN))];         \
-    VGEMM_FETCH(a_next, A, A_T, A_K_FAST, BM, M, m0, k_begin, BK, THREADS)                      \
-    VGEMM_FETCH(b_next, B, B_T, B_K_FAST, BN, N, n0, k_begin, BK, THREADS)                      \
+    FETCH_A(a_next, A, A_T, A_K_FAST, BM, M, m0, k_begin, BK, THREADS)                          \
+    FETCH_B(b_next, B, B_T, B_K_FAST, BN, N, n0, k_begin, BK, THREADS)                          \
     VGEMM_STASH(As[0], a_next, A_K_FAST, BM, BK, THREADS)                                       \
     VGEMM_STASH(Bs[0], b_next, B_K_FAST, BN, BK, THREADS)                                       \
     barrier(CLK_LOCAL_MEM_FENCE);                                                               \
@@ -599,8 +606,8 @@ void NAME(const int M, const int N, const int K, const int k_chunk, const int ba
         const int now = t & 1, more = t + 1 < slices;                                           \
         if (more) {                                                                             \
             const int k0 = k_begin + (t + 1) * BK;                                              \
-            VGEMM_FETCH(a_next, A, A_T, A_K_FAST, BM, M, m0, k0, BK, THREADS)                   \
-            VGEMM_FETCH(b_next, B, B_T, B_K_FAST, BN, N, n0, k0, BK, THREADS)                   \
+            FETCH_A(a_next, A, A_T, A_K_FAST, BM, M, m0, k0, BK, THREADS)                       \
+            FETCH_B(b_next, B, B_T, B_K_FAST, BN, N, n0, k0, BK, THREADS)                       \
         }                                                                                       \
         _Pragma("unroll") for (int k = 0; k < BK; ++k) {                                        \
             float a[TM], b[TN];                                                                 \
@@ -1826,6 +1833,74 @@ __kernel void col2im_planes(const int n0, const int nb, const int C, WINDOW_ARGS
     for (int h = 0; h < H; ++h)
         for (int w = 0; w < W; ++w) STORE(out, h * W + w, plane[(h + PH) * Wp + PW + w]);
 }
+
+// conv2d as an implicit GEMM (GPUs): the vector GEMM (VGEMM_KERNEL above) with op(B) the
+// columns im2col would write, gathered from the input as each slice is fetched, so that no
+// columns are stored. `image` is the elements of one sample, C*H*W, and L = OH*OW.
+// - conv_fwd_*: out[n] (K, L) = w (K, C*R*S) @ cols[n], one product per sample (the grid's
+//   third dimension; batch_b = image), the bias per row.
+// - conv_wgrad_*: dw (K, C*R*S) = g @ cols^T, one product over every sample's pixels (K =
+//   N*L, split over the grid as any long K): g (N, K, L) read as the (K, N*L) matrix of its
+//   samples' pixels side by side (RUN_FETCH), cols^T gathered.
+// The input gradient stays a product and col2im: on the H200 a convolution of g by the
+// filters turned half a turn took 138 µs against their 120 for the benchmark's conv2d. So
+// do the tensor cores' products (im2col_act's columns): gathering into registers before
+// the local-memory stores, as a float32 operand is, took 79 against 65 µs for the forward
+// and 123 against 65 for the weight gradient.
+
+// The float4 of the columns at tap t and pixels p .. p+3 of x's samples side by side (p / L
+// is the sample; L a multiple of 4 where p may pass L): zero for a tap from `taps` on, a
+// pixel from `pixels` on, or a window over padding.
+inline float4 conv_columns4(__global const act_t* x, const int image, const int t,
+                            const int taps, const int p, const int pixels, WINDOW_ARGS) {
+    float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    // the pixel's place first, outside the branch: the same in every slice of the forward,
+    // where the compiler may then work it out once
+    const int n = p / (OH * OW), l = p - n * (OH * OW), oh0 = l / OW;
+    int oh = oh0, ow = l - oh0 * OW;
+    if (t < taps) {
+        const int c = t / (R * S), rs = t - c * (R * S), r = rs / S;
+        const int dh = r * DH - PH, dw = (rs - r * S) * DW - PW;
+        __global const act_t* plane = x + n * image + c * H * W;
+        _Pragma("unroll") for (int q = 0; q < 4; ++q) {
+            const int h = oh * SH + dh, w = ow * SW + dw;
+            if (p + q < pixels && h >= 0 && h < H && w >= 0 && w < W)
+                v[q] = LOAD(plane, h * W + w);
+            if (++ow == OW) { ow = 0; ++oh; }
+        }
+    }
+    return (float4)(v[0], v[1], v[2], v[3]);
+}
+// VGEMM_FETCH for a B of columns: (taps, pixels), or K_FAST its transpose (pixels, taps).
+#define CONV_FETCH(REG, X, X_T, K_FAST, ROWS, rows, r0, k0, BK, THREADS)                       \
+    _Pragma("unroll") for (int l = 0; l < (ROWS * BK / 4 + THREADS - 1) / THREADS; ++l) {       \
+        const int e = tid + THREADS * l;                                                        \
+        if ((ROWS * BK / 4) % THREADS && e >= ROWS * BK / 4) break;                             \
+        REG[l] = K_FAST ? conv_columns4(X, image, (r0) + e / (BK / 4), rows,                    \
+                                        (k0) + e % (BK / 4) * 4, k_end, H, W, R, S, SH, SW,     \
+                                        PH, PW, DH, DW, OH, OW)                                 \
+                        : conv_columns4(X, image, (k0) + e / (ROWS / 4), k_end,                 \
+                                        (r0) + e % (ROWS / 4) * 4, rows, H, W, R, S, SH, SW,    \
+                                        PH, PW, DH, DW, OH, OW);                                \
+    }
+// VGEMM_FETCH for a k-fast A (rows, K) stored as runs of L: (K / L, rows, L), g's layout.
+#define RUN_FETCH(REG, X, X_T, K_FAST, ROWS, rows, r0, k0, BK, THREADS)                        \
+    _Pragma("unroll") for (int l = 0; l < (ROWS * BK / 4 + THREADS - 1) / THREADS; ++l) {       \
+        const int e = tid + THREADS * l;                                                        \
+        if ((ROWS * BK / 4) % THREADS && e >= ROWS * BK / 4) break;                             \
+        const int r = (r0) + e / (BK / 4), k = (k0) + e % (BK / 4) * 4, n = k / (OH * OW);      \
+        REG[l] = r < (rows) && k < k_end                                                        \
+                 ? LOAD4_##X_T(X, (n * (rows) + r) * (OH * OW) + k - n * (OH * OW))             \
+                 : (float4)(0.0f);                                                              \
+    }
+#define CONV_ARGS , const int image, WINDOW_ARGS
+#define CONV_FAMILY(SIZE, BM, BN, BK, TM, TN, LM)                                               \
+VGEMM_KERNEL(conv_fwd_##SIZE, BM, BN, BK, TM, TN, LM, float, 1, act_t, 0, act_t, VGEMM_FETCH,   \
+             CONV_FETCH, CONV_ARGS)                                                             \
+VGEMM_KERNEL(conv_wgrad_##SIZE, BM, BN, BK, TM, TN, LM, act_t, 1, act_t, 1, float, RUN_FETCH,   \
+             CONV_FETCH, CONV_ARGS)
+CONV_FAMILY(64x64, 64, 64, 16, 4, 4, 4)
+CONV_FAMILY(64x128, 64, 128, 16, 8, 8, 4)
 
 // x (A, B, L) from element x_offset -> out (B, A, L) from element out_offset, + bias (A) when
 // has_bias: conv2d's GEMM output (K, N, OH*OW) into NCHW (swap_axes01: x float, out act_t,

@@ -3600,13 +3600,14 @@ def mse_loss(input, target, reduction="mean"):
 # Images are NCHW. Each op slides an (R, S) window over the (H, W) plane, padded by (PH, PW)
 # on every side, in steps of (SH, SW); conv2d's window may be dilated, its taps (DH, DW)
 # apart; output sizes round down, as PyTorch. The NumPy versions
-# view every window at once through stride tricks. On OpenCL, conv2d is im2col + the GEMM
-# above: copying the windows out costs memory (C*R*S values per output pixel) but lets the
-# one tuned GEMM do all the arithmetic, so conv2d gets faster whenever the GEMM does, with no
-# second tuned kernel to keep per device (an implicit-GEMM kernel would need one). On CPU
-# devices im2col writes the packed GEMM's panels itself and the products read and write
-# NCHW, so the columns are written once and read once and nothing is swapped (the conv2d
-# benchmark's kernels outside the GEMM: 155 -> 26 ms, in one run).
+# view every window at once through stride tricks. On OpenCL, conv2d is the GEMM above on
+# the columns im2col writes (C*R*S values per output pixel), so it gets faster whenever the
+# GEMM does. On GPUs the forward and the weight gradient gather those columns from the
+# input as they load their tiles instead (an implicit GEMM: the vector kernels with another
+# fetch of B, _conv_gemm), where the operands allow; the columns then cost neither memory
+# nor a pass. On CPU devices im2col writes the packed GEMM's panels itself and the products
+# read and write NCHW, so the columns are written once and read once and nothing is
+# swapped (the conv2d benchmark's kernels outside the GEMM: 155 -> 26 ms, in one run).
 # Every backward is a gather (one work-item per input pixel, or on CPU devices per plane,
 # sums what it fed): no atomics.
 
@@ -3712,6 +3713,50 @@ def _im2col_panels(X, n0, nb, window, transposed):
     return cols
 
 
+# On GPUs conv2d's forward and weight gradient gather their columns from the input as they
+# go (kernels.cl: conv_fwd_*, conv_wgrad_*), where the operand they read in float4s allows
+# it: the forward where C*R*S is a multiple of 4, the weight gradient where OH*OW is; not on
+# tensor cores (kernels.cl says why). Their blocks, as _VECTOR_BLOCKS: a batch of products
+# (the forward, one per sample) takes the first, the weight gradient either.
+_CONV_BLOCKS = _VECTOR_BLOCKS[:2]
+_MAX_GRID_BATCH = 65535  # the work-groups a launch may have along its third dimension
+
+
+@functools.lru_cache(maxsize=256)
+def _conv_plan(batch, M, K, N, units):
+    """_conv_gemm's launch, a function of the sizes alone, as _tiled_plan's: (kernel suffix,
+    global size, local size, splits, k_chunk). K is split only for a lone product (the
+    weight gradient's, K = N*OH*OW)."""
+    rows, cols, threads = _vector_block(batch, M, N, units,
+                                        _CONV_BLOCKS[:1] if batch > 1 else _CONV_BLOCKS)
+    grid = (_ceil_div(N, cols) * threads, _ceil_div(M, rows))
+    count = batch * _ceil_div(M, rows) * _ceil_div(N, cols)
+    splits = 1
+    if batch == 1 and 2 * count <= units and K >= 2 * _SPLIT_K_MIN:
+        splits = min(_ceil_div(_SPLIT_GROUPS_PER_UNIT * units, count), K // _VECTOR_SPLIT_K_MIN)
+    k_chunk = _round_up(_ceil_div(K, splits), _TILE_K) if splits > 1 else K
+    splits = _ceil_div(K, k_chunk) if K else 1
+    return f"_{rows}x{cols}", grid + (batch * splits,), (threads, 1, 1), splits, k_chunk
+
+
+def _conv_gemm(kernel, a, x, out, dims, window, bias=None):
+    """out = an implicit-GEMM convolution of x (N, C, H, W) (kernels.cl: `kernel` is
+    conv_fwd or conv_wgrad): conv_fwd, out (N, M, OH*OW) = a (M, C*R*S) @ each sample's
+    columns [+ bias (M,) per row]; conv_wgrad, out (M, C*R*S) = a (N, M, OH*OW), read as
+    (M, N*OH*OW), @ the columns of every sample, transposed. dims: (batch, M, K, N) of the
+    product, as _gemm_dims. In the build of x's storage: the tensors kernels.cl marks act_t
+    (x; conv_fwd's out, conv_wgrad's a) are in it, the others float32."""
+    batch, M, K, N = dims
+    suffix, grid, group, splits, k_chunk = _conv_plan(batch, M, K, N, a.device.compute_units)
+    target = _like(out, (splits, M, N)) if splits > 1 else out
+    image = math.prod(x.shape[1:])
+    a.device.launch(kernel + suffix, grid, group, M, N, K, k_chunk, 0, image,
+                    _bias_code(bias, True), a.data, x.data, None if bias is None else bias.data,
+                    target.data, image, *window, half=x.dtype == np.float16)
+    if splits > 1:
+        _sum_axis_tensor(target, 1, splits, M * N, out=out._view((1, M * N)))
+
+
 def _row_block(x, start, rows):
     """Rows start .. start+rows-1 of x (M, ...): x itself when that is all of it, else a copy."""
     if start == 0 and rows == x.shape[0]:
@@ -3793,6 +3838,12 @@ def conv2d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
     tensor_cores = half and X.device.tensor_cores  # float16 operands, as in linear
     if tensor_cores:
         X, weight_rows = _half_operand(X), _half_weight(w).reshape((K, group_taps))
+    # GPUs' implicit GEMMs (_conv_gemm): not on tensor cores, one group, x in the storage of
+    # the output (the build they run in), float32 weights, and per product the layout
+    # _CONV_BLOCKS's comment gives
+    implicit = (X.device.backend == "opencl" and X.device.gemm == "tiled" and G == 1 and
+                not tensor_cores and X.dtype == (np.float16 if half else np.float32) and
+                weight.dtype == np.float32 and 0 < N <= _MAX_GRID_BATCH)
     # float32 outside autocast, whatever x's storage: swap_axes01 then runs its float build
     out = _like(X, (N, K, OH, OW), np.float16 if half else _compute_dtype(X.dtype))
     # Each group's filters and channels, for the NumPy versions: a group is an ordinary
@@ -3814,6 +3865,9 @@ def conv2d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
             if y is not out:
                 cl.enqueue_copy(X.device.queue, out.data, y.data, dst_offset=n0 * y.nbytes // nb,
                                 byte_count=y.nbytes)
+    elif out.size and implicit and group_taps % 4 == 0:
+        _conv_gemm("conv_fwd", weight_rows, X, out, (N, K, group_taps, L), window,
+                   None if bias is None else _float32(bias))
     elif out.size and G == 1:
         for n0, nb in chunks:  # out[n] (K, OH*OW) = w (K, C*R*S) @ cols[n] + b, a batch of nb
             y = out if nb == N else _like(out, (nb, K, OH, OW))
@@ -3876,9 +3930,16 @@ def conv2d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
             if w.requires_grad and grad_w is None:  # an empty batch: no chunks
                 grad_w = _fill(weight.shape, 0.0, weight)
         elif G == 1:
-            for n0, nb in chunks:  # one product per sample, read from g as it is stored
+            explicit_w = w.requires_grad
+            if implicit and g.dtype == X.dtype and w.requires_grad and L % 4 == 0:
+                # dw = g cols^T over every sample's pixels (g and x read in one build)
+                grad_w = _like(weight)
+                _conv_gemm("conv_wgrad", g, X, grad_w, (1, K, N * L, group_taps), window)
+                explicit_w = False
+            for n0, nb in chunks if explicit_w or grad_x is not None else ():
+                # one product per sample, read from g as it is stored
                 g_rows = _row_block(g.reshape((N, K * L)), n0, nb).reshape((nb, K, L))
-                if w.requires_grad:  # dw = sum over samples of g[n] @ cols[n]^T
+                if explicit_w:  # dw = sum over samples of g[n] @ cols[n]^T
                     cols = _im2col(X, n0, nb, window, tensor_cores, per_image=True)
                     part = _gemm(g_rows, cols, trans_b=True)  # (nb, K, C*R*S)
                     if nb > 1:

@@ -2614,12 +2614,13 @@ def test_gpu_gemm_picks_its_kernel_by_shape(opencl, monkeypatch, m, k, n, trans_
     assert len(sums) == (splits > 1)  # the partial products' sum
 
 
-def test_gpu_conv2d_runs_one_batched_product_each_and_no_transposes(opencl, monkeypatch):
+def test_gpu_conv2d_gathers_its_columns_in_the_products(opencl, monkeypatch):
     """On a GPU of 132 compute units, the benchmark's conv2d (64, 32, 28, 28) with 64 3x3
-    filters: forward, weight gradient and input gradient are one batched GEMM each, a
-    product per sample read and written where conv2d keeps its tensors (NCHW), so no
-    transposing kernel runs; the weight gradient's per-sample products are then summed.
-    The launches are recorded, not run."""
+    filters: the forward and the weight gradient are implicit GEMMs (kernels.cl: conv_fwd_*,
+    conv_wgrad_*), so im2col never runs; the input gradient is one batched GEMM and col2im.
+    The forward and the input gradient take a product per sample; the weight gradient one
+    product over every sample's pixels, its long K split over the grid, then summed. No
+    transposing kernel runs. The launches are recorded, not run."""
     monkeypatch.setattr(opencl, "gemm", "tiled")
     monkeypatch.setattr(opencl, "compute_units", 132)
     launched = []
@@ -2630,11 +2631,56 @@ def test_gpu_conv2d_runs_one_batched_product_each_and_no_transposes(opencl, monk
     with netcl.Tape() as tape:
         out = F.conv2d(x, w, b, padding=1)
     tape.backward(out, grad=netcl.Tensor.empty(out.shape, queue=opencl.queue))
-    products = [(name, grid[2]) for name, grid in launched if name.startswith("gemm")]
-    assert products == [("gemm_nn_64x64", 64), ("gemm_nt_64x64", 64), ("gemm_tn_64x64", 64)]
+    products = [(name, grid[2]) for name, grid in launched if name.startswith(("conv", "gemm"))]
+    # the weight gradient's K, 64 * 784 pixels, in 105 chunks of 480 (_conv_plan)
+    assert products == [("conv_fwd_64x64", 64), ("conv_wgrad_64x64", 105),
+                        ("gemm_tn_64x64", 64)]
     names = [name for name, _ in launched]
-    assert not [name for name in names if name.startswith("swap")]
-    assert names.count("im2col") == 2 and names.count("col2im") == 1
+    assert not [name for name in names if name.startswith(("swap", "im2col"))]
+    assert names.count("col2im") == 1
+
+
+@XB_SETTINGS
+@given(data=st.data())
+def test_gpu_implicit_conv2d_matches_numpy(opencl, monkeypatch, data):
+    """GPUs' implicit-GEMM conv2d (kernels.cl: conv_fwd_*, conv_wgrad_*) on the forward and
+    the weight gradient, each where the operand it reads in float4s has rows of a multiple
+    of 4 (else that product takes im2col's columns): over blocks of C and slices of K that
+    the sizes leave ragged, the weight gradient's K split or not, strides, dilation, and
+    padding wider than the window. Output and gradients are the NumPy backend's, and the
+    kernels that ran are the ones these rules pick."""
+    draw = data.draw
+    monkeypatch.setattr(opencl, "gemm", "tiled")
+    monkeypatch.setattr(opencl, "compute_units", draw(st.sampled_from([2, 132])))
+    N, C, K = draw(st.integers(1, 3)), draw(st.sampled_from([1, 2, 4, 8])), \
+        draw(st.sampled_from([1, 3, 8, 70]))
+    R, S = draw(st.integers(1, 3)), draw(st.integers(1, 3))
+    stride = draw(st.sampled_from([(1, 1), (1, 1), (2, 1), (1, 2)]))
+    dilation = draw(st.sampled_from([(1, 1), (1, 1), (2, 1), (1, 3)]))
+    padding = (draw(st.integers(0, 3)), draw(st.integers(0, 3)))
+    span = ((R - 1) * dilation[0] + 1, (S - 1) * dilation[1] + 1)
+    H = draw(st.integers(max(1, span[0] - 2 * padding[0]), 30))
+    W = draw(st.integers(max(1, span[1] - 2 * padding[1]), 30))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    arrays = [rng.standard_normal(s).astype(np.float32) for s in
+              ((N, C, H, W), (K, C, R, S), (K,))]
+    op = lambda x, w, b: F.conv2d(x, w, b, stride=stride, padding=padding, dilation=dilation)
+    cpu = netcl.manager.default("cpu")
+    OH, OW = op(*(tensor(a, cpu) for a in arrays)).shape[2:]
+    g = rng.standard_normal((N, K, OH, OW)).astype(np.float32)
+    want_out, want_grads = run_op(op, arrays, g, cpu)
+    launched = []
+    launch = opencl.launch
+    monkeypatch.setattr(opencl, "launch", lambda name, *args, **kwargs: (
+        launched.append(name), launch(name, *args, **kwargs)))
+    got_out, got_grads = run_op(op, arrays, g, opencl)
+    scale = lambda want: 1e-4 * max(1.0, np.abs(want).max())
+    np.testing.assert_allclose(got_out, want_out, rtol=1e-4, atol=scale(want_out))
+    for got, want in zip(got_grads, want_grads):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=scale(want))
+    conv = [name.rsplit("_", 1)[0] for name in launched if name.startswith("conv_")]
+    assert conv == ["conv_fwd"] * (C * R * S % 4 == 0) + ["conv_wgrad"] * (OH * OW % 4 == 0)
+    assert launched.count("im2col") == (C * R * S % 4 != 0) + (OH * OW % 4 != 0)
 
 
 def test_tiled_gemm_plan_follows_the_device_compute_units(opencl, monkeypatch):
