@@ -1043,7 +1043,9 @@ __kernel void tensor_core_probe(__global const uint* A, __global const uint* Bt,
 #if PANEL_COLS == 32
 typedef float16 panel_v;
 #define PANEL_LOAD(p) (*(__global const float16*)(p))
-#define PANEL_STORE(v, p) vstore16((v), 0, (p))
+// (as two float8 stores: where PoCL's compiler targets AVX2 on an AVX-512 CPU, a float16
+// passed to vstore16 changes the ABI, and its stores went astray)
+#define PANEL_STORE(v, p) do { vstore8((v).lo, 0, (p)); vstore8((v).hi, 0, (p) + 8); } while (0)
 #else
 typedef float8 panel_v;
 #define PANEL_LOAD(p) (*(__global const float8*)(p))

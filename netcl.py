@@ -52,6 +52,7 @@ import threading
 import time
 import traceback
 import types
+import warnings
 import weakref
 import zipfile
 import zlib
@@ -295,7 +296,7 @@ class Device:
             # The GEMM variant: local-memory tiles on GPUs, packed vector rows on CPUs (PoCL),
             # where local memory is slow and wide vector loads are fast; their block shape.
             self.gemm = "packed" if cl_device.type & cl.device_type.CPU else "tiled"
-            self.panel_rows, self.panel_cols = _panel_shape(cl_device)
+            self.panel_rows, self.panel_cols = _panel_shape(cl_device, self.context)
             self.compute_units = cl_device.max_compute_units
             # Inline PTX reaches NVIDIA's tensor cores; elsewhere it would not even build.
             # None: not probed yet (the probe is part of the first half build).
@@ -2045,12 +2046,27 @@ _TC_FLOAT_INPUT_MAX = 1 << 20
 # that size, its accumulators two vectors of panel_cols / 2 floats per row.
 
 
-def _panel_shape(cl_device):
+def _panel_shape(cl_device, context):
     """(rows, columns) of the packed GEMM's block of C on a CPU device: 12x32 where its
-    vectors hold 16 floats (AVX-512's 32 registers: 24 float16 accumulators), else 6x16
-    (AVX2's 16: 12 float8 accumulators). On an AVX-512 Xeon, n=1024 products ran at 200-230
-    GFLOP/s with 12x32 blocks against 140 with 6x16 ones."""
-    return (12, 32) if cl_device.native_vector_width_float >= 16 else (6, 16)
+    compiler writes vectors of 16 floats (AVX-512's 32 registers: 24 float16 accumulators),
+    else 6x16 (AVX2's 16: 12 float8 accumulators). On an AVX-512 Xeon, n=1024 products ran
+    at 200-230 GFLOP/s with 12x32 blocks against 140 with 6x16 ones.
+    The device's vector width is the CPU's, but PoCL's compiler may target less: an LLVM
+    older than the CPU compiles AVX2 code for an AVX-512 AMD EPYC (Zen 4), where 12x32
+    blocks spill (115 against 190 GFLOP/s at n=1024). clang then warns that a float16
+    argument "changes the ABI" without avx512f, which a one-line probe build shows."""
+    if cl_device.native_vector_width_float < 16:
+        return (6, 16)
+    probe = cl.Program(context, "__kernel void panel_probe(__global float* x) "
+                                "{ vstore16(vload16(0, x), 0, x + 16); }")
+    with warnings.catch_warnings():  # PyOpenCL warns of any compiler output
+        warnings.simplefilter("ignore")
+        try:
+            probe.build()
+        except cl.Error:
+            return (6, 16)
+    log = probe.get_build_info(cl_device, cl.program_build_info.LOG) or ""
+    return (6, 16) if "avx512f" in log else (12, 32)
 
 
 _PANEL_MACS = 1 << 25  # CPU devices pack both operands into panels from this many M*N*K
