@@ -974,15 +974,20 @@ void NAME(const int M, const int N, const int K, const int k_chunk, const int ba
 #define STORE_PAIR_FLOAT(C, i, both, v0, v1)                                                   \
     do { (C)[i] = (v0); if (both) (C)[(i) + 1] = (v1); } while (0)
 // Three tile configurations, chosen per product by the host (netcl.py: _tensor_core_gemm):
-// 128x128 blocks of four 64x64 warp tiles, 3 stages, for products with many blocks (at
-// n=4096 on the H200 281 TFLOP/s, against 253 with eight 64x32 tiles: each k-tile's copies
-// are shared by fewer products, and two work-groups share a compute unit); 128x64
-// blocks of four 64x32 warp tiles, 4 stages, which keep all compute units busy on smaller
-// ones (n = 1024: 83 against 65 TFLOP/s on the H200); 64x128 blocks of four 32x64 warp
-// tiles, 4 stages, for products of at most 64 rows (conv2d's with 64 filters), which the
-// others would compute half of in vain. The local memory of each is 48 KiB, all a
-// work-group may have there. Names: layout (op(A) = A or A^T, op(B) = B or B^T), C's
-// storage (h: half, f: float), and the block (l: large, s: small, m: 64 rows).
+// 128x128 blocks of four 64x64 warp tiles, 3 stages, for products with many blocks and a
+// K of several k-tiles (at n=4096 on the H200 286 TFLOP/s for A B, against 253 with eight
+// 64x32 tiles and 236-260 in 256x128 or 128x256 blocks of eight 64x64 tiles with 3 or 4
+// stages: each k-tile's copies are shared by fewer products, and two work-groups share a
+// compute unit); 64x64 blocks of four 32x32 warp tiles, 4 stages, for every other aligned
+// product: with few blocks they keep more compute units busy, and a short K leaves the
+// large block's pipeline little to overlap (the H200, by events: the small MLP's products
+// 10-17 against 12-22 us in the 128x64 blocks this replaced, conv2d's three per-sample
+// products 35, 29 and 85 against 35, 31 and 109 us in the 64x128, 64x128 and 128x128
+// blocks they took before); and 128x64 blocks of four 64x32 warp tiles that gather their
+// chunks (_u), for operands whose contiguous dimension is not a multiple of 8 (a 10-class
+// output layer's gradient, say). Each stays within the 48 KiB of local memory the device
+// reports. Names: layout (op(A) = A or A^T, op(B) = B or B^T), C's storage (h: half, f:
+// float), and the block (l: large, s: small, u: unaligned).
 #define GEMM_TC_FAMILY(BLOCK, BM, BN, WM, WN, STAGES, WAIT, ALIGNED)                           \
 GEMM_TC(gemm_tc_nn_h##BLOCK, BM, BN, WM, WN, STAGES, WAIT, 0, 1, half, STORE_PAIR_HALF,        \
         ALIGNED, 0, 0)                                                                         \
@@ -1003,16 +1008,12 @@ GEMM_TC(gemm_tc_nt_h##BLOCK##_xa, BM, BN, WM, WN, STAGES, WAIT, 0, 0, half, STOR
         1, 1, 0)                                                                               \
 GEMM_TC(gemm_tc_tn_f##BLOCK##_xb, BM, BN, WM, WN, STAGES, WAIT, 1, 1, float, STORE_PAIR_FLOAT, \
         1, 0, 1)
-// cp.async.wait_group takes a literal: how many younger copy groups may stay in flight. The
-// small block also comes gathering its chunks (_u), for operands whose contiguous dimension
-// is not a multiple of 8 (a 10-class output layer's gradient, say).
+// cp.async.wait_group takes a literal: how many younger copy groups may stay in flight.
 GEMM_TC_FAMILY(_l, 128, 128, 64, 64, 3, "cp.async.wait_group 1;", 1)
-GEMM_TC_FAMILY(_s, 128, 64, 64, 32, 4, "cp.async.wait_group 2;", 1)
+GEMM_TC_FAMILY(_s, 64, 64, 32, 32, 4, "cp.async.wait_group 2;", 1)
 GEMM_TC_FAMILY(_u, 128, 64, 64, 32, 4, "cp.async.wait_group 2;", 0)
-GEMM_TC_FAMILY(_m, 64, 128, 32, 64, 4, "cp.async.wait_group 2;", 1)
 GEMM_TC_FLOAT_INPUT(_l, 128, 128, 64, 64, 3, "cp.async.wait_group 1;")
-GEMM_TC_FLOAT_INPUT(_s, 128, 64, 64, 32, 4, "cp.async.wait_group 2;")
-GEMM_TC_FLOAT_INPUT(_m, 64, 128, 32, 64, 4, "cp.async.wait_group 2;")
+GEMM_TC_FLOAT_INPUT(_s, 64, 64, 32, 32, 4, "cp.async.wait_group 2;")
 
 // The probe netcl runs once per device before trusting the kernels above: one warp, one
 // 16x8x16 product D = A B, A (16, 16) row-major and B given as B^T (8, 16), in halves.

@@ -2026,10 +2026,14 @@ _VECTOR_BLOCKS = ((64, 64, 256, 31.0), (64, 128, 128, 34.0), (128, 256, 512, 43.
 _SPLIT_K_MIN = 1024
 _VECTOR_SPLIT_K_MIN = 256
 _SPLIT_GROUPS_PER_UNIT = 4
-# kernels.cl's tensor-core blocks: (rows, columns, work-items) of the large and small one,
-# and of the one for products of at most 64 rows; their k-tile depth (split-K chunks are
-# multiples of it).
-_TC_LARGE, _TC_SMALL, _TC_SHORT = (128, 128, 128), (128, 64, 128), (64, 128, 128)
+# kernels.cl's tensor-core blocks: (rows, columns, work-items) of the large and the small
+# one, and of the one that gathers unaligned operands; their k-tile depth (split-K chunks
+# are multiples of it). The large block takes products of more than 64 rows whose 128x128
+# blocks fill every compute unit and whose K is at least _TC_LARGE_K: with a shorter one
+# its pipeline has little to overlap (conv2d's input gradient, K = 64: 109 against 85 µs
+# in small blocks).
+_TC_LARGE, _TC_SMALL, _TC_GATHER = (128, 128, 128), (64, 64, 128), (128, 64, 128)
+_TC_LARGE_K = 256
 _TC_TILE_K = 32
 _TC_VECTOR = 8  # halves the tensor-core kernels copy at a time (16 bytes)
 # A product up to this many multiply-adds takes the gathering tensor-core block however few
@@ -2203,15 +2207,12 @@ def _tensor_core_plan(batch, M, K, N, trans_a, trans_b, has_bias, half_out, unit
     if not K:
         return None
     # Where an operand's contiguous dimension is not a multiple of _TC_VECTOR, its rows are
-    # not 16-byte aligned and the small block gathers instead.
+    # not 16-byte aligned and the gathering block takes the product.
     aligned = (M if trans_a else K) % _TC_VECTOR == 0 and (K if trans_b else N) % _TC_VECTOR == 0
-    # A product of 64 rows or fewer takes the short block; others the large one when its
-    # blocks alone fill every compute unit.
     large_rows, large_cols, _ = _TC_LARGE
-    short = aligned and M <= _TC_SHORT[0]
-    large = (aligned and not short and batch * _ceil_div(M, large_rows) *
-             _ceil_div(N, large_cols) >= units)
-    rows, cols, threads = _TC_SHORT if short else _TC_LARGE if large else _TC_SMALL
+    large = (aligned and K >= _TC_LARGE_K and M > _TC_SMALL[0] and  # (at most 64 rows:
+             batch * _ceil_div(M, large_rows) * _ceil_div(N, large_cols) >= units)  # half idle)
+    rows, cols, threads = _TC_LARGE if large else _TC_SMALL if aligned else _TC_GATHER
     blocks = batch * _ceil_div(M, rows) * _ceil_div(N, cols)
     # Split K when the blocks leave most compute units idle and K is long enough to share
     # (a weight gradient summed over a large batch): float32 partial products, then their sum.
@@ -2224,7 +2225,7 @@ def _tensor_core_plan(batch, M, K, N, trans_a, trans_b, has_bias, half_out, unit
     k_chunk = _round_up(_ceil_div(K, splits), _TC_TILE_K) if splits > 1 else K
     splits = _ceil_div(K, k_chunk)
     layout = "tn" if trans_a else "nt" if trans_b else "nn"
-    block = "m" if short else "l" if large else "s" if aligned else "u"
+    block = "l" if large else "s" if aligned else "u"
     if float_side and (block == "u" or half_out != (float_side == "a")):
         return None  # the float32-input kernels: x @ W^T to half, g^T @ x to float (kernels.cl)
     kernel = f"gemm_tc_{layout}_{'h' if half_out else 'f'}_{block}" + (

@@ -6832,11 +6832,13 @@ def test_tensor_core_gemm_is_a_float32_product_of_float16_operands(
 
 @pytest.mark.parametrize("layout, m, n, k, batch, kernel, splits", [
     ("nn", 4096, 4096, 4096, 1, "gemm_tc_nn_h_l", 1),    # many blocks: 128x128
-    ("nn", 1024, 1024, 1024, 1, "gemm_tc_nn_h_s", 1),    # 128 large blocks: 128x64
-    ("nn", 64, 784, 288, 64, "gemm_tc_nn_h_m", 1),       # conv2d's forward, 64 filters
-    ("nt", 64, 288, 784, 64, "gemm_tc_nt_f_m", 1),       # ... its weight gradient per sample
-    ("tn", 288, 784, 64, 64, "gemm_tc_tn_f_l", 1),       # ... its input gradient's columns
-    ("nt", 64, 288, 8192, 1, "gemm_tc_nt_f_m", 8),       # few blocks, long K: split
+    ("nn", 1024, 1024, 1024, 1, "gemm_tc_nn_h_s", 1),    # 64 large blocks: 64x64
+    ("nn", 4096, 4096, 248, 1, "gemm_tc_nn_h_s", 1),     # many, but a short K: 64x64
+    ("nn", 4096, 4096, 256, 1, "gemm_tc_nn_h_l", 1),     # ... at _TC_LARGE_K: 128x128
+    ("nn", 64, 784, 288, 64, "gemm_tc_nn_h_s", 1),       # conv2d's forward, 64 filters
+    ("nt", 64, 288, 784, 64, "gemm_tc_nt_f_s", 1),       # ... its weight gradient per sample
+    ("tn", 288, 784, 64, 64, "gemm_tc_tn_f_s", 1),       # ... its input gradient's columns
+    ("nt", 64, 288, 8192, 1, "gemm_tc_nt_f_s", 8),       # few blocks, long K: split
     ("nn", 4096, 10, 256, 1, "gemm_tc_nn_h_u", 1),       # rows of 10: gathered
 ])
 def test_tensor_core_gemm_picks_its_block_by_shape(opencl, monkeypatch, layout, m, n, k,
@@ -6895,7 +6897,7 @@ def test_tensor_core_gemm_rounds_a_float32_operand_as_a_cast_would(opencl, m, n,
 @pytest.mark.parametrize("rows, features, outputs, forward, weight_gradient", [
     (128, 784, 256, ["gemm_tc_nt_h_s_xa"], ["gemm_tc_tn_f_s_xb"]),  # the small MLP's first layer
     (1024, 784, 4096, ["gemm_tc_nt_h_l_xa"], ["gemm_tc_tn_f_l_xb"]),  # 128x128 blocks
-    (64, 784, 256, ["gemm_tc_nt_h_m_xa"], ["gemm_tc_tn_f_s_xb"]),     # 64 rows
+    (64, 784, 256, ["gemm_tc_nt_h_s_xa"], ["gemm_tc_tn_f_s_xb"]),     # 64 rows
     # large, or unaligned: a cast for each product, none kept through the backward pass
     (4096, 784, 4096, ["cast_to_act", "gemm_tc_nt_h_l"], ["cast_to_act", "gemm_tc_tn_f_l"]),
     (128, 30, 256, ["cast_to_act", "gemm_tc_nt_h_u"], ["cast_to_act", "gemm_tc_tn_f_u"]),
@@ -6917,6 +6919,7 @@ def test_linear_on_tensor_cores_reads_a_float32_input_without_a_cast(
     with netcl.Tape(), netcl.autocast():  # the first forward makes that copy
         layer(x)
     launched.clear()
+    gc.collect()  # an earlier test's garbage, freed during this one, would make held negative
     in_use = opencl.pool.in_use_bytes
     with netcl.Tape() as tape, netcl.autocast():
         out = layer(x)
