@@ -1777,39 +1777,46 @@ __kernel void im2col_panels_t(const int nb, const int C, WINDOW_ARGS,
 // of im2col, each input pixel summing the column entries that were copies of it. A 2-D launch
 // over (input pixel, channel), as im2col. A dilated window's span holds rows and columns
 // between its taps, which are skipped; the undilated case has its own loop, free of those
-// divisions (they cost it a fifth of its time on PoCL). dcols is float (a GEMM's output), dx
-// act_t.
-__kernel void col2im(const int n0, const int nb, const int C, WINDOW_ARGS, const int tap_stride,
-                     const int image_stride, __global const float* dcols, __global act_t* dx) {
-    const int i = get_global_id(0), c = get_global_id(1);
-    if (i >= nb * H * W) return;
-    const int q = i / W, w = i - q * W, n = q / H, h = q - n * H;
-    const int hp = h + PH, wp = w + PW;
-    COVERING(hp, (R - 1) * DH + 1, SH, OH, oh_lo, oh_hi)
-    COVERING(wp, (S - 1) * DW + 1, SW, OW, ow_lo, ow_hi)
-    __global const float* taps = dcols + c * R * S * tap_stride + n * image_stride;
-    float acc = 0.0f;
-    if (DH == 1 && DW == 1) {
-        for (int oh = oh_lo; oh <= oh_hi; ++oh) {
-            const int r = hp - oh * SH;
-            for (int ow = ow_lo; ow <= ow_hi; ++ow) {
-                const int s = wp - ow * SW;
-                acc += taps[(r * S + s) * tap_stride + oh * OW + ow];
-            }
-        }
-    } else {
-        for (int oh = oh_lo; oh <= oh_hi; ++oh) {
-            const int dr = hp - oh * SH;  // r * DH, if this row is one of the window's taps
-            if (dr % DH) continue;
-            for (int ow = ow_lo; ow <= ow_hi; ++ow) {
-                const int ds = wp - ow * SW;
-                if (ds % DW) continue;
-                acc += taps[((dr / DH) * S + ds / DW) * tap_stride + oh * OW + ow];
-            }
-        }
-    }
-    STORE(dx, (((n0 + n) * C + c) * H + h) * W + w, acc);
+// divisions (they cost it a fifth of its time on PoCL). col2im: dcols float (a float32
+// GEMM's output), dx act_t; col2im_act: dcols act_t (the tensor cores' float16 output under
+// autocast, half the bytes for the product to write and this kernel to read), dx act_t, or
+// float in col2im_act_f (the gradient of a float32 input).
+#define COL2IM(NAME, COL_T, DX_T)                                                               \
+__kernel void NAME(const int n0, const int nb, const int C, WINDOW_ARGS, const int tap_stride,  \
+                     const int image_stride, __global const COL_T* dcols, __global DX_T* dx) {  \
+    const int i = get_global_id(0), c = get_global_id(1);                                       \
+    if (i >= nb * H * W) return;                                                                \
+    const int q = i / W, w = i - q * W, n = q / H, h = q - n * H;                               \
+    const int hp = h + PH, wp = w + PW;                                                         \
+    COVERING(hp, (R - 1) * DH + 1, SH, OH, oh_lo, oh_hi)                                        \
+    COVERING(wp, (S - 1) * DW + 1, SW, OW, ow_lo, ow_hi)                                        \
+    __global const COL_T* taps = dcols + c * R * S * tap_stride + n * image_stride;             \
+    float acc = 0.0f;                                                                           \
+    if (DH == 1 && DW == 1) {                                                                   \
+        for (int oh = oh_lo; oh <= oh_hi; ++oh) {                                               \
+            const int r = hp - oh * SH;                                                         \
+            for (int ow = ow_lo; ow <= ow_hi; ++ow) {                                           \
+                const int s = wp - ow * SW;                                                     \
+                acc += LOAD_##COL_T(taps, (r * S + s) * tap_stride + oh * OW + ow);             \
+            }                                                                                   \
+        }                                                                                       \
+    } else {                                                                                    \
+        for (int oh = oh_lo; oh <= oh_hi; ++oh) {                                               \
+            const int dr = hp - oh * SH;  /* r * DH, if this row is one of the window's taps */\
+            if (dr % DH) continue;                                                              \
+            for (int ow = ow_lo; ow <= ow_hi; ++ow) {                                           \
+                const int ds = wp - ow * SW;                                                    \
+                if (ds % DW) continue;                                                          \
+                acc += LOAD_##COL_T(taps, ((dr / DH) * S + ds / DW) * tap_stride +            \
+                                          oh * OW + ow);                                      \
+            }                                                                                   \
+        }                                                                                       \
+    }                                                                                           \
+    STORE_##DX_T(dx, (((n0 + n) * C + c) * H + h) * W + w, acc);                                \
 }
+COL2IM(col2im, float, act_t)
+COL2IM(col2im_act, act_t, act_t)
+COL2IM(col2im_act_f, act_t, float)
 
 // dcols (nb, C*R*S, OH*OW) (gemm_packed's runs, one per sample) -> dx (N, C, H, W) for
 // samples n0 .. n0+nb-1: the adjoint of im2col_panels, for CPU devices. A work-item owns one

@@ -3966,10 +3966,15 @@ def conv2d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
                     else:
                         _add_into(grad_w, part)
                 if grad_x is not None:  # dcols[n] = w^T @ g[n] (nb, C*R*S, OH*OW), then col2im
-                    grad_cols = _gemm(weight_rows, g_rows, trans_a=True)
-                    g.device.launch("col2im", (nb * H * W, C), (256, 1), n0, nb, C, *window,
+                    # (on tensor cores dcols is float16, as PyTorch's autocast writes its input
+                    # gradients: half the bytes to write and to read back)
+                    grad_cols = _gemm(weight_rows, g_rows, trans_a=True, half=tensor_cores)
+                    kernel = ("col2im" if not tensor_cores else "col2im_act"
+                              if grad_x.dtype == np.float16 else "col2im_act_f")
+                    g.device.launch(kernel, (nb * H * W, C), (256, 1), n0, nb, C, *window,
                                     *_cols_strides(grad_cols.shape, L), grad_cols.data,
-                                    grad_x.data, half=grad_x.dtype == np.float16)
+                                    grad_x.data, half=tensor_cores or
+                                    grad_x.dtype == np.float16)
             if w.requires_grad and grad_w is None:  # an empty batch: no chunks
                 grad_w = _fill(weight.shape, 0.0, weight)
         else:

@@ -7001,10 +7001,12 @@ def test_tensor_core_training_step_matches_float32(opencl):
         assert g16.dtype == np.float32 and _relative_error(g16, g32) < 1e-2
 
 
-def test_tensor_core_conv2d_matches_float32(opencl):
+@pytest.mark.parametrize("x_dtype", [np.float32, np.float16])
+def test_tensor_core_conv2d_matches_float32(opencl, x_dtype):
     """conv2d under autocast on tensor cores (im2col columns and filters in float16): output
     and gradients are the float32 ones within float16 rounding, on float16-representable
-    input and filters."""
+    input and filters; for an input in either storage (its gradient in its storage, from
+    float16 input-gradient columns)."""
     dev = _tensor_core_device(opencl)
     rng = np.random.default_rng(6)
     arrays = [rng.standard_normal((4, 8, 9, 7)), rng.standard_normal((16, 8, 3, 3)) / 8,
@@ -7013,13 +7015,40 @@ def test_tensor_core_conv2d_matches_float32(opencl):
     seed = rng.standard_normal((4, 16, 9, 4)).astype(np.float16).astype(np.float32)
     results = {}
     for enabled in (False, True):
-        leaves = [param(a, dev) for a in arrays]
+        leaves = [param(arrays[0], dev, x_dtype if enabled else None)] + [
+            param(a, dev) for a in arrays[1:]]
         with netcl.Tape() as tape, netcl.autocast(enabled=enabled):
             out = F.conv2d(*leaves, stride=(1, 2), padding=1)
         tape.backward(out, grad=seed)
         results[enabled] = [host(out).astype(np.float32)] + [host(p.grad) for p in leaves]
+    assert results[True][1].dtype == x_dtype
     for got, expected in zip(results[True], results[False]):
-        assert _relative_error(got, expected) < 1e-2
+        assert _relative_error(got.astype(np.float32), expected) < 1e-2
+
+
+@pytest.mark.parametrize("dx_dtype", [np.float16, np.float32])
+def test_col2im_of_float16_columns_sums_what_col2im_of_float32_ones_does(opencl, dx_dtype):
+    """col2im_act and col2im_act_f (the input gradient from the tensor cores' float16 columns,
+    into float16 or float32 storage) sum the same values in the same order as col2im from
+    the columns' float32 values: equal to its result, rounded where dx is float16. A strided,
+    dilated, padded window, one matrix of columns per sample."""
+    window = netcl._window("conv2d", (3, 4, 9, 8), (3, 2), (2, 1), (2, 1), (2, 3))
+    H, W, R, S, SH, SW, PH, PW, DH, DW, OH, OW = window
+    N, C, L = 3, 4, OH * OW
+    cols = np.random.default_rng(9).standard_normal((N, C * R * S, L)).astype(np.float16)
+    results = {}
+    for kernel, dtype, half in (("col2im", np.float32, False),
+                                ("col2im_act" if dx_dtype == np.float16 else "col2im_act_f",
+                                 np.float16, True)):
+        dcols = tensor(cols, opencl, dtype)
+        dx = netcl.Tensor.empty((N, C, H, W), dx_dtype if half else np.float32, opencl.queue)
+        opencl.launch(kernel, (N * H * W, C), (256, 1), 0, N, C, *window,
+                      *netcl._cols_strides(dcols.shape, L), dcols.data, dx.data, half=half)
+        results[kernel] = host(dx)
+    single, other = results.pop("col2im"), results.popitem()[1]
+    assert other.dtype == dx_dtype
+    np.testing.assert_array_equal(other, single.astype(dx_dtype))
+    assert np.abs(single).sum() > 0
 
 
 def test_adam_keeps_the_float16_copy_of_its_parameters(opencl):
