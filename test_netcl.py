@@ -4256,6 +4256,19 @@ def test_permute_is_one_launch_of_up_to_six_moving_dimensions(opencl):
         F.permute(tensor(x7, opencl), (6, 4, 2, 0, 5, 3, 1))
 
 
+@XB_SETTINGS
+@given(values=hnp.arrays(np.float32, st.integers(0, 41),
+                         elements=st.floats(width=32, allow_nan=True, allow_infinity=True)))
+def test_casts_round_and_widen_as_numpy(opencl, values):
+    """cast_to_act rounds float32 to float16 storage (nearest even, overflow to inf, NaN
+    kept) and cast_from_act widens it back, as NumPy's astype, at every length."""
+    half = netcl._cast(tensor(values, opencl), np.float16)
+    with np.errstate(over="ignore"):
+        expected = values.astype(np.float16)
+    np.testing.assert_array_equal(host(half), expected)
+    np.testing.assert_array_equal(host(netcl._cast(half, np.float32)), expected.astype(np.float32))
+
+
 def test_shape_ops_move_float16_storage_exactly(opencl):
     """float16 in, float16 out: the same bits moved (nothing is computed). The gradients are
     the very gradients of a float32 run, rounded, through the permutes (whose backward moves
