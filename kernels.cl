@@ -1802,7 +1802,7 @@ __kernel void NAME(const int n0, const int nb, const int C, WINDOW_ARGS, const i
         }                                                                                       \
     } else {                                                                                    \
         for (int oh = oh_lo; oh <= oh_hi; ++oh) {                                               \
-            const int dr = hp - oh * SH;  /* r * DH, if this row is one of the window's taps */\
+            const int dr = hp - oh * SH;  /* r * DH, if this row is one of the taps' */     \
             if (dr % DH) continue;                                                              \
             for (int ow = ow_lo; ow <= ow_hi; ++ow) {                                           \
                 const int ds = wp - ow * SW;                                                    \

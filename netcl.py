@@ -2209,9 +2209,11 @@ def _tensor_core_plan(batch, M, K, N, trans_a, trans_b, has_bias, half_out, unit
     # Where an operand's contiguous dimension is not a multiple of _TC_VECTOR, its rows are
     # not 16-byte aligned and the gathering block takes the product.
     aligned = (M if trans_a else K) % _TC_VECTOR == 0 and (K if trans_b else N) % _TC_VECTOR == 0
+    # The large block: more than 64 rows (with fewer, half of it would idle), a K of at
+    # least _TC_LARGE_K, and enough blocks to fill every compute unit.
     large_rows, large_cols, _ = _TC_LARGE
-    large = (aligned and K >= _TC_LARGE_K and M > _TC_SMALL[0] and  # (at most 64 rows:
-             batch * _ceil_div(M, large_rows) * _ceil_div(N, large_cols) >= units)  # half idle)
+    large = (aligned and M > _TC_SMALL[0] and K >= _TC_LARGE_K and
+             batch * _ceil_div(M, large_rows) * _ceil_div(N, large_cols) >= units)
     rows, cols, threads = _TC_LARGE if large else _TC_SMALL if aligned else _TC_GATHER
     blocks = batch * _ceil_div(M, rows) * _ceil_div(N, cols)
     # Split K when the blocks leave most compute units idle and K is long enough to share
@@ -3969,8 +3971,8 @@ def conv2d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
                     # (on tensor cores dcols is float16, as PyTorch's autocast writes its input
                     # gradients: half the bytes to write and to read back)
                     grad_cols = _gemm(weight_rows, g_rows, trans_a=True, half=tensor_cores)
-                    kernel = ("col2im" if not tensor_cores else "col2im_act"
-                              if grad_x.dtype == np.float16 else "col2im_act_f")
+                    kernel = "col2im" if not tensor_cores else (
+                        "col2im_act" if grad_x.dtype == np.float16 else "col2im_act_f")
                     g.device.launch(kernel, (nb * H * W, C), (256, 1), n0, nb, C, *window,
                                     *_cols_strides(grad_cols.shape, L), grad_cols.data,
                                     grad_x.data, half=tensor_cores or
