@@ -969,8 +969,20 @@ void NAME(const int M, const int N, const int K, const int k_chunk, const int ba
             }                                                                                      \
         }                                                                                          \
 }
+// Two halves of a row as one 32-bit store where their address allows (cvt.rn rounds as
+// vstore_half does: to nearest even, overflow to inf); one by one elsewhere.
 #define STORE_PAIR_HALF(C, i, both, v0, v1)                                                    \
-    do { vstore_half((v0), (i), (C)); if (both) vstore_half((v1), (i) + 1, (C)); } while (0)
+    do {                                                                                       \
+        __global half* p_ = (C) + (i);                                                         \
+        if ((both) && !((size_t)p_ & 3)) {                                                     \
+            uint h_;                                                                           \
+            asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(h_) : "f"(v1), "f"(v0));                \
+            *(__global uint*)p_ = h_;                                                          \
+        } else {                                                                               \
+            vstore_half((v0), 0, p_);                                                          \
+            if (both) vstore_half((v1), 1, p_);                                                \
+        }                                                                                      \
+    } while (0)
 #define STORE_PAIR_FLOAT(C, i, both, v0, v1)                                                   \
     do { (C)[i] = (v0); if (both) (C)[(i) + 1] = (v1); } while (0)
 // Three tile configurations, chosen per product by the host (netcl.py: _tensor_core_gemm):
