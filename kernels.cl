@@ -561,12 +561,15 @@ GEMM(gemm_tn_split, 4, 1, float, A_COLMAJOR, 0, act_t, B_ROWMAJOR, 0, float)
     }
 // VGEMM_KERNEL fetches op(A) and op(B) with FETCH_A and FETCH_B (VGEMM_FETCH's arguments)
 // and takes EXTRA_ARGS after C: the implicit convolution's (conv2d, below) gather B from
-// an image.
+// an image. C_RUN: 0, C stored (M, N); else C's columns are runs of C_RUN (a multiple of 4)
+// stored one after another, (N / C_RUN, M, C_RUN): a convolution's output, NCHW.
 #define VGEMM(NAME, BM, BN, BK, TM, TN, LM, A_T, A_K_FAST, B_T, B_K_FAST, C_T)                  \
     VGEMM_KERNEL(NAME, BM, BN, BK, TM, TN, LM, A_T, A_K_FAST, B_T, B_K_FAST, C_T, VGEMM_FETCH,  \
-                 VGEMM_FETCH, )
+                 VGEMM_FETCH, , 0)
+#define VGEMM_C_AT(r, c, C_RUN) \
+    ((C_RUN) ? ((c) / (C_RUN) * M + (r)) * (C_RUN) + (c) % (C_RUN) : (r) * N + (c))
 #define VGEMM_KERNEL(NAME, BM, BN, BK, TM, TN, LM, A_T, A_K_FAST, B_T, B_K_FAST, C_T, FETCH_A,  \
-                     FETCH_B, EXTRA_ARGS)                                                       \
+                     FETCH_B, EXTRA_ARGS, C_RUN)                                                \
 __kernel __attribute__((reqd_work_group_size((BM / TM) * (BN / TN), 1, 1)))                     \
 void NAME(const int M, const int N, const int K, const int k_chunk, const int batch_a,          \
           const int batch_b, const int has_bias, __global const A_T* A, __global const B_T* B,  \
@@ -640,12 +643,12 @@ void NAME(const int M, const int N, const int K, const int k_chunk, const int ba
             if (N % 4 == 0) {  /* whole float4s; else C's rows are not 16-byte aligned */       \
                 float4 v4 = (float4)(v[0], v[1], v[2], v[3]);                                   \
                 if (add_bias) v4 += has_bias == 2 ? (float4)(bias[r]) : LOAD4_float(bias, c);   \
-                STORE4_##C_T(C, r * N + c, v4);                                                 \
+                STORE4_##C_T(C, VGEMM_C_AT(r, c, C_RUN), v4);                                   \
             } else {                                                                            \
                 _Pragma("unroll") for (int q = 0; q < 4; ++q)                                   \
                     if (c + q < N)                                                              \
-                        STORE_##C_T(C, r * N + c + q, v[q] + BIAS_AT(add_bias ? has_bias : 0,  \
-                                                                     bias, r, c + q));          \
+                        STORE_##C_T(C, VGEMM_C_AT(r, c + q, C_RUN),                             \
+                                    v[q] + BIAS_AT(add_bias ? has_bias : 0, bias, r, c + q));   \
             }                                                                                   \
         }                                                                                       \
     }                                                                                           \
@@ -1652,7 +1655,9 @@ __kernel void bce_logits_bwd(const int n, const int g_stride, const float scale,
 // arithmetic (integer division is slow on CPUs) is shared by R*S values, and neighbouring
 // work-items still write neighbouring addresses. x is act_t; cols is float (im2col, a
 // scratch buffer for the float GEMMs) or act_t (im2col_act: float16 operands for the tensor
-// cores, in the half build).
+// cores, in the half build). A launch over C + 1 channels writes a row of ones after the
+// taps, at t = C*R*S (conv2d's weight gradient: that row's column of g cols^T sums g, the
+// bias gradient).
 #define IM2COL(NAME, COL_T)                                                                    \
 __kernel void NAME(const int n0, const int nb, const int C, WINDOW_ARGS,                       \
                    const int tap_stride, const int image_stride, __global const act_t* x,      \
@@ -1660,8 +1665,12 @@ __kernel void NAME(const int n0, const int nb, const int C, WINDOW_ARGS,        
     const int p = get_global_id(0), c = get_global_id(1);                                      \
     if (p >= nb * OH * OW) return;                                                             \
     const int q = p / OW, ow = p - q * OW, n = q / OH, oh = q - n * OH;                        \
-    __global const act_t* plane = x + ((n0 + n) * C + c) * H * W;                              \
     __global COL_T* column = cols + c * R * S * tap_stride + n * image_stride + oh * OW + ow;  \
+    if (c == C) {  /* the row of ones */                                                       \
+        STORE_##COL_T(column, 0, 1.0f);                                                        \
+        return;                                                                                \
+    }                                                                                          \
+    __global const act_t* plane = x + ((n0 + n) * C + c) * H * W;                              \
     for (int r = 0; r < R; ++r) {                                                              \
         const int h = oh * SH - PH + r * DH;                                                   \
         for (int s = 0; s < S; ++s) {                                                          \
@@ -1859,11 +1868,16 @@ __kernel void col2im_planes(const int n0, const int nb, const int C, WINDOW_ARGS
 // conv2d as an implicit GEMM (GPUs): the vector GEMM (VGEMM_KERNEL above) with op(B) the
 // columns im2col would write, gathered from the input as each slice is fetched, so that no
 // columns are stored. `image` is the elements of one sample, C*H*W, and L = OH*OW.
-// - conv_fwd_*: out[n] (K, L) = w (K, C*R*S) @ cols[n], one product per sample (the grid's
-//   third dimension; batch_b = image), the bias per row.
+// - conv_fwd_*: out[n] (K, L) = w (K, C*R*S) @ cols[n], the bias per row: where L is a
+//   multiple of 4, one product over every sample's columns side by side (c_run = L: the
+//   output's columns in runs of L, one per sample), so blocks run across samples' edges;
+//   else one product per sample (the grid's third dimension; batch_b = image, c_run 0).
 // - conv_wgrad_*: dw (K, C*R*S) = g @ cols^T, one product over every sample's pixels (K =
 //   N*L, split over the grid as any long K): g (N, K, L) read as the (K, N*L) matrix of its
 //   samples' pixels side by side (RUN_FETCH), cols^T gathered.
+// - conv_dgrad_*: the input gradient's columns (N, C*R*S, L) = w^T @ g over every sample's
+//   pixels side by side (g read in runs, RUN_FETCH_B; the columns written in runs), then
+//   col2im sums them into dx.
 // The input gradient stays a product and col2im: on the H200 a convolution of g by the
 // filters turned half a turn took 138 µs against their 120 for the benchmark's conv2d. So
 // do the tensor cores' products (im2col_act's columns): gathering into registers before
@@ -1872,15 +1886,20 @@ __kernel void col2im_planes(const int n0, const int nb, const int C, WINDOW_ARGS
 
 // The float4 of the columns at tap t and pixels p .. p+3 of x's samples side by side (p / L
 // is the sample; L a multiple of 4 where p may pass L): zero for a tap from `taps` on, a
-// pixel from `pixels` on, or a window over padding.
+// pixel from `pixels` on, or a window over padding. ones >= 0 (the weight gradient with a
+// bias): tap `ones` is a row of ones and the taps after it zeros, so that the product's
+// column `ones` sums g over every pixel, the bias gradient.
 inline float4 conv_columns4(__global const act_t* x, const int image, const int t,
-                            const int taps, const int p, const int pixels, WINDOW_ARGS) {
+                            const int taps, const int p, const int pixels, const int ones,
+                            WINDOW_ARGS) {
     float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     // the pixel's place first, outside the branch: the same in every slice of the forward,
     // where the compiler may then work it out once
     const int n = p / (OH * OW), l = p - n * (OH * OW), oh0 = l / OW;
     int oh = oh0, ow = l - oh0 * OW;
-    if (t < taps) {
+    if (t == ones) {
+        _Pragma("unroll") for (int q = 0; q < 4; ++q) v[q] = p + q < pixels ? 1.0f : 0.0f;
+    } else if (t < (ones < 0 ? taps : ones)) {
         const int c = t / (R * S), rs = t - c * (R * S), r = rs / S;
         const int dh = r * DH - PH, dw = (rs - r * S) * DW - PW;
         __global const act_t* plane = x + n * image + c * H * W;
@@ -1899,11 +1918,11 @@ inline float4 conv_columns4(__global const act_t* x, const int image, const int 
         const int e = tid + THREADS * l;                                                        \
         if ((ROWS * BK / 4) % THREADS && e >= ROWS * BK / 4) break;                             \
         REG[l] = K_FAST ? conv_columns4(X, image, (r0) + e / (BK / 4), rows,                    \
-                                        (k0) + e % (BK / 4) * 4, k_end, H, W, R, S, SH, SW,     \
-                                        PH, PW, DH, DW, OH, OW)                                 \
+                                        (k0) + e % (BK / 4) * 4, k_end, ones, H, W, R, S, SH,   \
+                                        SW, PH, PW, DH, DW, OH, OW)                             \
                         : conv_columns4(X, image, (k0) + e / (ROWS / 4), k_end,                 \
-                                        (r0) + e % (ROWS / 4) * 4, rows, H, W, R, S, SH, SW,    \
-                                        PH, PW, DH, DW, OH, OW);                                \
+                                        (r0) + e % (ROWS / 4) * 4, rows, -1, H, W, R, S, SH,    \
+                                        SW, PH, PW, DH, DW, OH, OW);                            \
     }
 // VGEMM_FETCH for a k-fast A (rows, K) stored as runs of L: (K / L, rows, L), g's layout.
 #define RUN_FETCH(REG, X, X_T, K_FAST, ROWS, rows, r0, k0, BK, THREADS)                        \
@@ -1915,14 +1934,44 @@ inline float4 conv_columns4(__global const act_t* x, const int image, const int 
                  ? LOAD4_##X_T(X, (n * (rows) + r) * (OH * OW) + k - n * (OH * OW))             \
                  : (float4)(0.0f);                                                              \
     }
-#define CONV_ARGS , const int image, WINDOW_ARGS
+// VGEMM_FETCH for a B (K, N) stored as runs of c_run: (N / c_run, K, c_run), g's layout.
+#define RUN_FETCH_B(REG, X, X_T, K_FAST, ROWS, rows, r0, k0, BK, THREADS)                      \
+    _Pragma("unroll") for (int l = 0; l < (ROWS * BK / 4 + THREADS - 1) / THREADS; ++l) {       \
+        const int e = tid + THREADS * l;                                                        \
+        if ((ROWS * BK / 4) % THREADS && e >= ROWS * BK / 4) break;                             \
+        const int k = (k0) + e / (ROWS / 4), r = (r0) + e % (ROWS / 4) * 4, n = r / c_run;      \
+        REG[l] = k < k_end && r < (rows)                                                        \
+                 ? LOAD4_##X_T(X, (n * K + k) * c_run + r - n * c_run) : (float4)(0.0f);         \
+    }
+// The three take the same arguments: `ones` (conv_columns4) and c_run (the forward's output,
+// the input gradient's g and columns in runs: VGEMM_C_AT).
+#define CONV_ARGS , const int image, const int ones, const int c_run, WINDOW_ARGS
 #define CONV_FAMILY(SIZE, BM, BN, BK, TM, TN, LM)                                               \
 VGEMM_KERNEL(conv_fwd_##SIZE, BM, BN, BK, TM, TN, LM, float, 1, act_t, 0, act_t, VGEMM_FETCH,   \
-             CONV_FETCH, CONV_ARGS)                                                             \
+             CONV_FETCH, CONV_ARGS, c_run)                                                      \
 VGEMM_KERNEL(conv_wgrad_##SIZE, BM, BN, BK, TM, TN, LM, act_t, 1, act_t, 1, float, RUN_FETCH,   \
-             CONV_FETCH, CONV_ARGS)
+             CONV_FETCH, CONV_ARGS, 0)                                                          \
+VGEMM_KERNEL(conv_dgrad_##SIZE, BM, BN, BK, TM, TN, LM, float, 0, act_t, 0, float, VGEMM_FETCH, \
+             RUN_FETCH_B, CONV_ARGS, c_run)
 CONV_FAMILY(64x64, 64, 64, 16, 4, 4, 4)
 CONV_FAMILY(64x128, 64, 128, 16, 8, 8, 4)
+CONV_FAMILY(64x256, 64, 256, 16, 8, 8, 4)
+
+// conv_wgrad's partial products (splits, K, width) with a column of ones at `taps` (its
+// sums over every pixel: the bias gradient), summed: columns below `taps` into dw (K, taps),
+// column `taps` into db (K); the columns after it are padding.
+__kernel void conv_wgrad_sum(const int splits, const int K, const int taps, const int width,
+                             __global const float* parts, __global float* dw,
+                             __global float* db) {
+    const int i = get_global_id(0);
+    if (i >= K * width) return;
+    const int k = i / width, t = i - k * width;
+    if (t > taps) return;
+    float acc = 0.0f;
+    for (int s = 0; s < splits; ++s) acc += parts[s * K * width + i];
+    if (t < taps) dw[k * taps + t] = acc;
+    else db[k] = acc;
+}
 
 // x (A, B, L) from element x_offset -> out (B, A, L) from element out_offset, + bias (A) when
 // has_bias: conv2d's GEMM output (K, N, OH*OW) into NCHW (swap_axes01: x float, out act_t,

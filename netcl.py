@@ -3684,18 +3684,19 @@ def _col2im_numpy(windows, window):
 _IM2COL_BYTES = 1 << 28  # conv2d's im2col buffer at most (256 MiB): larger batches go in chunks
 
 
-def _im2col(X, n0, nb, window, tensor_cores=False, per_image=False):
+def _im2col(X, n0, nb, window, tensor_cores=False, per_image=False, ones=False):
     """Samples n0 .. n0+nb-1 of x (N, C, H, W) -> cols (C*R*S, nb*OH*OW): column p holds the
     window of output pixel p, zeros where it covers padding; per_image: (nb, C*R*S, OH*OW),
     one such matrix per sample. float32, or with tensor_cores (x in float16 storage)
-    float16: their operands."""
+    float16: their operands. ones: one more row, of ones, after the taps."""
     H, W, R, S, SH, SW, PH, PW, DH, DW, OH, OW = window
     C, L = X.shape[1], OH * OW
-    shape = (nb, C * R * S, L) if per_image else (C * R * S, nb * L)
+    taps = C * R * S + bool(ones)
+    shape = (nb, taps, L) if per_image else (taps, nb * L)
     cols = _like(X, shape, np.float16 if tensor_cores else np.float32)
-    X.device.launch("im2col_act" if tensor_cores else "im2col", (nb * L, C), (256, 1), n0, nb, C,
-                    *window, *_cols_strides(cols.shape, L), X.data, cols.data,
-                    half=X.dtype == np.float16)
+    X.device.launch("im2col_act" if tensor_cores else "im2col", (nb * L, C + bool(ones)),
+                    (256, 1), n0, nb, C, *window, *_cols_strides(cols.shape, L), X.data,
+                    cols.data, half=X.dtype == np.float16)
     return cols
 
 
@@ -3742,37 +3743,52 @@ _MAX_GRID_BATCH = 65535  # the work-groups a launch may have along its third dim
 
 
 @functools.lru_cache(maxsize=256)
-def _conv_plan(batch, M, K, N, units):
+def _conv_plan(batch, M, K, N, units, may_split=True):
     """_conv_gemm's launch, a function of the sizes alone, as _tiled_plan's: (kernel suffix,
     global size, local size, splits, k_chunk). K is split only for a lone product (the
-    weight gradient's, K = N*OH*OW)."""
+    weight gradient's, K = N*OH*OW) whose partial products may be float32 (may_split)."""
     rows, cols, threads = _vector_block(batch, M, N, units,
                                         _CONV_BLOCKS[:1] if batch > 1 else _CONV_BLOCKS)
     grid = (_ceil_div(N, cols) * threads, _ceil_div(M, rows))
     count = batch * _ceil_div(M, rows) * _ceil_div(N, cols)
     splits = 1
-    if batch == 1 and 2 * count <= units and K >= 2 * _SPLIT_K_MIN:
+    if may_split and batch == 1 and 2 * count <= units and K >= 2 * _SPLIT_K_MIN:
         splits = min(_ceil_div(_SPLIT_GROUPS_PER_UNIT * units, count), K // _VECTOR_SPLIT_K_MIN)
     k_chunk = _round_up(_ceil_div(K, splits), _TILE_K) if splits > 1 else K
     splits = _ceil_div(K, k_chunk) if K else 1
     return f"_{rows}x{cols}", grid + (batch * splits,), (threads, 1, 1), splits, k_chunk
 
 
-def _conv_gemm(kernel, a, x, out, dims, window, bias=None):
+def _conv_gemm(kernel, a, x, out, dims, window, bias=None, bias_grad=None):
     """out = an implicit-GEMM convolution of x (N, C, H, W) (kernels.cl: `kernel` is
-    conv_fwd or conv_wgrad): conv_fwd, out (N, M, OH*OW) = a (M, C*R*S) @ each sample's
-    columns [+ bias (M,) per row]; conv_wgrad, out (M, C*R*S) = a (N, M, OH*OW), read as
-    (M, N*OH*OW), @ the columns of every sample, transposed. dims: (batch, M, K, N) of the
-    product, as _gemm_dims. In the build of x's storage: the tensors kernels.cl marks act_t
-    (x; conv_fwd's out, conv_wgrad's a) are in it, the others float32."""
+    conv_fwd, conv_wgrad or conv_dgrad): conv_fwd, out (N, M, OH*OW) = a (M, C*R*S) @ each
+    sample's columns [+ bias (M,) per row], as one product over the samples' columns side by
+    side where OH*OW is a multiple of 4 (dims then (1, M, C*R*S, N*OH*OW)); conv_dgrad
+    (OH*OW a multiple of 4), out (N, M, OH*OW) = a^T, a (K, M), @ x (N, K, OH*OW) read as
+    (K, N*OH*OW), dims (1, M, K, N*OH*OW); conv_wgrad, out (M, C*R*S) = a (N, M, OH*OW), read as
+    (M, N*OH*OW), @ the columns of every sample, transposed, and with bias_grad (M,) given,
+    the sum of a over every pixel into it too: the columns get a row of ones, whose column
+    of the product is that sum (conv_wgrad_sum then parts it from the weight gradient).
+    dims: (batch, M, K, N) of the product, as _gemm_dims. In the build of x's storage: the
+    tensors kernels.cl marks act_t (x; conv_fwd's out, conv_wgrad's a) are in it, the
+    others float32."""
     batch, M, K, N = dims
-    suffix, grid, group, splits, k_chunk = _conv_plan(batch, M, K, N, a.device.compute_units)
-    target = _like(out, (splits, M, N)) if splits > 1 else out
+    taps = N
+    if bias_grad is not None:  # the row of ones, then padding to whole float4s
+        N = _round_up(taps + 1, 4)
+    suffix, grid, group, splits, k_chunk = _conv_plan(batch, M, K, N, a.device.compute_units,
+                                                      out.dtype == np.float32)
+    target = _like(out, (splits, M, N)) if splits > 1 or bias_grad is not None else out
     image = math.prod(x.shape[1:])
+    c_run = window[-2] * window[-1] if kernel != "conv_wgrad" and batch == 1 else 0
     a.device.launch(kernel + suffix, grid, group, M, N, K, k_chunk, 0, image,
                     _bias_code(bias, True), a.data, x.data, None if bias is None else bias.data,
-                    target.data, image, *window, half=x.dtype == np.float16)
-    if splits > 1:
+                    target.data, image, -1 if bias_grad is None else taps, c_run, *window,
+                    half=x.dtype == np.float16)
+    if bias_grad is not None:
+        a.device.launch("conv_wgrad_sum", *_grid(M * N), splits, M, taps, N, target.data,
+                        out.data, bias_grad.data)
+    elif splits > 1:
         _sum_axis_tensor(target, 1, splits, M * N, out=out._view((1, M * N)))
 
 
@@ -3884,8 +3900,9 @@ def conv2d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
             if y is not out:
                 cl.enqueue_copy(X.device.queue, out.data, y.data, dst_offset=n0 * y.nbytes // nb,
                                 byte_count=y.nbytes)
-    elif out.size and implicit and group_taps % 4 == 0:
-        _conv_gemm("conv_fwd", weight_rows, X, out, (N, K, group_taps, L), window,
+    elif out.size and implicit and group_taps % 4 == 0:  # side by side where L allows
+        _conv_gemm("conv_fwd", weight_rows, X, out,
+                   (1, K, group_taps, N * L) if L % 4 == 0 else (N, K, group_taps, L), window,
                    None if bias is None else _float32(bias))
     elif out.size and G == 1:
         for n0, nb in chunks:  # out[n] (K, OH*OW) = w (K, C*R*S) @ cols[n] + b, a batch of nb
@@ -3912,7 +3929,7 @@ def conv2d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
         # x's storage (not X's: on tensor cores that may be a float16 copy of a float32 x).
         grad_x = (_like(X, dtype=np.float16 if _half_grad(x.value) else
                         _compute_dtype(x.dtype)) if x.requires_grad else None)
-        grad_w = None
+        grad_w = grad_b = None
         if g.device.backend == "cpu":
             windows = _windows_numpy(X.data, window, 0.0)
             grad_w = _like(weight) if w.requires_grad else None
@@ -3951,26 +3968,50 @@ def conv2d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
         elif G == 1:
             explicit_w = w.requires_grad
             if implicit and g.dtype == X.dtype and w.requires_grad and L % 4 == 0:
-                # dw = g cols^T over every sample's pixels (g and x read in one build)
+                # dw = g cols^T over every sample's pixels (g and x read in one build), and
+                # the bias gradient in the same product
                 grad_w = _like(weight)
-                _conv_gemm("conv_wgrad", g, X, grad_w, (1, K, N * L, group_taps), window)
+                if b is not None and b.requires_grad:
+                    grad_b = _like(weight, (K,))
+                _conv_gemm("conv_wgrad", g, X, grad_w, (1, K, N * L, group_taps), window,
+                           bias_grad=grad_b)
                 explicit_w = False
             for n0, nb in chunks if explicit_w or grad_x is not None else ():
                 # one product per sample, read from g as it is stored
                 g_rows = _row_block(g.reshape((N, K * L)), n0, nb).reshape((nb, K, L))
                 if explicit_w:  # dw = sum over samples of g[n] @ cols[n]^T
-                    cols = _im2col(X, n0, nb, window, tensor_cores, per_image=True)
-                    part = _gemm(g_rows, cols, trans_b=True)  # (nb, K, C*R*S)
-                    if nb > 1:
+                    # (and with a bias, a row of ones in the columns: its column of the
+                    # product sums g, the bias gradient; conv_wgrad_sum parts the two)
+                    ones = b is not None and b.requires_grad
+                    cols = _im2col(X, n0, nb, window, tensor_cores, per_image=True, ones=ones)
+                    part = _gemm(g_rows, cols, trans_b=True)  # (nb, K, C*R*S [+ 1])
+                    part_b = None
+                    if ones:
+                        products = part
+                        part, part_b = _like(weight, (K, group_taps)), _like(weight, (K,))
+                        g.device.launch("conv_wgrad_sum", *_grid(K * (group_taps + 1)), nb, K,
+                                        group_taps, group_taps + 1, products.data,
+                                        part.data, part_b.data)
+                    elif nb > 1:
                         part = _sum_axis_tensor(part, 1, nb, K * group_taps)
                     if grad_w is None:
-                        grad_w = part.reshape(weight.shape)
+                        grad_w, grad_b = part.reshape(weight.shape), part_b
                     else:
                         _add_into(grad_w, part)
+                        if part_b is not None:
+                            _add_into(grad_b, part_b)
                 if grad_x is not None:  # dcols[n] = w^T @ g[n] (nb, C*R*S, OH*OW), then col2im
-                    # (on tensor cores dcols is float16, as PyTorch's autocast writes its input
-                    # gradients: half the bytes to write and to read back)
-                    grad_cols = _gemm(weight_rows, g_rows, trans_a=True, half=tensor_cores)
+                    if implicit and g.dtype == X.dtype and L % 4 == 0 and group_taps % 4 == 0:
+                        # one product over the chunk's pixels side by side (kernels.cl:
+                        # conv_dgrad_*, whose operands are read in float4s), g read and the
+                        # columns written per sample
+                        grad_cols = _like(g, (nb, group_taps, L), np.float32)
+                        _conv_gemm("conv_dgrad", weight_rows, g_rows, grad_cols,
+                                   (1, group_taps, K, nb * L), window)
+                    else:
+                        # (on tensor cores dcols is float16, as PyTorch's autocast writes its
+                        # input gradients: half the bytes to write and to read back)
+                        grad_cols = _gemm(weight_rows, g_rows, trans_a=True, half=tensor_cores)
                     kernel = "col2im" if not tensor_cores else (
                         "col2im_act" if grad_x.dtype == np.float16 else "col2im_act_f")
                     g.device.launch(kernel, (nb * H * W, C), (256, 1), n0, nb, C, *window,
@@ -4000,8 +4041,7 @@ def conv2d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
                                     grad_x.data, half=grad_x.dtype == np.float16)
             if w.requires_grad and grad_w is None:  # an empty batch: no chunks
                 grad_w = _fill(weight.shape, 0.0, weight)
-        grad_b = None
-        if b is not None and b.requires_grad:  # sum over OH*OW, then over N
+        if b is not None and b.requires_grad and grad_b is None:  # sum over OH*OW, then N
             per_image = _sum_axis_tensor(g, N * K, L, 1)
             grad_b = _sum_axis_tensor(per_image, 1, N, K).reshape((K,))
         return (grad_x, grad_w) + ((grad_b,) if b is not None else ())

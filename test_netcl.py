@@ -32,6 +32,7 @@ IMPORT_ALIASES (the dotted import paths); and four Hypothesis settings, one per 
 (FD_, XB_, TRAINING_ and PROPERTY_SETTINGS).
 """
 import contextlib
+import functools
 import gc
 import gzip
 import importlib
@@ -2665,8 +2666,9 @@ def test_gpu_conv2d_gathers_its_columns_in_the_products(opencl, monkeypatch):
     filters: the forward and the weight gradient are implicit GEMMs (kernels.cl: conv_fwd_*,
     conv_wgrad_*), so im2col never runs; the input gradient is one batched GEMM and col2im.
     The forward and the input gradient take a product per sample; the weight gradient one
-    product over every sample's pixels, its long K split over the grid, then summed. No
-    transposing kernel runs. The launches are recorded, not run."""
+    product over every sample's pixels, its long K split over the grid, then summed, with
+    the bias gradient as one more column of it (no sum of its own). No transposing kernel
+    runs. The launches are recorded, not run."""
     monkeypatch.setattr(opencl, "gemm", "tiled")
     monkeypatch.setattr(opencl, "compute_units", 132)
     launched = []
@@ -2677,21 +2679,27 @@ def test_gpu_conv2d_gathers_its_columns_in_the_products(opencl, monkeypatch):
     with netcl.Tape() as tape:
         out = F.conv2d(x, w, b, padding=1)
     tape.backward(out, grad=netcl.Tensor.empty(out.shape, queue=opencl.queue))
-    products = [(name, grid[2]) for name, grid in launched if name.startswith(("conv", "gemm"))]
+    products = [(name, grid[2]) for name, grid in launched if len(grid) == 3 and
+                name.startswith(("conv", "gemm"))]
     # the weight gradient's K, 64 * 784 pixels, in 105 chunks of 480 (_conv_plan)
-    assert products == [("conv_fwd_64x64", 64), ("conv_wgrad_64x64", 105),
-                        ("gemm_tn_64x64", 64)]
+    assert products == [("conv_fwd_64x128", 1), ("conv_wgrad_64x64", 105),
+                        ("conv_dgrad_64x128", 1)]
     names = [name for name, _ in launched]
-    assert not [name for name in names if name.startswith(("swap", "im2col"))]
-    assert names.count("col2im") == 1
+    assert not [name for name in names if name.startswith(("swap", "im2col", "sum_"))]
+    assert names.count("col2im") == names.count("conv_wgrad_sum") == 1
+    assert len(names) == 5
+
+
+IM2COL_BYTES = netcl._IM2COL_BYTES
 
 
 @XB_SETTINGS
 @given(data=st.data())
 def test_gpu_implicit_conv2d_matches_numpy(opencl, monkeypatch, data):
-    """GPUs' implicit-GEMM conv2d (kernels.cl: conv_fwd_*, conv_wgrad_*) on the forward and
-    the weight gradient, each where the operand it reads in float4s has rows of a multiple
-    of 4 (else that product takes im2col's columns): over blocks of C and slices of K that
+    """GPUs' implicit-GEMM conv2d (kernels.cl: conv_fwd_*, conv_wgrad_*, conv_dgrad_*) on the
+    forward, the weight gradient and the input gradient's columns, each where the operands
+    it reads in float4s have rows of a multiple of 4 (else that product takes im2col's
+    columns, or the input gradient a GEMM per sample), in chunks of samples or not: over blocks of C and slices of K that
     the sizes leave ragged, the weight gradient's K split or not, strides, dilation, and
     padding wider than the window. Output and gradients are the NumPy backend's, and the
     kernels that ran are the ones these rules pick."""
@@ -2708,9 +2716,14 @@ def test_gpu_implicit_conv2d_matches_numpy(opencl, monkeypatch, data):
     H = draw(st.integers(max(1, span[0] - 2 * padding[0]), 30))
     W = draw(st.integers(max(1, span[1] - 2 * padding[1]), 30))
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    with_bias = draw(st.booleans())  # with one, the weight gradient's product sums it too
+    chunks = N if draw(st.booleans()) else 1  # > 1: each product that takes columns
+    # does it a sample at a time (set in every example: the patch outlives the example)
+    monkeypatch.setattr(netcl, "_IM2COL_BYTES", 1 if chunks > 1 else IM2COL_BYTES)
     arrays = [rng.standard_normal(s).astype(np.float32) for s in
-              ((N, C, H, W), (K, C, R, S), (K,))]
-    op = lambda x, w, b: F.conv2d(x, w, b, stride=stride, padding=padding, dilation=dilation)
+              ((N, C, H, W), (K, C, R, S), (K,))[:3 if with_bias else 2]]
+    op = lambda x, w, b=None: F.conv2d(x, w, b, stride=stride, padding=padding,
+                                       dilation=dilation)
     cpu = netcl.manager.default("cpu")
     OH, OW = op(*(tensor(a, cpu) for a in arrays)).shape[2:]
     g = rng.standard_normal((N, K, OH, OW)).astype(np.float32)
@@ -2724,9 +2737,47 @@ def test_gpu_implicit_conv2d_matches_numpy(opencl, monkeypatch, data):
     np.testing.assert_allclose(got_out, want_out, rtol=1e-4, atol=scale(want_out))
     for got, want in zip(got_grads, want_grads):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=scale(want))
-    conv = [name.rsplit("_", 1)[0] for name in launched if name.startswith("conv_")]
-    assert conv == ["conv_fwd"] * (C * R * S % 4 == 0) + ["conv_wgrad"] * (OH * OW % 4 == 0)
-    assert launched.count("im2col") == (C * R * S % 4 != 0) + (OH * OW % 4 != 0)
+    conv = [name.rsplit("_", 1)[0] for name in launched if name.startswith("conv_")
+            and name != "conv_wgrad_sum"]
+    assert conv == ["conv_fwd"] * (C * R * S % 4 == 0) + ["conv_wgrad"] * (OH * OW % 4 == 0) \
+        + ["conv_dgrad"] * (C * R * S % 4 == 0 and OH * OW % 4 == 0) * chunks
+    assert launched.count("im2col") == ((C * R * S % 4 != 0) + (OH * OW % 4 != 0)) * chunks
+    # the bias gradient: a column of the weight gradient's product (per chunk of samples
+    # where the weight gradient takes im2col's columns)
+    implicit_w = OH * OW % 4 == 0
+    assert launched.count("conv_wgrad_sum") == with_bias * (1 if implicit_w else chunks)
+
+
+def test_gpu_implicit_conv2d_weight_gradient_with_a_frozen_bias(opencl, monkeypatch):
+    """A bias that needs no gradient leaves the implicit weight gradient's product as it is
+    (no column of ones, no bias sums), and the weight gradient right; a trainable bias with
+    a frozen weight gets its gradient from the sums."""
+    monkeypatch.setattr(opencl, "gemm", "tiled")
+    rng = np.random.default_rng(5)
+    x, w, b = (rng.standard_normal(s).astype(np.float32) for s in
+               ((2, 3, 6, 6), (5, 3, 3, 3), (5,)))
+    g = rng.standard_normal((2, 5, 6, 6)).astype(np.float32)
+    cpu = netcl.manager.default("cpu")
+    launched = []
+    launch = opencl.launch
+    monkeypatch.setattr(opencl, "launch", lambda name, *args, **kwargs: (
+        launched.append(name), launch(name, *args, **kwargs)))
+    for frozen in ("b", "w"):
+        results = []
+        for device in (cpu, opencl):
+            X, W, B = (netcl.Parameter(netcl.Tensor.from_host(a, queue=device.queue))
+                       for a in (x, w, b))
+            (B if frozen == "b" else W).requires_grad = False
+            with netcl.Tape() as tape:
+                out = F.conv2d(X, W, B, padding=1)
+            tape.backward(out, grad=g)
+            trained = W if frozen == "b" else B
+            results.append((X.grad.to_host(), trained.grad.to_host()))
+            assert (B if frozen == "b" else W).grad is None
+        for got, want in zip(results[1], results[0]):
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    assert "conv_wgrad_sum" not in launched
+    assert launched.count("conv_wgrad_64x64") == 1
 
 
 def test_tiled_gemm_plan_follows_the_device_compute_units(opencl, monkeypatch):
@@ -4654,6 +4705,52 @@ def test_autocast_grouped_dilated_conv2d_is_the_float32_result_rounded(opencl, m
     assert half.dtype == np.float16
     np.testing.assert_array_equal(half, single.astype(np.float16))
     assert dx16.dtype == np.float16
+    np.testing.assert_array_equal(dx16, dx32.astype(np.float16))
+    for g16, g32 in zip(dw16, dw32):
+        assert g16.dtype == np.float32
+        np.testing.assert_array_equal(g16, g32)
+
+
+@pytest.mark.parametrize("units", [2, 132])  # 2: a float32 forward's K split over the grid
+@pytest.mark.usefixtures("portable_half")
+def test_autocast_implicit_conv2d_is_the_float32_result_rounded(opencl, monkeypatch, units):
+    """Under autocast GPUs' implicit GEMMs (all three, and the bias gradient in the weight
+    gradient's) read and write float16 storage: the float32 result on the same values,
+    rounded once, and the same float32 weight and bias gradients."""
+    monkeypatch.setattr(opencl, "gemm", "tiled")
+    monkeypatch.setattr(opencl, "compute_units", units)
+    if units == 2:  # short K split too (plans made under these limits are not kept)
+        monkeypatch.setattr(netcl, "_SPLIT_K_MIN", 16)
+        monkeypatch.setattr(netcl, "_VECTOR_SPLIT_K_MIN", 16)
+        monkeypatch.setattr(netcl, "_conv_plan", functools.lru_cache(netcl._conv_plan.__wrapped__))
+    rng = np.random.default_rng(10)
+    x = rng.standard_normal((3, 8, 6, 6)).astype(np.float16)
+    weights = [rng.standard_normal((8, 8, 3, 3)) / 5, rng.standard_normal(8)]
+    launched = []
+    launch = opencl.launch
+    monkeypatch.setattr(opencl, "launch", lambda name, *args, **kwargs: (
+        launched.append((name, kwargs.get("half", False))), launch(name, *args, **kwargs)))
+    results = {}
+    for enabled, dtype in ((False, np.float32), (True, np.float16)):
+        leaves = [param(x, opencl, dtype)] + [param(w, opencl) for w in weights]
+        launched.clear()
+        with netcl.Tape() as tape, netcl.autocast(enabled=enabled):
+            out = F.conv2d(*leaves, padding=1)
+        seed = np.random.default_rng(1).standard_normal(out.shape).astype(np.float16)
+        tape.backward(out, grad=seed.astype(np.float32))
+        results[enabled] = host(out), [host(p.grad) for p in leaves]
+        products = sorted(name.rsplit("_", 1)[0] for name, half in launched
+                          if name.startswith("conv_") and name != "conv_wgrad_sum"
+                          and half == enabled)  # in the build of the storage
+        assert products == ["conv_dgrad", "conv_fwd", "conv_wgrad"]
+        assert [name for name, _ in launched].count("conv_wgrad_sum") == 1
+    (single, (dx32, *dw32)), (half, (dx16, *dw16)) = results[False], results[True]
+    assert half.dtype == dx16.dtype == np.float16
+    if units == 2:  # the float32 forward's K in chunks (float16 output is never split):
+        # another order of the sum, so up to a rounding of the float16 result apart
+        np.testing.assert_allclose(half, single.astype(np.float16), rtol=1e-3, atol=1e-3)
+    else:
+        np.testing.assert_array_equal(half, single.astype(np.float16))
     np.testing.assert_array_equal(dx16, dx32.astype(np.float16))
     for g16, g32 in zip(dw16, dw32):
         assert g16.dtype == np.float32
