@@ -1875,9 +1875,6 @@ __kernel void col2im_planes(const int n0, const int nb, const int C, WINDOW_ARGS
 // - conv_wgrad_*: dw (K, C*R*S) = g @ cols^T, one product over every sample's pixels (K =
 //   N*L, split over the grid as any long K): g (N, K, L) read as the (K, N*L) matrix of its
 //   samples' pixels side by side (RUN_FETCH), cols^T gathered.
-// - conv_dgrad_*: the input gradient's columns (N, C*R*S, L) = w^T @ g over every sample's
-//   pixels side by side (g read in runs, RUN_FETCH_B; the columns written in runs), then
-//   col2im sums them into dx.
 // The input gradient stays a product and col2im: on the H200 a convolution of g by the
 // filters turned half a turn took 138 µs against their 120 for the benchmark's conv2d. So
 // do the tensor cores' products (im2col_act's columns): gathering into registers before
@@ -1934,28 +1931,15 @@ inline float4 conv_columns4(__global const act_t* x, const int image, const int 
                  ? LOAD4_##X_T(X, (n * (rows) + r) * (OH * OW) + k - n * (OH * OW))             \
                  : (float4)(0.0f);                                                              \
     }
-// VGEMM_FETCH for a B (K, N) stored as runs of c_run: (N / c_run, K, c_run), g's layout.
-#define RUN_FETCH_B(REG, X, X_T, K_FAST, ROWS, rows, r0, k0, BK, THREADS)                      \
-    _Pragma("unroll") for (int l = 0; l < (ROWS * BK / 4 + THREADS - 1) / THREADS; ++l) {       \
-        const int e = tid + THREADS * l;                                                        \
-        if ((ROWS * BK / 4) % THREADS && e >= ROWS * BK / 4) break;                             \
-        const int k = (k0) + e / (ROWS / 4), r = (r0) + e % (ROWS / 4) * 4, n = r / c_run;      \
-        REG[l] = k < k_end && r < (rows)                                                        \
-                 ? LOAD4_##X_T(X, (n * K + k) * c_run + r - n * c_run) : (float4)(0.0f);         \
-    }
-// The three take the same arguments: `ones` (conv_columns4) and c_run (the forward's output,
-// the input gradient's g and columns in runs: VGEMM_C_AT).
+// Both take the same arguments: `ones` (conv_columns4) and c_run (the forward's output in
+// runs: VGEMM_C_AT).
 #define CONV_ARGS , const int image, const int ones, const int c_run, WINDOW_ARGS
 #define CONV_FAMILY(SIZE, BM, BN, BK, TM, TN, LM)                                               \
 VGEMM_KERNEL(conv_fwd_##SIZE, BM, BN, BK, TM, TN, LM, float, 1, act_t, 0, act_t, VGEMM_FETCH,   \
              CONV_FETCH, CONV_ARGS, c_run)                                                      \
 VGEMM_KERNEL(conv_wgrad_##SIZE, BM, BN, BK, TM, TN, LM, act_t, 1, act_t, 1, float, RUN_FETCH,   \
-             CONV_FETCH, CONV_ARGS, 0)                                                          \
-VGEMM_KERNEL(conv_dgrad_##SIZE, BM, BN, BK, TM, TN, LM, float, 0, act_t, 0, float, VGEMM_FETCH, \
-             RUN_FETCH_B, CONV_ARGS, c_run)
+             CONV_FETCH, CONV_ARGS, 0)
 CONV_FAMILY(64x64, 64, 64, 16, 4, 4, 4)
-CONV_FAMILY(64x128, 64, 128, 16, 8, 8, 4)
-CONV_FAMILY(64x256, 64, 256, 16, 8, 8, 4)
 
 // conv_wgrad's partial products (splits, K, width) with a column of ones at `taps` (its
 // sums over every pixel: the bias gradient), summed: columns below `taps` into dw (K, taps),

@@ -3736,9 +3736,10 @@ def _im2col_panels(X, n0, nb, window, transposed):
 # On GPUs conv2d's forward and weight gradient gather their columns from the input as they
 # go (kernels.cl: conv_fwd_*, conv_wgrad_*), where the operand they read in float4s allows
 # it: the forward where C*R*S is a multiple of 4, the weight gradient where OH*OW is; not on
-# tensor cores (kernels.cl says why). Their blocks, as _VECTOR_BLOCKS: a batch of products
-# (the forward, one per sample) takes the first, the weight gradient either.
-_CONV_BLOCKS = _VECTOR_BLOCKS[:2]
+# tensor cores (kernels.cl says why). Both take the 64x64 block of _VECTOR_BLOCKS: on an
+# H100 the benchmark's forward (its samples side by side) ran in 79 µs against 126 in the
+# 64x128 block, the weight gradient in 92 against 148.
+_CONV_BLOCKS = _VECTOR_BLOCKS[:1]
 _MAX_GRID_BATCH = 65535  # the work-groups a launch may have along its third dimension
 
 
@@ -3747,8 +3748,7 @@ def _conv_plan(batch, M, K, N, units, may_split=True):
     """_conv_gemm's launch, a function of the sizes alone, as _tiled_plan's: (kernel suffix,
     global size, local size, splits, k_chunk). K is split only for a lone product (the
     weight gradient's, K = N*OH*OW) whose partial products may be float32 (may_split)."""
-    rows, cols, threads = _vector_block(batch, M, N, units,
-                                        _CONV_BLOCKS[:1] if batch > 1 else _CONV_BLOCKS)
+    rows, cols, threads = _vector_block(batch, M, N, units, _CONV_BLOCKS)
     grid = (_ceil_div(N, cols) * threads, _ceil_div(M, rows))
     count = batch * _ceil_div(M, rows) * _ceil_div(N, cols)
     splits = 1
@@ -3761,11 +3761,9 @@ def _conv_plan(batch, M, K, N, units, may_split=True):
 
 def _conv_gemm(kernel, a, x, out, dims, window, bias=None, bias_grad=None):
     """out = an implicit-GEMM convolution of x (N, C, H, W) (kernels.cl: `kernel` is
-    conv_fwd, conv_wgrad or conv_dgrad): conv_fwd, out (N, M, OH*OW) = a (M, C*R*S) @ each
-    sample's columns [+ bias (M,) per row], as one product over the samples' columns side by
-    side where OH*OW is a multiple of 4 (dims then (1, M, C*R*S, N*OH*OW)); conv_dgrad
-    (OH*OW a multiple of 4), out (N, M, OH*OW) = a^T, a (K, M), @ x (N, K, OH*OW) read as
-    (K, N*OH*OW), dims (1, M, K, N*OH*OW); conv_wgrad, out (M, C*R*S) = a (N, M, OH*OW), read as
+    conv_fwd or conv_wgrad): conv_fwd, out (N, M, OH*OW) = a (M, C*R*S) @ each sample's
+    columns [+ bias (M,) per row], as one product over the samples' columns side by side
+    where OH*OW is a multiple of 4 (dims then (1, M, C*R*S, N*OH*OW)); conv_wgrad, out (M, C*R*S) = a (N, M, OH*OW), read as
     (M, N*OH*OW), @ the columns of every sample, transposed, and with bias_grad (M,) given,
     the sum of a over every pixel into it too: the columns get a row of ones, whose column
     of the product is that sum (conv_wgrad_sum then parts it from the weight gradient).
@@ -3780,7 +3778,7 @@ def _conv_gemm(kernel, a, x, out, dims, window, bias=None, bias_grad=None):
                                                       out.dtype == np.float32)
     target = _like(out, (splits, M, N)) if splits > 1 or bias_grad is not None else out
     image = math.prod(x.shape[1:])
-    c_run = window[-2] * window[-1] if kernel != "conv_wgrad" and batch == 1 else 0
+    c_run = window[-2] * window[-1] if kernel == "conv_fwd" and batch == 1 else 0
     a.device.launch(kernel + suffix, grid, group, M, N, K, k_chunk, 0, image,
                     _bias_code(bias, True), a.data, x.data, None if bias is None else bias.data,
                     target.data, image, -1 if bias_grad is None else taps, c_run, *window,
@@ -4001,17 +3999,9 @@ def conv2d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
                         if part_b is not None:
                             _add_into(grad_b, part_b)
                 if grad_x is not None:  # dcols[n] = w^T @ g[n] (nb, C*R*S, OH*OW), then col2im
-                    if implicit and g.dtype == X.dtype and L % 4 == 0 and group_taps % 4 == 0:
-                        # one product over the chunk's pixels side by side (kernels.cl:
-                        # conv_dgrad_*, whose operands are read in float4s), g read and the
-                        # columns written per sample
-                        grad_cols = _like(g, (nb, group_taps, L), np.float32)
-                        _conv_gemm("conv_dgrad", weight_rows, g_rows, grad_cols,
-                                   (1, group_taps, K, nb * L), window)
-                    else:
-                        # (on tensor cores dcols is float16, as PyTorch's autocast writes its
-                        # input gradients: half the bytes to write and to read back)
-                        grad_cols = _gemm(weight_rows, g_rows, trans_a=True, half=tensor_cores)
+                    # (on tensor cores dcols is float16, as PyTorch's autocast writes its input
+                    # gradients: half the bytes to write and to read back)
+                    grad_cols = _gemm(weight_rows, g_rows, trans_a=True, half=tensor_cores)
                     kernel = "col2im" if not tensor_cores else (
                         "col2im_act" if grad_x.dtype == np.float16 else "col2im_act_f")
                     g.device.launch(kernel, (nb * H * W, C), (256, 1), n0, nb, C, *window,

@@ -2682,8 +2682,8 @@ def test_gpu_conv2d_gathers_its_columns_in_the_products(opencl, monkeypatch):
     products = [(name, grid[2]) for name, grid in launched if len(grid) == 3 and
                 name.startswith(("conv", "gemm"))]
     # the weight gradient's K, 64 * 784 pixels, in 105 chunks of 480 (_conv_plan)
-    assert products == [("conv_fwd_64x128", 1), ("conv_wgrad_64x64", 105),
-                        ("conv_dgrad_64x128", 1)]
+    assert products == [("conv_fwd_64x64", 1), ("conv_wgrad_64x64", 105),
+                        ("gemm_tn_64x64", 64)]
     names = [name for name, _ in launched]
     assert not [name for name in names if name.startswith(("swap", "im2col", "sum_"))]
     assert names.count("col2im") == names.count("conv_wgrad_sum") == 1
@@ -2696,12 +2696,11 @@ IM2COL_BYTES = netcl._IM2COL_BYTES
 @XB_SETTINGS
 @given(data=st.data())
 def test_gpu_implicit_conv2d_matches_numpy(opencl, monkeypatch, data):
-    """GPUs' implicit-GEMM conv2d (kernels.cl: conv_fwd_*, conv_wgrad_*, conv_dgrad_*) on the
-    forward, the weight gradient and the input gradient's columns, each where the operands
-    it reads in float4s have rows of a multiple of 4 (else that product takes im2col's
-    columns, or the input gradient a GEMM per sample), in chunks of samples or not: over blocks of C and slices of K that
-    the sizes leave ragged, the weight gradient's K split or not, strides, dilation, and
-    padding wider than the window. Output and gradients are the NumPy backend's, and the
+    """GPUs' implicit-GEMM conv2d (kernels.cl: conv_fwd_*, conv_wgrad_*) on the forward and
+    the weight gradient, each where the operand it reads in float4s has rows of a multiple
+    of 4 (else that product takes im2col's columns), with a bias or not, the samples' columns
+    in chunks or not: over blocks of C and slices of K that the sizes leave ragged, the
+    weight gradient's K split or not, strides, dilation, and padding wider than the window. Output and gradients are the NumPy backend's, and the
     kernels that ran are the ones these rules pick."""
     draw = data.draw
     monkeypatch.setattr(opencl, "gemm", "tiled")
@@ -2739,8 +2738,7 @@ def test_gpu_implicit_conv2d_matches_numpy(opencl, monkeypatch, data):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=scale(want))
     conv = [name.rsplit("_", 1)[0] for name in launched if name.startswith("conv_")
             and name != "conv_wgrad_sum"]
-    assert conv == ["conv_fwd"] * (C * R * S % 4 == 0) + ["conv_wgrad"] * (OH * OW % 4 == 0) \
-        + ["conv_dgrad"] * (C * R * S % 4 == 0 and OH * OW % 4 == 0) * chunks
+    assert conv == ["conv_fwd"] * (C * R * S % 4 == 0) + ["conv_wgrad"] * (OH * OW % 4 == 0)
     assert launched.count("im2col") == ((C * R * S % 4 != 0) + (OH * OW % 4 != 0)) * chunks
     # the bias gradient: a column of the weight gradient's product (per chunk of samples
     # where the weight gradient takes im2col's columns)
@@ -4714,7 +4712,7 @@ def test_autocast_grouped_dilated_conv2d_is_the_float32_result_rounded(opencl, m
 @pytest.mark.parametrize("units", [2, 132])  # 2: a float32 forward's K split over the grid
 @pytest.mark.usefixtures("portable_half")
 def test_autocast_implicit_conv2d_is_the_float32_result_rounded(opencl, monkeypatch, units):
-    """Under autocast GPUs' implicit GEMMs (all three, and the bias gradient in the weight
+    """Under autocast GPUs' implicit GEMMs (both, and the bias gradient in the weight
     gradient's) read and write float16 storage: the float32 result on the same values,
     rounded once, and the same float32 weight and bias gradients."""
     monkeypatch.setattr(opencl, "gemm", "tiled")
@@ -4742,7 +4740,7 @@ def test_autocast_implicit_conv2d_is_the_float32_result_rounded(opencl, monkeypa
         products = sorted(name.rsplit("_", 1)[0] for name, half in launched
                           if name.startswith("conv_") and name != "conv_wgrad_sum"
                           and half == enabled)  # in the build of the storage
-        assert products == ["conv_dgrad", "conv_fwd", "conv_wgrad"]
+        assert products == ["conv_fwd", "conv_wgrad"]
         assert [name for name, _ in launched].count("conv_wgrad_sum") == 1
     (single, (dx32, *dw32)), (half, (dx16, *dw16)) = results[False], results[True]
     assert half.dtype == dx16.dtype == np.float16
