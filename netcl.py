@@ -6069,8 +6069,9 @@ class _ScaledLoss(Node):
     """AMPGradScaler.scale's loss * scale: recorded on no Tape on purpose, since the scaler
     usually runs after the `with Tape()` block has closed. Tape.backward runs its step first,
     then the graph of the loss it was made from, which that Tape must have recorded. From the
-    implicit seed 1 it skips that step: the loss's gradient is then the scale itself, one
-    copy (1 * scale is exact) in place of a fill of ones and a kernel that scales them.
+    implicit seed 1 it skips that step: the loss's gradient is then the scale itself (1 *
+    scale is exact), the scale tensor seen in the loss's shape, where a fill of ones and a
+    kernel that scales them would take two launches.
 
     Its value may be made on demand (AMPGradScaler.scale): a training loop only passes the
     scaled loss to backward, which needs its shape alone, so the product is a launch saved.
@@ -6121,8 +6122,10 @@ class _ScaledLoss(Node):
         return parent if type(parent) is _Op else None  # None: the loss was a leaf
 
     def _seed(self):
-        scale = self._scaler._current_scale()
-        return self._op.parents[0], _copy(scale, out=_like(scale, self.shape))
+        # A view of the scale tensor, not a copy: backward only reads the gradients it is
+        # given (a leaf's first gradient is copied, _accumulate_grad), and nothing writes
+        # the scale before the work queued by this backward has read it.
+        return self._op.parents[0], self._scaler._current_scale()._view(self.shape)
 
 
 # Where each optimizer stands between two update() calls (PyTorch's OptState).

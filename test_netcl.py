@@ -7377,9 +7377,9 @@ def test_scaler_growth_stops_short_of_inf(backend):
 
 def test_backward_from_a_scaled_loss_seeds_the_loss_with_the_scale(backend):
     """From the implicit seed 1, backward through scaler.scale(loss) starts at the loss, its
-    gradient a copy of the scale (no kernel): the gradients an explicit seed 1 gives through
-    the scaling's own backward, bit for bit, for a loss a Tape recorded and for a leaf. The
-    graph is freed all the same."""
+    gradient the scale tensor itself (no kernel, no copy): the gradients an explicit seed 1
+    gives through the scaling's own backward, bit for bit, for a loss a Tape recorded and for
+    a leaf. The graph is freed all the same."""
     g = np.random.default_rng(43).standard_normal((3, 4)).astype(np.float32)
     launches, grads = {}, {}
     for seed in ("implicit", "explicit"):
@@ -7406,6 +7406,26 @@ def test_backward_from_a_scaled_loss_seeds_the_loss_with_the_scale(backend):
         np.testing.assert_array_equal(a, b)
     if backend.backend == "opencl":  # the explicit seeds' two times_scale kernels
         assert launches["implicit"] == launches["explicit"] - 2
+
+
+@pytest.mark.parametrize("make_loss", [lambda x: x.reshape(()), lambda x: x,
+                                       lambda x: F.sum(x * 1.0)])
+def test_gradients_seeded_by_the_scale_do_not_share_its_memory(backend, make_loss):
+    """The seed of a scaled loss is the scale tensor itself: gradients that reach a leaf
+    unchanged (through a reshape, or the loss being the leaf) are copies, so a scale the
+    scaler changes later (update, or a second backward's scale) leaves them as they were."""
+    x = param([2.0], backend)
+    scaler = netcl.AMPGradScaler(init_scale=8.0)
+    with netcl.Tape() as tape:
+        loss = make_loss(x)
+    tape.backward(scaler.scale(loss))
+    grad = x.grad
+    np.testing.assert_array_equal(host(grad), [8.0])
+    scaler.unscale_(netcl.SGD([x], lr=0.1))  # x.grad / 8, in place
+    np.testing.assert_array_equal(host(x.grad), [1.0])
+    scaler.update(new_scale=2.0)  # writes the scale tensor
+    np.testing.assert_array_equal(host(scaler._scale), [2.0])
+    np.testing.assert_array_equal(host(x.grad), [1.0])
 
 
 @pytest.mark.usefixtures("portable_half")
