@@ -562,12 +562,14 @@ GEMM(gemm_tn_split, 4, 1, float, A_COLMAJOR, 0, act_t, B_ROWMAJOR, 0, float)
 // VGEMM_KERNEL fetches op(A) and op(B) with FETCH_A and FETCH_B (VGEMM_FETCH's arguments)
 // and takes EXTRA_ARGS after C: the implicit convolution's (conv2d, below) gather B from
 // an image. C_RUN: 0, C stored (M, N); else C's columns are runs of C_RUN (a multiple of 4)
-// stored one after another, (N / C_RUN, M, C_RUN): a convolution's output, NCHW.
+// stored one after another, (N / C_RUN, M, C_RUN): a convolution's output, NCHW, whose
+// size may pass 2^31 elements (the index is a size_t).
 #define VGEMM(NAME, BM, BN, BK, TM, TN, LM, A_T, A_K_FAST, B_T, B_K_FAST, C_T)                  \
     VGEMM_KERNEL(NAME, BM, BN, BK, TM, TN, LM, A_T, A_K_FAST, B_T, B_K_FAST, C_T, VGEMM_FETCH,  \
                  VGEMM_FETCH, , 0)
-#define VGEMM_C_AT(r, c, C_RUN) \
-    ((C_RUN) ? ((c) / (C_RUN) * M + (r)) * (C_RUN) + (c) % (C_RUN) : (r) * N + (c))
+#define VGEMM_C_AT(r, c, C_RUN)                                                                 \
+    ((C_RUN) ? (size_t)((c) / (C_RUN) * M + (r)) * (C_RUN) + (c) % (C_RUN)                      \
+             : (size_t)((r) * N + (c)))
 #define VGEMM_KERNEL(NAME, BM, BN, BK, TM, TN, LM, A_T, A_K_FAST, B_T, B_K_FAST, C_T, FETCH_A,  \
                      FETCH_B, EXTRA_ARGS, C_RUN)                                                \
 __kernel __attribute__((reqd_work_group_size((BM / TM) * (BN / TN), 1, 1)))                     \

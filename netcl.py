@@ -3970,7 +3970,7 @@ def conv2d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
                 # the bias gradient in the same product
                 grad_w = _like(weight)
                 if b is not None and b.requires_grad:
-                    grad_b = _like(weight, (K,))
+                    grad_b = _like(weight, (K,), np.float32)
                 _conv_gemm("conv_wgrad", g, X, grad_w, (1, K, N * L, group_taps), window,
                            bias_grad=grad_b)
                 explicit_w = False
@@ -3986,7 +3986,8 @@ def conv2d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
                     part_b = None
                     if ones:
                         products = part
-                        part, part_b = _like(weight, (K, group_taps)), _like(weight, (K,))
+                        part = _like(weight, (K, group_taps), np.float32)
+                        part_b = _like(weight, (K,), np.float32)
                         g.device.launch("conv_wgrad_sum", *_grid(K * (group_taps + 1)), nb, K,
                                         group_taps, group_taps + 1, products.data,
                                         part.data, part_b.data)

@@ -2778,6 +2778,29 @@ def test_gpu_implicit_conv2d_weight_gradient_with_a_frozen_bias(opencl, monkeypa
     assert launched.count("conv_wgrad_64x64") == 1
 
 
+@pytest.mark.parametrize("gemm", ["tiled", "packed"])
+def test_conv2d_of_a_float16_weight_with_a_bias(opencl, monkeypatch, gemm):
+    """A float16 weight (float16 storage, outside autocast) takes the products on im2col's
+    columns, with the bias gradient as their column of ones' sums: float32 gradients, the
+    float32 results on the same values."""
+    monkeypatch.setattr(opencl, "gemm", gemm)
+    rng = np.random.default_rng(12)
+    arrays = [rng.standard_normal(s).astype(np.float16).astype(np.float32) for s in
+              ((2, 8, 4, 4), (5, 8, 3, 3), (5,))]
+    g = rng.standard_normal((2, 5, 4, 4)).astype(np.float32)
+    op = lambda x, w, b: F.conv2d(x, w, b, padding=1)
+    want_out, want_grads = run_op(op, arrays, g, netcl.manager.default("cpu"))
+    params = [netcl.Parameter(netcl.Tensor.from_host(a, queue=opencl.queue, dtype=dtype))
+              for a, dtype in zip(arrays, (np.float32, np.float16, np.float32))]
+    with netcl.Tape() as tape:
+        out = op(*params)
+    tape.backward(out, grad=g)
+    np.testing.assert_allclose(host(out), want_out, rtol=1e-4, atol=1e-4)
+    for p, want in zip(params, want_grads):
+        assert p.grad.dtype == np.float32
+        np.testing.assert_allclose(host(p.grad), want, rtol=1e-4, atol=1e-4)
+
+
 def test_tiled_gemm_plan_follows_the_device_compute_units(opencl, monkeypatch):
     """_tiled_gemm's launch plan is cached, keyed by the device's compute units too: the same
     product splits K over many units and takes the 128x128 tiles on one, right both times.
