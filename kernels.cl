@@ -1763,7 +1763,7 @@ __kernel void im2col_panels(const int nb, const int C, WINDOW_ARGS, __global con
 // PANEL_COLS taps (gathering each
 // pixel's taps instead was 1.2x slower). Launched with one work-item per work-group, which
 // PoCL then does not interleave with its neighbours' (1.2x faster than 16).
-__kernel void im2col_panels_t(const int nb, const int C, WINDOW_ARGS,
+__kernel void im2col_panels_t(const int nb, const int C, WINDOW_ARGS, const int ones,
                               __global const float* padded, __global float* cols) {
     const int i = get_global_id(0), panel = get_global_id(1), P = nb * OH * OW;
     const int Hp = H + 2 * PH, Wp = W + 2 * PW;
@@ -1791,6 +1791,11 @@ __kernel void im2col_panels_t(const int nb, const int C, WINDOW_ARGS,
                 if (++oh == OH) { oh = 0; ++n; }
             }
         }
+        // ones: tap C*R*S, in the padding after the taps, is a column of ones (conv2d's weight
+        // gradient: its column of g cols^T sums g, the bias gradient)
+        const int one = C * R * S - panel * PANEL_COLS;
+        if (ones && one >= 0 && one < PANEL_COLS)
+            for (int u = 0; u < end; ++u) tile[one][u] = 1.0f;
         for (int u = 0; u < end; ++u)
             for (int t = 0; t < PANEL_COLS; ++t) out[PANEL_COLS * u + t] = tile[t][u];
     }

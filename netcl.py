@@ -3709,12 +3709,12 @@ def _cols_strides(shape, pixels):
 _PIXEL_RUN = 64  # kernels.cl's PIXEL_RUN: the pixels one im2col_panels_t work-item copies
 
 
-def _im2col_panels(X, n0, nb, window, transposed):
+def _im2col_panels(X, n0, nb, window, transposed, ones=False):
     """_im2col for CPU devices, written as the packed GEMM's panels from a zero-padded copy of
     the samples (kernels.cl: im2col_panels): cols (C*R*S, nb*OH*OW) in panels of the
     device's panel_cols pixels, the forward product's b; or transposed, cols^T (nb*OH*OW,
-    C*R*S) in panels of as many taps, the weight gradient's. Both are (K, Np) float32
-    matrices for _packed_gemm's b_cols."""
+    C*R*S [+ 1 with ones: a column of ones after the taps]) in panels of as many taps, the
+    weight gradient's. Both are (K, Np) float32 matrices for _packed_gemm's b_cols."""
     H, W, R, S, SH, SW, PH, PW, DH, DW, OH, OW = window
     C, pixels = X.shape[1], nb * OH * OW
     padded = _like(X, (nb, C, H + 2 * PH, W + 2 * PW), np.float32)
@@ -3722,10 +3722,10 @@ def _im2col_panels(X, n0, nb, window, transposed):
                     X.data, padded.data, half=X.dtype == np.float16)
     taps, width = C * R * S, X.device.panel_cols
     if transposed:
-        cols = _like(X, (pixels, _round_up(taps, width)), np.float32)
+        cols = _like(X, (pixels, _round_up(taps + bool(ones), width)), np.float32)
         X.device.launch("im2col_panels_t", (_ceil_div(pixels, _PIXEL_RUN),
                                             cols.shape[1] // width), (1, 1),
-                        nb, C, *window, padded.data, cols.data)
+                        nb, C, *window, int(bool(ones)), padded.data, cols.data)
     else:  # one work-item per channel of a panel
         cols = _like(X, (taps, _round_up(pixels, width)), np.float32)
         X.device.launch("im2col_panels", *_grid(C * cols.shape[1] // width), nb, C,
@@ -3785,9 +3785,28 @@ def _conv_gemm(kernel, a, x, out, dims, window, bias=None, bias_grad=None):
                     half=x.dtype == np.float16)
     if bias_grad is not None:
         a.device.launch("conv_wgrad_sum", *_grid(M * N), splits, M, taps, N, target.data,
-                        out.data, bias_grad.data)
+                        out.data, bias_grad.data)  # as _part_bias_column, into out
     elif splits > 1:
         _sum_axis_tensor(target, 1, splits, M * N, out=out._view((1, M * N)))
+
+
+def _part_bias_column(products, splits, weight, taps):
+    """conv2d's weight-gradient products whose last column sums g (a column of ones in the
+    columns), (splits, K, taps + 1 [+ padding]), summed over the splits and parted
+    (kernels.cl: conv_wgrad_sum): (dw (K, taps), db (K,)), float32."""
+    K, width = products.shape[-2:]
+    dw, db = _like(weight, (K, taps), np.float32), _like(weight, (K,), np.float32)
+    weight.device.launch("conv_wgrad_sum", *_grid(K * width), splits, K, taps, width,
+                         products.data, dw.data, db.data)
+    return dw, db
+
+
+def _summed(total, part):
+    """total + part, in place into total (None: part itself)."""
+    if total is None:
+        return part
+    _add_into(total, part)
+    return total
 
 
 def _row_block(x, start, rows):
@@ -3946,13 +3965,16 @@ def conv2d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
                 # stored as it is, (nb, K, OH*OW): in runs of L columns, one per sample
                 g_cols = _row_block(g.reshape((N, K * L)), n0, nb).reshape((K, nb * L))
                 if w.requires_grad:  # dw = g_cols @ cols^T, summed over the chunks
-                    part = _like(g, (K, group_taps), np.float32)
-                    _packed_gemm(g_cols, _im2col_panels(X, n0, nb, window, True), False, False,
-                                 None, False, part, b_cols=group_taps, a_run=L)
-                    if grad_w is None:
-                        grad_w = part.reshape(weight.shape)
-                    else:
-                        _add_into(grad_w, part)
+                    # (with a bias, cols^T gets a column of ones: the product's last column
+                    # is then the bias gradient)
+                    ones = b is not None and b.requires_grad
+                    part = _like(g, (K, group_taps + ones), np.float32)
+                    _packed_gemm(g_cols, _im2col_panels(X, n0, nb, window, True, ones), False,
+                                 False, None, False, part, b_cols=group_taps + ones, a_run=L)
+                    if ones:
+                        part, part_b = _part_bias_column(part, 1, weight, group_taps)
+                        grad_b = _summed(grad_b, part_b)
+                    grad_w = _summed(grad_w, part.reshape(weight.shape))
                 if grad_x is not None:  # dcols = w^T @ g_cols (nb, C*R*S, OH*OW), then col2im
                     grad_cols = _like(g, (group_taps, nb * L), np.float32)
                     _packed_gemm(weight_rows, g_cols, True, False, None, False, grad_cols,
@@ -3983,22 +4005,12 @@ def conv2d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
                     ones = b is not None and b.requires_grad
                     cols = _im2col(X, n0, nb, window, tensor_cores, per_image=True, ones=ones)
                     part = _gemm(g_rows, cols, trans_b=True)  # (nb, K, C*R*S [+ 1])
-                    part_b = None
                     if ones:
-                        products = part
-                        part = _like(weight, (K, group_taps), np.float32)
-                        part_b = _like(weight, (K,), np.float32)
-                        g.device.launch("conv_wgrad_sum", *_grid(K * (group_taps + 1)), nb, K,
-                                        group_taps, group_taps + 1, products.data,
-                                        part.data, part_b.data)
+                        part, part_b = _part_bias_column(part, nb, weight, group_taps)
+                        grad_b = _summed(grad_b, part_b)
                     elif nb > 1:
                         part = _sum_axis_tensor(part, 1, nb, K * group_taps)
-                    if grad_w is None:
-                        grad_w, grad_b = part.reshape(weight.shape), part_b
-                    else:
-                        _add_into(grad_w, part)
-                        if part_b is not None:
-                            _add_into(grad_b, part_b)
+                    grad_w = _summed(grad_w, part.reshape(weight.shape))
                 if grad_x is not None:  # dcols[n] = w^T @ g[n] (nb, C*R*S, OH*OW), then col2im
                     # (on tensor cores dcols is float16, as PyTorch's autocast writes its input
                     # gradients: half the bytes to write and to read back)

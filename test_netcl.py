@@ -2746,11 +2746,12 @@ def test_gpu_implicit_conv2d_matches_numpy(opencl, monkeypatch, data):
     assert launched.count("conv_wgrad_sum") == with_bias * (1 if implicit_w else chunks)
 
 
-def test_gpu_implicit_conv2d_weight_gradient_with_a_frozen_bias(opencl, monkeypatch):
-    """A bias that needs no gradient leaves the implicit weight gradient's product as it is
-    (no column of ones, no bias sums), and the weight gradient right; a trainable bias with
-    a frozen weight gets its gradient from the sums."""
-    monkeypatch.setattr(opencl, "gemm", "tiled")
+@pytest.mark.parametrize("gemm", ["tiled", "packed"])
+def test_conv2d_weight_gradient_with_a_frozen_bias(opencl, monkeypatch, gemm):
+    """A bias that needs no gradient leaves the weight gradient's product as it is (no
+    column of ones: GPUs' implicit one, CPU devices' packed one), and the weight gradient
+    right; a trainable bias with a frozen weight gets its gradient from sums of its own."""
+    monkeypatch.setattr(opencl, "gemm", gemm)
     rng = np.random.default_rng(5)
     x, w, b = (rng.standard_normal(s).astype(np.float32) for s in
                ((2, 3, 6, 6), (5, 3, 3, 3), (5,)))
@@ -2775,7 +2776,7 @@ def test_gpu_implicit_conv2d_weight_gradient_with_a_frozen_bias(opencl, monkeypa
         for got, want in zip(results[1], results[0]):
             np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
     assert "conv_wgrad_sum" not in launched
-    assert launched.count("conv_wgrad_64x64") == 1
+    assert launched.count("conv_wgrad_64x64" if gemm == "tiled" else "im2col_panels_t") == 1
 
 
 @pytest.mark.parametrize("gemm", ["tiled", "packed"])
