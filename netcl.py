@@ -3881,8 +3881,10 @@ def conv2d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
     # (grouped convolutions take the general path below).
     panels = X.device.backend == "opencl" and X.device.gemm == "packed" and G == 1
     # im2col on the whole batch at once (fewer launches), in chunks of samples if too large.
-    # Columns are float32; the weight gradient's panels pad each pixel's taps to a panel.
-    taps = _round_up(C * R * S, X.device.panel_cols) if panels else C * R * S
+    # Columns are float32; the weight gradient's panels pad each pixel's taps to a panel,
+    # and its columns have a row of ones more for a bias that needs a gradient.
+    taps = C * R * S + (b is not None and b.requires_grad)
+    taps = _round_up(taps, X.device.panel_cols) if panels else taps
     per_chunk = max(1, _IM2COL_BYTES // max(1, taps * L * 4))
     chunks = [(n0, min(per_chunk, N - n0)) for n0 in range(0, N, per_chunk)]
 
