@@ -3763,10 +3763,11 @@ def _conv_gemm(kernel, a, x, out, dims, window, bias=None, bias_grad=None):
     """out = an implicit-GEMM convolution of x (N, C, H, W) (kernels.cl: `kernel` is
     conv_fwd or conv_wgrad): conv_fwd, out (N, M, OH*OW) = a (M, C*R*S) @ each sample's
     columns [+ bias (M,) per row], as one product over the samples' columns side by side
-    where OH*OW is a multiple of 4 (dims then (1, M, C*R*S, N*OH*OW)); conv_wgrad, out (M, C*R*S) = a (N, M, OH*OW), read as
-    (M, N*OH*OW), @ the columns of every sample, transposed, and with bias_grad (M,) given,
-    the sum of a over every pixel into it too: the columns get a row of ones, whose column
-    of the product is that sum (conv_wgrad_sum then parts it from the weight gradient).
+    where OH*OW is a multiple of 4 (dims then (1, M, C*R*S, N*OH*OW)); conv_wgrad,
+    out (M, C*R*S) = a (N, M, OH*OW), read as (M, N*OH*OW), @ the columns of every sample,
+    transposed, and with bias_grad (M,) given, the sum of a over every pixel into it too:
+    the columns get a row of ones, whose column of the product is that sum
+    (_part_bias_column).
     dims: (batch, M, K, N) of the product, as _gemm_dims. In the build of x's storage: the
     tensors kernels.cl marks act_t (x; conv_fwd's out, conv_wgrad's a) are in it, the
     others float32."""
@@ -3784,20 +3785,20 @@ def _conv_gemm(kernel, a, x, out, dims, window, bias=None, bias_grad=None):
                     target.data, image, -1 if bias_grad is None else taps, c_run, *window,
                     half=x.dtype == np.float16)
     if bias_grad is not None:
-        a.device.launch("conv_wgrad_sum", *_grid(M * N), splits, M, taps, N, target.data,
-                        out.data, bias_grad.data)  # as _part_bias_column, into out
+        _part_bias_column(target, splits, taps, out, bias_grad)
     elif splits > 1:
         _sum_axis_tensor(target, 1, splits, M * N, out=out._view((1, M * N)))
 
 
-def _part_bias_column(products, splits, weight, taps):
-    """conv2d's weight-gradient products whose last column sums g (a column of ones in the
+def _part_bias_column(products, splits, taps, dw=None, db=None):
+    """conv2d's weight-gradient products whose column `taps` sums g (a row of ones in the
     columns), (splits, K, taps + 1 [+ padding]), summed over the splits and parted
-    (kernels.cl: conv_wgrad_sum): (dw (K, taps), db (K,)), float32."""
+    (kernels.cl: conv_wgrad_sum): (dw (K, taps), db (K,)), float32, into the ones given."""
     K, width = products.shape[-2:]
-    dw, db = _like(weight, (K, taps), np.float32), _like(weight, (K,), np.float32)
-    weight.device.launch("conv_wgrad_sum", *_grid(K * width), splits, K, taps, width,
-                         products.data, dw.data, db.data)
+    dw = _like(products, (K, taps), np.float32) if dw is None else dw
+    db = _like(products, (K,), np.float32) if db is None else db
+    products.device.launch("conv_wgrad_sum", *_grid(K * width), splits, K, taps, width,
+                           products.data, dw.data, db.data)
     return dw, db
 
 
@@ -3949,6 +3950,8 @@ def conv2d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
         grad_x = (_like(X, dtype=np.float16 if _half_grad(x.value) else
                         _compute_dtype(x.dtype)) if x.requires_grad else None)
         grad_w = grad_b = None
+        # the bias gradient: a column of the weight gradient's product where that has one
+        ones = b is not None and b.requires_grad
         if g.device.backend == "cpu":
             windows = _windows_numpy(X.data, window, 0.0)
             grad_w = _like(weight) if w.requires_grad else None
@@ -3969,12 +3972,11 @@ def conv2d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
                 if w.requires_grad:  # dw = g_cols @ cols^T, summed over the chunks
                     # (with a bias, cols^T gets a column of ones: the product's last column
                     # is then the bias gradient)
-                    ones = b is not None and b.requires_grad
                     part = _like(g, (K, group_taps + ones), np.float32)
                     _packed_gemm(g_cols, _im2col_panels(X, n0, nb, window, True, ones), False,
                                  False, None, False, part, b_cols=group_taps + ones, a_run=L)
                     if ones:
-                        part, part_b = _part_bias_column(part, 1, weight, group_taps)
+                        part, part_b = _part_bias_column(part, 1, group_taps)
                         grad_b = _summed(grad_b, part_b)
                     grad_w = _summed(grad_w, part.reshape(weight.shape))
                 if grad_x is not None:  # dcols = w^T @ g_cols (nb, C*R*S, OH*OW), then col2im
@@ -3993,7 +3995,7 @@ def conv2d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
                 # dw = g cols^T over every sample's pixels (g and x read in one build), and
                 # the bias gradient in the same product
                 grad_w = _like(weight)
-                if b is not None and b.requires_grad:
+                if ones:
                     grad_b = _like(weight, (K,), np.float32)
                 _conv_gemm("conv_wgrad", g, X, grad_w, (1, K, N * L, group_taps), window,
                            bias_grad=grad_b)
@@ -4004,11 +4006,10 @@ def conv2d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
                 if explicit_w:  # dw = sum over samples of g[n] @ cols[n]^T
                     # (and with a bias, a row of ones in the columns: its column of the
                     # product sums g, the bias gradient; conv_wgrad_sum parts the two)
-                    ones = b is not None and b.requires_grad
                     cols = _im2col(X, n0, nb, window, tensor_cores, per_image=True, ones=ones)
                     part = _gemm(g_rows, cols, trans_b=True)  # (nb, K, C*R*S [+ 1])
                     if ones:
-                        part, part_b = _part_bias_column(part, nb, weight, group_taps)
+                        part, part_b = _part_bias_column(part, nb, group_taps)
                         grad_b = _summed(grad_b, part_b)
                     elif nb > 1:
                         part = _sum_axis_tensor(part, 1, nb, K * group_taps)
@@ -4046,7 +4047,7 @@ def conv2d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
                                     grad_x.data, half=grad_x.dtype == np.float16)
             if w.requires_grad and grad_w is None:  # an empty batch: no chunks
                 grad_w = _fill(weight.shape, 0.0, weight)
-        if b is not None and b.requires_grad and grad_b is None:  # sum over OH*OW, then N
+        if ones and grad_b is None:  # sum over OH*OW, then N
             per_image = _sum_axis_tensor(g, N * K, L, 1)
             grad_b = _sum_axis_tensor(per_image, 1, N, K).reshape((K,))
         return (grad_x, grad_w) + ((grad_b,) if b is not None else ())
