@@ -1655,14 +1655,15 @@ __kernel void bce_logits_bwd(const int n, const int g_stride, const float scale,
 // with tap_stride OH*OW and image_stride C*R*S*OH*OW. A 2-D
 // launch over (output pixel, channel): each work-item copies its R*S taps, so the index
 // arithmetic (integer division is slow on CPUs) is shared by R*S values, and neighbouring
-// work-items still write neighbouring addresses. x is act_t; cols is float (im2col, a
-// scratch buffer for the float GEMMs) or act_t (im2col_act: float16 operands for the tensor
-// cores, in the half build). A launch over C + 1 channels writes a row of ones after the
-// taps, at t = C*R*S (conv2d's weight gradient: that row's column of g cols^T sums g, the
-// bias gradient).
-#define IM2COL(NAME, COL_T)                                                                    \
+// work-items still write neighbouring addresses. x is act_t, or float in im2col_act_f (a
+// float32 input under autocast, rounded as it is copied: no float16 copy of it first); cols
+// is float (im2col, a scratch buffer for the float GEMMs) or act_t (im2col_act and
+// im2col_act_f: float16 operands for the tensor cores, in the half build). A launch over
+// C + 1 channels writes a row of ones after the taps, at t = C*R*S (conv2d's weight
+// gradient: that row's column of g cols^T sums g, the bias gradient).
+#define IM2COL(NAME, X_T, COL_T)                                                               \
 __kernel void NAME(const int n0, const int nb, const int C, WINDOW_ARGS,                       \
-                   const int tap_stride, const int image_stride, __global const act_t* x,      \
+                   const int tap_stride, const int image_stride, __global const X_T* x,        \
                    __global COL_T* cols) {                                                     \
     const int p = get_global_id(0), c = get_global_id(1);                                      \
     if (p >= nb * OH * OW) return;                                                             \
@@ -1672,19 +1673,20 @@ __kernel void NAME(const int n0, const int nb, const int C, WINDOW_ARGS,        
         STORE_##COL_T(column, 0, 1.0f);                                                        \
         return;                                                                                \
     }                                                                                          \
-    __global const act_t* plane = x + ((n0 + n) * C + c) * H * W;                              \
+    __global const X_T* plane = x + ((n0 + n) * C + c) * H * W;                                \
     for (int r = 0; r < R; ++r) {                                                              \
         const int h = oh * SH - PH + r * DH;                                                   \
         for (int s = 0; s < S; ++s) {                                                          \
             const int w = ow * SW - PW + s * DW;                                               \
             const int inside = h >= 0 && h < H && w >= 0 && w < W;                             \
             STORE_##COL_T(column, (r * S + s) * tap_stride,                                    \
-                          inside ? LOAD(plane, h * W + w) : 0.0f);                             \
+                          inside ? LOAD_##X_T(plane, h * W + w) : 0.0f);                       \
         }                                                                                      \
     }                                                                                          \
 }
-IM2COL(im2col, float)
-IM2COL(im2col_act, act_t)
+IM2COL(im2col, act_t, float)
+IM2COL(im2col_act, act_t, act_t)
+IM2COL(im2col_act_f, float, act_t)
 
 // im2col for CPU devices, in two steps that each run as plain copies. First pad_images pads
 // the samples with zeros, so that no copy of a tap needs a bounds check (with them a one-step
@@ -1947,6 +1949,18 @@ VGEMM_KERNEL(conv_fwd_##SIZE, BM, BN, BK, TM, TN, LM, float, 1, act_t, 0, act_t,
 VGEMM_KERNEL(conv_wgrad_##SIZE, BM, BN, BK, TM, TN, LM, act_t, 1, act_t, 1, float, RUN_FETCH,   \
              CONV_FETCH, CONV_ARGS, 0)
 CONV_FAMILY(64x64, 64, 64, 16, 4, 4, 4)
+CONV_FAMILY(32x128, 32, 128, 16, 4, 4, 4)
+
+// The filters w (K, C, R, S) turned half a turn in (r, s) and transposed, for conv2d's input
+// gradient as a convolution of g (stride 1): out (C, K, R, S), out[c, k, R-1-r, S-1-s] =
+// w[k, c, r, s].
+__kernel void turn_filters(const int K, const int C, const int RS, __global const float* w,
+                           __global float* out) {
+    const int i = get_global_id(0);
+    if (i >= K * C * RS) return;
+    const int k = i / (C * RS), c = (i - k * C * RS) / RS, t = i - (k * C + c) * RS;
+    out[(c * K + k) * RS + RS - 1 - t] = w[i];
+}
 
 // conv_wgrad's partial products (splits, K, width) with a column of ones at `taps` (its
 // sums over every pixel: the bias gradient), summed: columns below `taps` into dw (K, taps),
