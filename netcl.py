@@ -2159,13 +2159,16 @@ def _packed_gemm(a, b, trans_a, trans_b, bias, half, out, b_cols=None, a_run=Non
         _sum_axis_tensor(target, 1, splits, M * N, out=out.reshape((1, M * N)))
 
 
-def _tensor_core_gemm(a, b, trans_a, trans_b, bias, out, bias_rows=False, dims=None):
-    """Run _gemm's product on tensor cores if it can: both operands in float16 storage (or
-    one float32 one, _tensor_core_float_side) and a device whose probe passed. Returns
-    whether it did. dims: _gemm_dims(a, b, trans_a, trans_b), if the caller has them."""
+def _tensor_core_gemm(a, b, trans_a, trans_b, bias, out, bias_rows=False, dims=None,
+                      round_float32=False):
+    """Run _gemm's product on tensor cores if it can: both operands in float16 storage (or,
+    with round_float32, one float32 one that the kernel rounds, _tensor_core_float_side) and
+    a device whose probe passed. Returns whether it did. dims: _gemm_dims(a, b, trans_a,
+    trans_b), if the caller has them. (Without round_float32 a float16 operand beside a
+    float32 one, outside autocast, gets the float32 product, as on every other device.)"""
     device = a.device
     float_side = _tensor_core_float_side(a, b, trans_a, trans_b)
-    if float_side is None or not device.tensor_cores:
+    if float_side is None or (float_side and not round_float32) or not device.tensor_cores:
         return False
     batch, M, K, N = dims or _gemm_dims(a, b, trans_a, trans_b)
     plan = _tensor_core_plan(batch, M, K, N, trans_a, trans_b, bias is not None,
@@ -2327,7 +2330,8 @@ def _bias_code(bias, bias_rows):
     return 0 if bias is None else 2 if bias_rows else 1
 
 
-def _gemm(a, b, trans_a=False, trans_b=False, bias=None, half=False, out=None, bias_rows=False):
+def _gemm(a, b, trans_a=False, trans_b=False, bias=None, half=False, out=None, bias_rows=False,
+          round_float32=False):
     """C (M, N) = op(a) @ op(b) [+ bias (N)]; op transposes when asked, without a copy.
     With bias_rows the bias is (M,), one per row of C (conv2d's output channels).
     Either operand may be a batch (batch, rows, cols) of matrices, the other a matrix all
@@ -2340,7 +2344,8 @@ def _gemm(a, b, trans_a=False, trans_b=False, bias=None, half=False, out=None, b
     that write float16 read a as float16 too (_tiled_gemm).
     `out`, if given, is the tensor to write. On OpenCL the product runs on CPU devices'
     packed kernels (_packed_gemm), else on tensor cores where it can (both operands in
-    float16 storage on a device with them: _tensor_core_gemm), else on the tiled kernels
+    float16 storage on a device with them, or with round_float32, autocast's products, one
+    float32 operand that they round: _tensor_core_gemm), else on the tiled kernels
     (_tiled_gemm).
     """
     dims = batch, M, K, N = _gemm_dims(a, b, trans_a, trans_b)
@@ -2356,7 +2361,8 @@ def _gemm(a, b, trans_a=False, trans_b=False, bias=None, half=False, out=None, b
     elif M and N and batch:  # (an empty C has nothing to write)
         if a.device.gemm == "packed":
             _packed_gemm(a, b, trans_a, trans_b, bias, half, out, bias_rows=bias_rows)
-        elif not _tensor_core_gemm(a, b, trans_a, trans_b, bias, out, bias_rows, dims):
+        elif not _tensor_core_gemm(a, b, trans_a, trans_b, bias, out, bias_rows, dims,
+                                   round_float32):
             _tiled_gemm(a, b, dims, trans_a, trans_b, bias, bias_rows, half, out)
     return out
 
@@ -2493,7 +2499,8 @@ def linear(x, w, b=None):
         # first: where the kernels widen a float16 g for it (the tiled ones), that float32
         # copy is freed before dx is allocated.
         grad_w = (_gemm(g, _half_operand(X) if cast_again else X, trans_a=True,  # dw = g^T x
-                        out=_free_grad_slot(w)) if w.requires_grad else None)
+                        out=_free_grad_slot(w), round_float32=tensor_cores)
+                  if w.requires_grad else None)
         grads = [_gemm(g, W, half=half_x)._view(x.shape) if x.requires_grad else None,  # g W
                  grad_w]
         if b is not None:                                        # db = the sum of g's rows
@@ -2508,7 +2515,7 @@ def linear(x, w, b=None):
                 grads.append(None)
         return grads
     out = _gemm(_half_operand(X) if half and not tensor_cores else X_product, W, trans_b=True,
-                bias=None if b is None else b.value, half=half)
+                bias=None if b is None else b.value, half=half, round_float32=tensor_cores)
     del X_product  # (a cast of x is not kept for backward)
     return _record(out._view(x.shape[:-1] + (w.shape[0],)),
                    (x, w) + ((b,) if b is not None else ()), backward, half_grad=True)
@@ -4047,7 +4054,8 @@ def conv2d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
                 if explicit_x:  # dcols[n] = w^T @ g[n] (nb, C*R*S, OH*OW), then col2im
                     # (on tensor cores dcols is float16, as PyTorch's autocast writes its input
                     # gradients: half the bytes to write and to read back)
-                    grad_cols = _gemm(weight_rows, g_rows, trans_a=True, half=tensor_cores)
+                    grad_cols = _gemm(weight_rows, g_rows, trans_a=True, half=tensor_cores,
+                                      round_float32=tensor_cores)
                     kernel = "col2im" if not tensor_cores else (
                         "col2im_act" if grad_x.dtype == np.float16 else "col2im_act_f")
                     g.device.launch(kernel, (nb * H * W, C), (256, 1), n0, nb, C, *window,

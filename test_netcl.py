@@ -7030,9 +7030,36 @@ def test_tensor_core_gemm_rounds_a_float32_operand_as_a_cast_would(opencl, m, n,
     for X in (X32, X16):
         out = netcl.Tensor.empty((m, n), np.float16 if side == "a" else np.float32, dev.queue)
         args = (X, O, False, True) if side == "a" else (O, X, True, False)
-        assert netcl._tensor_core_gemm(*args, b, out)
+        assert netcl._tensor_core_gemm(*args, b, out, round_float32=True)
         outs.append(host(out))
     np.testing.assert_array_equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("side", ["a", "b"])
+def test_tensor_cores_round_a_float32_operand_only_when_asked(opencl, monkeypatch, side):
+    """A float16 operand beside a float32 one takes the tensor cores, which round the float32
+    one, only where the caller asks (autocast's products, round_float32): elsewhere, as a
+    float16 weight's gradient outside autocast, the product is float32's. The launches are
+    recorded, not run (any device can check this choice)."""
+    monkeypatch.setattr(opencl, "_tensor_cores", True)
+    monkeypatch.setattr(opencl, "compute_units", 132)
+    launched = []
+    monkeypatch.setattr(opencl, "launch", lambda name, grid, *args, **kwargs:
+                        launched.append(name))
+    m, n, k = 128, 256, 784
+    x = netcl.Tensor.empty((m, k) if side == "a" else (k, n), np.float32, opencl.queue)
+    other = netcl.Tensor.empty((n, k) if side == "a" else (k, m), np.float16, opencl.queue)
+    args = (x, other, False, True) if side == "a" else (other, x, True, False)
+    out = netcl.Tensor.empty((m, n), np.float16 if side == "a" else np.float32, opencl.queue)
+    assert not netcl._tensor_core_gemm(*args, None, out)
+    assert launched == []
+    assert netcl._tensor_core_gemm(*args, None, out, round_float32=True)
+    assert launched == [f"gemm_tc_{'nt_h' if side == 'a' else 'tn_f'}_s_x{side}"]
+    launched.clear()
+    monkeypatch.setattr(opencl, "gemm", "tiled")  # a GPU's: the float32 kernels take it
+    netcl._gemm(*args, half=side == "a", out=out)
+    products = [name for name in launched if name.startswith("gemm_")]
+    assert len(products) == 1 and not products[0].startswith("gemm_tc")
 
 
 @pytest.mark.parametrize("rows, features, outputs, forward, weight_gradient", [
