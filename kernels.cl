@@ -1884,11 +1884,13 @@ __kernel void col2im_planes(const int n0, const int nb, const int C, WINDOW_ARGS
 // - conv_wgrad_*: dw (K, C*R*S) = g @ cols^T, one product over every sample's pixels (K =
 //   N*L, split over the grid as any long K): g (N, K, L) read as the (K, N*L) matrix of its
 //   samples' pixels side by side (RUN_FETCH), cols^T gathered.
-// The input gradient stays a product and col2im: on the H200 a convolution of g by the
-// filters turned half a turn took 138 µs against their 120 for the benchmark's conv2d. So
-// do the tensor cores' products (im2col_act's columns): gathering into registers before
-// the local-memory stores, as a float32 operand is, took 79 against 65 µs for the forward
-// and 123 against 65 for the weight gradient.
+// The input gradient stays a product and col2im: a convolution of g by the filters turned
+// half a turn (at stride 1) took 138 µs against their 120 for the benchmark's conv2d on the
+// H200, and 129 against 77 + 45 on an H100 in 32x128 blocks (for its 32 rows, C): its K,
+// the taps of 64 filters, is twice the forward's, so it gathers twice the values for the
+// same arithmetic. So do the tensor cores' products (im2col_act's columns): gathering into
+// registers before the local-memory stores, as a float32 operand is, took 79 against 65 µs
+// for the forward and 123 against 65 for the weight gradient.
 
 // The float4 of the columns at tap t and pixels p .. p+3 of x's samples side by side (p / L
 // is the sample; L a multiple of 4 where p may pass L): zero for a tap from `taps` on, a
@@ -1949,18 +1951,6 @@ VGEMM_KERNEL(conv_fwd_##SIZE, BM, BN, BK, TM, TN, LM, float, 1, act_t, 0, act_t,
 VGEMM_KERNEL(conv_wgrad_##SIZE, BM, BN, BK, TM, TN, LM, act_t, 1, act_t, 1, float, RUN_FETCH,   \
              CONV_FETCH, CONV_ARGS, 0)
 CONV_FAMILY(64x64, 64, 64, 16, 4, 4, 4)
-CONV_FAMILY(32x128, 32, 128, 16, 4, 4, 4)
-
-// The filters w (K, C, R, S) turned half a turn in (r, s) and transposed, for conv2d's input
-// gradient as a convolution of g (stride 1): out (C, K, R, S), out[c, k, R-1-r, S-1-s] =
-// w[k, c, r, s].
-__kernel void turn_filters(const int K, const int C, const int RS, __global const float* w,
-                           __global float* out) {
-    const int i = get_global_id(0);
-    if (i >= K * C * RS) return;
-    const int k = i / (C * RS), c = (i - k * C * RS) / RS, t = i - (k * C + c) * RS;
-    out[(c * K + k) * RS + RS - 1 - t] = w[i];
-}
 
 // conv_wgrad's partial products (splits, K, width) with a column of ones at `taps` (its
 // sums over every pixel: the bias gradient), summed: columns below `taps` into dw (K, taps),

@@ -3751,7 +3751,7 @@ def _im2col_panels(X, n0, nb, window, transposed, ones=False):
 # tensor cores (kernels.cl says why). Both take the 64x64 block of _VECTOR_BLOCKS: on an
 # H100 the benchmark's forward (its samples side by side) ran in 79 µs against 126 in the
 # 64x128 block, the weight gradient in 92 against 148.
-_CONV_BLOCKS = _VECTOR_BLOCKS[:1] + ((32, 128, 256, 30.0),)
+_CONV_BLOCKS = _VECTOR_BLOCKS[:1]
 _MAX_GRID_BATCH = 65535  # the work-groups a launch may have along its third dimension
 
 
@@ -3800,23 +3800,6 @@ def _conv_gemm(kernel, a, x, out, dims, window, bias=None, bias_grad=None):
         _part_bias_column(target, splits, taps, out, bias_grad)
     elif splits > 1:
         _sum_axis_tensor(target, 1, splits, M * N, out=out._view((1, M * N)))
-
-
-def _conv_input_grad(g, weight, grad_x, window):
-    """conv2d's input gradient at stride 1, a convolution itself: grad_x (N, C, H, W) = g
-    (N, K, OH, OW) convolved (_conv_gemm's conv_fwd) with the filters turned half a turn and
-    transposed, (C, K, R, S) (kernels.cl: turn_filters), with the same dilation and, on each
-    side, the padding that the span of a window leaves beyond conv2d's own: the pixel h of x
-    meets g's pixel h + PH - r*DH through tap r, which the turned tap R-1-r reaches from
-    output pixel h with padding DH*(R-1) - PH (>= 0 here; likewise along the width)."""
-    H, W, R, S, SH, SW, PH, PW, DH, DW, OH, OW = window
-    K, C = weight.shape[:2]
-    N, taps, L = g.shape[0], K * R * S, H * W
-    turned = _like(weight, (C, taps), np.float32)
-    g.device.launch("turn_filters", *_grid(weight.size), K, C, R * S, weight.data, turned.data)
-    back = (OH, OW, R, S, 1, 1, DH * (R - 1) - PH, DW * (S - 1) - PW, DH, DW, H, W)
-    _conv_gemm("conv_fwd", turned, g, grad_x, (1, C, taps, N * L) if L % 4 == 0 else
-               (N, C, taps, L), back)
 
 
 def _part_bias_column(products, splits, taps, dw=None, db=None):
@@ -4030,14 +4013,7 @@ def conv2d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
                 _conv_gemm("conv_wgrad", g, X, grad_w, (1, K, N * L, group_taps), window,
                            bias_grad=grad_b)
                 explicit_w = False
-            # at stride 1, dx as a convolution of g (_conv_input_grad), where it runs implicit
-            turned = (implicit and grad_x is not None and grad_x.dtype == g.dtype == X.dtype
-                      and SH == SW == 1 and DH * (R - 1) >= PH and DW * (S - 1) >= PW and
-                      K * R * S % 4 == 0)
-            if turned:
-                _conv_input_grad(g, weight, grad_x, window)
-            explicit_x = grad_x is not None and not turned
-            for n0, nb in chunks if explicit_w or explicit_x else ():
+            for n0, nb in chunks if explicit_w or grad_x is not None else ():
                 # one product per sample, read from g as it is stored
                 g_rows = _row_block(g.reshape((N, K * L)), n0, nb).reshape((nb, K, L))
                 if explicit_w:  # dw = sum over samples of g[n] @ cols[n]^T
@@ -4051,7 +4027,7 @@ def conv2d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
                     elif nb > 1:
                         part = _sum_axis_tensor(part, 1, nb, K * group_taps)
                     grad_w = _summed(grad_w, part.reshape(weight.shape))
-                if explicit_x:  # dcols[n] = w^T @ g[n] (nb, C*R*S, OH*OW), then col2im
+                if grad_x is not None:  # dcols[n] = w^T @ g[n] (nb, C*R*S, OH*OW), then col2im
                     # (on tensor cores dcols is float16, as PyTorch's autocast writes its input
                     # gradients: half the bytes to write and to read back)
                     grad_cols = _gemm(weight_rows, g_rows, trans_a=True, half=tensor_cores,

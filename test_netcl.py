@@ -2663,13 +2663,12 @@ def test_gpu_gemm_picks_its_kernel_by_shape(opencl, monkeypatch, m, k, n, trans_
 
 def test_gpu_conv2d_gathers_its_columns_in_the_products(opencl, monkeypatch):
     """On a GPU of 132 compute units, the benchmark's conv2d (64, 32, 28, 28) with 64 3x3
-    filters: the forward, the weight gradient and the input gradient are implicit GEMMs
-    (kernels.cl: conv_fwd_*, conv_wgrad_*), so neither im2col nor col2im runs. The forward
-    is one product over the samples side by side, in 64x64 blocks; the weight gradient one
+    filters: the forward and the weight gradient are implicit GEMMs (kernels.cl: conv_fwd_*,
+    conv_wgrad_*), so im2col never runs; the input gradient is one batched GEMM and col2im.
+    The forward and the input gradient take a product per sample; the weight gradient one
     product over every sample's pixels, its long K split over the grid, then summed, with
-    the bias gradient as one more column of it (no sum of its own); the input gradient
-    (stride 1) a convolution of g by the turned filters, whose 32 rows take the 32x128
-    block. No transposing kernel runs. The launches are recorded, not run."""
+    the bias gradient as one more column of it (no sum of its own). No transposing kernel
+    runs. The launches are recorded, not run."""
     monkeypatch.setattr(opencl, "gemm", "tiled")
     monkeypatch.setattr(opencl, "compute_units", 132)
     launched = []
@@ -2684,10 +2683,10 @@ def test_gpu_conv2d_gathers_its_columns_in_the_products(opencl, monkeypatch):
                 name.startswith(("conv", "gemm"))]
     # the weight gradient's K, 64 * 784 pixels, in 105 chunks of 480 (_conv_plan)
     assert products == [("conv_fwd_64x64", 1), ("conv_wgrad_64x64", 105),
-                        ("conv_fwd_32x128", 1)]
+                        ("gemm_tn_64x64", 64)]
     names = [name for name, _ in launched]
-    assert not [name for name in names if name.startswith(("swap", "im2col", "sum_", "col2"))]
-    assert names.count("turn_filters") == names.count("conv_wgrad_sum") == 1
+    assert not [name for name in names if name.startswith(("swap", "im2col", "sum_"))]
+    assert names.count("col2im") == names.count("conv_wgrad_sum") == 1
     assert len(names) == 5
 
 
@@ -2699,13 +2698,10 @@ IM2COL_BYTES = netcl._IM2COL_BYTES
 def test_gpu_implicit_conv2d_matches_numpy(opencl, monkeypatch, data):
     """GPUs' implicit-GEMM conv2d (kernels.cl: conv_fwd_*, conv_wgrad_*) on the forward and
     the weight gradient, each where the operand it reads in float4s has rows of a multiple
-    of 4 (else that product takes im2col's columns), and on the input gradient at stride 1
-    where the padding is within the window's span (a convolution of g by the turned
-    filters; else a product and col2im), with a bias or not, the samples' columns in chunks
-    or not: over blocks of C and slices of K that the sizes leave ragged, the weight
-    gradient's K split or not, strides, dilation, and padding wider than the window. Output
-    and gradients are the NumPy backend's, and the kernels that ran are the ones these
-    rules pick."""
+    of 4 (else that product takes im2col's columns), with a bias or not, the samples' columns
+    in chunks or not: over blocks of C and slices of K that the sizes leave ragged, the
+    weight gradient's K split or not, strides, dilation, and padding wider than the window. Output and gradients are the NumPy backend's, and the
+    kernels that ran are the ones these rules pick."""
     draw = data.draw
     monkeypatch.setattr(opencl, "gemm", "tiled")
     monkeypatch.setattr(opencl, "compute_units", draw(st.sampled_from([2, 132])))
@@ -2742,13 +2738,8 @@ def test_gpu_implicit_conv2d_matches_numpy(opencl, monkeypatch, data):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=scale(want))
     conv = [name.rsplit("_", 1)[0] for name in launched if name.startswith("conv_")
             and name != "conv_wgrad_sum"]
-    turned = (stride == (1, 1) and padding[0] <= (R - 1) * dilation[0] and
-              padding[1] <= (S - 1) * dilation[1] and K * R * S % 4 == 0)
-    assert conv == (["conv_fwd"] * (C * R * S % 4 == 0) + ["conv_wgrad"] * (OH * OW % 4 == 0) +
-                    ["conv_fwd"] * turned)
+    assert conv == ["conv_fwd"] * (C * R * S % 4 == 0) + ["conv_wgrad"] * (OH * OW % 4 == 0)
     assert launched.count("im2col") == ((C * R * S % 4 != 0) + (OH * OW % 4 != 0)) * chunks
-    assert launched.count("turn_filters") == turned
-    assert launched.count("col2im") == (not turned) * chunks
     # the bias gradient: a column of the weight gradient's product (per chunk of samples
     # where the weight gradient takes im2col's columns)
     implicit_w = OH * OW % 4 == 0
@@ -4745,7 +4736,7 @@ def test_autocast_grouped_dilated_conv2d_is_the_float32_result_rounded(opencl, m
 @pytest.mark.parametrize("units", [2, 132])  # 2: a float32 forward's K split over the grid
 @pytest.mark.usefixtures("portable_half")
 def test_autocast_implicit_conv2d_is_the_float32_result_rounded(opencl, monkeypatch, units):
-    """Under autocast GPUs' implicit GEMMs (all three, and the bias gradient in the weight
+    """Under autocast GPUs' implicit GEMMs (both, and the bias gradient in the weight
     gradient's) read and write float16 storage: the float32 result on the same values,
     rounded once, and the same float32 weight and bias gradients."""
     monkeypatch.setattr(opencl, "gemm", "tiled")
@@ -4773,7 +4764,7 @@ def test_autocast_implicit_conv2d_is_the_float32_result_rounded(opencl, monkeypa
         products = sorted(name.rsplit("_", 1)[0] for name, half in launched
                           if name.startswith("conv_") and name != "conv_wgrad_sum"
                           and half == enabled)  # in the build of the storage
-        assert products == ["conv_fwd", "conv_fwd", "conv_wgrad"]  # the forward, dx, dw
+        assert products == ["conv_fwd", "conv_wgrad"]
         assert [name for name, _ in launched].count("conv_wgrad_sum") == 1
     (single, (dx32, *dw32)), (half, (dx16, *dw16)) = results[False], results[True]
     assert half.dtype == dx16.dtype == np.float16
