@@ -3959,7 +3959,7 @@ def conv2d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
 
     def backward(g):  # g (N, K, OH, OW) -> dx (N, C, H, W), dw (K, C, R, S), db (K,)
         # A gradient nobody needs is not computed: a first layer's input is data. dx is in
-        # x's storage (not X's: on tensor cores that may be a float16 copy of a float32 x).
+        # x's storage (not X's: on tensor cores an x in neither float is a float16 copy).
         grad_x = (_like(X, dtype=np.float16 if _half_grad(x.value) else
                         _compute_dtype(x.dtype)) if x.requires_grad else None)
         grad_w = grad_b = None
