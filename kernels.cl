@@ -1968,6 +1968,100 @@ __kernel void conv_wgrad_sum(const int splits, const int K, const int taps, cons
     else db[k] = acc;
 }
 
+// conv2d as a direct convolution (GPUs): a work-group computes BM output channels at BN
+// consecutive output pixels of one sample. For each chunk of CK input channels it copies two
+// things into local memory: the filters' taps of the chunk, and the halo, the input rows the
+// windows of its pixels cover (every column of the windows' span, zero past the image's
+// edges). Each tap then reads its inputs from the halo, so an input value comes from global
+// memory once per chunk, where the implicit GEMM (conv_fwd above) gathers it once per tap
+// that sees it, R*S times, with the divisions that place it. Any stride and dilation. The
+// input gradient at stride 1 is the same convolution of g by the filters turned half a turn
+// (conv_filters), with padding DH*(R-1) - PH.
+// wt (C*R*S, M) holds each tap's filters side by side (conv_filters), ws its chunk as
+// float4s of four filters, halo the chunk's CK planes of halo_rows x halo_width values.
+// Work-item (lane, mg) computes rows 4 mg .. 4 mg + 3 of each 4 * BM / TM and pixels
+// p0 + lane + j * BN / TN, so that a warp's lanes read neighbouring halo values.
+#define CONV_DIRECT(NAME, BM, BN, TM, TN)                                                      \
+__kernel __attribute__((reqd_work_group_size((BM / TM) * (BN / TN), 1, 1)))                     \
+void NAME(const int M, const int C, const int CK, const int tiles, const int has_bias,          \
+          const int halo_rows, const int halo_width, __global const float* wt,                  \
+          __global const act_t* x, __global const float* bias, __global act_t* out,            \
+          __local float4* ws, __local float* halo, WINDOW_ARGS) {                               \
+    const int THREADS = (BM / TM) * (BN / TN), LANES = BN / TN;                                 \
+    const int tid = get_local_id(0), lane = tid % LANES, mg = tid / LANES;                      \
+    const int n = get_group_id(0) / tiles, p0 = (get_group_id(0) - n * tiles) * BN;            \
+    const int m0 = get_group_id(1) * BM, L = OH * OW, RS = R * S;                               \
+    const int plane = halo_rows * halo_width, first = p0 / OW;                                  \
+    const int row0 = first * SH - PH;  /* the input row of the halo's first row */              \
+    int at[TN];  /* each pixel's window's corner in a plane of the halo */                      \
+    _Pragma("unroll") for (int j = 0; j < TN; ++j) {                                            \
+        const int p = min(p0 + lane + j * LANES, L - 1), oh = p / OW;                           \
+        at[j] = (oh - first) * SH * halo_width + (p - oh * OW) * SW;                            \
+    }                                                                                           \
+    float acc[TM][TN];                                                                          \
+    _Pragma("unroll") for (int i = 0; i < TM; ++i)                                              \
+        _Pragma("unroll") for (int j = 0; j < TN; ++j) acc[i][j] = 0.0f;                        \
+    x += n * C * H * W;                                                                         \
+    for (int c0 = 0; c0 < C; c0 += CK) {                                                        \
+        const int ck = min(CK, C - c0), taps = ck * RS;                                         \
+        for (int e = tid; e < taps * (BM / 4); e += THREADS) {                                  \
+            const int t = e / (BM / 4), m = m0 + (e - t * (BM / 4)) * 4;                        \
+            __global const float* src = wt + (c0 * RS + t) * M + m;                             \
+            ws[e] = (float4)(m < M ? src[0] : 0.0f, m + 1 < M ? src[1] : 0.0f,                  \
+                             m + 2 < M ? src[2] : 0.0f, m + 3 < M ? src[3] : 0.0f);             \
+        }                                                                                       \
+        for (int e = tid; e < plane; e += THREADS) {  /* one place, every channel's value */    \
+            const int hr = e / halo_width, h = row0 + hr, w = e - hr * halo_width - PW;         \
+            const int inside = h >= 0 && h < H && w >= 0 && w < W;                              \
+            __global const act_t* src = x + c0 * H * W + (inside ? h * W + w : 0);              \
+            for (int c = 0; c < ck; ++c)                                                        \
+                halo[c * plane + e] = inside ? LOAD(src, c * H * W) : 0.0f;                     \
+        }                                                                                       \
+        barrier(CLK_LOCAL_MEM_FENCE);                                                           \
+        for (int c = 0; c < ck; ++c)                                                            \
+            for (int r = 0; r < R; ++r)                                                         \
+                for (int s = 0; s < S; ++s) {                                                   \
+                    __local const float* in = halo + c * plane + r * DH * halo_width + s * DW;  \
+                    __local const float4* a4 = ws + ((c * R + r) * S + s) * (BM / 4) + mg;      \
+                    float a[TM], b[TN];                                                         \
+                    _Pragma("unroll") for (int h = 0; h < TM / 4; ++h) {                        \
+                        const float4 v = a4[h * (BM / TM)];                                     \
+                        a[4 * h] = v.x; a[4 * h + 1] = v.y; a[4 * h + 2] = v.z;                 \
+                        a[4 * h + 3] = v.w;                                                     \
+                    }                                                                           \
+                    _Pragma("unroll") for (int j = 0; j < TN; ++j) b[j] = in[at[j]];            \
+                    _Pragma("unroll") for (int i = 0; i < TM; ++i)                              \
+                        _Pragma("unroll") for (int j = 0; j < TN; ++j)                          \
+                            acc[i][j] = fma(a[i], b[j], acc[i][j]);                             \
+                }                                                                               \
+        barrier(CLK_LOCAL_MEM_FENCE);                                                           \
+    }                                                                                           \
+    _Pragma("unroll") for (int i = 0; i < TM; ++i) {                                            \
+        const int m = m0 + 4 * (mg + (i / 4) * (BM / TM)) + i % 4;                              \
+        if (m >= M) continue;                                                                   \
+        const float b = has_bias ? bias[m] : 0.0f;                                              \
+        _Pragma("unroll") for (int j = 0; j < TN; ++j) {                                        \
+            const int p = p0 + lane + j * LANES;                                                \
+            if (p < L) STORE(out, (n * M + m) * L + p, acc[i][j] + b);                          \
+        }                                                                                       \
+    }                                                                                           \
+}
+CONV_DIRECT(conv_direct_64x64, 64, 64, 8, 4)
+CONV_DIRECT(conv_direct_32x128, 32, 128, 4, 8)
+
+// conv2d's filters w (K, C, R, S) as conv_direct reads them: (C*R*S, K), each tap's K
+// filters side by side (turned = 0); or, for the input gradient, turned half a turn in
+// (r, s) with the roles of K and C swapped, (K*R*S, C): out[(k*RS + RS-1-t) * C + c] =
+// w[k, c, t] (turned = 1).
+__kernel void conv_filters(const int K, const int C, const int RS, const int turned,
+                           __global const float* w, __global float* out) {
+    const int i = get_global_id(0);  // the element (k, c, t) of w
+    if (i >= K * C * RS) return;
+    const int k = i / (C * RS), c = (i - k * C * RS) / RS, t = i - (k * C + c) * RS;
+    if (turned) out[(k * RS + RS - 1 - t) * C + c] = w[i];
+    else out[(c * RS + t) * K + k] = w[i];
+}
+
 // x (A, B, L) from element x_offset -> out (B, A, L) from element out_offset, + bias (A) when
 // has_bias: conv2d's GEMM output (K, N, OH*OW) into NCHW (swap_axes01: x float, out act_t,
 // conv2d's output), and its gradient back (swap_axes01_act: x and out act_t, the gradient

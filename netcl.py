@@ -3802,6 +3802,60 @@ def _conv_gemm(kernel, a, x, out, dims, window, bias=None, bias_grad=None):
         _sum_axis_tensor(target, 1, splits, M * N, out=out._view((1, M * N)))
 
 
+# conv2d's direct convolution on GPUs (kernels.cl: conv_direct_*), for the forward and, at
+# stride 1, the input gradient: per count of output rows, the block (rows, pixels,
+# work-items); the input channels a chunk copies into local memory at most; and the local
+# memory a work-group may take.
+_DIRECT_BLOCKS = {64: (64, 64, 128), 32: (32, 128, 128)}
+_DIRECT_CHANNELS = 8
+_DIRECT_LOCAL_BYTES = 32 * 1024
+
+
+@functools.lru_cache(maxsize=256)
+def _direct_plan(M, C, window, local_bytes):
+    """conv_direct's launch for M output rows over C input channels: (kernel suffix, rows,
+    pixels, work-items, channels per chunk, halo rows, halo width), or None where one
+    channel's filters and halo do not fit in local_bytes of local memory."""
+    H, W, R, S, SH, SW, PH, PW, DH, DW, OH, OW = window
+    rows, pixels, threads = _DIRECT_BLOCKS[32 if M <= 32 else 64]
+    # BN pixels in a row from any column cover at most this many output rows
+    spanned = min(OH, (pixels + OW - 2) // OW + 1)
+    halo_rows, halo_width = (spanned - 1) * SH + (R - 1) * DH + 1, (OW - 1) * SW + (S - 1) * DW + 1
+    per_channel = 4 * (rows * R * S + halo_rows * halo_width)
+    chunk = min(C, _DIRECT_CHANNELS, local_bytes // per_channel)
+    if chunk < 1:
+        return None
+    return f"_{rows}x{pixels}", rows, pixels, threads, chunk, halo_rows, halo_width
+
+
+def _conv_direct(w, x, out, window, turned=False, bias=None):
+    """out (N, M, OH, OW) = the convolution of x (N, C, H, W) by the float32 filters w
+    (kernels.cl: conv_direct_*) [+ bias (M,)]: w (M, C, R, S) as it is, or with turned, w
+    (C, M, R, S) turned half a turn, the input gradient's filters. x and out in one storage
+    (the build that runs). False, and nothing done, where the plan does not fit
+    (_direct_plan)."""
+    H, W, R, S, SH, SW, PH, PW, DH, DW, OH, OW = window
+    (N, M), C = out.shape[:2], x.shape[1]
+    device = x.device
+    plan = _direct_plan(M, C, window, min(device.cl_device.local_mem_size, _DIRECT_LOCAL_BYTES))
+    if plan is None:
+        return False
+    suffix, rows, pixels, threads, chunk, halo_rows, halo_width = plan
+    tiles = _ceil_div(OH * OW, pixels)
+    if N * tiles * threads >= 2 ** 31:
+        return False
+    filters = _like(w, (C * R * S, M), np.float32)  # each tap's M filters side by side
+    device.launch("conv_filters", *_grid(w.size), w.shape[0], w.shape[1], R * S, int(turned),
+                  w.data, filters.data)
+    device.launch("conv_direct" + suffix, (N * tiles * threads, _ceil_div(M, rows)),
+                  (threads, 1), M, C, chunk, tiles, int(bias is not None), halo_rows,
+                  halo_width, filters.data, x.data, None if bias is None else bias.data,
+                  out.data, cl.LocalMemory(4 * rows * chunk * R * S),
+                  cl.LocalMemory(4 * chunk * halo_rows * halo_width), *window,
+                  half=x.dtype == np.float16)
+    return True
+
+
 def _part_bias_column(products, splits, taps, dw=None, db=None):
     """conv2d's weight-gradient products whose column `taps` sums g (a row of ones in the
     columns), (splits, K, taps + 1 [+ padding]), summed over the splits and parted
@@ -3933,6 +3987,9 @@ def conv2d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
             if y is not out:
                 cl.enqueue_copy(X.device.queue, out.data, y.data, dst_offset=n0 * y.nbytes // nb,
                                 byte_count=y.nbytes)
+    elif out.size and implicit and _conv_direct(weight, X, out, window, bias=(
+            None if bias is None else _float32(bias))):
+        pass
     elif out.size and implicit and group_taps % 4 == 0:  # side by side where L allows
         _conv_gemm("conv_fwd", weight_rows, X, out,
                    (1, K, group_taps, N * L) if L % 4 == 0 else (N, K, group_taps, L), window,
@@ -4004,6 +4061,16 @@ def conv2d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
                 grad_w = _fill(weight.shape, 0.0, weight)
         elif G == 1:
             explicit_w = w.requires_grad
+            # dx at stride 1 (padding within the window's span): the convolution of g by the
+            # filters turned half a turn, padded by the rest of the span
+            if (grad_x is not None and implicit and g.dtype == grad_x.dtype == X.dtype and
+                    SH == SW == 1 and PH <= DH * (R - 1) and PW <= DW * (S - 1) and
+                    _conv_direct(weight, g, grad_x, (OH, OW, R, S, 1, 1, DH * (R - 1) - PH,
+                                                     DW * (S - 1) - PW, DH, DW, H, W),
+                                 turned=True)):
+                grad_x_done = True
+            else:
+                grad_x_done = False
             if implicit and g.dtype == X.dtype and w.requires_grad and L % 4 == 0:
                 # dw = g cols^T over every sample's pixels (g and x read in one build), and
                 # the bias gradient in the same product
@@ -4013,7 +4080,8 @@ def conv2d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
                 _conv_gemm("conv_wgrad", g, X, grad_w, (1, K, N * L, group_taps), window,
                            bias_grad=grad_b)
                 explicit_w = False
-            for n0, nb in chunks if explicit_w or grad_x is not None else ():
+            for n0, nb in (chunks if explicit_w or grad_x is not None and not grad_x_done
+                           else ()):
                 # one product per sample, read from g as it is stored
                 g_rows = _row_block(g.reshape((N, K * L)), n0, nb).reshape((nb, K, L))
                 if explicit_w:  # dw = sum over samples of g[n] @ cols[n]^T
@@ -4027,7 +4095,8 @@ def conv2d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
                     elif nb > 1:
                         part = _sum_axis_tensor(part, 1, nb, K * group_taps)
                     grad_w = _summed(grad_w, part.reshape(weight.shape))
-                if grad_x is not None:  # dcols[n] = w^T @ g[n] (nb, C*R*S, OH*OW), then col2im
+                if grad_x is not None and not grad_x_done:
+                    # dcols[n] = w^T @ g[n] (nb, C*R*S, OH*OW), then col2im
                     # (on tensor cores dcols is float16, as PyTorch's autocast writes its input
                     # gradients: half the bytes to write and to read back)
                     grad_cols = _gemm(weight_rows, g_rows, trans_a=True, half=tensor_cores,

@@ -2663,12 +2663,12 @@ def test_gpu_gemm_picks_its_kernel_by_shape(opencl, monkeypatch, m, k, n, trans_
 
 def test_gpu_conv2d_gathers_its_columns_in_the_products(opencl, monkeypatch):
     """On a GPU of 132 compute units, the benchmark's conv2d (64, 32, 28, 28) with 64 3x3
-    filters: the forward and the weight gradient are implicit GEMMs (kernels.cl: conv_fwd_*,
-    conv_wgrad_*), so im2col never runs; the input gradient is one batched GEMM and col2im.
-    The forward and the input gradient take a product per sample; the weight gradient one
-    product over every sample's pixels, its long K split over the grid, then summed, with
-    the bias gradient as one more column of it (no sum of its own). No transposing kernel
-    runs. The launches are recorded, not run."""
+    filters: the forward and the input gradient are direct convolutions (kernels.cl:
+    conv_direct_*, the second by the turned filters), each after one launch that lays out
+    the filters, and the weight gradient an implicit GEMM (conv_wgrad_*) over every sample's
+    pixels, its long K split over the grid, then summed, with the bias gradient as one more
+    column of it (no sum of its own). No columns are stored: im2col, col2im and the
+    transposing kernels never run. The launches are recorded, not run."""
     monkeypatch.setattr(opencl, "gemm", "tiled")
     monkeypatch.setattr(opencl, "compute_units", 132)
     launched = []
@@ -2679,15 +2679,14 @@ def test_gpu_conv2d_gathers_its_columns_in_the_products(opencl, monkeypatch):
     with netcl.Tape() as tape:
         out = F.conv2d(x, w, b, padding=1)
     tape.backward(out, grad=netcl.Tensor.empty(out.shape, queue=opencl.queue))
-    products = [(name, grid[2]) for name, grid in launched if len(grid) == 3 and
-                name.startswith(("conv", "gemm"))]
-    # the weight gradient's K, 64 * 784 pixels, in 105 chunks of 480 (_conv_plan)
-    assert products == [("conv_fwd_64x64", 1), ("conv_wgrad_64x64", 105),
-                        ("gemm_tn_64x64", 64)]
-    names = [name for name, _ in launched]
-    assert not [name for name in names if name.startswith(("swap", "im2col", "sum_"))]
-    assert names.count("col2im") == names.count("conv_wgrad_sum") == 1
-    assert len(names) == 5
+    # the forward: 64 samples of 13 blocks of 64 pixels, one block of 64 filters; the input
+    # gradient: 7 blocks of 128 pixels per sample, one block of its 32 rows; the weight
+    # gradient's K, 64 * 784 pixels, in 105 chunks of 480 (_conv_plan)
+    filters = ("conv_filters", (64 * 32 * 9,))
+    assert launched[:4] == [filters, ("conv_direct_64x64", (64 * 13 * 128, 1)),
+                            filters, ("conv_direct_32x128", (64 * 7 * 128, 1))]
+    assert [name for name, _ in launched[4:]] == ["conv_wgrad_64x64", "conv_wgrad_sum"]
+    assert launched[4][1][2] == 105
 
 
 IM2COL_BYTES = netcl._IM2COL_BYTES
@@ -2696,12 +2695,16 @@ IM2COL_BYTES = netcl._IM2COL_BYTES
 @XB_SETTINGS
 @given(data=st.data())
 def test_gpu_implicit_conv2d_matches_numpy(opencl, monkeypatch, data):
-    """GPUs' implicit-GEMM conv2d (kernels.cl: conv_fwd_*, conv_wgrad_*) on the forward and
-    the weight gradient, each where the operand it reads in float4s has rows of a multiple
-    of 4 (else that product takes im2col's columns), with a bias or not, the samples' columns
-    in chunks or not: over blocks of C and slices of K that the sizes leave ragged, the
-    weight gradient's K split or not, strides, dilation, and padding wider than the window. Output and gradients are the NumPy backend's, and the
-    kernels that ran are the ones these rules pick."""
+    """GPUs' conv2d without stored columns: the forward a direct convolution (kernels.cl:
+    conv_direct_*) in chunks of input channels, or where its local memory would not hold
+    one channel an implicit GEMM (conv_fwd_*); the input gradient at stride 1 a direct
+    convolution by the turned filters; the weight gradient an implicit GEMM (conv_wgrad_*).
+    Each GEMM where the operand it reads in float4s has rows of a multiple of 4 (else that
+    product takes im2col's columns), with a bias or not, the samples' columns in chunks or
+    not: over blocks of filters and pixels and slices of K that the sizes leave ragged, the
+    weight gradient's K split or not, strides, dilation, and padding wider than the window.
+    Output and gradients are the NumPy backend's, and the kernels that ran are the ones
+    these rules pick."""
     draw = data.draw
     monkeypatch.setattr(opencl, "gemm", "tiled")
     monkeypatch.setattr(opencl, "compute_units", draw(st.sampled_from([2, 132])))
@@ -2719,6 +2722,12 @@ def test_gpu_implicit_conv2d_matches_numpy(opencl, monkeypatch, data):
     chunks = N if draw(st.booleans()) else 1  # > 1: each product that takes columns
     # does it a sample at a time (set in every example: the patch outlives the example)
     monkeypatch.setattr(netcl, "_IM2COL_BYTES", 1 if chunks > 1 else IM2COL_BYTES)
+    # the direct convolutions' chunks of input channels (a fresh plan cache: the limits
+    # change between examples), or no local memory for them: the implicit GEMM's forward
+    direct = draw(st.booleans())
+    monkeypatch.setattr(netcl, "_DIRECT_CHANNELS", draw(st.sampled_from([1, 3, 8])))
+    monkeypatch.setattr(netcl, "_DIRECT_LOCAL_BYTES", 32 * 1024 if direct else 4)
+    monkeypatch.setattr(netcl, "_direct_plan", functools.lru_cache(netcl._direct_plan.__wrapped__))
     arrays = [rng.standard_normal(s).astype(np.float32) for s in
               ((N, C, H, W), (K, C, R, S), (K,))[:3 if with_bias else 2]]
     op = lambda x, w, b=None: F.conv2d(x, w, b, stride=stride, padding=padding,
@@ -2737,9 +2746,16 @@ def test_gpu_implicit_conv2d_matches_numpy(opencl, monkeypatch, data):
     for got, want in zip(got_grads, want_grads):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=scale(want))
     conv = [name.rsplit("_", 1)[0] for name in launched if name.startswith("conv_")
-            and name != "conv_wgrad_sum"]
-    assert conv == ["conv_fwd"] * (C * R * S % 4 == 0) + ["conv_wgrad"] * (OH * OW % 4 == 0)
-    assert launched.count("im2col") == ((C * R * S % 4 != 0) + (OH * OW % 4 != 0)) * chunks
+            and name not in ("conv_wgrad_sum", "conv_filters")]
+    # the input gradient: a direct convolution at stride 1 with padding within the window's
+    # span, else a product and col2im
+    direct_x = direct and stride == (1, 1) and all(p <= s - 1 for p, s in zip(padding, span))
+    forward = ["conv_direct"] if direct else ["conv_fwd"] * (C * R * S % 4 == 0)
+    assert conv == forward + ["conv_direct"] * direct_x + ["conv_wgrad"] * (OH * OW % 4 == 0)
+    assert launched.count("conv_filters") == direct + direct_x
+    assert launched.count("col2im") == (not direct_x) * chunks
+    assert launched.count("im2col") == ((not direct and C * R * S % 4 != 0)
+                                        + (OH * OW % 4 != 0)) * chunks
     # the bias gradient: a column of the weight gradient's product (per chunk of samples
     # where the weight gradient takes im2col's columns)
     implicit_w = OH * OW % 4 == 0
@@ -4762,9 +4778,9 @@ def test_autocast_implicit_conv2d_is_the_float32_result_rounded(opencl, monkeypa
         tape.backward(out, grad=seed.astype(np.float32))
         results[enabled] = host(out), [host(p.grad) for p in leaves]
         products = sorted(name.rsplit("_", 1)[0] for name, half in launched
-                          if name.startswith("conv_") and name != "conv_wgrad_sum"
-                          and half == enabled)  # in the build of the storage
-        assert products == ["conv_fwd", "conv_wgrad"]
+                          if name.startswith("conv_") and half == enabled  # in the build
+                          and name not in ("conv_wgrad_sum", "conv_filters"))  # of the storage
+        assert products == ["conv_direct", "conv_direct", "conv_wgrad"]
         assert [name for name, _ in launched].count("conv_wgrad_sum") == 1
     (single, (dx32, *dw32)), (half, (dx16, *dw16)) = results[False], results[True]
     assert half.dtype == dx16.dtype == np.float16
