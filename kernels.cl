@@ -1884,11 +1884,13 @@ __kernel void col2im_planes(const int n0, const int nb, const int C, WINDOW_ARGS
 // - conv_wgrad_*: dw (K, C*R*S) = g @ cols^T, one product over every sample's pixels (K =
 //   N*L, split over the grid as any long K): g (N, K, L) read as the (K, N*L) matrix of its
 //   samples' pixels side by side (RUN_FETCH), cols^T gathered.
-// The input gradient stays a product and col2im: a convolution of g by the filters turned
-// half a turn (at stride 1) took 138 µs against their 120 for the benchmark's conv2d on the
-// H200, and 129 against 77 + 45 on an H100 in 32x128 blocks (for its 32 rows, C): its K,
-// the taps of 64 filters, is twice the forward's, so it gathers twice the values for the
-// same arithmetic. So do the tensor cores' products (im2col_act's columns): gathering into
+// The input gradient stays a product and col2im here: as an implicit GEMM, a convolution of
+// g by the filters turned half a turn (at stride 1) took 138 µs against their 120 for the
+// benchmark's conv2d on the H200, and 129 against 77 + 45 on an H100 in 32x128 blocks (for
+// its 32 rows, C): its K, the taps of 64 filters, is twice the forward's, so it gathers
+// twice the values for the same arithmetic. The direct convolution below reads each value
+// once per chunk of channels instead, and takes 3x3 windows at stride 1, the forward's and
+// the input gradient's. The tensor cores' products keep im2col_act's columns: gathering into
 // registers before the local-memory stores, as a float32 operand is, took 79 against 65 µs
 // for the forward and 123 against 65 for the weight gradient.
 
@@ -1968,19 +1970,21 @@ __kernel void conv_wgrad_sum(const int splits, const int K, const int taps, cons
     else db[k] = acc;
 }
 
-// conv2d as a direct convolution (GPUs): a work-group computes BM output channels at BN
-// consecutive output pixels of one sample. For each chunk of CK input channels it copies two
-// things into local memory: the filters' taps of the chunk, and the halo, the input rows the
-// windows of its pixels cover (every column of the windows' span, zero past the image's
-// edges). Each tap then reads its inputs from the halo, so an input value comes from global
-// memory once per chunk, where the implicit GEMM (conv_fwd above) gathers it once per tap
-// that sees it, R*S times, with the divisions that place it. Any stride and dilation. The
-// input gradient at stride 1 is the same convolution of g by the filters turned half a turn
-// (conv_filters), with padding DH*(R-1) - PH.
-// wt (C*R*S, M) holds each tap's filters side by side (conv_filters), ws its chunk as
-// float4s of four filters, halo the chunk's CK planes of halo_rows x halo_width values.
-// Work-item (lane, mg) computes rows 4 mg .. 4 mg + 3 of each 4 * BM / TM and pixels
-// p0 + lane + j * BN / TN, so that a warp's lanes read neighbouring halo values.
+// conv2d with 3x3 filters at stride 1, undilated, as a direct convolution (GPUs): a
+// work-group computes BM output channels at BN consecutive output pixels of one sample. For
+// each chunk of CK input channels it copies two things into local memory: the filters' taps
+// of the chunk, and the halo, the input rows the windows of its pixels cover (every column
+// of the windows' span, zero past the image's edges). Each tap then reads its inputs from
+// the halo, so an input value comes from global memory once per chunk, where the implicit
+// GEMM (conv_fwd above) gathers it once for each of the 9 taps that see it, with the
+// divisions that place it; and the taps' loops unroll, so a tap's place in the halo is a
+// constant. The input gradient of such a convolution is another one: g convolved with the
+// filters turned half a turn (conv_filters), padded by 2 - PH and 2 - PW.
+// wt (C*9, M) holds each tap's filters side by side (conv_filters), ws its chunk as float4s
+// of four filters, halo the chunk's CK planes of halo_rows x halo_width values. Work-item
+// (lane, mg) computes rows 4 mg .. 4 mg + 3 of each 4 * BM / TM and pixels
+// p0 + lane + j * BN / TN, so that a warp's lanes read neighbouring halo values. In the build
+// of x's and out's storage (act_t); the sums are float32.
 #define CONV_DIRECT(NAME, BM, BN, TM, TN)                                                      \
 __kernel __attribute__((reqd_work_group_size((BM / TM) * (BN / TN), 1, 1)))                     \
 void NAME(const int M, const int C, const int CK, const int tiles, const int has_bias,          \
@@ -1990,23 +1994,23 @@ void NAME(const int M, const int C, const int CK, const int tiles, const int has
     const int THREADS = (BM / TM) * (BN / TN), LANES = BN / TN;                                 \
     const int tid = get_local_id(0), lane = tid % LANES, mg = tid / LANES;                      \
     const int n = get_group_id(0) / tiles, p0 = (get_group_id(0) - n * tiles) * BN;            \
-    const int m0 = get_group_id(1) * BM, L = OH * OW, RS = R * S;                               \
+    const int m0 = get_group_id(1) * BM, L = OH * OW;                                           \
     const int plane = halo_rows * halo_width, first = p0 / OW;                                  \
-    const int row0 = first * SH - PH;  /* the input row of the halo's first row */              \
+    const int row0 = first - PH;  /* the input row of the halo's first row */                   \
     int at[TN];  /* each pixel's window's corner in a plane of the halo */                      \
     _Pragma("unroll") for (int j = 0; j < TN; ++j) {                                            \
         const int p = min(p0 + lane + j * LANES, L - 1), oh = p / OW;                           \
-        at[j] = (oh - first) * SH * halo_width + (p - oh * OW) * SW;                            \
+        at[j] = (oh - first) * halo_width + p - oh * OW;                                        \
     }                                                                                           \
     float acc[TM][TN];                                                                          \
     _Pragma("unroll") for (int i = 0; i < TM; ++i)                                              \
         _Pragma("unroll") for (int j = 0; j < TN; ++j) acc[i][j] = 0.0f;                        \
     x += n * C * H * W;                                                                         \
     for (int c0 = 0; c0 < C; c0 += CK) {                                                        \
-        const int ck = min(CK, C - c0), taps = ck * RS;                                         \
-        for (int e = tid; e < taps * (BM / 4); e += THREADS) {                                  \
+        const int ck = min(CK, C - c0);                                                         \
+        for (int e = tid; e < ck * 9 * (BM / 4); e += THREADS) {                                \
             const int t = e / (BM / 4), m = m0 + (e - t * (BM / 4)) * 4;                        \
-            __global const float* src = wt + (c0 * RS + t) * M + m;                             \
+            __global const float* src = wt + (c0 * 9 + t) * M + m;                              \
             ws[e] = (float4)(m < M ? src[0] : 0.0f, m + 1 < M ? src[1] : 0.0f,                  \
                              m + 2 < M ? src[2] : 0.0f, m + 3 < M ? src[3] : 0.0f);             \
         }                                                                                       \
@@ -2019,10 +2023,10 @@ void NAME(const int M, const int C, const int CK, const int tiles, const int has
         }                                                                                       \
         barrier(CLK_LOCAL_MEM_FENCE);                                                           \
         for (int c = 0; c < ck; ++c)                                                            \
-            for (int r = 0; r < R; ++r)                                                         \
-                for (int s = 0; s < S; ++s) {                                                   \
-                    __local const float* in = halo + c * plane + r * DH * halo_width + s * DW;  \
-                    __local const float4* a4 = ws + ((c * R + r) * S + s) * (BM / 4) + mg;      \
+            _Pragma("unroll") for (int r = 0; r < 3; ++r)                                       \
+                _Pragma("unroll") for (int s = 0; s < 3; ++s) {                                 \
+                    __local const float* in = halo + c * plane + r * halo_width + s;            \
+                    __local const float4* a4 = ws + ((c * 3 + r) * 3 + s) * (BM / 4) + mg;      \
                     float a[TM], b[TN];                                                         \
                     _Pragma("unroll") for (int h = 0; h < TM / 4; ++h) {                        \
                         const float4 v = a4[h * (BM / TM)];                                     \

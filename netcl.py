@@ -3745,10 +3745,11 @@ def _im2col_panels(X, n0, nb, window, transposed, ones=False):
     return cols
 
 
-# On GPUs conv2d's forward and weight gradient gather their columns from the input as they
-# go (kernels.cl: conv_fwd_*, conv_wgrad_*), where the operand they read in float4s allows
-# it: the forward where C*R*S is a multiple of 4, the weight gradient where OH*OW is; not on
-# tensor cores (kernels.cl says why). Both take the 64x64 block of _VECTOR_BLOCKS: on an
+# On GPUs conv2d's forward (where the direct convolution below does not take it) and weight
+# gradient gather their columns from the input as they go (kernels.cl: conv_fwd_*,
+# conv_wgrad_*), where the operand they read in float4s allows it: the forward where C*R*S
+# is a multiple of 4, the weight gradient where OH*OW is; not on tensor cores (kernels.cl
+# says why). Both take the 64x64 block of _VECTOR_BLOCKS: on an
 # H100 the benchmark's forward (its samples side by side) ran in 79 µs against 126 in the
 # 64x128 block, the weight gradient in 92 against 148.
 _CONV_BLOCKS = _VECTOR_BLOCKS[:1]
@@ -3802,13 +3803,23 @@ def _conv_gemm(kernel, a, x, out, dims, window, bias=None, bias_grad=None):
         _sum_axis_tensor(target, 1, splits, M * N, out=out._view((1, M * N)))
 
 
-# conv2d's direct convolution on GPUs (kernels.cl: conv_direct_*), for the forward and, at
-# stride 1, the input gradient: per count of output rows, the block (rows, pixels,
-# work-items); the input channels a chunk copies into local memory at most; and the local
-# memory a work-group may take.
+# conv2d's 3x3 convolutions at stride 1 on GPUs, the forward and the input gradient, are
+# direct convolutions (kernels.cl: conv_direct_*). On an H100 the benchmark's forward took
+# 76 µs against the implicit GEMM's 79, its input gradient 86 against 123 for the product
+# and col2im, plus 9 µs per launch of conv_filters; with the taps' loops not unrolled (any
+# window) they took 100 and 131, so other windows keep the GEMMs. Per count of output rows,
+# the block (rows, pixels, work-items); the input channels a chunk copies into local memory
+# at most (16 ran slower: 112 µs for the forward); the local memory a work-group may take.
 _DIRECT_BLOCKS = {64: (64, 64, 128), 32: (32, 128, 128)}
 _DIRECT_CHANNELS = 8
 _DIRECT_LOCAL_BYTES = 32 * 1024
+
+
+def _direct_window(window):
+    """Whether conv2d's window is one conv_direct computes: 3x3 filters, stride 1, no
+    dilation."""
+    H, W, R, S, SH, SW, PH, PW, DH, DW, OH, OW = window
+    return R == S == 3 and SH == SW == DH == DW == 1
 
 
 @functools.lru_cache(maxsize=256)
@@ -3818,10 +3829,10 @@ def _direct_plan(M, C, window, local_bytes):
     channel's filters and halo do not fit in local_bytes of local memory."""
     H, W, R, S, SH, SW, PH, PW, DH, DW, OH, OW = window
     rows, pixels, threads = _DIRECT_BLOCKS[32 if M <= 32 else 64]
-    # BN pixels in a row from any column cover at most this many output rows
+    # a block's pixels, from any column on, cover at most this many output rows
     spanned = min(OH, (pixels + OW - 2) // OW + 1)
-    halo_rows, halo_width = (spanned - 1) * SH + (R - 1) * DH + 1, (OW - 1) * SW + (S - 1) * DW + 1
-    per_channel = 4 * (rows * R * S + halo_rows * halo_width)
+    halo_rows, halo_width = spanned + 2, OW + 2
+    per_channel = 4 * (rows * 9 + halo_rows * halo_width)
     chunk = min(C, _DIRECT_CHANNELS, local_bytes // per_channel)
     if chunk < 1:
         return None
@@ -3829,11 +3840,11 @@ def _direct_plan(M, C, window, local_bytes):
 
 
 def _conv_direct(w, x, out, window, turned=False, bias=None):
-    """out (N, M, OH, OW) = the convolution of x (N, C, H, W) by the float32 filters w
-    (kernels.cl: conv_direct_*) [+ bias (M,)]: w (M, C, R, S) as it is, or with turned, w
-    (C, M, R, S) turned half a turn, the input gradient's filters. x and out in one storage
-    (the build that runs). False, and nothing done, where the plan does not fit
-    (_direct_plan)."""
+    """out (N, M, OH, OW) = the convolution of x (N, C, H, W) by the float32 3x3 filters w
+    at stride 1 (kernels.cl: conv_direct_*) [+ bias (M,)]: w (M, C, 3, 3) as it is, or with
+    turned, w (C, M, 3, 3) turned half a turn, the input gradient's filters. x and out in
+    one storage (the build that runs). False, and nothing done, where the plan does not fit
+    (_direct_plan) or the grid would pass 2**31 work-items."""
     H, W, R, S, SH, SW, PH, PW, DH, DW, OH, OW = window
     (N, M), C = out.shape[:2], x.shape[1]
     device = x.device
@@ -3844,13 +3855,13 @@ def _conv_direct(w, x, out, window, turned=False, bias=None):
     tiles = _ceil_div(OH * OW, pixels)
     if N * tiles * threads >= 2 ** 31:
         return False
-    filters = _like(w, (C * R * S, M), np.float32)  # each tap's M filters side by side
-    device.launch("conv_filters", *_grid(w.size), w.shape[0], w.shape[1], R * S, int(turned),
+    filters = _like(w, (C * 9, M), np.float32)  # each tap's M filters side by side
+    device.launch("conv_filters", *_grid(w.size), w.shape[0], w.shape[1], 9, int(turned),
                   w.data, filters.data)
     device.launch("conv_direct" + suffix, (N * tiles * threads, _ceil_div(M, rows)),
                   (threads, 1), M, C, chunk, tiles, int(bias is not None), halo_rows,
                   halo_width, filters.data, x.data, None if bias is None else bias.data,
-                  out.data, cl.LocalMemory(4 * rows * chunk * R * S),
+                  out.data, cl.LocalMemory(4 * rows * chunk * 9),
                   cl.LocalMemory(4 * chunk * halo_rows * halo_width), *window,
                   half=x.dtype == np.float16)
     return True
@@ -3960,9 +3971,9 @@ def conv2d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
     if tensor_cores:  # (im2col rounds a float32 x as it copies it)
         X = X if X.dtype in (np.float16, np.float32) else _half_operand(X)
         weight_rows = _half_weight(w).reshape((K, group_taps))
-    # GPUs' implicit GEMMs (_conv_gemm): not on tensor cores, one group, x in the storage of
-    # the output (the build they run in), float32 weights, and per product the layout
-    # _CONV_BLOCKS's comment gives
+    # GPUs' implicit GEMMs (_conv_gemm) and direct convolutions (_conv_direct): not on
+    # tensor cores, one group, x in the storage of the output (the build they run in),
+    # float32 weights, and per product the layout _CONV_BLOCKS's comment gives
     implicit = (X.device.backend == "opencl" and X.device.gemm == "tiled" and G == 1 and
                 not tensor_cores and X.dtype == (np.float16 if half else np.float32) and
                 weight.dtype == np.float32 and 0 < N <= _MAX_GRID_BATCH)
@@ -3987,8 +3998,8 @@ def conv2d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
             if y is not out:
                 cl.enqueue_copy(X.device.queue, out.data, y.data, dst_offset=n0 * y.nbytes // nb,
                                 byte_count=y.nbytes)
-    elif out.size and implicit and _conv_direct(weight, X, out, window, bias=(
-            None if bias is None else _float32(bias))):
+    elif out.size and implicit and _direct_window(window) and _conv_direct(
+            weight, X, out, window, bias=None if bias is None else _float32(bias)):
         pass
     elif out.size and implicit and group_taps % 4 == 0:  # side by side where L allows
         _conv_gemm("conv_fwd", weight_rows, X, out,
@@ -4061,16 +4072,13 @@ def conv2d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
                 grad_w = _fill(weight.shape, 0.0, weight)
         elif G == 1:
             explicit_w = w.requires_grad
-            # dx at stride 1 (padding within the window's span): the convolution of g by the
-            # filters turned half a turn, padded by the rest of the span
-            if (grad_x is not None and implicit and g.dtype == grad_x.dtype == X.dtype and
-                    SH == SW == 1 and PH <= DH * (R - 1) and PW <= DW * (S - 1) and
-                    _conv_direct(weight, g, grad_x, (OH, OW, R, S, 1, 1, DH * (R - 1) - PH,
-                                                     DW * (S - 1) - PW, DH, DW, H, W),
-                                 turned=True)):
-                grad_x_done = True
-            else:
-                grad_x_done = False
+            # dx of a direct convolution (padding within the window's span): the convolution
+            # of g by the filters turned half a turn, padded by the rest of the span
+            grad_x_done = (grad_x is not None and implicit and _direct_window(window) and
+                           g.dtype == grad_x.dtype == X.dtype and PH <= 2 and PW <= 2 and
+                           _conv_direct(weight, g, grad_x,
+                                        (OH, OW, 3, 3, 1, 1, 2 - PH, 2 - PW, 1, 1, H, W),
+                                        turned=True))
             if implicit and g.dtype == X.dtype and w.requires_grad and L % 4 == 0:
                 # dw = g cols^T over every sample's pixels (g and x read in one build), and
                 # the bias gradient in the same product
