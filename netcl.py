@@ -3849,6 +3849,8 @@ def _conv_direct(w, x, out, window, turned=False, bias=None):
     H, W, R, S, SH, SW, PH, PW, DH, DW, OH, OW = window
     (N, M), C = out.shape[:2], x.shape[1]
     device = x.device
+    if not out.size:  # nothing to write (no launch: a grid of 0 work-items is an error
+        return True   # before OpenCL 2.1)
     plan = _direct_plan(M, C, window, min(device.cl_device.local_mem_size, _DIRECT_LOCAL_BYTES))
     if plan is None:
         return False
@@ -3857,8 +3859,9 @@ def _conv_direct(w, x, out, window, turned=False, bias=None):
     if N * tiles * threads >= 2 ** 31:
         return False
     filters = _like(w, (C * 9, M), np.float32)  # each tap's M filters side by side
-    device.launch("conv_filters", *_grid(w.size), w.shape[0], w.shape[1], 9, int(turned),
-                  w.data, filters.data)
+    if w.size:
+        device.launch("conv_filters", *_grid(w.size), w.shape[0], w.shape[1], 9, int(turned),
+                      w.data, filters.data)
     device.launch("conv_direct" + suffix, (N * tiles * threads, _ceil_div(M, rows)),
                   (threads, 1), M, C, chunk, tiles, int(bias is not None), halo_rows,
                   halo_width, filters.data, x.data, None if bias is None else bias.data,

@@ -2798,6 +2798,28 @@ def test_conv2d_weight_gradient_with_a_frozen_bias(opencl, monkeypatch, gemm):
     assert launched.count("conv_wgrad_64x64" if gemm == "tiled" else "im2col_panels_t") == 1
 
 
+@pytest.mark.parametrize("shapes", [((0, 3, 6, 6), (5, 3, 3, 3)), ((2, 0, 6, 6), (5, 0, 3, 3))])
+def test_gpu_conv2d_of_empty_operands_launches_no_empty_grid(opencl, monkeypatch, shapes):
+    """An empty batch or no input channels on a GPU's conv2d (3x3 at stride 1: the direct
+    convolutions' window): the NumPy backend's output and gradients (the bias alone, or
+    nothing), and no launch with a grid of 0 work-items, an error before OpenCL 2.1."""
+    monkeypatch.setattr(opencl, "gemm", "tiled")
+    launched = []
+    launch = opencl.launch
+    monkeypatch.setattr(opencl, "launch", lambda name, grid, *args, **kwargs: (
+        launched.append((name, grid)), launch(name, grid, *args, **kwargs)))
+    x_shape, w_shape = shapes
+    arrays = [np.ones(s, np.float32) for s in (x_shape, w_shape, w_shape[:1])]
+    op = lambda x, w, b: F.conv2d(x, w, b, padding=1)
+    g = np.ones((x_shape[0], w_shape[0]) + x_shape[2:], np.float32)
+    want_out, want_grads = run_op(op, arrays, g, netcl.manager.default("cpu"))
+    got_out, got_grads = run_op(op, arrays, g, opencl)
+    np.testing.assert_array_equal(got_out, want_out)
+    for got, want in zip(got_grads, want_grads):
+        np.testing.assert_array_equal(got, want)
+    assert [name for name, grid in launched if 0 in grid] == []
+
+
 @pytest.mark.parametrize("gemm", ["tiled", "packed"])
 def test_conv2d_of_a_float16_weight_with_a_bias(opencl, monkeypatch, gemm):
     """A float16 weight (float16 storage, outside autocast) takes the products on im2col's
