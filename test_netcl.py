@@ -2661,7 +2661,7 @@ def test_gpu_gemm_picks_its_kernel_by_shape(opencl, monkeypatch, m, k, n, trans_
     assert len(sums) == (splits > 1)  # the partial products' sum
 
 
-def test_gpu_conv2d_gathers_its_columns_in_the_products(opencl, monkeypatch):
+def test_gpu_conv2d_stores_no_columns(opencl, monkeypatch):
     """On a GPU of 132 compute units, the benchmark's conv2d (64, 32, 28, 28) with 64 3x3
     filters: the forward and the input gradient are direct convolutions (kernels.cl:
     conv_direct_*, the second by the turned filters), each after one launch that lays out
