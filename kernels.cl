@@ -2005,7 +2005,7 @@ void NAME(const int M, const int C, const int CK, const int tiles, const int has
     float acc[TM][TN];                                                                          \
     _Pragma("unroll") for (int i = 0; i < TM; ++i)                                              \
         _Pragma("unroll") for (int j = 0; j < TN; ++j) acc[i][j] = 0.0f;                        \
-    x += n * C * H * W;                                                                         \
+    x += (size_t)n * C * H * W;  /* size_t: a batch may pass 2^31 elements */                   \
     for (int c0 = 0; c0 < C; c0 += CK) {                                                        \
         const int ck = min(CK, C - c0);                                                         \
         for (int e = tid; e < ck * 9 * (BM / 4); e += THREADS) {                                \
@@ -2046,7 +2046,7 @@ void NAME(const int M, const int C, const int CK, const int tiles, const int has
         const float b = has_bias ? bias[m] : 0.0f;                                              \
         _Pragma("unroll") for (int j = 0; j < TN; ++j) {                                        \
             const int p = p0 + lane + j * LANES;                                                \
-            if (p < L) STORE(out, (n * M + m) * L + p, acc[i][j] + b);                          \
+            if (p < L) STORE(out, ((size_t)n * M + m) * L + p, acc[i][j] + b);                  \
         }                                                                                       \
     }                                                                                           \
 }
