@@ -1177,16 +1177,23 @@ def _add_into(dst, src, alpha=1.0):
         dst.device.launch("accumulate", *_grid(src.size), src.size, alpha, dst.data, src.data)
 
 
-def _accumulate_grad(leaf, grad):
+class _Owned(tuple):
+    """An op's gradients, as its backward returns them, that it allocated for this call and
+    keeps no reference to: the Tape stores such a gradient as a leaf's first without a copy
+    (PyTorch's AccumulateGrad likewise takes a gradient that nothing else holds)."""
+
+
+def _accumulate_grad(leaf, grad, owned=False):
     """PyTorch semantics: the first gradient is stored, later ones are added in place. The
-    first is copied, so no two leaves ever share (and later mutate) one buffer; into the
-    leaf's `_grad_slot` when an optimizer gave it one (Adam's flat gradient buffer). A
+    first is copied, so no two leaves ever share (and later mutate) one buffer, unless the
+    op owned it (_Owned); into the leaf's `_grad_slot` when an optimizer gave it one (Adam's
+    flat gradient buffer). A
     parameter's gradients are float32; a float16 leaf's may come in float16 storage, and
     those are summed into a new tensor (float32 where the two storages differ), as
     `accumulate` adds float32 in place only."""
     if leaf.grad is None:
         slot = getattr(leaf, "_grad_slot", None)
-        leaf.grad = grad if grad is slot else _copy(grad, out=slot)
+        leaf.grad = grad if grad is slot or owned and slot is None else _copy(grad, out=slot)
     elif leaf.grad.dtype != grad.dtype or grad.dtype == np.float16:
         leaf.grad = _add_tensors(leaf.grad, grad)
     else:
@@ -1272,10 +1279,12 @@ class Tape:
                 if g is not None:
                     if (g.dtype == np.float16) is not op.half_grad:  # the storage it reads
                         g = _cast(g, np.float16) if op.half_grad else _float32(g)
-                    for parent, parent_grad in zip(op.parents, op.backward(g)):
+                    parent_grads = op.backward(g)
+                    owned = type(parent_grads) is _Owned
+                    for parent, parent_grad in zip(op.parents, parent_grads):
                         if type(parent) is not _Op:  # a leaf, or a constant
                             if parent_grad is not None and parent.requires_grad:
-                                _accumulate_grad(parent, parent_grad)
+                                _accumulate_grad(parent, parent_grad, owned)
                         elif parent.backward is _FREED:  # a constant, unless this Tape recorded it
                             recorded = recorded or {id(o) for o in ops}
                             if id(parent) in recorded:
@@ -4145,7 +4154,7 @@ def conv2d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
         if ones and grad_b is None:  # sum over OH*OW, then N
             per_image = _sum_axis_tensor(g, N * K, L, 1)
             grad_b = _sum_axis_tensor(per_image, 1, N, K).reshape((K,))
-        return (grad_x, grad_w) + ((grad_b,) if b is not None else ())
+        return _Owned((grad_x, grad_w) + ((grad_b,) if b is not None else ()))
     return _record(out, (x, w) + ((b,) if b is not None else ()), backward, half_grad=True)
 
 

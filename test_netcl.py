@@ -822,6 +822,45 @@ def test_mixing_devices_raises(cpu, opencl):
         F.matmul(b, param(np.ones((3, 2), np.float32), cpu))
 
 
+def test_first_gradients_are_copies_unless_the_op_owns_them(backend, monkeypatch):
+    """A leaf's first gradient is stored, later ones are added in place (PyTorch). It is
+    stored as a copy where an op's backward may hand one buffer to two parents (add gives
+    both its gradient), so no two leaves share one and adding into one leaves the other as
+    it was; conv2d's gradients are new tensors of its own (_Owned), stored without a copy,
+    and later gradients are added into them."""
+    copies = []
+    copy = netcl._copy
+    monkeypatch.setattr(netcl, "_copy", lambda *args, **kwargs: (
+        copies.append(1), copy(*args, **kwargs))[1])
+    rng = np.random.default_rng(0)
+    a, b = (param(rng.standard_normal((2, 3)).astype(np.float32), backend) for _ in range(2))
+    g = rng.standard_normal((2, 3)).astype(np.float32)
+    with netcl.Tape() as tape:
+        out = a + b
+    tape.backward(out, grad=g)
+    assert len(copies) == 2 and not _shares_buffer(a.grad, b.grad, backend)
+    with netcl.Tape() as tape:
+        out = a * 3.0
+    tape.backward(out, grad=g)
+    np.testing.assert_allclose(host(a.grad), 4 * g, rtol=1e-6)
+    np.testing.assert_array_equal(host(b.grad), g)
+
+    arrays = [rng.standard_normal(shape).astype(np.float32)
+              for shape in ((2, 3, 5, 5), (4, 3, 3, 3), (4,))]
+    leaves = [param(array, backend) for array in arrays]
+    seed = rng.standard_normal((2, 4, 5, 5)).astype(np.float32)
+    copies.clear()
+    firsts = []
+    for _ in range(2):
+        with netcl.Tape() as tape:
+            out = F.conv2d(*leaves, padding=1)
+        tape.backward(out, grad=seed)
+        firsts = firsts or [host(p.grad) for p in leaves]
+    assert copies == []
+    for p, first in zip(leaves, firsts):
+        np.testing.assert_allclose(host(p.grad), 2 * first, rtol=1e-5, atol=1e-5)
+
+
 # --- nested Tapes and threads
 
 def test_nested_tapes_outer_backward_runs_through_the_inner_tape(backend):
