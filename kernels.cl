@@ -2050,20 +2050,20 @@ void NAME(const int M, const int C, const int CK, const int tiles, const int has
         }                                                                                       \
     }                                                                                           \
 }
-CONV_DIRECT(conv_direct_64x64, 64, 64, 8, 4)
+CONV_DIRECT(conv_direct_64x128, 64, 128, 8, 8)
 CONV_DIRECT(conv_direct_32x128, 32, 128, 4, 8)
 
-// conv2d's filters w (K, C, R, S) as conv_direct reads them: (C*R*S, K), each tap's K
-// filters side by side (turned = 0); or, for the input gradient, turned half a turn in
-// (r, s) with the roles of K and C swapped, (K*R*S, C): out[(k*RS + RS-1-t) * C + c] =
-// w[k, c, t] (turned = 1).
-__kernel void conv_filters(const int K, const int C, const int RS, const int turned,
-                           __global const float* w, __global float* out) {
+// conv2d's filters w (K, C, R, S) as conv_direct reads them, in one pass into either or
+// both (a null pointer skips one): forward (C*R*S, K), each tap's K filters side by side;
+// turned, for the input gradient, the filters turned half a turn in (r, s) with the roles
+// of K and C swapped, (K*R*S, C): turned[(k*RS + RS-1-t) * C + c] = w[k, c, t].
+__kernel void conv_filters(const int K, const int C, const int RS, __global const float* w,
+                           __global float* forward, __global float* turned) {
     const int i = get_global_id(0);  // the element (k, c, t) of w
     if (i >= K * C * RS) return;
     const int k = i / (C * RS), c = (i - k * C * RS) / RS, t = i - (k * C + c) * RS;
-    if (turned) out[(k * RS + RS - 1 - t) * C + c] = w[i];
-    else out[(c * RS + t) * K + k] = w[i];
+    if (forward) forward[(c * RS + t) * K + k] = w[i];
+    if (turned) turned[(k * RS + RS - 1 - t) * C + c] = w[i];
 }
 
 // x (A, B, L) from element x_offset -> out (B, A, L) from element out_offset, + bias (A) when

@@ -3815,12 +3815,13 @@ def _conv_gemm(kernel, a, x, out, dims, window, bias=None, bias_grad=None):
 # conv2d's 3x3 convolutions at stride 1 on GPUs, the forward and the input gradient, are
 # direct convolutions (kernels.cl: conv_direct_*). On an H100 the benchmark's forward took
 # 76 µs against the implicit GEMM's 79, its input gradient 86 against 123 for the product
-# and col2im, plus 9 µs per launch of conv_filters; with the taps' loops not unrolled (any
-# window) they took 100 and 131, so other windows keep the GEMMs. Per count of output rows,
-# the block (rows, pixels, work-items); the input channels a chunk copies into local memory
-# at most (16 ran slower: the forward 112 µs against 100, both with loops over any window);
-# the local memory a work-group may take.
-_DIRECT_BLOCKS = {64: (64, 64, 128), 32: (32, 128, 128)}
+# and col2im, plus 9 µs per launch of conv_filters (one launch now lays out both); with the
+# taps' loops not unrolled (any window) they took 100 and 131, so other windows keep the
+# GEMMs. Per count of output rows, the block (rows, pixels, work-items): 64 rows by 128
+# pixels took the forward 72 µs against 79 for 64 by 64. The input channels a chunk copies
+# into local memory at most (4 ran slower, 12 no faster; 16, with loops over any window,
+# 112 µs against 100); the local memory a work-group may take.
+_DIRECT_BLOCKS = {64: (64, 128, 128), 32: (32, 128, 128)}
 _DIRECT_CHANNELS = 8
 _DIRECT_LOCAL_BYTES = 32 * 1024
 
@@ -3849,35 +3850,48 @@ def _direct_plan(M, C, window, local_bytes):
     return f"_{rows}x{pixels}", rows, pixels, threads, chunk, halo_rows, halo_width
 
 
-def _conv_direct(w, x, out, window, turned=False, bias=None):
-    """out (N, M, OH, OW) = the convolution of x (N, C, H, W) by the float32 3x3 filters w
-    at stride 1 (kernels.cl: conv_direct_*) [+ bias (M,)]: w (M, C, 3, 3) as it is, or with
-    turned, w (C, M, 3, 3) turned half a turn, the input gradient's filters. x and out in
-    one storage (the build that runs). False, and nothing done, where the plan does not fit
-    (_direct_plan) or the grid would pass 2**31 work-items."""
+def _direct_fits(device, N, M, C, window):
+    """conv_direct's plan (_direct_plan) for N samples of M output rows over C input
+    channels on device; None where it does not fit, or its grid would pass 2**31
+    work-items."""
+    plan = _direct_plan(M, C, window, min(device.cl_device.local_mem_size, _DIRECT_LOCAL_BYTES))
+    if plan is None or N * _ceil_div(window[-2] * window[-1], plan[2]) * plan[3] >= 2 ** 31:
+        return None
+    return plan
+
+
+def _direct_filters(w, forward, turned):
+    """The float32 3x3 filters w (K, C, 3, 3) as conv_direct reads them, both layouts in one
+    launch (kernels.cl: conv_filters): (the forward's (C*9, K), the input gradient's turned
+    (K*9, C)), None for one not asked for."""
+    K, C = w.shape[:2]
+    forward = _like(w, (C * 9, K), np.float32) if forward else None
+    turned = _like(w, (K * 9, C), np.float32) if turned else None
+    if w.size:
+        w.device.launch("conv_filters", *_grid(w.size), K, C, 9, w.data,
+                        None if forward is None else forward.data,
+                        None if turned is None else turned.data)
+    return forward, turned
+
+
+def _conv_direct(filters, x, out, window, bias=None):
+    """out (N, M, OH, OW) = the convolution of x (N, C, H, W) by 3x3 filters at stride 1
+    (kernels.cl: conv_direct_*) [+ bias (M,)], the filters laid out (C*9, M) by
+    _direct_filters: the forward's, or the input gradient's turned ones. x and out in one
+    storage (the build that runs). Only where _direct_fits gives a plan."""
     H, W, R, S, SH, SW, PH, PW, DH, DW, OH, OW = window
     (N, M), C = out.shape[:2], x.shape[1]
-    device = x.device
     if not out.size:  # nothing to write (no launch: a grid of 0 work-items is an error
-        return True   # before OpenCL 2.1)
-    plan = _direct_plan(M, C, window, min(device.cl_device.local_mem_size, _DIRECT_LOCAL_BYTES))
-    if plan is None:
-        return False
-    suffix, rows, pixels, threads, chunk, halo_rows, halo_width = plan
+        return        # before OpenCL 2.1)
+    suffix, rows, pixels, threads, chunk, halo_rows, halo_width = _direct_fits(
+        x.device, N, M, C, window)
     tiles = _ceil_div(OH * OW, pixels)
-    if N * tiles * threads >= 2 ** 31:
-        return False
-    filters = _like(w, (C * 9, M), np.float32)  # each tap's M filters side by side
-    if w.size:
-        device.launch("conv_filters", *_grid(w.size), w.shape[0], w.shape[1], 9, int(turned),
-                      w.data, filters.data)
-    device.launch("conv_direct" + suffix, (N * tiles * threads, _ceil_div(M, rows)),
+    x.device.launch("conv_direct" + suffix, (N * tiles * threads, _ceil_div(M, rows)),
                   (threads, 1), M, C, chunk, tiles, int(bias is not None), halo_rows,
                   halo_width, filters.data, x.data, None if bias is None else bias.data,
                   out.data, cl.LocalMemory(4 * rows * chunk * 9),
                   cl.LocalMemory(4 * chunk * halo_rows * halo_width), *window,
                   half=x.dtype == np.float16)
-    return True
 
 
 def _part_bias_column(products, splits, taps, dw=None, db=None):
@@ -3980,6 +3994,7 @@ def conv2d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
     chunks = [(n0, min(per_chunk, N - n0)) for n0 in range(0, N, per_chunk)]
 
     half = _half_activations(X.device)
+    turned_filters = None  # the direct input gradient's, where the forward lays them out
     tensor_cores = half and X.device.tensor_cores  # float16 operands, as in linear
     if tensor_cores:  # (im2col rounds a float32 x as it copies it)
         X = X if X.dtype in (np.float16, np.float32) else _half_operand(X)
@@ -4011,9 +4026,13 @@ def conv2d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
             if y is not out:
                 cl.enqueue_copy(X.device.queue, out.data, y.data, dst_offset=n0 * y.nbytes // nb,
                                 byte_count=y.nbytes)
-    elif out.size and implicit and _direct_window(window) and _conv_direct(
-            weight, X, out, window, bias=None if bias is None else _float32(bias)):
-        pass
+    elif out.size and implicit and _direct_window(window) and _direct_fits(X.device, N, K, C,
+                                                                          window):
+        # the input gradient's filters in the same launch, where a backward will want them
+        recorded = bool(_state.tapes) and _state.grad_enabled[-1] and x.requires_grad
+        filters, turned_filters = _direct_filters(weight, True,
+                                                  recorded and PH <= 2 and PW <= 2)
+        _conv_direct(filters, X, out, window, None if bias is None else _float32(bias))
     elif out.size and implicit and group_taps % 4 == 0:  # side by side where L allows
         _conv_gemm("conv_fwd", weight_rows, X, out,
                    (1, K, group_taps, N * L) if L % 4 == 0 else (N, K, group_taps, L), window,
@@ -4087,11 +4106,15 @@ def conv2d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
             explicit_w = w.requires_grad
             # dx of a direct convolution (padding within the window's span): the convolution
             # of g by the filters turned half a turn, padded by the rest of the span
+            turned_window = (OH, OW, 3, 3, 1, 1, 2 - PH, 2 - PW, 1, 1, H, W)
             grad_x_done = (grad_x is not None and implicit and _direct_window(window) and
                            g.dtype == grad_x.dtype == X.dtype and PH <= 2 and PW <= 2 and
-                           _conv_direct(weight, g, grad_x,
-                                        (OH, OW, 3, 3, 1, 1, 2 - PH, 2 - PW, 1, 1, H, W),
-                                        turned=True))
+                           _direct_fits(g.device, N, C, K, turned_window) is not None)
+            if grad_x_done:
+                filters = turned_filters  # laid out by the forward, where it could tell
+                if filters is None:
+                    filters = _direct_filters(weight, False, True)[1]
+                _conv_direct(filters, g, grad_x, turned_window)
             if implicit and g.dtype == X.dtype and w.requires_grad and L % 4 == 0:
                 # dw = g cols^T over every sample's pixels (g and x read in one build), and
                 # the bias gradient in the same product

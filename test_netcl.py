@@ -2703,8 +2703,8 @@ def test_gpu_gemm_picks_its_kernel_by_shape(opencl, monkeypatch, m, k, n, trans_
 def test_gpu_conv2d_stores_no_columns(opencl, monkeypatch):
     """On a GPU of 132 compute units, the benchmark's conv2d (64, 32, 28, 28) with 64 3x3
     filters: the forward and the input gradient are direct convolutions (kernels.cl:
-    conv_direct_*, the second by the turned filters), each after one launch that lays out
-    the filters, and the weight gradient an implicit GEMM (conv_wgrad_*) over every sample's
+    conv_direct_*, the second by the turned filters), after one launch that lays out the
+    filters for both, and the weight gradient an implicit GEMM (conv_wgrad_*) over every sample's
     pixels, its long K split over the grid, then summed, with the bias gradient as one more
     column of it (no sum of its own). No columns are stored: im2col, col2im and the
     transposing kernels never run. The launches are recorded, not run."""
@@ -2718,14 +2718,14 @@ def test_gpu_conv2d_stores_no_columns(opencl, monkeypatch):
     with netcl.Tape() as tape:
         out = F.conv2d(x, w, b, padding=1)
     tape.backward(out, grad=netcl.Tensor.empty(out.shape, queue=opencl.queue))
-    # the forward: 64 samples of 13 blocks of 64 pixels, one block of 64 filters; the input
+    # the forward: 64 samples of 7 blocks of 128 pixels, one block of 64 filters; the input
     # gradient: 7 blocks of 128 pixels per sample, one block of its 32 rows; the weight
     # gradient's K, 64 * 784 pixels, in 105 chunks of 480 (_conv_plan)
-    filters = ("conv_filters", (64 * 32 * 9,))
-    assert launched[:4] == [filters, ("conv_direct_64x64", (64 * 13 * 128, 1)),
-                            filters, ("conv_direct_32x128", (64 * 7 * 128, 1))]
-    assert [name for name, _ in launched[4:]] == ["conv_wgrad_64x64", "conv_wgrad_sum"]
-    assert launched[4][1][2] == 105
+    assert launched[:3] == [("conv_filters", (64 * 32 * 9,)),
+                            ("conv_direct_64x128", (64 * 7 * 128, 1)),
+                            ("conv_direct_32x128", (64 * 7 * 128, 1))]
+    assert [name for name, _ in launched[3:]] == ["conv_wgrad_64x64", "conv_wgrad_sum"]
+    assert launched[3][1][2] == 105
 
 
 IM2COL_BYTES = netcl._IM2COL_BYTES
@@ -2794,7 +2794,7 @@ def test_gpu_implicit_conv2d_matches_numpy(opencl, monkeypatch, data):
     direct_x = direct and max(padding) <= 2
     forward = ["conv_direct"] if direct else ["conv_fwd"] * (C * R * S % 4 == 0)
     assert conv == forward + ["conv_direct"] * direct_x + ["conv_wgrad"] * (OH * OW % 4 == 0)
-    assert launched.count("conv_filters") == direct + direct_x
+    assert launched.count("conv_filters") == direct  # the forward lays out both layouts
     assert launched.count("col2im") == (not direct_x) * chunks
     assert launched.count("im2col") == ((not direct and C * R * S % 4 != 0)
                                         + (OH * OW % 4 != 0)) * chunks
@@ -2857,6 +2857,33 @@ def test_gpu_conv2d_of_empty_operands_launches_no_empty_grid(opencl, monkeypatch
     for got, want in zip(got_grads, want_grads):
         np.testing.assert_array_equal(got, want)
     assert [name for name, grid in launched if 0 in grid] == []
+
+
+def test_gpu_direct_input_gradient_lays_out_its_own_filters(opencl, monkeypatch):
+    """Where the forward's direct convolution does not fit in local memory (64 filters by
+    a halo) but the input gradient's does (3 rows), the forward is an implicit GEMM and the
+    backward lays out the turned filters itself (conv_filters, one launch) for its direct
+    convolution: the NumPy backend's output and gradients."""
+    monkeypatch.setattr(opencl, "gemm", "tiled")
+    # 8x8 pixels at padding 1: a 10x10 halo; per channel the forward's block takes
+    # 4 * (64*9 + 100) bytes, the input gradient's 4 * (32*9 + 100)
+    monkeypatch.setattr(netcl, "_DIRECT_LOCAL_BYTES", 2000)
+    monkeypatch.setattr(netcl, "_direct_plan", functools.lru_cache(netcl._direct_plan.__wrapped__))
+    launched = []
+    launch = opencl.launch
+    monkeypatch.setattr(opencl, "launch", lambda name, *args, **kwargs: (
+        launched.append(name), launch(name, *args, **kwargs)))
+    rng = np.random.default_rng(5)
+    arrays = [rng.standard_normal(s).astype(np.float32) for s in ((2, 3, 8, 8), (64, 3, 3, 3))]
+    g = rng.standard_normal((2, 64, 8, 8)).astype(np.float32)
+    op = lambda x, w: F.conv2d(x, w, padding=1)
+    want_out, want_grads = run_op(op, arrays, g, netcl.manager.default("cpu"))
+    got_out, got_grads = run_op(op, arrays, g, opencl)
+    np.testing.assert_allclose(got_out, want_out, rtol=1e-4, atol=1e-4)
+    for got, want in zip(got_grads, want_grads):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    assert [name for name in launched if name.startswith("conv_")
+            and not name.startswith("conv_wgrad")] == ["conv_filters", "conv_direct_32x128"]
 
 
 @pytest.mark.parametrize("gemm", ["tiled", "packed"])
