@@ -1187,10 +1187,9 @@ def _accumulate_grad(leaf, grad, owned=False):
     """PyTorch semantics: the first gradient is stored, later ones are added in place. The
     first is copied, so no two leaves ever share (and later mutate) one buffer, unless the
     op owned it (_Owned); into the leaf's `_grad_slot` when an optimizer gave it one (Adam's
-    flat gradient buffer). A
-    parameter's gradients are float32; a float16 leaf's may come in float16 storage, and
-    those are summed into a new tensor (float32 where the two storages differ), as
-    `accumulate` adds float32 in place only."""
+    flat gradient buffer). A parameter's gradients are float32; a float16 leaf's may come
+    in float16 storage, and those are summed into a new tensor (float32 where the two
+    storages differ), as `accumulate` adds float32 in place only."""
     if leaf.grad is None:
         slot = getattr(leaf, "_grad_slot", None)
         leaf.grad = grad if grad is slot or owned and slot is None else _copy(grad, out=slot)
