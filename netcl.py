@@ -3886,11 +3886,11 @@ def _conv_direct(filters, x, out, window, bias=None):
         x.device, N, M, C, window)
     tiles = _ceil_div(OH * OW, pixels)
     x.device.launch("conv_direct" + suffix, (N * tiles * threads, _ceil_div(M, rows)),
-                  (threads, 1), M, C, chunk, tiles, int(bias is not None), halo_rows,
-                  halo_width, filters.data, x.data, None if bias is None else bias.data,
-                  out.data, cl.LocalMemory(4 * rows * chunk * 9),
-                  cl.LocalMemory(4 * chunk * halo_rows * halo_width), *window,
-                  half=x.dtype == np.float16)
+                    (threads, 1), M, C, chunk, tiles, int(bias is not None), halo_rows,
+                    halo_width, filters.data, x.data, None if bias is None else bias.data,
+                    out.data, cl.LocalMemory(4 * rows * chunk * 9),
+                    cl.LocalMemory(4 * chunk * halo_rows * halo_width), *window,
+                    half=x.dtype == np.float16)
 
 
 def _part_bias_column(products, splits, taps, dw=None, db=None):
