@@ -1979,21 +1979,16 @@ __kernel void conv_wgrad_sum(const int splits, const int K, const int taps, cons
 // GEMM (conv_fwd above) gathers it once for each of the 9 taps that see it, with the
 // divisions that place it; and the taps' loops unroll, so a tap's place in the halo is a
 // constant. The input gradient of such a convolution is another one: g convolved with the
-// filters turned half a turn, with the roles of their two first axes swapped (turned),
-// padded by 2 - PH and 2 - PW.
-// The filters are read where they are, (M, C, 3, 3), or turned, (C, M, 3, 3) taken at
-// tap 8 - t: either way each filter's (or channel's) part of a chunk is one run of them,
-// read in order, and written into ws across: ws holds the chunk's taps as rows of BM
-// filters (float4s of four), pitch BM + 4 floats apart, so that a warp's writes down a
-// run fall on 8 banks, not one. halo holds the chunk's CK planes of halo_rows x halo_width
-// values. Work-item (lane, mg) computes rows 4 mg .. 4 mg + 3 of each 4 * BM / TM and
-// pixels p0 + lane + j * BN / TN, so that a warp's lanes read neighbouring halo values. In
-// the build of x's and out's storage (act_t); the sums are float32.
+// filters turned half a turn (conv_filters), padded by 2 - PH and 2 - PW.
+// wt (C*9, M) holds each tap's filters side by side (conv_filters), ws its chunk as float4s
+// of four filters, halo the chunk's CK planes of halo_rows x halo_width values. Work-item
+// (lane, mg) computes rows 4 mg .. 4 mg + 3 of each 4 * BM / TM and pixels
+// p0 + lane + j * BN / TN, so that a warp's lanes read neighbouring halo values. In the build
+// of x's and out's storage (act_t); the sums are float32.
 #define CONV_DIRECT(NAME, BM, BN, TM, TN)                                                      \
 __kernel __attribute__((reqd_work_group_size((BM / TM) * (BN / TN), 1, 1)))                     \
 void NAME(const int M, const int C, const int CK, const int tiles, const int has_bias,          \
-          const int turned, const int halo_rows, const int halo_width,                         \
-          __global const float* filters,                                                        \
+          const int halo_rows, const int halo_width, __global const float* wt,                  \
           __global const act_t* x, __global const float* bias, __global act_t* out,            \
           __local float4* ws, __local float* halo, WINDOW_ARGS) {                               \
     const int THREADS = (BM / TM) * (BN / TN), LANES = BN / TN;                                 \
@@ -2013,20 +2008,11 @@ void NAME(const int M, const int C, const int CK, const int tiles, const int has
     x += (size_t)n * C * H * W;  /* size_t: a batch may pass 2^31 elements */                   \
     for (int c0 = 0; c0 < C; c0 += CK) {                                                        \
         const int ck = min(CK, C - c0);                                                         \
-        for (int e = tid; e < BM * ck * 9; e += THREADS) {                                      \
-            int m, q;  /* the block's filter; the chunk's channel and tap as c * 9 + t */    \
-            size_t from;                                                                        \
-            if (turned) {  /* channel c's run: the block's filters, each its 9 taps */          \
-                const int c = e / (BM * 9), mt = e - c * (BM * 9);                              \
-                m = mt / 9;                                                                     \
-                q = c * 9 + 8 - (mt - m * 9);                                                   \
-                from = ((size_t)(c0 + c) * M + m0) * 9 + mt;                                    \
-            } else {  /* filter m's run: the chunk's channels, each its 9 taps */               \
-                m = e / (ck * 9);                                                               \
-                q = e - m * (ck * 9);                                                           \
-                from = ((size_t)(m0 + m) * C + c0) * 9 + q;                                     \
-            }                                                                                   \
-            ((__local float*)ws)[q * (BM + 4) + m] = m0 + m < M ? filters[from] : 0.0f;         \
+        for (int e = tid; e < ck * 9 * (BM / 4); e += THREADS) {                                \
+            const int t = e / (BM / 4), m = m0 + (e - t * (BM / 4)) * 4;                        \
+            __global const float* src = wt + (c0 * 9 + t) * M + m;                              \
+            ws[e] = (float4)(m < M ? src[0] : 0.0f, m + 1 < M ? src[1] : 0.0f,                  \
+                             m + 2 < M ? src[2] : 0.0f, m + 3 < M ? src[3] : 0.0f);             \
         }                                                                                       \
         for (int e = tid; e < plane; e += THREADS) {  /* one place, every channel's value */    \
             const int hr = e / halo_width, h = row0 + hr, w = e - hr * halo_width - PW;         \
@@ -2040,7 +2026,7 @@ void NAME(const int M, const int C, const int CK, const int tiles, const int has
             _Pragma("unroll") for (int r = 0; r < 3; ++r)                                       \
                 _Pragma("unroll") for (int s = 0; s < 3; ++s) {                                 \
                     __local const float* in = halo + c * plane + r * halo_width + s;            \
-                    __local const float4* a4 = ws + ((c * 3 + r) * 3 + s) * (BM / 4 + 1) + mg;  \
+                    __local const float4* a4 = ws + ((c * 3 + r) * 3 + s) * (BM / 4) + mg;      \
                     float a[TM], b[TN];                                                         \
                     _Pragma("unroll") for (int h = 0; h < TM / 4; ++h) {                        \
                         const float4 v = a4[h * (BM / TM)];                                     \
@@ -2066,6 +2052,19 @@ void NAME(const int M, const int C, const int CK, const int tiles, const int has
 }
 CONV_DIRECT(conv_direct_64x128, 64, 128, 8, 8)
 CONV_DIRECT(conv_direct_32x128, 32, 128, 4, 8)
+
+// conv2d's filters w (K, C, R, S) as conv_direct reads them, in one pass into either or
+// both (a null pointer skips one): forward (C*R*S, K), each tap's K filters side by side;
+// turned, for the input gradient, the filters turned half a turn in (r, s) with the roles
+// of K and C swapped, (K*R*S, C): turned[(k*RS + RS-1-t) * C + c] = w[k, c, t].
+__kernel void conv_filters(const int K, const int C, const int RS, __global const float* w,
+                           __global float* forward, __global float* turned) {
+    const int i = get_global_id(0);  // the element (k, c, t) of w
+    if (i >= K * C * RS) return;
+    const int k = i / (C * RS), c = (i - k * C * RS) / RS, t = i - (k * C + c) * RS;
+    if (forward) forward[(c * RS + t) * K + k] = w[i];
+    if (turned) turned[(k * RS + RS - 1 - t) * C + c] = w[i];
+}
 
 // x (A, B, L) from element x_offset -> out (B, A, L) from element out_offset, + bias (A) when
 // has_bias: conv2d's GEMM output (K, N, OH*OW) into NCHW (swap_axes01: x float, out act_t,

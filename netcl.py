@@ -3814,8 +3814,7 @@ def _conv_gemm(kernel, a, x, out, dims, window, bias=None, bias_grad=None):
 # conv2d's 3x3 convolutions at stride 1 on GPUs, the forward and the input gradient, are
 # direct convolutions (kernels.cl: conv_direct_*). On an H100 the benchmark's forward took
 # 76 µs against the implicit GEMM's 79, its input gradient 86 against 123 for the product
-# and col2im; both read the filters in place (a launch that laid them out first cost 7.5
-# µs and left the GPU idle for 28 more while the host enqueued the next); with the
+# and col2im, plus 9 µs per launch of conv_filters (one launch now lays out both); with the
 # taps' loops not unrolled (any window) they took 100 and 131, so other windows keep the
 # GEMMs. Per count of output rows, the block (rows, pixels, work-items): 64 rows by 128
 # pixels took the forward 72 µs against 79 for 64 by 64. The input channels a chunk copies
@@ -3843,7 +3842,7 @@ def _direct_plan(M, C, window, local_bytes):
     # a block's pixels, from any column on, cover at most this many output rows
     spanned = min(OH, (pixels + OW - 2) // OW + 1)
     halo_rows, halo_width = spanned + 2, OW + 2
-    per_channel = 4 * ((rows + 4) * 9 + halo_rows * halo_width)  # kernels.cl: ws's pitch
+    per_channel = 4 * (rows * 9 + halo_rows * halo_width)
     chunk = min(C, _DIRECT_CHANNELS, local_bytes // per_channel)
     if chunk < 1:
         return None
@@ -3860,12 +3859,25 @@ def _direct_fits(device, N, M, C, window):
     return plan
 
 
-def _conv_direct(filters, x, out, window, bias=None, turned=False):
-    """out (N, M, OH, OW) = the convolution of x (N, C, H, W) by the float32 3x3 filters
-    (M, C, 3, 3) at stride 1 (kernels.cl: conv_direct_*) [+ bias (M,)]; turned, by filters
-    (C, M, 3, 3) turned half a turn (the input gradient's: the forward's filters, read in
-    place). x and out in one storage (the build that runs). Only where _direct_fits gives a
-    plan."""
+def _direct_filters(w, forward, turned):
+    """The float32 3x3 filters w (K, C, 3, 3) as conv_direct reads them, both layouts in one
+    launch (kernels.cl: conv_filters): (the forward's (C*9, K), the input gradient's turned
+    (K*9, C)), None for one not asked for."""
+    K, C = w.shape[:2]
+    forward = _like(w, (C * 9, K), np.float32) if forward else None
+    turned = _like(w, (K * 9, C), np.float32) if turned else None
+    if w.size:
+        w.device.launch("conv_filters", *_grid(w.size), K, C, 9, w.data,
+                        None if forward is None else forward.data,
+                        None if turned is None else turned.data)
+    return forward, turned
+
+
+def _conv_direct(filters, x, out, window, bias=None):
+    """out (N, M, OH, OW) = the convolution of x (N, C, H, W) by 3x3 filters at stride 1
+    (kernels.cl: conv_direct_*) [+ bias (M,)], the filters laid out (C*9, M) by
+    _direct_filters: the forward's, or the input gradient's turned ones. x and out in one
+    storage (the build that runs). Only where _direct_fits gives a plan."""
     H, W, R, S, SH, SW, PH, PW, DH, DW, OH, OW = window
     (N, M), C = out.shape[:2], x.shape[1]
     if not out.size:  # nothing to write (no launch: a grid of 0 work-items is an error
@@ -3874,10 +3886,9 @@ def _conv_direct(filters, x, out, window, bias=None, turned=False):
         x.device, N, M, C, window)
     tiles = _ceil_div(OH * OW, pixels)
     x.device.launch("conv_direct" + suffix, (N * tiles * threads, _ceil_div(M, rows)),
-                    (threads, 1), M, C, chunk, tiles, int(bias is not None), int(turned),
-                    halo_rows, halo_width, filters.data, x.data,
-                    None if bias is None else bias.data, out.data,
-                    cl.LocalMemory(4 * (rows + 4) * chunk * 9),
+                    (threads, 1), M, C, chunk, tiles, int(bias is not None), halo_rows,
+                    halo_width, filters.data, x.data, None if bias is None else bias.data,
+                    out.data, cl.LocalMemory(4 * rows * chunk * 9),
                     cl.LocalMemory(4 * chunk * halo_rows * halo_width), *window,
                     half=x.dtype == np.float16)
 
@@ -3982,6 +3993,7 @@ def conv2d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
     chunks = [(n0, min(per_chunk, N - n0)) for n0 in range(0, N, per_chunk)]
 
     half = _half_activations(X.device)
+    turned_filters = None  # the direct input gradient's, where the forward lays them out
     tensor_cores = half and X.device.tensor_cores  # float16 operands, as in linear
     if tensor_cores:  # (im2col rounds a float32 x as it copies it)
         X = X if X.dtype in (np.float16, np.float32) else _half_operand(X)
@@ -4015,7 +4027,11 @@ def conv2d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
                                 byte_count=y.nbytes)
     elif out.size and implicit and _direct_window(window) and _direct_fits(X.device, N, K, C,
                                                                           window):
-        _conv_direct(weight, X, out, window, None if bias is None else _float32(bias))
+        # the input gradient's filters in the same launch, where a backward will want them
+        recorded = bool(_state.tapes) and _state.grad_enabled[-1] and x.requires_grad
+        filters, turned_filters = _direct_filters(weight, True,
+                                                  recorded and PH <= 2 and PW <= 2)
+        _conv_direct(filters, X, out, window, None if bias is None else _float32(bias))
     elif out.size and implicit and group_taps % 4 == 0:  # side by side where L allows
         _conv_gemm("conv_fwd", weight_rows, X, out,
                    (1, K, group_taps, N * L) if L % 4 == 0 else (N, K, group_taps, L), window,
@@ -4094,7 +4110,10 @@ def conv2d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
                            g.dtype == grad_x.dtype == X.dtype and PH <= 2 and PW <= 2 and
                            _direct_fits(g.device, N, C, K, turned_window) is not None)
             if grad_x_done:
-                _conv_direct(weight, g, grad_x, turned_window, turned=True)
+                filters = turned_filters  # laid out by the forward, where it could tell
+                if filters is None:
+                    filters = _direct_filters(weight, False, True)[1]
+                _conv_direct(filters, g, grad_x, turned_window)
             if implicit and g.dtype == X.dtype and w.requires_grad and L % 4 == 0:
                 # dw = g cols^T over every sample's pixels (g and x read in one build), and
                 # the bias gradient in the same product

@@ -2703,8 +2703,8 @@ def test_gpu_gemm_picks_its_kernel_by_shape(opencl, monkeypatch, m, k, n, trans_
 def test_gpu_conv2d_stores_no_columns(opencl, monkeypatch):
     """On a GPU of 132 compute units, the benchmark's conv2d (64, 32, 28, 28) with 64 3x3
     filters: the forward and the input gradient are direct convolutions (kernels.cl:
-    conv_direct_*, the second by the turned filters), both reading the filters in place,
-    and the weight gradient an implicit GEMM (conv_wgrad_*) over every sample's
+    conv_direct_*, the second by the turned filters), after one launch that lays out the
+    filters for both, and the weight gradient an implicit GEMM (conv_wgrad_*) over every sample's
     pixels, its long K split over the grid, then summed, with the bias gradient as one more
     column of it (no sum of its own). No columns are stored: im2col, col2im and the
     transposing kernels never run. The launches are recorded, not run."""
@@ -2721,10 +2721,11 @@ def test_gpu_conv2d_stores_no_columns(opencl, monkeypatch):
     # the forward: 64 samples of 7 blocks of 128 pixels, one block of 64 filters; the input
     # gradient: 7 blocks of 128 pixels per sample, one block of its 32 rows; the weight
     # gradient's K, 64 * 784 pixels, in 105 chunks of 480 (_conv_plan)
-    assert launched[:2] == [("conv_direct_64x128", (64 * 7 * 128, 1)),
+    assert launched[:3] == [("conv_filters", (64 * 32 * 9,)),
+                            ("conv_direct_64x128", (64 * 7 * 128, 1)),
                             ("conv_direct_32x128", (64 * 7 * 128, 1))]
-    assert [name for name, _ in launched[2:]] == ["conv_wgrad_64x64", "conv_wgrad_sum"]
-    assert launched[2][1][2] == 105
+    assert [name for name, _ in launched[3:]] == ["conv_wgrad_64x64", "conv_wgrad_sum"]
+    assert launched[3][1][2] == 105
 
 
 IM2COL_BYTES = netcl._IM2COL_BYTES
@@ -2787,12 +2788,13 @@ def test_gpu_implicit_conv2d_matches_numpy(opencl, monkeypatch, data):
     for got, want in zip(got_grads, want_grads):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=scale(want))
     conv = [name.rsplit("_", 1)[0] for name in launched if name.startswith("conv_")
-            and name != "conv_wgrad_sum"]
+            and name not in ("conv_wgrad_sum", "conv_filters")]
     # the input gradient: a direct convolution where the padding is within the window's
     # span, else a product and col2im
     direct_x = direct and max(padding) <= 2
     forward = ["conv_direct"] if direct else ["conv_fwd"] * (C * R * S % 4 == 0)
     assert conv == forward + ["conv_direct"] * direct_x + ["conv_wgrad"] * (OH * OW % 4 == 0)
+    assert launched.count("conv_filters") == direct  # the forward lays out both layouts
     assert launched.count("col2im") == (not direct_x) * chunks
     assert launched.count("im2col") == ((not direct and C * R * S % 4 != 0)
                                         + (OH * OW % 4 != 0)) * chunks
@@ -2857,15 +2859,14 @@ def test_gpu_conv2d_of_empty_operands_launches_no_empty_grid(opencl, monkeypatch
     assert [name for name, grid in launched if 0 in grid] == []
 
 
-def test_gpu_direct_input_gradient_alone(opencl, monkeypatch):
+def test_gpu_direct_input_gradient_lays_out_its_own_filters(opencl, monkeypatch):
     """Where the forward's direct convolution does not fit in local memory (64 filters by
     a halo) but the input gradient's does (3 rows), the forward is an implicit GEMM and the
-    input gradient still a direct convolution, by the filters turned as it reads them: the
-    NumPy backend's output and gradients."""
+    backward lays out the turned filters itself (conv_filters, one launch) for its direct
+    convolution: the NumPy backend's output and gradients."""
     monkeypatch.setattr(opencl, "gemm", "tiled")
     # 8x8 pixels at padding 1: a 10x10 halo; per channel the forward's block takes
-    # 4 * ((64 + 4)*9 + 100) bytes, the input gradient's 4 * ((32 + 4)*9 + 100) (kernels.cl:
-    # conv_direct's filters in rows of the block's filters and 4 floats more)
+    # 4 * (64*9 + 100) bytes, the input gradient's 4 * (32*9 + 100)
     monkeypatch.setattr(netcl, "_DIRECT_LOCAL_BYTES", 2000)
     monkeypatch.setattr(netcl, "_direct_plan", functools.lru_cache(netcl._direct_plan.__wrapped__))
     launched = []
@@ -2882,7 +2883,7 @@ def test_gpu_direct_input_gradient_alone(opencl, monkeypatch):
     for got, want in zip(got_grads, want_grads):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
     assert [name for name in launched if name.startswith("conv_")
-            and not name.startswith("conv_wgrad")] == ["conv_direct_32x128"]
+            and not name.startswith("conv_wgrad")] == ["conv_filters", "conv_direct_32x128"]
 
 
 @pytest.mark.parametrize("gemm", ["tiled", "packed"])
@@ -4869,7 +4870,7 @@ def test_autocast_implicit_conv2d_is_the_float32_result_rounded(opencl, monkeypa
         results[enabled] = host(out), [host(p.grad) for p in leaves]
         products = sorted(name.rsplit("_", 1)[0] for name, half in launched
                           if name.startswith("conv_") and half == enabled  # in the build
-                          and name != "conv_wgrad_sum")  # of the storage
+                          and name not in ("conv_wgrad_sum", "conv_filters"))  # of the storage
         assert products == ["conv_direct", "conv_direct", "conv_wgrad"]
         assert [name for name, _ in launched].count("conv_wgrad_sum") == 1
     (single, (dx32, *dw32)), (half, (dx16, *dw16)) = results[False], results[True]
