@@ -3,6 +3,7 @@
     python bench_netcl.py              # table: netcl (each backend) beside NumPy and PyTorch
     python bench_netcl.py --full       # also the large workloads on CPU devices (slow there)
     python bench_netcl.py --json PATH  # save the table's figures as JSON
+    python bench_netcl.py --kernels conv [--amp]  # one step on the OpenCL device, kernel by kernel
     python -m pytest bench_netcl.py    # the same workloads as pytest-benchmark tests
 
 Figures are ratios measured in one run: these machines are shared and noisy, so only a side
@@ -522,6 +523,109 @@ def syncs_per_step(device, sizes, batch, steps=10, amp=False):
     return (device.syncs - before_syncs) / steps, (device.launches - before_launches) / steps
 
 
+PROFILED = ("conv", "mlp-small", "mlp-large", "gpt")  # the workloads kernel_profile takes
+
+
+def _profiled_step(workload, device, amp):
+    """(fn, sync) for one step of a PROFILED workload on `device`."""
+    if workload == "conv":
+        return conv_netcl(device, amp)
+    if workload == "gpt":
+        return gpt_step_netcl(device, amp)[:2]
+    return mlp_step_netcl(device, *mlp_sizes(workload.split("-")[1]), amp)
+
+
+def kernel_profile(workload, device, amp=False, steps=50):
+    """Where one training step of `workload` (PROFILED) goes on the OpenCL `device`, kernel
+    by kernel: the step runs on a second queue of the device's context with profiling on,
+    and each launch's OpenCL event gives its times (copies are not kernels: not counted).
+    Returns a dict:
+      kernels: [(name, launches per step, median µs each)], in the order of first launch
+      (a name with "/h" is the float16-storage build);
+      kernel_us: their sum per step; wall_us: the step's median by the host's clock on the
+      device's own queue (no events), each step followed by a sync;
+      timeline: for each launch of a step, medians over the steps (µs): (name, when the host
+      called the launch and when it returned, from the step's start; when the device queued,
+      submitted, started and ended the kernel, from the step's first kernel's queueing),
+      or None where the steps did not all launch the same kernels.
+    The gaps the timeline shows (a kernel started well after the one before it ended) are
+    the device waiting for the host."""
+    if workload not in PROFILED:
+        raise ValueError(f"kernel_profile: workload must be one of {PROFILED}, got {workload!r}")
+    if device.backend != "opencl":
+        raise ValueError(f"kernel_profile: device must be an OpenCL device, got {device}")
+    cl = netcl.cl
+    queue = cl.CommandQueue(device.queue.context, device.cl_device,
+                            properties=cl.command_queue_properties.PROFILING_ENABLE)
+    profiled = netcl.Tensor.empty((1,), queue=queue).device  # netcl's Device for that queue
+    fn, sync = _profiled_step(workload, profiled, amp)
+    records = []  # (name, event, host time the launch was called, host time it returned)
+    launch = netcl.manager.Device.launch
+
+    def recording_launch(self, name, *args, **kwargs):
+        called = time.perf_counter()
+        event = launch(self, name, *args, **kwargs)
+        if self is profiled:
+            records.append((name + ("/h" if kwargs.get("half") else ""), event, called,
+                            time.perf_counter()))
+        return event
+
+    netcl.manager.Device.launch = recording_launch
+    try:
+        for _ in range(3):  # builds, pool buffers, and the autotune's first choices
+            fn()
+        sync()
+        per_kernel, steps_seen = {}, []
+        for _ in range(steps):
+            records.clear()
+            started = time.perf_counter()
+            fn()
+            sync()
+            steps_seen.append([(name, event, called - started, returned - started)
+                               for name, event, called, returned in records])
+    finally:
+        netcl.manager.Device.launch = launch
+    for step in steps_seen:
+        for name, event, _, _ in step:
+            per_kernel.setdefault(name, []).append(
+                1e-3 * (event.profile.end - event.profile.start))
+    kernels = [(name, len(times) / steps, statistics.median(times))
+               for name, times in per_kernel.items()]
+    timeline = None
+    if steps_seen and all([r[0] for r in step] == [r[0] for r in steps_seen[0]]
+                          for step in steps_seen):
+        timeline = []
+        for k, (name, *_) in enumerate(steps_seen[0]):
+            rows = []
+            for step in steps_seen:
+                first = step[0][1].profile.queued
+                _, event, called, returned = step[k]
+                p = event.profile
+                rows.append((1e6 * called, 1e6 * returned) + tuple(
+                    1e-3 * (t - first) for t in (p.queued, p.submit, p.start, p.end)))
+            timeline.append((name,) + tuple(statistics.median(column) for column in zip(*rows)))
+    fn, sync = _profiled_step(workload, device, amp)  # the wall without events
+    return {"kernels": kernels, "kernel_us": sum(n * us for _, n, us in kernels),
+            "wall_us": 1e6 * timeit(fn, sync), "timeline": timeline}
+
+
+def print_kernel_profile(workload, device, amp=False):
+    """kernel_profile as a table, then its timeline."""
+    profile = kernel_profile(workload, device, amp)
+    print(f"{workload} step{' under autocast' if amp else ''} on {device.name}: kernels by "
+          f"OpenCL events (medians of 50 steps, µs)")
+    for name, count, each in profile["kernels"]:
+        print(f"  {name:40s} x{count:<5g} {each:10.1f}")
+    print(f"  {'kernels, per step':47s} {profile['kernel_us']:10.1f}")
+    print(f"  {'the step by the host clock (no events)':47s} {profile['wall_us']:10.1f}")
+    if profile["timeline"]:
+        print("timeline (µs; host: launch called, returned, from the step's start; device: "
+              "queued, submitted, started, ended, from the first kernel's queueing)")
+        for name, *times in profile["timeline"]:
+            print(f"  {name:32s}" + "".join(f"{t:9.1f}" for t in times[:2]) + "  |"
+                  + "".join(f"{t:9.1f}" for t in times[2:]))
+
+
 # ---------------------------------------------------------------------------- pytest-benchmark
 
 DEVICES = netcl_devices()
@@ -755,7 +859,13 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--full", action="store_true", help="large workloads on CPU devices too")
     parser.add_argument("--json", metavar="PATH", help="save the figures as JSON")
+    parser.add_argument("--kernels", choices=PROFILED, help="instead of the table: one "
+                        "workload's step on the OpenCL device, kernel by kernel")
+    parser.add_argument("--amp", action="store_true", help="with --kernels: under autocast")
     args = parser.parse_args(argv)
+    if args.kernels:
+        print_kernel_profile(args.kernels, netcl.manager.default("opencl"), args.amp)
+        return
     rows = measure(full=args.full)
     print_table(rows)
     if args.json:

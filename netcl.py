@@ -431,7 +431,8 @@ class Device:
 
     def launch(self, name, global_size, local_size, *args, half=False):
         """Enqueue kernel `name`; global sizes are rounded up to multiples of the local size.
-        half=True runs the float16-storage build: the buffers the kernel marks act_t are halfs."""
+        half=True runs the float16-storage build: the buffers the kernel marks act_t are halfs.
+        Returns the launch's pyopencl.Event (bench_netcl.py --kernels times kernels by them)."""
         if len(global_size) == 1:  # most launches: the one-line form of the rounding below
             if global_size[0] % local_size[0]:
                 global_size = (_round_up(global_size[0], local_size[0]),)
@@ -439,13 +440,14 @@ class Device:
             global_size = _rounded_grid(tuple(global_size), tuple(local_size))
         kernel = (self._half_program() if half else self._kernels)[name]
         with self._lock:  # another thread's set_args must not land between ours and the enqueue
-            kernel(self.queue, global_size, local_size, *args)
+            event = kernel(self.queue, global_size, local_size, *args)
             self.launches += 1
         if DEBUG >= 2:  # a deliberate sync per launch, to time each kernel
             started = time.perf_counter()
             self.queue.finish()
             print(f"netcl: {name} {global_size} {1e6 * (time.perf_counter() - started):.0f} µs",
                   file=sys.stderr)
+        return event
 
     def _cl_alloc(self, nbytes):
         return cl.Buffer(self.context, cl.mem_flags.READ_WRITE, nbytes)

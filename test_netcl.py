@@ -10355,6 +10355,33 @@ def test_mnist_example_names_the_files_it_tried(tmp_path):
         _mnist_example().load_mnist(str(tmp_path))
 
 
+def test_bench_kernel_profile_times_every_launch_of_a_step(opencl):
+    """bench_netcl.py --kernels: the small MLP's training step profiled by OpenCL events
+    (Device.launch returns each launch's event) counts every kernel netcl launches in the
+    step, and its timeline keeps the in-order queue's order: each kernel queued, submitted,
+    started and ended in that order, and started after the kernel before it ended."""
+    import bench_netcl
+    profile = bench_netcl.kernel_profile("mlp-small", opencl, steps=3)
+    _, launches = bench_netcl.syncs_per_step(opencl, *bench_netcl.mlp_sizes("small"), steps=2)
+    assert sum(count for _, count, _ in profile["kernels"]) == launches > 0
+    assert all(each > 0 for _, _, each in profile["kernels"])
+    assert profile["kernel_us"] == pytest.approx(
+        sum(count * each for _, count, each in profile["kernels"]))
+    assert profile["wall_us"] > 0
+    timeline = profile["timeline"]
+    assert len(timeline) == launches
+    assert {name for name, *_ in timeline} == {name for name, _, _ in profile["kernels"]}
+    ended_before = 0.0
+    for name, called, returned, queued, submitted, started, ended in timeline:
+        assert called <= returned and 0 <= queued <= submitted <= started <= ended
+        assert started >= ended_before
+        ended_before = ended
+    for workload, device, word in (("mlp", opencl, "workload"),
+                                   ("conv", netcl.manager.default("cpu"), "device")):
+        with pytest.raises(ValueError, match=word):
+            bench_netcl.kernel_profile(workload, device)
+
+
 # ---------------------------------------------------------------------------------------------
 # import aliases
 # ---------------------------------------------------------------------------------------------
