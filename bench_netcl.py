@@ -605,6 +605,8 @@ def kernel_profile(workload, device, amp=False, steps=50):
                     1e-3 * (t - first) for t in (p.queued, p.submit, p.start, p.end)))
             timeline.append((name,) + tuple(statistics.median(column) for column in zip(*rows)))
     fn, sync = _profiled_step(workload, device, amp)  # the wall without events
+    gc.collect()  # the profiled step's model and optimizer, then their buffers
+    profiled.pool.empty_cache()
     return {"kernels": kernels, "kernel_us": sum(n * us for _, n, us in kernels),
             "wall_us": 1e6 * timeit(fn, sync), "timeline": timeline}
 
