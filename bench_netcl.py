@@ -575,7 +575,7 @@ def kernel_profile(workload, device, amp=False, steps=50):
         for _ in range(3):  # builds, pool buffers, and the autotune's first choices
             fn()
         sync()
-        per_kernel, steps_seen = {}, []
+        steps_seen = []
         for _ in range(steps):
             records.clear()
             started = time.perf_counter()
@@ -585,6 +585,7 @@ def kernel_profile(workload, device, amp=False, steps=50):
                                for name, event, called, returned in records])
     finally:
         netcl.manager.Device.launch = launch
+    per_kernel = {}
     for step in steps_seen:
         for name, event, _, _ in step:
             per_kernel.setdefault(name, []).append(
