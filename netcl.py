@@ -2812,13 +2812,14 @@ def _pieces(x, d, sizes):
     # and hands it to the hidden node; every piece copies its gradient into its own rows.
     # The hidden node was recorded before the pieces, so its backward runs after theirs: it
     # zeroes the rows of the pieces that got no gradient, then passes the buffer on to x.
+    # Under autocast the buffer is float16 storage, as x's gradient (no casts on the way).
     buffer, placed = [], set()
 
     def zero_the_rest(g):
         for i in sorted(set(range(len(sizes))) - placed):
             _zero_rows(g, d, starts[i], sizes[i])
         return (g,)
-    whole = _record(X, (x,), zero_the_rest)
+    whole = _record(X, (x,), zero_the_rest, half_grad=True)
 
     def place(i):
         def backward(g):
@@ -2829,7 +2830,8 @@ def _pieces(x, d, sizes):
             placed.add(i)
             return (buffer[0] if first else None,)
         return backward
-    return tuple(_record(value, (whole,), place(i)) for i, value in enumerate(values))
+    return tuple(_record(value, (whole,), place(i), half_grad=True)
+                 for i, value in enumerate(values))
 
 
 def _cut_dim(op, x, dim):

@@ -4373,6 +4373,43 @@ def test_split_pieces_without_gradient_contribute_zeros(backend):
         np.testing.assert_array_equal(host(piece), rows)
 
 
+@pytest.mark.usefixtures("portable_half")
+@pytest.mark.parametrize("dim", [0, 2])  # pieces as views of rows, and as copies
+def test_split_of_float16_storage_keeps_its_gradients_in_float16(opencl, monkeypatch, dim):
+    """Under autocast the pieces of a float16-storage activation take their gradients in
+    float16 storage, as PyTorch keeps a gradient in its tensor's dtype: the gradient buffer
+    is put together in that storage (copy_rows in the float16 build), with no cast to float32
+    and back on the way; x's and w's gradients are the float32 run's up to float16
+    rounding, zero where a piece got no gradient."""
+    rng = np.random.default_rng(3)
+    x_host, w_host = rng.standard_normal((6, 5, 8)), rng.standard_normal((6, 8)) / 3
+    launched = []
+    launch = opencl.launch
+    results = {}
+    for amp in (False, True):
+        x, w = param(x_host.astype(np.float32), opencl), param(w_host.astype(np.float32), opencl)
+        with netcl.Tape() as tape, netcl.autocast(enabled=amp):
+            h = F.linear(x, w)                # (6, 5, 6), float16 storage under autocast
+            q, k, v = F.split(h, 2, dim=dim)  # k gets no gradient
+            out = q * v
+        assert h.dtype == (np.float16 if amp else np.float32)
+        monkeypatch.setattr(opencl, "launch", lambda name, *args, **kwargs: (
+            launched.append((name, kwargs.get("half", False))), launch(name, *args, **kwargs)))
+        launched.clear()
+        tape.backward(out, grad=np.ones(out.shape, np.float32))
+        monkeypatch.setattr(opencl, "launch", launch)
+        if amp:
+            # after the product's backward (the seed's own conversion comes before it)
+            names = [name for name, _ in launched]
+            after = names[names.index("mul_fwd"):]
+            assert "cast_from_act" not in after and "cast_to_act" not in after
+            if dim:
+                assert ("copy_rows", True) in launched and ("copy_rows", False) not in launched
+        results[amp] = host(x.grad), host(w.grad)
+    for half, single in zip(results[True], results[False]):
+        np.testing.assert_allclose(half, single, rtol=2e-2, atol=2e-2)
+
+
 def test_cat_with_constants_gives_the_parameter_its_rows(backend):
     x = np.arange(6, dtype=np.float32).reshape(3, 2)
     constant = np.ones((2, 2), np.float32)
