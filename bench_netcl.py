@@ -554,6 +554,8 @@ def kernel_profile(workload, device, amp=False, steps=50):
         raise ValueError(f"kernel_profile: workload must be one of {PROFILED}, got {workload!r}")
     if device.backend != "opencl":
         raise ValueError(f"kernel_profile: device must be an OpenCL device, got {device}")
+    if not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"kernel_profile: steps must be an int >= 1, got {steps!r}")
     cl = netcl.cl
     queue = cl.CommandQueue(device.queue.context, device.cl_device,
                             properties=cl.command_queue_properties.PROFILING_ENABLE)

@@ -10417,6 +10417,8 @@ def test_bench_kernel_profile_times_every_launch_of_a_step(opencl):
                                    ("conv", netcl.manager.default("cpu"), "device")):
         with pytest.raises(ValueError, match=word):
             bench_netcl.kernel_profile(workload, device)
+    with pytest.raises(ValueError, match="steps must be an int >= 1, got 0"):
+        bench_netcl.kernel_profile("mlp-small", opencl, steps=0)
 
 
 # ---------------------------------------------------------------------------------------------
