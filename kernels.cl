@@ -2066,6 +2066,309 @@ __kernel void conv_filters(const int K, const int C, const int RS, __global cons
     if (turned) turned[(k * RS + RS - 1 - t) * C + c] = w[i];
 }
 
+// conv2d's 3x3 convolutions at stride 1, undilated, by Winograd's minimal filtering
+// F(2x2, 3x3) (Lavin and Gray, "Fast Algorithms for Convolutional Neural Networks", 2016):
+// each 2x2 block of output pixels (a tile) comes from the 4x4 input values its windows
+// cover, d, as Y = A^T [sum over channels of U ⊙ V] A, with V = B^T d B per channel and
+// U = G w G^T per filter and channel (winograd_filters), where
+//   B^T = [1 0 -1 0; 0 1 1 0; 0 -1 1 0; 0 1 0 -1],  G = [1 0 0; 1/2 1/2 1/2; 1/2 -1/2 1/2;
+//   0 0 1],  A^T = [1 1 1 0; 0 1 -1 -1]:
+// 16 multiplications per tile, filter and channel where the direct convolution takes 36,
+// so 16 products (one per place xi of the 4x4) of filters x channels by channels x tiles.
+// The input gradient is the same convolution of g by the filters turned half a turn, with
+// the roles of K and C swapped, padded by 2 - PH and 2 - PW (conv_direct's comment). The
+// weight gradient is its transpose: dw = G^T [sum over tiles of (A dy A^T) ⊙ V] G, with
+// dy the tile's 2x2 output gradients (conv_winograd_wgrad). The transforms add and halve
+// only, so the results are within a few float32 roundings of the direct sums.
+#define WINO_CK 8  // the channels (the weight gradient: tiles) a chunk copies to local memory
+
+// u (4x4, row-major) = G f G^T of one 3x3 filter f (row-major)
+inline void wino_filter(const float f[9], float u[16]) {
+    float t[12];  // G f (4x3)
+    for (int s = 0; s < 3; ++s) {
+        t[s] = f[s];
+        t[3 + s] = 0.5f * (f[s] + f[3 + s] + f[6 + s]);
+        t[6 + s] = 0.5f * (f[s] - f[3 + s] + f[6 + s]);
+        t[9 + s] = f[6 + s];
+    }
+    for (int r = 0; r < 4; ++r) {
+        u[4 * r] = t[3 * r];
+        u[4 * r + 1] = 0.5f * (t[3 * r] + t[3 * r + 1] + t[3 * r + 2]);
+        u[4 * r + 2] = 0.5f * (t[3 * r] - t[3 * r + 1] + t[3 * r + 2]);
+        u[4 * r + 3] = t[3 * r + 2];
+    }
+}
+
+// conv2d's 3x3 filters w (K, C, 3, 3) transformed for conv_winograd_*, in one pass into
+// either or both (a null pointer skips one): forward (16, C, Kp), U of filter k and channel
+// c at [(xi * C + c) * Kp + k]; turned (16, K, Cp), the input gradient's: the filters turned
+// upper a turn, with K and C swapped. Zeros past K (past C) up to Kp (Cp), multiples of 4:
+// the convolution reads them in float4s. A work-item per (c, k) of C x Kp for the forward,
+// then per (k, c) of K x Cp for the turned: consecutive work-items write consecutive values.
+__kernel void winograd_filters(const int K, const int C, const int Kp, const int Cp,
+                               __global const float* w, __global float* forward,
+                               __global float* turned) {
+    const int i = get_global_id(0), turn = i >= C * Kp;
+    const int j = turn ? i - C * Kp : i;
+    if (turn ? !turned || j >= K * Cp : !forward) return;
+    const int k = turn ? j / Cp : j % Kp, c = turn ? j % Cp : j / Kp;
+    float f[9], u[16];
+    for (int t = 0; t < 9; ++t)  // the turned filter's taps in reverse
+        f[turn ? 8 - t : t] = k < K && c < C ? w[(k * C + c) * 9 + t] : 0.0f;
+    wino_filter(f, u);
+    for (int x = 0; x < 16; ++x) {
+        if (turn) turned[(x * K + k) * Cp + c] = u[x];
+        else forward[(x * C + c) * Kp + k] = u[x];
+    }
+}
+
+// Rows 2 upper and 2 upper + 1 of V = B^T d B (upper 0 or 1), of the 4x4 input values d
+// whose top-left is (row, col) of the (H, W) plane p (zeros outside it), into v[8]
+// (row-major): half the transform, which needs rows upper .. upper + 2 of d.
+inline void wino_input_half(__global const act_t* p, const int row, const int col,
+                            const int H, const int W, const int upper, float v[8]) {
+    float d[3][4];
+    for (int r = 0; r < 3; ++r)
+        for (int s = 0; s < 4; ++s) {
+            const int h = row + upper + r, w = col + s;
+            d[r][s] = h >= 0 && h < H && w >= 0 && w < W ? LOAD(p, h * W + w) : 0.0f;
+        }
+    float e[2][4];  // the two rows of B^T d
+    for (int s = 0; s < 4; ++s) {
+        e[0][s] = upper ? d[1][s] - d[0][s] : d[0][s] - d[2][s];
+        e[1][s] = upper ? d[0][s] - d[2][s] : d[1][s] + d[2][s];
+    }
+    for (int q = 0; q < 2; ++q) {
+        v[4 * q] = e[q][0] - e[q][2];
+        v[4 * q + 1] = e[q][1] + e[q][2];
+        v[4 * q + 2] = e[q][2] - e[q][1];
+        v[4 * q + 3] = e[q][1] - e[q][3];
+    }
+}
+
+// acc[i][j] += the products over one chunk of WINO_CK steps of a 16-place product: at each
+// step a row (rows_a apart) of a local operand `A_` for rows 4 ga + i % 4 + (BA / 2)(i / 4)
+// and one of `B_` for columns 4 gb + j % 4 + (BB / 2)(j / 4), both read in float4s; with
+// `swizzle`, the float4s of step s are stored at (float4 index) ^ s (conv_winograd_wgrad).
+#define WINO_PRODUCTS(A_, B_, BA, BB, swizzle)                                                     \
+    for (int s = 0; s < WINO_CK; ++s) {                                                            \
+        const int z = (swizzle) ? s : 0;                                                           \
+        __local const float4* a4 = A_ + (xi * WINO_CK + s) * (BA / 4);                             \
+        __local const float4* b4 = B_ + (xi * WINO_CK + s) * (BB / 4);                             \
+        const float4 a0 = a4[ga ^ z], a1 = a4[(ga + BA / 8) ^ z];                                  \
+        const float4 b0 = b4[gb ^ z], b1 = b4[(gb + BB / 8) ^ z];                                  \
+        const float a[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};                       \
+        const float b[8] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};                       \
+        _Pragma("unroll") for (int i = 0; i < 8; ++i)                                              \
+            _Pragma("unroll") for (int j = 0; j < 8; ++j) acc[i][j] = fma(a[i], b[j], acc[i][j]);  \
+        if (SUM_A) {                                                                               \
+            for (int i = 0; i < 8; ++i) sum_a[i] += a[i];                                          \
+        }                                                                                          \
+    }
+
+// Round r of 4 in which the 16 places of acc's rows 2r and 2r + 1 go through local memory
+// o (BA / 4 rows of BB + 1 values per place, ordered (q, ga) for row 2r + q of work-item
+// ga: a warp's stores meet a bank twice at most), so that one work-item holds all 16 of
+// one (row, column): rounds, because all of acc at once would not fit. After the barrier,
+// work-item tid reads the 16 of local row tid / BB, column tid % BB into m16; that row is
+// row `ra` of the block.
+#define WINO_GATHER(r, o, BA, BB, m16, ra)                                                         \
+    barrier(CLK_LOCAL_MEM_FENCE);                                                                  \
+    _Pragma("unroll") for (int q = 0; q < 2; ++q)                                                  \
+        _Pragma("unroll") for (int j = 0; j < 8; ++j)                                              \
+            o[(xi * (BA / 4) + q * (BA / 8) + ga) * (BB + 1) + 4 * gb + j % 4 +                    \
+              (BB / 2) * (j / 4)] = acc[2 * (r) + q][j];                                           \
+    barrier(CLK_LOCAL_MEM_FENCE);                                                                  \
+    const int rr = tid / (BB), cc = tid - rr * (BB);                                               \
+    _Pragma("unroll") for (int p = 0; p < 16; ++p)                                                 \
+        m16[p] = o[(p * (BA / 4) + rr) * (BB + 1) + cc];                                           \
+    const int ra = 4 * (rr % (BA / 8)) + (2 * (r)) % 4 + rr / (BA / 8) + (BA / 2) * ((r) / 2);     \
+
+// The forward (and the input gradient): a work-group computes BM output channels at BT
+// tiles (of the T = N * TH * TW of the batch, TH x TW per sample) for all 16 places.
+// Work-item (xi, gb, ga) sums 8 of them by 8 tiles at one place xi (a warp per place: the
+// lanes of a float4 load read different float4s, or the same). For each chunk of WINO_CK
+// input channels the group copies their U (16 x WINO_CK x BM, from u (16, C, Mp):
+// winograd_filters) and forms the V of its tiles (16 x WINO_CK x BT, each work-item half of
+// one) in local memory. Then, rounds of WINO_GATHER and Y = A^T M A per (channel, tile):
+// out (N, M, OH, OW) [+ bias (M,)]. x and out in the build's storage (act_t), sums float32.
+#define CONV_WINOGRAD(NAME, BM, BT)                                                                \
+__kernel __attribute__((reqd_work_group_size(BM * BT / 4, 1, 1)))                                  \
+void NAME(const int M, const int C, const int Mp, const int T, const int TH, const int TW,         \
+          const int has_bias, __global const float* u, __global const act_t* x,                    \
+          __global const float* bias, __global act_t* out, WINDOW_ARGS) {                          \
+    const int THREADS = BM * BT / 4, SUM_A = 0;                                                    \
+    __local float4 lds[16 * WINO_CK * (BM + BT) / 4];                                              \
+    __local float4* us = lds;                                                                      \
+    __local float4* vs = lds + 16 * WINO_CK * BM / 4;                                              \
+    __local float* o = (__local float*)lds;                                                        \
+    const int tid = get_local_id(0), ga = tid % (BM / 8), gb = tid / (BM / 8) % (BT / 8);          \
+    const int xi = tid / (BM * BT / 64);                                                           \
+    const int t0 = get_group_id(0) * BT, m0 = get_group_id(1) * BM, plane = TH * TW;               \
+    float acc[8][8], sum_a[8];                                                                     \
+    _Pragma("unroll") for (int i = 0; i < 8; ++i)                                                  \
+        _Pragma("unroll") for (int j = 0; j < 8; ++j) acc[i][j] = 0.0f;                            \
+    for (int c0 = 0; c0 < C; c0 += WINO_CK) {                                                      \
+        for (int e = tid; e < 16 * WINO_CK * BM / 4; e += THREADS) {                               \
+            const int q = e % (BM / 4), rest = e / (BM / 4), ck = rest % WINO_CK;                  \
+            const int m = m0 + 4 * q, c = c0 + ck;                                                 \
+            us[e] = c < C && m < Mp ? vload4(0, u + ((rest / WINO_CK) * C + c) * Mp + m)           \
+                                    : (float4)(0.0f);                                              \
+        }                                                                                          \
+        for (int e = tid; e < WINO_CK * BT * 2; e += THREADS) {                                    \
+            const int t = e % BT, ck = e / BT % WINO_CK, upper = e / (BT * WINO_CK);               \
+            const int tile = t0 + t, c = c0 + ck;                                                  \
+            float v[8];                                                                            \
+            if (tile < T && c < C) {                                                               \
+                const int n = tile / plane, th = (tile - n * plane) / TW;                          \
+                const int tw = tile - n * plane - th * TW;                                         \
+                wino_input_half(x + ((size_t)n * C + c) * H * W, 2 * th - PH, 2 * tw - PW,         \
+                                H, W, upper, v);                                                   \
+            } else {                                                                               \
+                _Pragma("unroll") for (int k = 0; k < 8; ++k) v[k] = 0.0f;                         \
+            }                                                                                      \
+            __local float* vf = (__local float*)vs;                                                \
+            _Pragma("unroll") for (int k = 0; k < 8; ++k)                                          \
+                vf[((8 * upper + k) * WINO_CK + ck) * BT + t] = v[k];                              \
+        }                                                                                          \
+        barrier(CLK_LOCAL_MEM_FENCE);                                                              \
+        WINO_PRODUCTS(us, vs, BM, BT, 0)                                                           \
+        barrier(CLK_LOCAL_MEM_FENCE);                                                              \
+    }                                                                                              \
+    for (int r = 0; r < 4; ++r) {                                                                  \
+        float m16[16];                                                                             \
+        WINO_GATHER(r, o, BM, BT, m16, row)                                                        \
+        const int m = m0 + row, tile = t0 + cc;                                                    \
+        if (m < M && tile < T) {                                                                   \
+            const int n = tile / plane, th = (tile - n * plane) / TW;                              \
+            const int tw = tile - n * plane - th * TW;                                             \
+            const float b = has_bias ? bias[m] : 0.0f;                                             \
+            float s[2][4];  /* A^T M */                                                            \
+            _Pragma("unroll") for (int k = 0; k < 4; ++k) {                                        \
+                s[0][k] = m16[k] + m16[4 + k] + m16[8 + k];                                        \
+                s[1][k] = m16[4 + k] - m16[8 + k] - m16[12 + k];                                   \
+            }                                                                                      \
+            __global act_t* y = out + ((size_t)n * M + m) * OH * OW;                               \
+            _Pragma("unroll") for (int a = 0; a < 2; ++a) {                                        \
+                const int oh = 2 * th + a, ow = 2 * tw;                                            \
+                if (oh >= OH) break;                                                               \
+                STORE(y, oh * OW + ow, s[a][0] + s[a][1] + s[a][2] + b);                           \
+                if (ow + 1 < OW) STORE(y, oh * OW + ow + 1, s[a][1] - s[a][2] - s[a][3] + b);      \
+            }                                                                                      \
+        }                                                                                          \
+    }                                                                                              \
+}
+CONV_WINOGRAD(conv_winograd_64x32, 64, 32)
+CONV_WINOGRAD(conv_winograd_32x64, 32, 64)
+CONV_WINOGRAD(conv_winograd_64x16, 64, 16)
+CONV_WINOGRAD(conv_winograd_32x32, 32, 32)
+
+// The weight gradient: a work-group sums, over the tiles of its split (`chunk` of the T,
+// from split * chunk on), Y ⊙ V at every place for BK filters by BC channels, Y = A dy A^T
+// of the tile's 2x2 output gradients dy per filter, V of its 4x4 inputs per channel, both
+// formed WINO_CK tiles at a time in local memory (their float4s swizzled by tile, so that
+// the lanes storing one tile's values meet no bank twice); then dw = G^T S G per (filter,
+// channel) of those sums S, into parts (splits, K, width) at [k, c * 9 + r * 3 + s], and
+// where width > C * 9, the sums of dy (the bias gradient: Y's place 5 is the sum of dy)
+// into column C * 9. g (N, K, OH, OW) and x in the build's storage (act_t).
+#define CONV_WINOGRAD_WGRAD(NAME, BK, BC)                                                          \
+__kernel __attribute__((reqd_work_group_size(BK * BC / 4, 1, 1)))                                  \
+void NAME(const int K, const int C, const int T, const int TH, const int TW, const int chunk,      \
+          const int width, __global const act_t* g, __global const act_t* x,                       \
+          __global float* parts, WINDOW_ARGS) {                                                    \
+    const int THREADS = BK * BC / 4;                                                               \
+    __local float4 lds[16 * WINO_CK * (BK + BC) / 4];                                              \
+    __local float4* ys = lds;                                                                      \
+    __local float4* vs = lds + 16 * WINO_CK * BK / 4;                                              \
+    __local float* o = (__local float*)lds;                                                        \
+    const int tid = get_local_id(0), ga = tid % (BK / 8), gb = tid / (BK / 8) % (BC / 8);          \
+    const int xi = tid / (BK * BC / 64), SUM_A = xi == 5;                                          \
+    const int split = get_group_id(0), c0 = get_group_id(1) * BC, k0 = get_group_id(2) * BK;       \
+    const int first = split * chunk, end = min(T, first + chunk), plane = TH * TW;                 \
+    float acc[8][8], sum_a[8];                                                                     \
+    _Pragma("unroll") for (int i = 0; i < 8; ++i) {                                                \
+        sum_a[i] = 0.0f;                                                                           \
+        _Pragma("unroll") for (int j = 0; j < 8; ++j) acc[i][j] = 0.0f;                            \
+    }                                                                                              \
+    for (int t0 = first; t0 < end; t0 += WINO_CK) {                                                \
+        __local float* yf = (__local float*)ys;                                                    \
+        __local float* vf = (__local float*)vs;                                                    \
+        for (int e = tid; e < WINO_CK * BK; e += THREADS) {                                        \
+            const int t = e % WINO_CK, kk = e / WINO_CK, tile = t0 + t, k = k0 + kk;               \
+            float dy[2][2] = {{0.0f, 0.0f}, {0.0f, 0.0f}};                                         \
+            if (tile < end && k < K) {                                                             \
+                const int n = tile / plane, th = (tile - n * plane) / TW;                          \
+                const int tw = tile - n * plane - th * TW;                                         \
+                __global const act_t* p = g + ((size_t)n * K + k) * OH * OW;                       \
+                _Pragma("unroll") for (int a = 0; a < 2; ++a)                                      \
+                    _Pragma("unroll") for (int b = 0; b < 2; ++b) {                                \
+                        const int oh = 2 * th + a, ow = 2 * tw + b;                                \
+                        if (oh < OH && ow < OW) dy[a][b] = LOAD(p, oh * OW + ow);                  \
+                    }                                                                              \
+            }                                                                                      \
+            float z[4][2];  /* A dy, then each row times A^T */                                    \
+            _Pragma("unroll") for (int b = 0; b < 2; ++b) {                                        \
+                z[0][b] = dy[0][b]; z[1][b] = dy[0][b] + dy[1][b];                                 \
+                z[2][b] = dy[0][b] - dy[1][b]; z[3][b] = -dy[1][b];                                \
+            }                                                                                      \
+            const int at = kk ^ (4 * t);                                                           \
+            _Pragma("unroll") for (int r = 0; r < 4; ++r) {                                        \
+                const float y4[4] = {z[r][0], z[r][0] + z[r][1], z[r][0] - z[r][1], -z[r][1]};     \
+                _Pragma("unroll") for (int s = 0; s < 4; ++s)                                      \
+                    yf[((4 * r + s) * WINO_CK + t) * BK + at] = y4[s];                             \
+            }                                                                                      \
+        }                                                                                          \
+        for (int e = tid; e < WINO_CK * BC * 2; e += THREADS) {                                    \
+            const int t = e % WINO_CK, ck = e / WINO_CK % BC, upper = e / (WINO_CK * BC);          \
+            const int tile = t0 + t, c = c0 + ck;                                                  \
+            float v[8];                                                                            \
+            if (tile < end && c < C) {                                                             \
+                const int n = tile / plane, th = (tile - n * plane) / TW;                          \
+                const int tw = tile - n * plane - th * TW;                                         \
+                wino_input_half(x + ((size_t)n * C + c) * H * W, 2 * th - PH, 2 * tw - PW,         \
+                                H, W, upper, v);                                                   \
+            } else {                                                                               \
+                _Pragma("unroll") for (int k = 0; k < 8; ++k) v[k] = 0.0f;                         \
+            }                                                                                      \
+            _Pragma("unroll") for (int k = 0; k < 8; ++k)                                          \
+                vf[((8 * upper + k) * WINO_CK + t) * BC + (ck ^ (4 * t))] = v[k];                  \
+        }                                                                                          \
+        barrier(CLK_LOCAL_MEM_FENCE);                                                              \
+        WINO_PRODUCTS(ys, vs, BK, BC, 1)                                                           \
+        barrier(CLK_LOCAL_MEM_FENCE);                                                              \
+    }                                                                                              \
+    __global float* part = parts + (size_t)split * K * width;                                      \
+    if (SUM_A && gb == 0 && c0 == 0 && width > C * 9) {                                            \
+        for (int i = 0; i < 8; ++i) {                                                              \
+            const int k = k0 + 4 * ga + i % 4 + (BK / 2) * (i / 4);                                \
+            if (k < K) part[k * width + C * 9] = sum_a[i];                                         \
+        }                                                                                          \
+    }                                                                                              \
+    for (int r = 0; r < 4; ++r) {                                                                  \
+        float m16[16];                                                                             \
+        WINO_GATHER(r, o, BK, BC, m16, row)                                                        \
+        const int k = k0 + row, c = c0 + cc;                                                       \
+        if (k < K && c < C) {                                                                      \
+            float t[3][4];  /* G^T S */                                                            \
+            _Pragma("unroll") for (int s = 0; s < 4; ++s) {                                        \
+                const float mid = 0.5f * (m16[4 + s] + m16[8 + s]);                                \
+                t[0][s] = m16[s] + mid;                                                            \
+                t[1][s] = 0.5f * (m16[4 + s] - m16[8 + s]);                                        \
+                t[2][s] = mid + m16[12 + s];                                                       \
+            }                                                                                      \
+            __global float* dw = part + k * width + c * 9;                                         \
+            _Pragma("unroll") for (int a = 0; a < 3; ++a) {                                        \
+                const float mid = 0.5f * (t[a][1] + t[a][2]);                                      \
+                dw[3 * a] = t[a][0] + mid;                                                         \
+                dw[3 * a + 1] = 0.5f * (t[a][1] - t[a][2]);                                        \
+                dw[3 * a + 2] = mid + t[a][3];                                                     \
+            }                                                                                      \
+        }                                                                                          \
+    }                                                                                              \
+}
+CONV_WINOGRAD_WGRAD(conv_winograd_wgrad_64x32, 64, 32)
+CONV_WINOGRAD_WGRAD(conv_winograd_wgrad_32x32, 32, 32)
+
 // x (A, B, L) from element x_offset -> out (B, A, L) from element out_offset, + bias (A) when
 // has_bias: conv2d's GEMM output (K, N, OH*OW) into NCHW (swap_axes01: x float, out act_t,
 // conv2d's output), and its gradient back (swap_axes01_act: x and out act_t, the gradient

@@ -3897,6 +3897,103 @@ def _conv_direct(filters, x, out, window, bias=None):
                     half=x.dtype == np.float16)
 
 
+# Where the device has the local memory and work-group size for them, conv2d's 3x3
+# convolutions at stride 1 take Winograd's F(2x2, 3x3) instead (kernels.cl:
+# conv_winograd_*): 16 multiplications per 2x2 output tile, filter and channel where the
+# direct convolution takes 36, for the forward, the input gradient (by the turned filters)
+# and the weight gradient (conv_winograd_wgrad_*, its tiles split over the compute units,
+# then summed by conv_wgrad_sum). _WINOGRAD False keeps the direct kernels. Per count of
+# output rows (the forward's filters, the input gradient's channels), the block (rows,
+# tiles); the weight gradient's block (filters, channels); the local memory and work-items
+# their largest block takes (the kernels' WINO_CK chunk of 8 channels or tiles, as float32).
+_WINOGRAD = True
+_WINOGRAD_BLOCKS = {64: (64, 32), 32: (32, 32)}
+_WINOGRAD_WGRAD_BLOCK = (64, 32)
+_WINOGRAD_CHUNK = 8
+_WINOGRAD_LOCAL_BYTES = 16 * _WINOGRAD_CHUNK * 96 * 4
+_WINOGRAD_THREADS = 512
+_WINOGRAD_SPLITS_PER_UNIT = 1
+
+
+def _winograd_fits(device, window):
+    """Whether conv2d's window is one conv_winograd computes (_direct_window's) and the
+    device has the local memory and work-group size its kernels take."""
+    info = device.cl_device
+    return (_WINOGRAD and _direct_window(window) and
+            info.local_mem_size >= _WINOGRAD_LOCAL_BYTES and
+            info.max_work_group_size >= _WINOGRAD_THREADS)
+
+
+def _winograd_filters(w, forward, turned):
+    """The float32 3x3 filters w (K, C, 3, 3) transformed for conv_winograd (U = G w G^T),
+    both layouts in one launch (kernels.cl: winograd_filters): (the forward's (16, C, Kp),
+    the input gradient's turned (16, K, Cp)), Kp and Cp K and C rounded up to multiples of
+    4; None for one not asked for."""
+    K, C = w.shape[:2]
+    Kp, Cp = _round_up(K, 4), _round_up(C, 4)
+    forward = _like(w, (16, C, Kp), np.float32) if forward else None
+    turned = _like(w, (16, K, Cp), np.float32) if turned else None
+    if w.size:  # the forward's C x Kp work-items, then the turned's K x Cp
+        w.device.launch("winograd_filters", *_grid(C * Kp + (K * Cp if turned else 0)), K, C,
+                        Kp, Cp, w.data,
+                        None if forward is None else forward.data,
+                        None if turned is None else turned.data)
+    return forward, turned
+
+
+def _winograd_tiles(N, window):
+    """The 2x2 output tiles of N samples of conv2d's window: (tiles, tile rows, tile
+    columns), the last two per sample."""
+    OH, OW = window[-2:]
+    TH, TW = _ceil_div(OH, 2), _ceil_div(OW, 2)
+    return N * TH * TW, TH, TW
+
+
+def _conv_winograd(filters, x, out, window, bias=None):
+    """out (N, M, OH, OW) = the convolution of x (N, C, H, W) by 3x3 filters at stride 1
+    (kernels.cl: conv_winograd_*) [+ bias (M,)], the filters transformed by
+    _winograd_filters: the forward's, or the input gradient's turned ones. x and out in one
+    storage (the build that runs)."""
+    (N, M), C = out.shape[:2], x.shape[1]
+    if not out.size:  # nothing to write (no launch: a grid of 0 work-items is an error
+        return        # before OpenCL 2.1)
+    rows, tiles = _WINOGRAD_BLOCKS[32 if M <= 32 else 64]
+    T, TH, TW = _winograd_tiles(N, window)
+    threads = rows * tiles // 4
+    x.device.launch(f"conv_winograd_{rows}x{tiles}",
+                    (_ceil_div(T, tiles) * threads, _ceil_div(M, rows)), (threads, 1), M, C,
+                    filters.shape[2], T, TH, TW, int(bias is not None), filters.data, x.data,
+                    None if bias is None else bias.data, out.data, *window,
+                    half=x.dtype == np.float16)
+
+
+def _winograd_wgrad(g, x, window, grad_w, grad_b=None):
+    """conv2d's weight gradient by Winograd's F(2x2, 3x3) (kernels.cl:
+    conv_winograd_wgrad_*): grad_w (K, C, 3, 3) = the sums over every pixel of g (N, K, OH,
+    OW) times x (N, C, H, W) at each tap, and with grad_b (K,) given, the sums of g into it.
+    The tiles split over the compute units; their partial sums, where there is more than one
+    or a bias, are summed by conv_wgrad_sum. Only where N, K and C are nonzero."""
+    (N, K), C = g.shape[:2], x.shape[1]
+    filters, channels = _WINOGRAD_WGRAD_BLOCK
+    T, TH, TW = _winograd_tiles(N, window)
+    blocks = _ceil_div(K, filters) * _ceil_div(C, channels)
+    splits = max(1, min(_ceil_div(_WINOGRAD_SPLITS_PER_UNIT * g.device.compute_units, blocks),
+                        _ceil_div(T, _WINOGRAD_CHUNK)))
+    chunk = _round_up(_ceil_div(T, splits), _WINOGRAD_CHUNK)
+    splits = _ceil_div(T, chunk)
+    width = C * 9 + (grad_b is not None)
+    direct = splits == 1 and grad_b is None  # the one split's sums are the gradient
+    parts = grad_w if direct else _like(g, (splits, K, width), np.float32)
+    threads = filters * channels // 4
+    g.device.launch(f"conv_winograd_wgrad_{filters}x{channels}",
+                    (splits * threads, _ceil_div(C, channels), _ceil_div(K, filters)),
+                    (threads, 1, 1), K, C, T, TH, TW, chunk, width, g.data, x.data, parts.data,
+                    *window, half=x.dtype == np.float16)
+    if not direct:
+        g.device.launch("conv_wgrad_sum", *_grid(K * width), splits, K, C * 9, width,
+                        parts.data, grad_w.data, None if grad_b is None else grad_b.data)
+
+
 def _part_bias_column(products, splits, taps, dw=None, db=None):
     """conv2d's weight-gradient products whose column `taps` sums g (a row of ones in the
     columns), (splits, K, taps + 1 [+ padding]), summed over the splits and parted
@@ -3997,17 +4094,27 @@ def conv2d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
     chunks = [(n0, min(per_chunk, N - n0)) for n0 in range(0, N, per_chunk)]
 
     half = _half_activations(X.device)
-    turned_filters = None  # the direct input gradient's, where the forward lays them out
-    tensor_cores = half and X.device.tensor_cores  # float16 operands, as in linear
+    turned_filters = None  # the input gradient's (direct or Winograd), where the forward
+    # lays them out
+    # GPUs' implicit GEMMs (_conv_gemm), direct convolutions (_conv_direct) and Winograd's
+    # (_conv_winograd): one group, x in the storage of the output (the build they run in),
+    # float32 weights, and per product the layout _CONV_BLOCKS's comment gives
+    gpu = (X.device.backend == "opencl" and X.device.gemm == "tiled" and G == 1 and
+           weight.dtype == np.float32 and 0 < N <= _MAX_GRID_BATCH)
+    # 3x3 windows at stride 1 by Winograd's F(2x2, 3x3) where the device allows, under
+    # autocast too, in place of the tensor cores: float16 storage and float32 sums, 16
+    # multiplications per tile where the tensor cores' product takes 36 (and no columns);
+    # a float32 x then goes through a float16 copy, as PyTorch's autocast casts it
+    winograd = (gpu and _winograd_fits(X.device, window) and
+                (X.dtype == np.float32 or half and X.dtype == np.float16))
+    if winograd and half and X.dtype == np.float32:
+        X = _cast(X, np.float16)
+    tensor_cores = half and X.device.tensor_cores and not winograd  # float16 operands
     if tensor_cores:  # (im2col rounds a float32 x as it copies it)
         X = X if X.dtype in (np.float16, np.float32) else _half_operand(X)
         weight_rows = _half_weight(w).reshape((K, group_taps))
-    # GPUs' implicit GEMMs (_conv_gemm) and direct convolutions (_conv_direct): not on
-    # tensor cores, one group, x in the storage of the output (the build they run in),
-    # float32 weights, and per product the layout _CONV_BLOCKS's comment gives
-    implicit = (X.device.backend == "opencl" and X.device.gemm == "tiled" and G == 1 and
-                not tensor_cores and X.dtype == (np.float16 if half else np.float32) and
-                weight.dtype == np.float32 and 0 < N <= _MAX_GRID_BATCH)
+    # (the kernels other than the tensor cores' have no float16 operands of their own)
+    implicit = gpu and not tensor_cores and X.dtype == (np.float16 if half else np.float32)
     # float32 outside autocast, whatever x's storage: swap_axes01 then runs its float build
     out = _like(X, (N, K, OH, OW), np.float16 if half else _compute_dtype(X.dtype))
     # Each group's filters and channels, for the NumPy versions: a group is an ordinary
@@ -4029,6 +4136,12 @@ def conv2d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
             if y is not out:
                 cl.enqueue_copy(X.device.queue, out.data, y.data, dst_offset=n0 * y.nbytes // nb,
                                 byte_count=y.nbytes)
+    elif out.size and winograd:
+        # the input gradient's filters in the same launch, where a backward will want them
+        recorded = bool(_state.tapes) and _state.grad_enabled[-1] and x.requires_grad
+        filters, turned_filters = _winograd_filters(weight, True,
+                                                    recorded and PH <= 2 and PW <= 2)
+        _conv_winograd(filters, X, out, window, None if bias is None else _float32(bias))
     elif out.size and implicit and _direct_window(window) and _direct_fits(X.device, N, K, C,
                                                                           window):
         # the input gradient's filters in the same launch, where a backward will want them
@@ -4110,15 +4223,31 @@ def conv2d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
             # dx of a direct convolution (padding within the window's span): the convolution
             # of g by the filters turned half a turn, padded by the rest of the span
             turned_window = (OH, OW, 3, 3, 1, 1, 2 - PH, 2 - PW, 1, 1, H, W)
+            # (Winograd's into float16 storage for a float32 x under autocast, then widened)
             grad_x_done = (grad_x is not None and implicit and _direct_window(window) and
-                           g.dtype == grad_x.dtype == X.dtype and PH <= 2 and PW <= 2 and
-                           _direct_fits(g.device, N, C, K, turned_window) is not None)
+                           g.dtype == X.dtype and PH <= 2 and PW <= 2 and
+                           (winograd or grad_x.dtype == X.dtype and
+                            _direct_fits(g.device, N, C, K, turned_window) is not None))
             if grad_x_done:
                 filters = turned_filters  # laid out by the forward, where it could tell
-                if filters is None:
-                    filters = _direct_filters(weight, False, True)[1]
-                _conv_direct(filters, g, grad_x, turned_window)
-            if implicit and g.dtype == X.dtype and w.requires_grad and L % 4 == 0:
+                if winograd:
+                    if filters is None:
+                        filters = _winograd_filters(weight, False, True)[1]
+                    target = grad_x if grad_x.dtype == X.dtype else _like(X)
+                    _conv_winograd(filters, g, target, turned_window)
+                    if target is not grad_x:
+                        _cast(target, grad_x.dtype, out=grad_x)
+                else:
+                    if filters is None:
+                        filters = _direct_filters(weight, False, True)[1]
+                    _conv_direct(filters, g, grad_x, turned_window)
+            if winograd and g.dtype == X.dtype and w.requires_grad and N * K * C:
+                grad_w = _like(weight)
+                if ones:
+                    grad_b = _like(weight, (K,), np.float32)
+                _winograd_wgrad(g, X, window, grad_w, grad_b)
+                explicit_w = False
+            elif implicit and g.dtype == X.dtype and w.requires_grad and L % 4 == 0:
                 # dw = g cols^T over every sample's pixels (g and x read in one build), and
                 # the bias gradient in the same product
                 grad_w = _like(weight)

@@ -2700,16 +2700,21 @@ def test_gpu_gemm_picks_its_kernel_by_shape(opencl, monkeypatch, m, k, n, trans_
     assert len(sums) == (splits > 1)  # the partial products' sum
 
 
-def test_gpu_conv2d_stores_no_columns(opencl, monkeypatch):
+@pytest.mark.parametrize("winograd", [True, False])
+def test_gpu_conv2d_stores_no_columns(opencl, monkeypatch, winograd):
     """On a GPU of 132 compute units, the benchmark's conv2d (64, 32, 28, 28) with 64 3x3
-    filters: the forward and the input gradient are direct convolutions (kernels.cl:
-    conv_direct_*, the second by the turned filters), after one launch that lays out the
-    filters for both, and the weight gradient an implicit GEMM (conv_wgrad_*) over every sample's
-    pixels, its long K split over the grid, then summed, with the bias gradient as one more
-    column of it (no sum of its own). No columns are stored: im2col, col2im and the
+    filters, after one launch that lays out the filters for the forward and the input
+    gradient: by Winograd's F(2x2, 3x3) (kernels.cl: conv_winograd_*), the forward, the input
+    gradient by the turned filters, and the weight gradient over every tile, split over the
+    compute units and summed, with the bias gradient as one more column of its sums; without
+    it (_WINOGRAD False, or a device without the local memory), the forward and the input
+    gradient direct convolutions (conv_direct_*), and the weight gradient an implicit GEMM
+    (conv_wgrad_*) over every sample's pixels, its long K split over the grid and summed, with
+    the bias gradient as one more column of it. No columns are stored: im2col, col2im and the
     transposing kernels never run. The launches are recorded, not run."""
     monkeypatch.setattr(opencl, "gemm", "tiled")
     monkeypatch.setattr(opencl, "compute_units", 132)
+    monkeypatch.setattr(netcl, "_WINOGRAD", winograd)
     launched = []
     monkeypatch.setattr(opencl, "launch", lambda name, grid, *args, **kwargs:
                         launched.append((name, grid)))
@@ -2718,6 +2723,17 @@ def test_gpu_conv2d_stores_no_columns(opencl, monkeypatch):
     with netcl.Tape() as tape:
         out = F.conv2d(x, w, b, padding=1)
     tape.backward(out, grad=netcl.Tensor.empty(out.shape, queue=opencl.queue))
+    if winograd:
+        # the filters: a work-item per filter and channel for each layout; 64 * 14 * 14
+        # tiles of 2x2 pixels: the forward's in blocks of 32 by 64 filters (512 work-items),
+        # the input gradient's in blocks of 32 by its 32 rows (256); the weight gradient's in
+        # 131 splits of 96 (132 units, one block of filters by channels)
+        assert launched == [("winograd_filters", (2 * 64 * 32,)),
+                            ("conv_winograd_64x32", (392 * 512, 1)),
+                            ("conv_winograd_32x32", (392 * 256, 1)),
+                            ("conv_winograd_wgrad_64x32", (131 * 512, 1, 1)),
+                            ("conv_wgrad_sum", (64 * (32 * 9 + 1),))]
+        return
     # the forward: 64 samples of 7 blocks of 128 pixels, one block of 64 filters; the input
     # gradient: 7 blocks of 128 pixels per sample, one block of its 32 rows; the weight
     # gradient's K, 64 * 784 pixels, in 105 chunks of 480 (_conv_plan)
@@ -2734,11 +2750,13 @@ IM2COL_BYTES = netcl._IM2COL_BYTES
 @XB_SETTINGS
 @given(data=st.data())
 def test_gpu_implicit_conv2d_matches_numpy(opencl, monkeypatch, data):
-    """GPUs' conv2d with few stored columns: with 3x3 filters at stride 1, undilated, the
-    forward a direct convolution (kernels.cl: conv_direct_*) in chunks of input channels
-    (unless its local memory would not hold one channel), and so the input gradient, by the
-    turned filters; else the forward an implicit GEMM (conv_fwd_*) and the input gradient a
-    product and col2im; the weight gradient an implicit GEMM (conv_wgrad_*).
+    """GPUs' conv2d with few stored columns: with 3x3 filters at stride 1, undilated, all
+    three by Winograd's F(2x2, 3x3) (kernels.cl: conv_winograd_*), the input gradient by the
+    turned filters, the weight gradient's tiles split or not; or without it (_WINOGRAD False),
+    the forward a direct convolution (conv_direct_*) in chunks of input channels (unless its
+    local memory would not hold one channel), and so the input gradient; else the forward an
+    implicit GEMM (conv_fwd_*) and the input gradient a product and col2im; the weight
+    gradient, where Winograd does not take it, an implicit GEMM (conv_wgrad_*).
     Each GEMM where the operand it reads in float4s has rows of a multiple of 4 (else that
     product takes im2col's columns), with a bias or not, the samples' columns in chunks or
     not: over blocks of filters and pixels and slices of K that the sizes leave ragged, the
@@ -2748,7 +2766,7 @@ def test_gpu_implicit_conv2d_matches_numpy(opencl, monkeypatch, data):
     draw = data.draw
     monkeypatch.setattr(opencl, "gemm", "tiled")
     monkeypatch.setattr(opencl, "compute_units", draw(st.sampled_from([2, 132])))
-    N, C, K = draw(st.integers(1, 3)), draw(st.sampled_from([1, 2, 4, 8, 12])), \
+    N, C, K = draw(st.integers(1, 3)), draw(st.sampled_from([1, 2, 4, 8, 12, 40])), \
         draw(st.sampled_from([1, 3, 8, 70]))
     square = draw(st.booleans())  # 3x3 filters at stride 1, undilated: the direct window
     R, S = (3, 3) if square else (draw(st.integers(1, 3)), draw(st.integers(1, 3)))
@@ -2766,7 +2784,9 @@ def test_gpu_implicit_conv2d_matches_numpy(opencl, monkeypatch, data):
     # the direct convolutions' chunks of input channels (a fresh plan cache: the limits
     # change between examples), or no local memory for them: the implicit GEMM's forward
     fits = draw(st.booleans())
-    direct = fits and (R, S) == (3, 3) and stride == dilation == (1, 1)
+    winograd = draw(st.booleans()) and (R, S) == (3, 3) and stride == dilation == (1, 1)
+    monkeypatch.setattr(netcl, "_WINOGRAD", winograd)
+    direct = fits and (R, S) == (3, 3) and stride == dilation == (1, 1) and not winograd
     monkeypatch.setattr(netcl, "_DIRECT_CHANNELS", draw(st.sampled_from([1, 3, 8])))
     monkeypatch.setattr(netcl, "_DIRECT_LOCAL_BYTES", 32 * 1024 if fits else 4)
     monkeypatch.setattr(netcl, "_direct_plan", functools.lru_cache(netcl._direct_plan.__wrapped__))
@@ -2789,27 +2809,41 @@ def test_gpu_implicit_conv2d_matches_numpy(opencl, monkeypatch, data):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=scale(want))
     conv = [name.rsplit("_", 1)[0] for name in launched if name.startswith("conv_")
             and name not in ("conv_wgrad_sum", "conv_filters")]
-    # the input gradient: a direct convolution where the padding is within the window's
-    # span, else a product and col2im
-    direct_x = direct and max(padding) <= 2
-    forward = ["conv_direct"] if direct else ["conv_fwd"] * (C * R * S % 4 == 0)
-    assert conv == forward + ["conv_direct"] * direct_x + ["conv_wgrad"] * (OH * OW % 4 == 0)
-    assert launched.count("conv_filters") == direct  # the forward lays out both layouts
+    # the input gradient: a direct (or Winograd) convolution where the padding is within the
+    # window's span, else a product and col2im
+    direct_x = (direct or winograd) and max(padding) <= 2
+    if winograd:
+        assert conv == ["conv_winograd"] * (1 + direct_x) + ["conv_winograd_wgrad"]
+        assert launched.count("winograd_filters") == 1  # the forward lays out both
+        assert launched.count("im2col") == 0
+        # the weight gradient's tiles split where the units outnumber its blocks of 64
+        # filters by 32 channels and there are more tiles than one chunk of 8
+        tiles = N * -(-OH // 2) * -(-OW // 2)
+        split = tiles > 8 and opencl.compute_units > -(-K // 64) * -(-C // 32)
+        assert launched.count("conv_wgrad_sum") == (with_bias or split)
+    else:
+        forward = ["conv_direct"] if direct else ["conv_fwd"] * (C * R * S % 4 == 0)
+        assert conv == (forward + ["conv_direct"] * direct_x
+                        + ["conv_wgrad"] * (OH * OW % 4 == 0))
+        assert launched.count("conv_filters") == direct  # the forward lays out both layouts
+        assert launched.count("im2col") == ((not direct and C * R * S % 4 != 0)
+                                            + (OH * OW % 4 != 0)) * chunks
+        # the bias gradient: a column of the weight gradient's product (per chunk of samples
+        # where the weight gradient takes im2col's columns)
+        implicit_w = OH * OW % 4 == 0
+        assert launched.count("conv_wgrad_sum") == with_bias * (1 if implicit_w else chunks)
     assert launched.count("col2im") == (not direct_x) * chunks
-    assert launched.count("im2col") == ((not direct and C * R * S % 4 != 0)
-                                        + (OH * OW % 4 != 0)) * chunks
-    # the bias gradient: a column of the weight gradient's product (per chunk of samples
-    # where the weight gradient takes im2col's columns)
-    implicit_w = OH * OW % 4 == 0
-    assert launched.count("conv_wgrad_sum") == with_bias * (1 if implicit_w else chunks)
 
 
-@pytest.mark.parametrize("gemm", ["tiled", "packed"])
+@pytest.mark.parametrize("gemm", ["winograd", "tiled", "packed"])
 def test_conv2d_weight_gradient_with_a_frozen_bias(opencl, monkeypatch, gemm):
     """A bias that needs no gradient leaves the weight gradient's product as it is (no
-    column of ones: GPUs' implicit one, CPU devices' packed one), and the weight gradient
-    right; a trainable bias with a frozen weight gets its gradient from sums of its own."""
-    monkeypatch.setattr(opencl, "gemm", gemm)
+    column of ones: GPUs' Winograd sums, on one compute unit written in place, and their
+    implicit GEMM, CPU devices' packed one), and the weight gradient right; a trainable bias
+    with a frozen weight gets its gradient from sums of its own."""
+    monkeypatch.setattr(opencl, "gemm", "packed" if gemm == "packed" else "tiled")
+    monkeypatch.setattr(netcl, "_WINOGRAD", gemm == "winograd")
+    monkeypatch.setattr(opencl, "compute_units", 1)
     rng = np.random.default_rng(5)
     x, w, b = (rng.standard_normal(s).astype(np.float32) for s in
                ((2, 3, 6, 6), (5, 3, 3, 3), (5,)))
@@ -2834,7 +2868,8 @@ def test_conv2d_weight_gradient_with_a_frozen_bias(opencl, monkeypatch, gemm):
         for got, want in zip(results[1], results[0]):
             np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
     assert "conv_wgrad_sum" not in launched
-    assert launched.count("conv_wgrad_64x64" if gemm == "tiled" else "im2col_panels_t") == 1
+    assert launched.count({"winograd": "conv_winograd_wgrad_64x32", "tiled": "conv_wgrad_64x64",
+                           "packed": "im2col_panels_t"}[gemm]) == 1
 
 
 @pytest.mark.parametrize("shapes", [((0, 3, 6, 6), (5, 3, 3, 3)), ((2, 0, 6, 6), (5, 0, 3, 3))])
@@ -2865,6 +2900,7 @@ def test_gpu_direct_input_gradient_lays_out_its_own_filters(opencl, monkeypatch)
     backward lays out the turned filters itself (conv_filters, one launch) for its direct
     convolution: the NumPy backend's output and gradients."""
     monkeypatch.setattr(opencl, "gemm", "tiled")
+    monkeypatch.setattr(netcl, "_WINOGRAD", False)  # (else Winograd's kernels take all three)
     # 8x8 pixels at padding 1: a 10x10 halo; per channel the forward's block takes
     # 4 * (64*9 + 100) bytes, the input gradient's 4 * (32*9 + 100)
     monkeypatch.setattr(netcl, "_DIRECT_LOCAL_BYTES", 2000)
@@ -4380,7 +4416,9 @@ def test_split_of_float16_storage_keeps_its_gradients_in_float16(opencl, monkeyp
     float16 storage, as PyTorch keeps a gradient in its tensor's dtype: the gradient buffer
     is put together in that storage (copy_rows in the float16 build), with no cast to float32
     and back on the way; x's and w's gradients are the float32 run's up to float16
-    rounding, zero where a piece got no gradient."""
+    rounding, zero where a piece got no gradient. (The packed GEMM on every device: the
+    tiled one's weight gradient reads g as float32, a cast of linear's own.)"""
+    monkeypatch.setattr(opencl, "gemm", "packed")
     rng = np.random.default_rng(3)
     x_host, w_host = rng.standard_normal((6, 5, 8)), rng.standard_normal((6, 8)) / 3
     launched = []
@@ -4877,14 +4915,54 @@ def test_autocast_grouped_dilated_conv2d_is_the_float32_result_rounded(opencl, m
         np.testing.assert_array_equal(g16, g32)
 
 
+@pytest.mark.usefixtures("portable_half")
+def test_autocast_winograd_conv2d_reads_a_float32_input_from_a_float16_copy(opencl,
+                                                                            monkeypatch):
+    """Under autocast a float32 input to Winograd's conv2d is read from a float16 copy (one
+    cast_to_act, as PyTorch's autocast casts it): the output is the float32 convolution of
+    the rounded input, rounded once; the input gradient in the input's float32 storage, the
+    float16 one widened; the weight and bias gradients float32, those of the rounded input."""
+    monkeypatch.setattr(opencl, "gemm", "tiled")
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((2, 8, 7, 6)).astype(np.float32)
+    weights = [rng.standard_normal((16, 8, 3, 3)) / 5, rng.standard_normal(16)]
+    seed = rng.standard_normal((2, 16, 7, 6)).astype(np.float16).astype(np.float32)
+    launched = []
+    launch = opencl.launch
+    monkeypatch.setattr(opencl, "launch", lambda name, *args, **kwargs: (
+        launched.append(name), launch(name, *args, **kwargs)))
+    results = {}
+    for enabled in (False, True):  # float32 on the rounded input, then autocast on x
+        leaves = [param(x.astype(np.float16).astype(np.float32) if not enabled else x,
+                        opencl)] + [param(w, opencl) for w in weights]
+        launched.clear()
+        with netcl.Tape() as tape, netcl.autocast(enabled=enabled):
+            out = F.conv2d(*leaves, padding=1)
+        tape.backward(out, grad=seed)
+        results[enabled] = host(out), [host(p.grad) for p in leaves]
+    assert launched.count("conv_winograd_32x32") == 2 and "im2col" not in launched
+    assert launched[0] == "cast_to_act"  # x's float16 copy
+    (single, (dx32, *dw32)), (half, (dx16, *dw16)) = results[False], results[True]
+    assert half.dtype == np.float16 and dx16.dtype == np.float32
+    np.testing.assert_array_equal(half, single.astype(np.float16))
+    np.testing.assert_array_equal(dx16, dx32.astype(np.float16).astype(np.float32))
+    for g16, g32 in zip(dw16, dw32):
+        assert g16.dtype == np.float32
+        np.testing.assert_array_equal(g16, g32)
+
+
+@pytest.mark.parametrize("winograd", [True, False])
 @pytest.mark.parametrize("units", [2, 132])  # 2: a float32 forward's K split over the grid
 @pytest.mark.usefixtures("portable_half")
-def test_autocast_implicit_conv2d_is_the_float32_result_rounded(opencl, monkeypatch, units):
-    """Under autocast GPUs' implicit GEMMs (both, and the bias gradient in the weight
-    gradient's) read and write float16 storage: the float32 result on the same values,
+def test_autocast_implicit_conv2d_is_the_float32_result_rounded(opencl, monkeypatch, units,
+                                                                winograd):
+    """Under autocast GPUs' convolutions without tensor cores (Winograd's, or the direct
+    ones and the weight gradient's implicit GEMM, with the bias gradient in the weight
+    gradient's sums) read and write float16 storage: the float32 result on the same values,
     rounded once, and the same float32 weight and bias gradients."""
     monkeypatch.setattr(opencl, "gemm", "tiled")
     monkeypatch.setattr(opencl, "compute_units", units)
+    monkeypatch.setattr(netcl, "_WINOGRAD", winograd)
     if units == 2:  # short K split too (plans made under these limits are not kept)
         monkeypatch.setattr(netcl, "_SPLIT_K_MIN", 16)
         monkeypatch.setattr(netcl, "_VECTOR_SPLIT_K_MIN", 16)
@@ -4908,7 +4986,8 @@ def test_autocast_implicit_conv2d_is_the_float32_result_rounded(opencl, monkeypa
         products = sorted(name.rsplit("_", 1)[0] for name, half in launched
                           if name.startswith("conv_") and half == enabled  # in the build
                           and name not in ("conv_wgrad_sum", "conv_filters"))  # of the storage
-        assert products == ["conv_direct", "conv_direct", "conv_wgrad"]
+        assert products == (["conv_winograd", "conv_winograd", "conv_winograd_wgrad"] if winograd
+                            else ["conv_direct", "conv_direct", "conv_wgrad"])
         assert [name for name, _ in launched].count("conv_wgrad_sum") == 1
     (single, (dx32, *dw32)), (half, (dx16, *dw16)) = results[False], results[True]
     assert half.dtype == dx16.dtype == np.float16
@@ -7237,6 +7316,35 @@ def test_linear_on_tensor_cores_reads_a_float32_input_without_a_cast(
     assert launched[:3] == ["expand_axis", "expand_axis", "cast_to_act"]
     assert [name for name in launched[3:] if name.startswith(("gemm", "cast"))] == \
         weight_gradient
+
+
+@pytest.mark.parametrize("stride", [1, 2])
+def test_autocast_conv2d_takes_winograd_before_the_tensor_cores(opencl, monkeypatch, stride):
+    """Under autocast on a device with tensor cores (132 compute units), conv2d of a float16
+    input by 3x3 filters at stride 1 runs Winograd's kernels in the float16-storage build, all
+    three products, with no columns and no tensor-core product; at stride 2 it keeps the
+    tensor cores' columns and products. The launches are recorded, not run."""
+    for name, value in (("_tensor_cores", True), ("compute_units", 132), ("gemm", "tiled")):
+        monkeypatch.setattr(opencl, name, value)
+    launched = []
+    monkeypatch.setattr(opencl, "launch", lambda name, *args, **kwargs:
+                        launched.append((name, kwargs.get("half", False))))
+    x = netcl.Parameter(netcl.Tensor.empty((8, 16, 12, 12), np.float16, opencl.queue))
+    w, b = (netcl.Parameter(netcl.Tensor.empty(shape, queue=opencl.queue))
+            for shape in ((32, 16, 3, 3), (32,)))
+    with netcl.Tape() as tape, netcl.autocast():
+        out = F.conv2d(x, w, b, stride=stride, padding=1)
+    assert out.dtype == np.float16
+    tape.backward(out, grad=netcl.Tensor.empty(out.shape, np.float16, opencl.queue))
+    names = [name for name, _ in launched]
+    winograd = [(name, half) for name, half in launched if name.startswith("conv_winograd")]
+    if stride == 1:
+        assert winograd == [("conv_winograd_32x32", True)] * 2 + [
+            ("conv_winograd_wgrad_64x32", True)]
+        assert not any(name.startswith(("gemm", "im2col", "col2im")) for name in names)
+    else:
+        assert winograd == [] and any(name.startswith("gemm_tc") for name in names)
+        assert any(name.startswith("im2col") for name in names)
 
 
 @pytest.mark.parametrize("layout, m, n, k", [
