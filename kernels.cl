@@ -2080,7 +2080,7 @@ __kernel void conv_filters(const int K, const int C, const int RS, __global cons
 // weight gradient is its transpose: dw = G^T [sum over tiles of (A dy A^T) ⊙ V] G, with
 // dy the tile's 2x2 output gradients (conv_winograd_wgrad). The transforms add and halve
 // only, so the results are within a few float32 roundings of the direct sums.
-#define WINO_CK 8  // the channels (the weight gradient: tiles) a chunk copies to local memory
+#define WINO_CK 8  // the tiles a chunk of the weight gradient forms in local memory
 
 // u (4x4, row-major) = G f G^T of one 3x3 filter f (row-major)
 inline void wino_filter(const float f[9], float u[16]) {
@@ -2146,15 +2146,15 @@ inline void wino_input_half(__global const act_t* p, const int row, const int co
     }
 }
 
-// acc[i][j] += the products over one chunk of WINO_CK steps of a 16-place product: at each
+// acc[i][j] += the products over a chunk of STEPS steps of a 16-place product: at each
 // step a row (rows_a apart) of a local operand `A_` for rows 4 ga + i % 4 + (BA / 2)(i / 4)
 // and one of `B_` for columns 4 gb + j % 4 + (BB / 2)(j / 4), both read in float4s; with
 // `swizzle`, the float4s of step s are stored at (float4 index) ^ s (conv_winograd_wgrad).
-#define WINO_PRODUCTS(A_, B_, BA, BB, swizzle)                                                     \
-    for (int s = 0; s < WINO_CK; ++s) {                                                            \
+#define WINO_PRODUCTS(A_, B_, BA, BB, swizzle, STEPS)                                              \
+    for (int s = 0; s < (STEPS); ++s) {                                                            \
         const int z = (swizzle) ? s : 0;                                                           \
-        __local const float4* a4 = A_ + (xi * WINO_CK + s) * (BA / 4);                             \
-        __local const float4* b4 = B_ + (xi * WINO_CK + s) * (BB / 4);                             \
+        __local const float4* a4 = A_ + (xi * (STEPS) + s) * (BA / 4);                             \
+        __local const float4* b4 = B_ + (xi * (STEPS) + s) * (BB / 4);                             \
         const float4 a0 = a4[ga ^ z], a1 = a4[(ga + BA / 8) ^ z];                                  \
         const float4 b0 = b4[gb ^ z], b1 = b4[(gb + BB / 8) ^ z];                                  \
         const float a[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};                       \
@@ -2184,57 +2184,8 @@ inline void wino_input_half(__global const act_t* p, const int row, const int co
         m16[p] = o[(p * (BA / 4) + rr) * (BB + 1) + cc];                                           \
     const int ra = 4 * (rr % (BA / 8)) + (2 * (r)) % 4 + rr / (BA / 8) + (BA / 2) * ((r) / 2);     \
 
-// The forward (and the input gradient): a work-group computes BM output channels at BT
-// tiles (of the T = N * TH * TW of the batch, TH x TW per sample) for all 16 places.
-// Work-item (xi, gb, ga) sums 8 of them by 8 tiles at one place xi (a warp per place: the
-// lanes of a float4 load read different float4s, or the same). For each chunk of WINO_CK
-// input channels the group copies their U (16 x WINO_CK x BM, from u (16, C, Mp):
-// winograd_filters) and forms the V of its tiles (16 x WINO_CK x BT, each work-item half of
-// one) in local memory. Then, rounds of WINO_GATHER and Y = A^T M A per (channel, tile):
-// out (N, M, OH, OW) [+ bias (M,)]. x and out in the build's storage (act_t), sums float32.
-#define CONV_WINOGRAD(NAME, BM, BT)                                                                \
-__kernel __attribute__((reqd_work_group_size(BM * BT / 4, 1, 1)))                                  \
-void NAME(const int M, const int C, const int Mp, const int T, const int TH, const int TW,         \
-          const int has_bias, __global const float* u, __global const act_t* x,                    \
-          __global const float* bias, __global act_t* out, WINDOW_ARGS) {                          \
-    const int THREADS = BM * BT / 4, SUM_A = 0;                                                    \
-    __local float4 lds[16 * WINO_CK * (BM + BT) / 4];                                              \
-    __local float4* us = lds;                                                                      \
-    __local float4* vs = lds + 16 * WINO_CK * BM / 4;                                              \
-    __local float* o = (__local float*)lds;                                                        \
-    const int tid = get_local_id(0), ga = tid % (BM / 8), gb = tid / (BM / 8) % (BT / 8);          \
-    const int xi = tid / (BM * BT / 64);                                                           \
-    const int t0 = get_group_id(0) * BT, m0 = get_group_id(1) * BM, plane = TH * TW;               \
-    float acc[8][8], sum_a[8];                                                                     \
-    _Pragma("unroll") for (int i = 0; i < 8; ++i)                                                  \
-        _Pragma("unroll") for (int j = 0; j < 8; ++j) acc[i][j] = 0.0f;                            \
-    for (int c0 = 0; c0 < C; c0 += WINO_CK) {                                                      \
-        for (int e = tid; e < 16 * WINO_CK * BM / 4; e += THREADS) {                               \
-            const int q = e % (BM / 4), rest = e / (BM / 4), ck = rest % WINO_CK;                  \
-            const int m = m0 + 4 * q, c = c0 + ck;                                                 \
-            us[e] = c < C && m < Mp ? vload4(0, u + ((rest / WINO_CK) * C + c) * Mp + m)           \
-                                    : (float4)(0.0f);                                              \
-        }                                                                                          \
-        for (int e = tid; e < WINO_CK * BT * 2; e += THREADS) {                                    \
-            const int t = e % BT, ck = e / BT % WINO_CK, upper = e / (BT * WINO_CK);               \
-            const int tile = t0 + t, c = c0 + ck;                                                  \
-            float v[8];                                                                            \
-            if (tile < T && c < C) {                                                               \
-                const int n = tile / plane, th = (tile - n * plane) / TW;                          \
-                const int tw = tile - n * plane - th * TW;                                         \
-                wino_input_half(x + ((size_t)n * C + c) * H * W, 2 * th - PH, 2 * tw - PW,         \
-                                H, W, upper, v);                                                   \
-            } else {                                                                               \
-                _Pragma("unroll") for (int k = 0; k < 8; ++k) v[k] = 0.0f;                         \
-            }                                                                                      \
-            __local float* vf = (__local float*)vs;                                                \
-            _Pragma("unroll") for (int k = 0; k < 8; ++k)                                          \
-                vf[((8 * upper + k) * WINO_CK + ck) * BT + t] = v[k];                              \
-        }                                                                                          \
-        barrier(CLK_LOCAL_MEM_FENCE);                                                              \
-        WINO_PRODUCTS(us, vs, BM, BT, 0)                                                           \
-        barrier(CLK_LOCAL_MEM_FENCE);                                                              \
-    }                                                                                              \
+// conv_winograd's end: rounds of WINO_GATHER, then Y = A^T M A (+ bias) into out.
+#define WINO_OUTPUT(BM, BT)                                                                        \
     for (int r = 0; r < 4; ++r) {                                                                  \
         float m16[16];                                                                             \
         WINO_GATHER(r, o, BM, BT, m16, row)                                                        \
@@ -2256,11 +2207,94 @@ void NAME(const int M, const int C, const int Mp, const int T, const int TH, con
                 if (ow + 1 < OW) STORE(y, oh * OW + ow + 1, s[a][1] - s[a][2] - s[a][3] + b);      \
             }                                                                                      \
         }                                                                                          \
+    }
+
+
+// The forward (and the input gradient): a work-group computes BM output channels at BT
+// tiles (of the T = N * TH * TW of the batch, TH x TW per sample) for all 16 places.
+// Work-item (xi, gb, ga) sums 8 of them by 8 tiles at one place xi (a warp per place: the
+// lanes of a float4 load read different float4s, or the same). The input channels go in
+// chunks of WINO_FWD_CK through two local buffers: each chunk's U (16 x WINO_FWD_CK x BM,
+// from u (16, C, Mp): winograd_filters) and V of the group's tiles (16 x WINO_FWD_CK x BT,
+// a row of one per unit: 64 / BM units a work-item), loaded from global memory into
+// registers before the products of the chunk before it, and stored (V transformed) into
+// the other buffer after them: the loads' latency under the products, one barrier a chunk.
+// Then WINO_OUTPUT: out (N, M, OH, OW) [+ bias (M,)]. x and out in the build's storage
+// (act_t), sums float32.
+#define WINO_FWD_CK 4
+#define CONV_WINOGRAD(NAME, BM, BT)                                                                \
+__kernel __attribute__((reqd_work_group_size(BM * BT / 4, 1, 1)))                                  \
+void NAME(const int M, const int C, const int Mp, const int T, const int TH, const int TW,         \
+          const int has_bias, __global const float* u, __global const act_t* x,                    \
+          __global const float* bias, __global act_t* out, WINDOW_ARGS) {                          \
+    const int THREADS = BM * BT / 4, SUM_A = 0, UN = 64 / BT, VN = 64 / BM;                        \
+    const int STAGE = 16 * WINO_FWD_CK * (BM + BT) / 4;  /* float4s of one buffer */               \
+    __local float4 lds[2 * 16 * WINO_FWD_CK * (BM + BT) / 4];                                      \
+    __local float* o = (__local float*)lds;                                                        \
+    const int tid = get_local_id(0), ga = tid % (BM / 8), gb = tid / (BM / 8) % (BT / 8);          \
+    const int xi = tid / (BM * BT / 64);                                                           \
+    const int t0 = get_group_id(0) * BT, m0 = get_group_id(1) * BM, plane = TH * TW;               \
+    float acc[8][8], sum_a[8];                                                                     \
+    _Pragma("unroll") for (int i = 0; i < 8; ++i)                                                  \
+        _Pragma("unroll") for (int j = 0; j < 8; ++j) acc[i][j] = 0.0f;                            \
+    float4 ureg[64 / BT];                                                                          \
+    float vreg[64 / BM][8];                                                                        \
+    for (int c0 = -WINO_FWD_CK; c0 < C; c0 += WINO_FWD_CK) {                                       \
+        const int next = c0 + WINO_FWD_CK;                                                         \
+        if (next < C) {  /* the next chunk's loads */                                              \
+            _Pragma("unroll") for (int l = 0; l < UN; ++l) {                                       \
+                const int e = tid + l * THREADS, q = e % (BM / 4), rest = e / (BM / 4);            \
+                const int m = m0 + 4 * q, c = next + rest % WINO_FWD_CK;                           \
+                ureg[l] = c < C && m < Mp ? vload4(0, u + ((rest / WINO_FWD_CK) * C + c) * Mp + m) \
+                                          : (float4)(0.0f);                                        \
+            }                                                                                      \
+            _Pragma("unroll") for (int l = 0; l < VN; ++l) {                                       \
+                const int e = tid + l * THREADS, t = e % BT, ck = e / BT % WINO_FWD_CK;            \
+                const int row = e / (BT * WINO_FWD_CK), tile = t0 + t, c = next + ck;              \
+                /* row i of B^T d takes d's rows ra and rb */                                      \
+                const int ra = row == 0 ? 0 : 1, rb = row == 3 ? 3 : 2;                            \
+                _Pragma("unroll") for (int s = 0; s < 8; ++s) vreg[l][s] = 0.0f;                   \
+                if (tile < T && c < C) {                                                           \
+                    const int n = tile / plane, th = (tile - n * plane) / TW;                      \
+                    const int tw = tile - n * plane - th * TW;                                     \
+                    __global const act_t* p = x + ((size_t)n * C + c) * H * W;                     \
+                    const int h0 = 2 * th - PH, w0 = 2 * tw - PW;                                  \
+                    _Pragma("unroll") for (int s = 0; s < 4; ++s) {                                \
+                        const int w = w0 + s, ha = h0 + ra, hb = h0 + rb;                          \
+                        const int in_w = w >= 0 && w < W;                                          \
+                        if (in_w && ha >= 0 && ha < H) vreg[l][s] = LOAD(p, ha * W + w);           \
+                        if (in_w && hb >= 0 && hb < H) vreg[l][4 + s] = LOAD(p, hb * W + w);       \
+                    }                                                                              \
+                }                                                                                  \
+            }                                                                                      \
+        }                                                                                          \
+        if (c0 >= 0) {  /* this chunk's products */                                                \
+            __local const float4* us = lds + ((c0 / WINO_FWD_CK) & 1) * STAGE;                     \
+            __local const float4* vs = us + 16 * WINO_FWD_CK * BM / 4;                             \
+            WINO_PRODUCTS(us, vs, BM, BT, 0, WINO_FWD_CK)                                          \
+        }                                                                                          \
+        if (next < C) {  /* the next chunk into the other buffer */                                \
+            __local float4* us = lds + ((next / WINO_FWD_CK) & 1) * STAGE;                         \
+            __local float* vf = (__local float*)(us + 16 * WINO_FWD_CK * BM / 4);                  \
+            _Pragma("unroll") for (int l = 0; l < UN; ++l) us[tid + l * THREADS] = ureg[l];        \
+            _Pragma("unroll") for (int l = 0; l < VN; ++l) {                                       \
+                const int e = tid + l * THREADS, t = e % BT, ck = e / BT % WINO_FWD_CK;            \
+                const int row = e / (BT * WINO_FWD_CK);                                            \
+                float r[4];  /* row `row` of B^T d, then times B */                                \
+                _Pragma("unroll") for (int s = 0; s < 4; ++s) {                                    \
+                    const float a = vreg[l][s], b = vreg[l][4 + s];                                \
+                    r[s] = row == 0 ? a - b : row == 1 ? a + b : row == 2 ? b - a : a - b;         \
+                }                                                                                  \
+                const float v[4] = {r[0] - r[2], r[1] + r[2], r[2] - r[1], r[1] - r[3]};           \
+                _Pragma("unroll") for (int s = 0; s < 4; ++s)                                      \
+                    vf[((4 * row + s) * WINO_FWD_CK + ck) * BT + t] = v[s];                        \
+            }                                                                                      \
+        }                                                                                          \
+        barrier(CLK_LOCAL_MEM_FENCE);                                                              \
     }                                                                                              \
+    WINO_OUTPUT(BM, BT)                                                                            \
 }
 CONV_WINOGRAD(conv_winograd_64x32, 64, 32)
-CONV_WINOGRAD(conv_winograd_32x64, 32, 64)
-CONV_WINOGRAD(conv_winograd_64x16, 64, 16)
 CONV_WINOGRAD(conv_winograd_32x32, 32, 32)
 
 // The weight gradient: a work-group sums, over the tiles of its split (`chunk` of the T,
@@ -2334,7 +2368,7 @@ void NAME(const int K, const int C, const int T, const int TH, const int TW, con
                 vf[((8 * upper + k) * WINO_CK + t) * BC + (ck ^ (4 * t))] = v[k];                  \
         }                                                                                          \
         barrier(CLK_LOCAL_MEM_FENCE);                                                              \
-        WINO_PRODUCTS(ys, vs, BK, BC, 1)                                                           \
+        WINO_PRODUCTS(ys, vs, BK, BC, 1, WINO_CK)                                                  \
         barrier(CLK_LOCAL_MEM_FENCE);                                                              \
     }                                                                                              \
     __global float* part = parts + (size_t)split * K * width;                                      \

@@ -3904,8 +3904,11 @@ def _conv_direct(filters, x, out, window, bias=None):
 # and the weight gradient (conv_winograd_wgrad_*, its tiles split over the compute units,
 # then summed by conv_wgrad_sum). _WINOGRAD False keeps the direct kernels. Per count of
 # output rows (the forward's filters, the input gradient's channels), the block (rows,
-# tiles); the weight gradient's block (filters, channels); the local memory and work-items
-# their largest block takes (the kernels' WINO_CK chunk of 8 channels or tiles, as float32).
+# tiles), a work-item per 64 outputs; the weight gradient's block (filters, channels); the
+# local memory and work-items their largest block takes (the forward's two buffers of 4
+# channels, the weight gradient's chunk of 8 tiles, as float32). The kernels' own
+# CL_KERNEL_WORK_GROUP_SIZE is no guide: an H100's driver reports 256 for kernels that it
+# builds for, and runs in, work-groups of 512.
 _WINOGRAD = True
 _WINOGRAD_BLOCKS = {64: (64, 32), 32: (32, 32)}
 _WINOGRAD_WGRAD_BLOCK = (64, 32)

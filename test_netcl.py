@@ -2744,6 +2744,35 @@ def test_gpu_conv2d_stores_no_columns(opencl, monkeypatch, winograd):
     assert launched[3][1][2] == 105
 
 
+@pytest.mark.parametrize("short", ["local memory", "work-items"])
+def test_gpu_conv2d_without_winograds_resources_takes_the_direct_kernels(opencl, monkeypatch,
+                                                                        short):
+    """A device with less than the 48 KiB of local memory Winograd's kernels take, or with
+    work-groups smaller than their 512 work-items, runs 3x3 convolutions at stride 1 by the
+    direct kernels: the NumPy backend's output and gradients."""
+    monkeypatch.setattr(opencl, "gemm", "tiled")
+    if short == "local memory":
+        monkeypatch.setattr(netcl, "_WINOGRAD_LOCAL_BYTES", opencl.cl_device.local_mem_size + 1)
+    else:
+        monkeypatch.setattr(netcl, "_WINOGRAD_THREADS", opencl.cl_device.max_work_group_size + 1)
+    launched = []
+    launch = opencl.launch
+    monkeypatch.setattr(opencl, "launch", lambda name, *args, **kwargs: (
+        launched.append(name), launch(name, *args, **kwargs)))
+    rng = np.random.default_rng(8)
+    arrays = [rng.standard_normal(s).astype(np.float32) for s in
+              ((2, 3, 8, 8), (64, 3, 3, 3), (64,))]
+    g = rng.standard_normal((2, 64, 8, 8)).astype(np.float32)
+    op = lambda x, w, b: F.conv2d(x, w, b, padding=1)
+    want_out, want_grads = run_op(op, arrays, g, netcl.manager.default("cpu"))
+    got_out, got_grads = run_op(op, arrays, g, opencl)
+    np.testing.assert_allclose(got_out, want_out, rtol=1e-4, atol=1e-4)
+    for got, want in zip(got_grads, want_grads):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    assert not any("winograd" in name for name in launched)
+    assert launched.count("conv_direct_64x128") == 1
+
+
 IM2COL_BYTES = netcl._IM2COL_BYTES
 
 
