@@ -3918,11 +3918,15 @@ _WINOGRAD_THREADS = 512
 _WINOGRAD_SPLITS_PER_UNIT = 1
 
 
-def _winograd_fits(device, window):
-    """Whether conv2d's window is one conv_winograd computes (_direct_window's) and the
-    device has the local memory and work-group size its kernels take."""
+def _winograd_fits(device, N, window):
+    """Whether conv2d's window is one conv_winograd computes (_direct_window's), the
+    device has the local memory and work-group size its kernels take, and N samples' 2x2
+    tiles of the output and of the input (the input gradient's output) have their 16
+    work-items each below 2**31 (the kernels count tiles in 32 bits)."""
     info = device.cl_device
-    return (_WINOGRAD and _direct_window(window) and
+    H, W, OH, OW = window[0], window[1], window[-2], window[-1]
+    tiles = N * _ceil_div(max(H, OH), 2) * _ceil_div(max(W, OW), 2)
+    return (_WINOGRAD and _direct_window(window) and 16 * tiles < 2 ** 31 and
             info.local_mem_size >= _WINOGRAD_LOCAL_BYTES and
             info.max_work_group_size >= _WINOGRAD_THREADS)
 
@@ -4108,7 +4112,7 @@ def conv2d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
     # autocast too, in place of the tensor cores: float16 storage and float32 sums, 16
     # multiplications per tile where the tensor cores' product takes 36 (and no columns);
     # a float32 x then goes through a float16 copy, as PyTorch's autocast casts it
-    winograd = (gpu and _winograd_fits(X.device, window) and
+    winograd = (gpu and _winograd_fits(X.device, N, window) and
                 (X.dtype == np.float32 or half and X.dtype == np.float16))
     if winograd and half and X.dtype == np.float32:
         X = _cast(X, np.float16)

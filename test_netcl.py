@@ -2755,6 +2755,8 @@ def test_gpu_conv2d_without_winograds_resources_takes_the_direct_kernels(opencl,
         monkeypatch.setattr(netcl, "_WINOGRAD_LOCAL_BYTES", opencl.cl_device.local_mem_size + 1)
     else:
         monkeypatch.setattr(netcl, "_WINOGRAD_THREADS", opencl.cl_device.max_work_group_size + 1)
+    window = netcl._window("conv2d", (2, 3, 8, 8), (3, 3), (1, 1), (1, 1), (1, 1))
+    assert not netcl._winograd_fits(opencl, 2, window)
     launched = []
     launch = opencl.launch
     monkeypatch.setattr(opencl, "launch", lambda name, *args, **kwargs: (
@@ -2771,6 +2773,17 @@ def test_gpu_conv2d_without_winograds_resources_takes_the_direct_kernels(opencl,
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
     assert not any("winograd" in name for name in launched)
     assert launched.count("conv_direct_64x128") == 1
+
+
+def test_winograd_counts_its_tiles_in_32_bits(opencl):
+    """Winograd's kernels take a batch whose tiles of the output and of the input, 16
+    work-items each, stay below 2**31; beyond that (a long batch of large images) conv2d
+    takes other kernels."""
+    window = netcl._window("conv2d", (1, 3, 1024, 1024), (3, 3), (1, 1), (1, 1), (1, 1))
+    per_sample = 512 * 512  # 2x2 tiles of a 1024x1024 image
+    largest = (2 ** 31 - 1) // (16 * per_sample)
+    assert netcl._winograd_fits(opencl, largest, window)
+    assert not netcl._winograd_fits(opencl, largest + 1, window)
 
 
 IM2COL_BYTES = netcl._IM2COL_BYTES
