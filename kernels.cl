@@ -43,6 +43,9 @@
 #ifndef CPU_DEVICE  // 1 on CPU devices (PoCL): see the gradient norms' loops
 #define CPU_DEVICE 0
 #endif
+#ifndef WINOGRAD  // 1 where conv2d's Winograd kernels fit: 48 KiB of local memory, 512 work-items
+#define WINOGRAD 0
+#endif
 #ifndef PANEL_ROWS  // the packed GEMM's block of C on CPU devices (see there): 6x16 or 12x32
 #define PANEL_ROWS 6
 #endif
@@ -2066,6 +2069,7 @@ __kernel void conv_filters(const int K, const int C, const int RS, __global cons
     if (turned) turned[(k * RS + RS - 1 - t) * C + c] = w[i];
 }
 
+#if WINOGRAD
 // conv2d's 3x3 convolutions at stride 1, undilated, by Winograd's minimal filtering
 // F(2x2, 3x3) (Lavin and Gray, "Fast Algorithms for Convolutional Neural Networks", 2016):
 // each 2x2 block of output pixels (a tile) comes from the 4x4 input values its windows
@@ -2079,7 +2083,9 @@ __kernel void conv_filters(const int K, const int C, const int RS, __global cons
 // the roles of K and C swapped, padded by 2 - PH and 2 - PW (conv_direct's comment). The
 // weight gradient is its transpose: dw = G^T [sum over tiles of (A dy A^T) ⊙ V] G, with
 // dy the tile's 2x2 output gradients (conv_winograd_wgrad). The transforms add and halve
-// only, so the results are within a few float32 roundings of the direct sums.
+// only, so the results are within a few float32 roundings of the direct sums. Built only
+// where the device has the local memory and work-group size they take (WINOGRAD): their
+// static local arrays and required work-group sizes would fail the whole build elsewhere.
 #define WINO_CK 8  // the tiles a chunk of the weight gradient forms in local memory
 
 // u (4x4, row-major) = G f G^T of one 3x3 filter f (row-major)
@@ -2102,7 +2108,7 @@ inline void wino_filter(const float f[9], float u[16]) {
 // conv2d's 3x3 filters w (K, C, 3, 3) transformed for conv_winograd_*, in one pass into
 // either or both (a null pointer skips one): forward (16, C, Kp), U of filter k and channel
 // c at [(xi * C + c) * Kp + k]; turned (16, K, Cp), the input gradient's: the filters turned
-// upper a turn, with K and C swapped. Zeros past K (past C) up to Kp (Cp), multiples of 4:
+// half a turn, with K and C swapped. Zeros past K (past C) up to Kp (Cp), multiples of 4:
 // the convolution reads them in float4s. A work-item per (c, k) of C x Kp for the forward,
 // then per (k, c) of K x Cp for the turned: consecutive work-items write consecutive values.
 __kernel void winograd_filters(const int K, const int C, const int Kp, const int Cp,
@@ -2401,7 +2407,7 @@ void NAME(const int K, const int C, const int T, const int TH, const int TW, con
     }                                                                                              \
 }
 CONV_WINOGRAD_WGRAD(conv_winograd_wgrad_64x32, 64, 32)
-CONV_WINOGRAD_WGRAD(conv_winograd_wgrad_32x32, 32, 32)
+#endif  // WINOGRAD
 
 // x (A, B, L) from element x_offset -> out (B, A, L) from element out_offset, + bias (A) when
 // has_bias: conv2d's GEMM output (K, N, OH*OW) into NCHW (swap_axes01: x float, out act_t,

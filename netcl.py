@@ -403,6 +403,7 @@ class Device:
         options = ["-cl-mad-enable", "-cl-kernel-arg-info",  # never fast-relaxed: keep NaN/Inf
                    f"-DHALF_STORAGE={int(half)}", f"-DTENSOR_CORES={int(tensor_cores)}",
                    f"-DCPU_DEVICE={int(bool(self.cl_device.type & cl.device_type.CPU))}",
+                   f"-DWINOGRAD={int(_winograd_device(self.cl_device))}",
                    f"-DPANEL_ROWS={self.panel_rows}", f"-DPANEL_COLS={self.panel_cols}"]
         if self.cl_device.single_fp_config & cl.device_fp_config.CORRECTLY_ROUNDED_DIVIDE_SQRT:
             # IEEE division and sqrt where the device offers them, as PyTorch computes them
@@ -3918,17 +3919,25 @@ _WINOGRAD_THREADS = 512
 _WINOGRAD_SPLITS_PER_UNIT = 1
 
 
-def _winograd_fits(device, N, window):
-    """Whether conv2d's window is one conv_winograd computes (_direct_window's), the
-    device has the local memory and work-group size its kernels take, and N samples' 2x2
-    tiles of the output and of the input (the input gradient's output) have their 16
-    work-items each below 2**31 (the kernels count tiles in 32 bits)."""
-    info = device.cl_device
+def _winograd_device(info):
+    """Whether an OpenCL device (its pyopencl.Device `info`) has the local memory and
+    work-group size conv_winograd's kernels take; kernels.cl builds them only there."""
+    return (info.local_mem_size >= _WINOGRAD_LOCAL_BYTES and
+            info.max_work_group_size >= _WINOGRAD_THREADS)
+
+
+def _winograd_fits(device, N, C, K, window):
+    """Whether conv2d's window is one conv_winograd computes (_direct_window's), on a device
+    that built its kernels (_winograd_device), for N samples of C input channels and K
+    filters: the 2x2 tiles of the output and of the input (the input gradient's output),
+    16 work-items each, and the transformed filters (16 * C * K values, C and K rounded up
+    to multiples of 4: at most 16 * max(C, K)**2) stay below 2**31, as the kernels count in
+    32 bits."""
     H, W, OH, OW = window[0], window[1], window[-2], window[-1]
     tiles = N * _ceil_div(max(H, OH), 2) * _ceil_div(max(W, OW), 2)
-    return (_WINOGRAD and _direct_window(window) and 16 * tiles < 2 ** 31 and
-            info.local_mem_size >= _WINOGRAD_LOCAL_BYTES and
-            info.max_work_group_size >= _WINOGRAD_THREADS)
+    filters = 16 * _round_up(max(C, K), 4) ** 2
+    return (_WINOGRAD and _direct_window(window) and max(16 * tiles, filters) < 2 ** 31 and
+            _winograd_device(device.cl_device) and "conv_winograd_64x32" in device._kernels)
 
 
 def _winograd_filters(w, forward, turned):
@@ -4112,7 +4121,7 @@ def conv2d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
     # autocast too, in place of the tensor cores: float16 storage and float32 sums, 16
     # multiplications per tile where the tensor cores' product takes 36 (and no columns);
     # a float32 x then goes through a float16 copy, as PyTorch's autocast casts it
-    winograd = (gpu and _winograd_fits(X.device, N, window) and
+    winograd = (gpu and _winograd_fits(X.device, N, C, K, window) and
                 (X.dtype == np.float32 or half and X.dtype == np.float16))
     if winograd and half and X.dtype == np.float32:
         X = _cast(X, np.float16)

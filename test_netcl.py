@@ -2756,7 +2756,7 @@ def test_gpu_conv2d_without_winograds_resources_takes_the_direct_kernels(opencl,
     else:
         monkeypatch.setattr(netcl, "_WINOGRAD_THREADS", opencl.cl_device.max_work_group_size + 1)
     window = netcl._window("conv2d", (2, 3, 8, 8), (3, 3), (1, 1), (1, 1), (1, 1))
-    assert not netcl._winograd_fits(opencl, 2, window)
+    assert not netcl._winograd_fits(opencl, 2, 3, 64, window)
     launched = []
     launch = opencl.launch
     monkeypatch.setattr(opencl, "launch", lambda name, *args, **kwargs: (
@@ -2775,15 +2775,30 @@ def test_gpu_conv2d_without_winograds_resources_takes_the_direct_kernels(opencl,
     assert launched.count("conv_direct_64x128") == 1
 
 
-def test_winograd_counts_its_tiles_in_32_bits(opencl):
+def test_winograd_counts_in_32_bits(opencl):
     """Winograd's kernels take a batch whose tiles of the output and of the input, 16
-    work-items each, stay below 2**31; beyond that (a long batch of large images) conv2d
-    takes other kernels."""
+    work-items each, and whose transformed filters (16 per filter and channel, each count
+    rounded up to a multiple of 4) stay below 2**31; beyond that (a long batch of large
+    images, or filters of 4.8 GB) conv2d takes other kernels."""
     window = netcl._window("conv2d", (1, 3, 1024, 1024), (3, 3), (1, 1), (1, 1), (1, 1))
     per_sample = 512 * 512  # 2x2 tiles of a 1024x1024 image
     largest = (2 ** 31 - 1) // (16 * per_sample)
-    assert netcl._winograd_fits(opencl, largest, window)
-    assert not netcl._winograd_fits(opencl, largest + 1, window)
+    assert netcl._winograd_fits(opencl, largest, 3, 64, window)
+    assert not netcl._winograd_fits(opencl, largest + 1, 3, 64, window)
+    assert netcl._winograd_fits(opencl, 1, 11584, 3, window)  # 16 * 11584**2 < 2**31
+    assert not netcl._winograd_fits(opencl, 1, 3, 11588, window)
+
+
+def test_kernels_cl_builds_winograd_only_where_it_fits(opencl, monkeypatch):
+    """kernels.cl builds Winograd's kernels (48 KiB of static local memory, work-groups of
+    512 required) only for a device that has both; elsewhere they would fail the whole
+    build. A device short of local memory gets the rest of the kernels, and conv2d there
+    the direct ones."""
+    assert "conv_winograd_64x32" in opencl._kernels  # PoCL has both
+    monkeypatch.setattr(netcl, "_WINOGRAD_LOCAL_BYTES", opencl.cl_device.local_mem_size + 1)
+    kernels = opencl._build_program(half=False)
+    assert not any("winograd" in name for name in kernels)
+    assert "conv_direct_64x128" in kernels and "gemm_nn" in kernels
 
 
 IM2COL_BYTES = netcl._IM2COL_BYTES
