@@ -4129,7 +4129,7 @@ def conv2d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
     if tensor_cores:  # (im2col rounds a float32 x as it copies it)
         X = X if X.dtype in (np.float16, np.float32) else _half_operand(X)
         weight_rows = _half_weight(w).reshape((K, group_taps))
-    # (the kernels other than the tensor cores' have no float16 operands of their own)
+    # the other kernels above: where the tensor cores do not take the products
     implicit = gpu and not tensor_cores and X.dtype == (np.float16 if half else np.float32)
     # float32 outside autocast, whatever x's storage: swap_axes01 then runs its float build
     out = _like(X, (N, K, OH, OW), np.float16 if half else _compute_dtype(X.dtype))
