@@ -2086,7 +2086,30 @@ __kernel void conv_filters(const int K, const int C, const int RS, __global cons
 // only, so the results are within a few float32 roundings of the direct sums. Built only
 // where the device has the local memory and work-group size they take (WINOGRAD): their
 // static local arrays and required work-group sizes would fail the whole build elsewhere.
+// They are in the float32 build only and read and write either storage, as each tensor's
+// `*_mode` argument says (wino_load), so that autocast needs no float16 copy of a float32
+// input, nor of a float32 gradient, and writes a float32 input's gradient directly.
 #define WINO_CK 8  // the tiles a chunk of the weight gradient forms in local memory
+
+// v rounded to the nearest float16 value (ties to even), as a float
+inline float wino_round(const float v) {
+    ushort h;
+    vstore_half(v, 0, (__private half*)&h);
+    return vload_half(0, (__private const half*)&h);
+}
+
+// Element i of a Winograd kernel's tensor p by its storage `mode`: 0 float32; 1 float32
+// whose values are rounded to float16 as they are read or written (autocast's rounding of a
+// float32 tensor, as a float16 copy would give); 2 float16 (p then points at halves).
+inline float wino_load(__global const float* p, const size_t i, const int mode) {
+    if (mode == 2) return vload_half(i, (__global const half*)p);
+    return mode == 1 ? wino_round(p[i]) : p[i];
+}
+
+inline void wino_store(__global float* p, const size_t i, const float v, const int mode) {
+    if (mode == 2) vstore_half(v, i, (__global half*)p);  // rounds to nearest even
+    else p[i] = mode == 1 ? wino_round(v) : v;
+}
 
 // u (4x4, row-major) = G f G^T of one 3x3 filter f (row-major)
 inline void wino_filter(const float f[9], float u[16]) {
@@ -2129,15 +2152,18 @@ __kernel void winograd_filters(const int K, const int C, const int Kp, const int
 }
 
 // Rows 2 upper and 2 upper + 1 of V = B^T d B (upper 0 or 1), of the 4x4 input values d
-// whose top-left is (row, col) of the (H, W) plane p (zeros outside it), into v[8]
-// (row-major): half the transform, which needs rows upper .. upper + 2 of d.
-inline void wino_input_half(__global const act_t* p, const int row, const int col,
-                            const int H, const int W, const int upper, float v[8]) {
+// whose top-left is (row, col) of the (H, W) plane at element `plane` of x (zeros outside
+// it; x's storage `mode`: wino_load), into v[8] (row-major): half the transform, which
+// needs rows upper .. upper + 2 of d.
+inline void wino_input_half(__global const float* x, const size_t plane, const int mode,
+                            const int row, const int col, const int H, const int W,
+                            const int upper, float v[8]) {
     float d[3][4];
     for (int r = 0; r < 3; ++r)
         for (int s = 0; s < 4; ++s) {
             const int h = row + upper + r, w = col + s;
-            d[r][s] = h >= 0 && h < H && w >= 0 && w < W ? LOAD(p, h * W + w) : 0.0f;
+            d[r][s] = h >= 0 && h < H && w >= 0 && w < W ? wino_load(x, plane + h * W + w, mode)
+                                                         : 0.0f;
         }
     float e[2][4];  // the two rows of B^T d
     for (int s = 0; s < 4; ++s) {
@@ -2205,12 +2231,14 @@ inline void wino_input_half(__global const act_t* p, const int row, const int co
                 s[0][k] = m16[k] + m16[4 + k] + m16[8 + k];                                        \
                 s[1][k] = m16[4 + k] - m16[8 + k] - m16[12 + k];                                   \
             }                                                                                      \
-            __global act_t* y = out + ((size_t)n * M + m) * OH * OW;                               \
+            const size_t y = ((size_t)n * M + m) * OH * OW;                                        \
             _Pragma("unroll") for (int a = 0; a < 2; ++a) {                                        \
                 const int oh = 2 * th + a, ow = 2 * tw;                                            \
                 if (oh >= OH) break;                                                               \
-                STORE(y, oh * OW + ow, s[a][0] + s[a][1] + s[a][2] + b);                           \
-                if (ow + 1 < OW) STORE(y, oh * OW + ow + 1, s[a][1] - s[a][2] - s[a][3] + b);      \
+                const size_t at = y + oh * OW + ow;                                                \
+                wino_store(out, at, s[a][0] + s[a][1] + s[a][2] + b, out_mode);                    \
+                if (ow + 1 < OW)                                                                   \
+                    wino_store(out, at + 1, s[a][1] - s[a][2] - s[a][3] + b, out_mode);            \
             }                                                                                      \
         }                                                                                          \
     }
@@ -2225,14 +2253,15 @@ inline void wino_input_half(__global const act_t* p, const int row, const int co
 // a row of one per unit: 64 / BM units a work-item), loaded from global memory into
 // registers before the products of the chunk before it, and stored (V transformed) into
 // the other buffer after them: the loads' latency under the products, one barrier a chunk.
-// Then WINO_OUTPUT: out (N, M, OH, OW) [+ bias (M,)]. x and out in the build's storage
-// (act_t), sums float32.
+// Then WINO_OUTPUT: out (N, M, OH, OW) [+ bias (M,)]. x and out in the storage their modes
+// give (wino_load), sums float32.
 #define WINO_FWD_CK 4
 #define CONV_WINOGRAD(NAME, BM, BT)                                                                \
 __kernel __attribute__((reqd_work_group_size(BM * BT / 4, 1, 1)))                                  \
 void NAME(const int M, const int C, const int Mp, const int T, const int TH, const int TW,         \
-          const int has_bias, __global const float* u, __global const act_t* x,                    \
-          __global const float* bias, __global act_t* out, WINDOW_ARGS) {                          \
+          const int has_bias, __global const float* u, __global const float* x,                    \
+          __global const float* bias, __global float* out, const int x_mode, const int out_mode,   \
+          WINDOW_ARGS) {                                                                           \
     const int THREADS = BM * BT / 4, SUM_A = 0, UN = 64 / BT, VN = 64 / BM;                        \
     const int STAGE = 16 * WINO_FWD_CK * (BM + BT) / 4;  /* float4s of one buffer */               \
     __local float4 lds[2 * 16 * WINO_FWD_CK * (BM + BT) / 4];                                      \
@@ -2263,13 +2292,15 @@ void NAME(const int M, const int C, const int Mp, const int T, const int TH, con
                 if (tile < T && c < C) {                                                           \
                     const int n = tile / plane, th = (tile - n * plane) / TW;                      \
                     const int tw = tile - n * plane - th * TW;                                     \
-                    __global const act_t* p = x + ((size_t)n * C + c) * H * W;                     \
+                    const size_t p = ((size_t)n * C + c) * H * W;                                  \
                     const int h0 = 2 * th - PH, w0 = 2 * tw - PW;                                  \
                     _Pragma("unroll") for (int s = 0; s < 4; ++s) {                                \
                         const int w = w0 + s, ha = h0 + ra, hb = h0 + rb;                          \
                         const int in_w = w >= 0 && w < W;                                          \
-                        if (in_w && ha >= 0 && ha < H) vreg[l][s] = LOAD(p, ha * W + w);           \
-                        if (in_w && hb >= 0 && hb < H) vreg[l][4 + s] = LOAD(p, hb * W + w);       \
+                        if (in_w && ha >= 0 && ha < H)                                             \
+                            vreg[l][s] = wino_load(x, p + ha * W + w, x_mode);                     \
+                        if (in_w && hb >= 0 && hb < H)                                             \
+                            vreg[l][4 + s] = wino_load(x, p + hb * W + w, x_mode);                 \
                     }                                                                              \
                 }                                                                                  \
             }                                                                                      \
@@ -2310,12 +2341,12 @@ CONV_WINOGRAD(conv_winograd_32x32, 32, 32)
 // the lanes storing one tile's values meet no bank twice); then dw = G^T S G per (filter,
 // channel) of those sums S, into parts (splits, K, width) at [k, c * 9 + r * 3 + s], and
 // where width > C * 9, the sums of dy (the bias gradient: Y's place 5 is the sum of dy)
-// into column C * 9. g (N, K, OH, OW) and x in the build's storage (act_t).
+// into column C * 9. g (N, K, OH, OW) and x in the storage their modes give (wino_load).
 #define CONV_WINOGRAD_WGRAD(NAME, BK, BC)                                                          \
 __kernel __attribute__((reqd_work_group_size(BK * BC / 4, 1, 1)))                                  \
 void NAME(const int K, const int C, const int T, const int TH, const int TW, const int chunk,      \
-          const int width, __global const act_t* g, __global const act_t* x,                       \
-          __global float* parts, WINDOW_ARGS) {                                                    \
+          const int width, __global const float* g, __global const float* x,                       \
+          __global float* parts, const int g_mode, const int x_mode, WINDOW_ARGS) {                \
     const int THREADS = BK * BC / 4;                                                               \
     __local float4 lds[16 * WINO_CK * (BK + BC) / 4];                                              \
     __local float4* ys = lds;                                                                      \
@@ -2339,11 +2370,11 @@ void NAME(const int K, const int C, const int T, const int TH, const int TW, con
             if (tile < end && k < K) {                                                             \
                 const int n = tile / plane, th = (tile - n * plane) / TW;                          \
                 const int tw = tile - n * plane - th * TW;                                         \
-                __global const act_t* p = g + ((size_t)n * K + k) * OH * OW;                       \
+                const size_t p = ((size_t)n * K + k) * OH * OW;                                    \
                 _Pragma("unroll") for (int a = 0; a < 2; ++a)                                      \
                     _Pragma("unroll") for (int b = 0; b < 2; ++b) {                                \
                         const int oh = 2 * th + a, ow = 2 * tw + b;                                \
-                        if (oh < OH && ow < OW) dy[a][b] = LOAD(p, oh * OW + ow);                  \
+                        if (oh < OH && ow < OW) dy[a][b] = wino_load(g, p + oh * OW + ow, g_mode); \
                     }                                                                              \
             }                                                                                      \
             float z[4][2];  /* A dy, then each row times A^T */                                    \
@@ -2365,7 +2396,7 @@ void NAME(const int K, const int C, const int T, const int TH, const int TW, con
             if (tile < end && c < C) {                                                             \
                 const int n = tile / plane, th = (tile - n * plane) / TW;                          \
                 const int tw = tile - n * plane - th * TW;                                         \
-                wino_input_half(x + ((size_t)n * C + c) * H * W, 2 * th - PH, 2 * tw - PW,         \
+                wino_input_half(x, ((size_t)n * C + c) * H * W, x_mode, 2 * th - PH, 2 * tw - PW,  \
                                 H, W, upper, v);                                                   \
             } else {                                                                               \
                 _Pragma("unroll") for (int k = 0; k < 8; ++k) v[k] = 0.0f;                         \

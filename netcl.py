@@ -403,7 +403,8 @@ class Device:
         options = ["-cl-mad-enable", "-cl-kernel-arg-info",  # never fast-relaxed: keep NaN/Inf
                    f"-DHALF_STORAGE={int(half)}", f"-DTENSOR_CORES={int(tensor_cores)}",
                    f"-DCPU_DEVICE={int(bool(self.cl_device.type & cl.device_type.CPU))}",
-                   f"-DWINOGRAD={int(_winograd_device(self.cl_device))}",
+                   # (Winograd's kernels read and write either storage: the float32 build)
+                   f"-DWINOGRAD={int(not half and _winograd_device(self.cl_device))}",
                    f"-DPANEL_ROWS={self.panel_rows}", f"-DPANEL_COLS={self.panel_cols}"]
         if self.cl_device.single_fp_config & cl.device_fp_config.CORRECTLY_ROUNDED_DIVIDE_SQRT:
             # IEEE division and sqrt where the device offers them, as PyTorch computes them
@@ -1002,7 +1003,7 @@ class _Op:
     """One recorded operation: `parents` (an _Op or a leaf/constant Node per input),
     `backward`, `node`, a weak reference to its output Node, which becomes a constant
     (requires_grad False) when the op is freed, and `half_grad`: whether backward takes its
-    gradient in float16 storage (else in float32): see _record."""
+    gradient in float16 storage (else in float32; None: in either): see _record."""
 
     __slots__ = ("parents", "backward", "node", "half_grad")
 
@@ -1279,8 +1280,8 @@ class Tape:
                 op = ops.pop()
                 g = grads.pop(id(op), None)  # pop: the gradient is freed once consumed
                 if g is not None:
-                    if (g.dtype == np.float16) is not op.half_grad:  # the storage it reads
-                        g = _cast(g, np.float16) if op.half_grad else _float32(g)
+                    if op.half_grad is not None and (g.dtype == np.float16) is not op.half_grad:
+                        g = _cast(g, np.float16) if op.half_grad else _float32(g)  # its storage
                     parent_grads = op.backward(g)
                     owned = type(parent_grads) is _Owned
                     for parent, parent_grad in zip(op.parents, parent_grads):
@@ -1326,15 +1327,19 @@ def _record(value, parents, backward, half_grad=False):
     gradient. half_grad=True: backward reads float16 gradients, and gets its output's
     gradient in float16 storage where the output is (_half_grad): the Tape rounds a float32
     one (a loss's gradient, contributions summed in float32), as PyTorch keeps a gradient
-    in its tensor's dtype. Every other backward gets float32, a float16 gradient widened, so
-    an op that never heard of float16 gradients stays correct."""
+    in its tensor's dtype. half_grad=None: backward reads either storage, and gets the
+    gradient as it comes (conv2d by Winograd, whose kernels round a float32 one as they read
+    it). Every other backward gets float32, a float16 gradient widened, so an op that never
+    heard of float16 gradients stays correct."""
     node = Node(value)
     tapes = _state.tapes
     if tapes and _state.grad_enabled[-1]:
         for parent in parents:  # a loop, not any(...): this runs for every op
             if parent.requires_grad:
                 node.requires_grad = True
-                node._op = op = _Op(parents, backward, node, half_grad and _half_grad(value))
+                node._op = op = _Op(parents, backward, node,
+                                    None if half_grad is None else
+                                    half_grad and _half_grad(value))
                 for tape in tapes:
                     tape._ops.append(op)
                 break
@@ -3964,11 +3969,19 @@ def _winograd_tiles(N, window):
     return N * TH * TW, TH, TW
 
 
-def _conv_winograd(filters, x, out, window, bias=None):
+def _winograd_mode(t, rounded):
+    """The storage in which a Winograd kernel reads or writes tensor t (kernels.cl:
+    wino_load): 2 float16; 1 float32 whose values are rounded to float16 as they pass
+    (`rounded`: autocast's rounding, with no float16 copy); 0 float32."""
+    return 2 if t.dtype == np.float16 else int(bool(rounded))
+
+
+def _conv_winograd(filters, x, out, window, bias=None, rounded=False):
     """out (N, M, OH, OW) = the convolution of x (N, C, H, W) by 3x3 filters at stride 1
     (kernels.cl: conv_winograd_*) [+ bias (M,)], the filters transformed by
-    _winograd_filters: the forward's, or the input gradient's turned ones. x and out in one
-    storage (the build that runs)."""
+    _winograd_filters: the forward's, or the input gradient's turned ones. x and out each
+    in float32 or float16 storage; `rounded`: a float32 one's values rounded to float16 as
+    they are read or written (_winograd_mode)."""
     (N, M), C = out.shape[:2], x.shape[1]
     if not out.size:  # nothing to write (no launch: a grid of 0 work-items is an error
         return        # before OpenCL 2.1)
@@ -3978,16 +3991,17 @@ def _conv_winograd(filters, x, out, window, bias=None):
     x.device.launch(f"conv_winograd_{rows}x{tiles}",
                     (_ceil_div(T, tiles) * threads, _ceil_div(M, rows)), (threads, 1), M, C,
                     filters.shape[2], T, TH, TW, int(bias is not None), filters.data, x.data,
-                    None if bias is None else bias.data, out.data, *window,
-                    half=x.dtype == np.float16)
+                    None if bias is None else bias.data, out.data, _winograd_mode(x, rounded),
+                    _winograd_mode(out, rounded), *window)
 
 
-def _winograd_wgrad(g, x, window, grad_w, grad_b=None):
+def _winograd_wgrad(g, x, window, grad_w, grad_b=None, rounded=False):
     """conv2d's weight gradient by Winograd's F(2x2, 3x3) (kernels.cl:
     conv_winograd_wgrad_*): grad_w (K, C, 3, 3) = the sums over every pixel of g (N, K, OH,
     OW) times x (N, C, H, W) at each tap, and with grad_b (K,) given, the sums of g into it.
-    The tiles split over the compute units; their partial sums, where there is more than one
-    or a bias, are summed by conv_wgrad_sum. Only where N, K and C are nonzero."""
+    g and x each in float32 or float16 storage (`rounded`: _conv_winograd's). The tiles
+    split over the compute units; their partial sums, where there is more than one or a
+    bias, are summed by conv_wgrad_sum. Only where N, K and C are nonzero."""
     (N, K), C = g.shape[:2], x.shape[1]
     filters, channels = _WINOGRAD_WGRAD_BLOCK
     T, TH, TW = _winograd_tiles(N, window)
@@ -4003,7 +4017,7 @@ def _winograd_wgrad(g, x, window, grad_w, grad_b=None):
     g.device.launch(f"conv_winograd_wgrad_{filters}x{channels}",
                     (splits * threads, _ceil_div(C, channels), _ceil_div(K, filters)),
                     (threads, 1, 1), K, C, T, TH, TW, chunk, width, g.data, x.data, parts.data,
-                    *window, half=x.dtype == np.float16)
+                    _winograd_mode(g, rounded), _winograd_mode(x, rounded), *window)
     if not direct:
         g.device.launch("conv_wgrad_sum", *_grid(K * width), splits, K, C * 9, width,
                         parts.data, grad_w.data, None if grad_b is None else grad_b.data)
@@ -4117,13 +4131,13 @@ def conv2d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
     gpu = (X.device.backend == "opencl" and X.device.gemm == "tiled" and G == 1 and
            weight.dtype == np.float32 and 0 < N <= _MAX_GRID_BATCH)
     # 3x3 windows at stride 1 by Winograd's F(2x2, 3x3) where the device allows, under
-    # autocast too, in place of the tensor cores: float16 storage and float32 sums, 16
-    # multiplications per tile where the tensor cores' product takes 36 (and no columns);
-    # a float32 x then goes through a float16 copy, as PyTorch's autocast casts it
+    # autocast too, in place of the tensor cores: float32 sums, 16 multiplications per tile
+    # where the tensor cores' product takes 36 (and no columns). Its kernels read x and g
+    # and write out and dx in either storage; under autocast a float32 x, g or dx has its
+    # values rounded to float16 as they pass, as PyTorch's autocast rounds its float16
+    # copies (so no copy: x is saved for backward as it is)
     winograd = (gpu and _winograd_fits(X.device, N, C, K, window) and
-                (X.dtype == np.float32 or half and X.dtype == np.float16))
-    if winograd and half and X.dtype == np.float32:
-        X = _cast(X, np.float16)
+                X.dtype in (np.float16, np.float32))
     tensor_cores = half and X.device.tensor_cores and not winograd  # float16 operands
     if tensor_cores:  # (im2col rounds a float32 x as it copies it)
         X = X if X.dtype in (np.float16, np.float32) else _half_operand(X)
@@ -4156,7 +4170,7 @@ def conv2d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
         recorded = bool(_state.tapes) and _state.grad_enabled[-1] and x.requires_grad
         filters, turned_filters = _winograd_filters(weight, True,
                                                     recorded and PH <= 2 and PW <= 2)
-        _conv_winograd(filters, X, out, window, None if bias is None else _float32(bias))
+        _conv_winograd(filters, X, out, window, None if bias is None else _float32(bias), half)
     elif out.size and implicit and _direct_window(window) and _direct_fits(X.device, N, K, C,
                                                                           window):
         # the input gradient's filters in the same launch, where a backward will want them
@@ -4188,14 +4202,23 @@ def conv2d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
                             int(bias is not None), y.data, None if bias is None else bias.data,
                             out.data, half=half)  # (K, nb, OH*OW) + bias -> out[n0:n0+nb]
 
+    # Winograd's backward reads g in either storage where its kernels take every product
+    # (the input gradient's turned window within the span, and the bias gradient in the
+    # weight gradient's): the Tape then passes g as it comes, a float32 seed too
+    either_g = winograd and PH <= 2 and PW <= 2 and K * C > 0
+
     def backward(g):  # g (N, K, OH, OW) -> dx (N, C, H, W), dw (K, C, R, S), db (K,)
+        # the bias gradient: a column of the weight gradient's product where that has one
+        ones = b is not None and b.requires_grad
+        # g in out's storage, as the Tape gives other ops theirs, where Winograd's kernels
+        # do not take every product that reads it
+        if g.dtype != out.dtype and not (either_g and (w.requires_grad or not ones)):
+            g = _cast(g, out.dtype)
         # A gradient nobody needs is not computed: a first layer's input is data. dx is in
         # x's storage (not X's: on tensor cores an x in neither float is a float16 copy).
         grad_x = (_like(X, dtype=np.float16 if _half_grad(x.value) else
                         _compute_dtype(x.dtype)) if x.requires_grad else None)
         grad_w = grad_b = None
-        # the bias gradient: a column of the weight gradient's product where that has one
-        ones = b is not None and b.requires_grad
         if g.device.backend == "cpu":
             windows = _windows_numpy(X.data, window, 0.0)
             grad_w = _like(weight) if w.requires_grad else None
@@ -4238,29 +4261,25 @@ def conv2d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
             # dx of a direct convolution (padding within the window's span): the convolution
             # of g by the filters turned half a turn, padded by the rest of the span
             turned_window = (OH, OW, 3, 3, 1, 1, 2 - PH, 2 - PW, 1, 1, H, W)
-            # (Winograd's into float16 storage for a float32 x under autocast, then widened)
-            grad_x_done = (grad_x is not None and implicit and _direct_window(window) and
-                           g.dtype == X.dtype and PH <= 2 and PW <= 2 and
-                           (winograd or grad_x.dtype == X.dtype and
-                            _direct_fits(g.device, N, C, K, turned_window) is not None))
+            grad_x_done = grad_x is not None and (either_g or (
+                implicit and _direct_window(window) and g.dtype == X.dtype == grad_x.dtype and
+                PH <= 2 and PW <= 2 and
+                _direct_fits(g.device, N, C, K, turned_window) is not None))
             if grad_x_done:
                 filters = turned_filters  # laid out by the forward, where it could tell
                 if winograd:
                     if filters is None:
                         filters = _winograd_filters(weight, False, True)[1]
-                    target = grad_x if grad_x.dtype == X.dtype else _like(X)
-                    _conv_winograd(filters, g, target, turned_window)
-                    if target is not grad_x:
-                        _cast(target, grad_x.dtype, out=grad_x)
+                    _conv_winograd(filters, g, grad_x, turned_window, rounded=half)
                 else:
                     if filters is None:
                         filters = _direct_filters(weight, False, True)[1]
                     _conv_direct(filters, g, grad_x, turned_window)
-            if winograd and g.dtype == X.dtype and w.requires_grad and N * K * C:
+            if winograd and w.requires_grad and N * K * C:
                 grad_w = _like(weight)
                 if ones:
                     grad_b = _like(weight, (K,), np.float32)
-                _winograd_wgrad(g, X, window, grad_w, grad_b)
+                _winograd_wgrad(g, X, window, grad_w, grad_b, rounded=half)
                 explicit_w = False
             elif implicit and g.dtype == X.dtype and w.requires_grad and L % 4 == 0:
                 # dw = g cols^T over every sample's pixels (g and x read in one build), and
@@ -4325,7 +4344,8 @@ def conv2d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
             per_image = _sum_axis_tensor(g, N * K, L, 1)
             grad_b = _sum_axis_tensor(per_image, 1, N, K).reshape((K,))
         return _Owned((grad_x, grad_w) + ((grad_b,) if b is not None else ()))
-    return _record(out, (x, w) + ((b,) if b is not None else ()), backward, half_grad=True)
+    return _record(out, (x, w) + ((b,) if b is not None else ()), backward,
+                   half_grad=None if either_g else True)
 
 
 def _pool_args(op, kernel_size, stride, padding):

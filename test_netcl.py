@@ -4973,17 +4973,18 @@ def test_autocast_grouped_dilated_conv2d_is_the_float32_result_rounded(opencl, m
 
 
 @pytest.mark.usefixtures("portable_half")
-def test_autocast_winograd_conv2d_reads_a_float32_input_from_a_float16_copy(opencl,
-                                                                            monkeypatch):
-    """Under autocast a float32 input to Winograd's conv2d is read from a float16 copy (one
-    cast_to_act, as PyTorch's autocast casts it): the output is the float32 convolution of
-    the rounded input, rounded once; the input gradient in the input's float32 storage, the
-    float16 one widened; the weight and bias gradients float32, those of the rounded input."""
+def test_autocast_winograd_conv2d_rounds_a_float32_input_and_seed_as_it_reads_them(
+        opencl, monkeypatch):
+    """Under autocast Winograd's conv2d reads a float32 input and a float32 seed rounded to
+    float16 as they pass, with no copy (no cast launch at all): the output is the float32
+    convolution of the rounded input, rounded once; the input gradient in the input's
+    float32 storage, that of the rounded seed rounded to float16, as PyTorch's float16 one
+    widened; the weight and bias gradients float32, those of the rounded input and seed."""
     monkeypatch.setattr(opencl, "gemm", "tiled")
     rng = np.random.default_rng(11)
     x = rng.standard_normal((2, 8, 7, 6)).astype(np.float32)
     weights = [rng.standard_normal((16, 8, 3, 3)) / 5, rng.standard_normal(16)]
-    seed = rng.standard_normal((2, 16, 7, 6)).astype(np.float16).astype(np.float32)
+    seed = rng.standard_normal((2, 16, 7, 6)).astype(np.float32)
     launched = []
     launch = opencl.launch
     monkeypatch.setattr(opencl, "launch", lambda name, *args, **kwargs: (
@@ -4995,10 +4996,13 @@ def test_autocast_winograd_conv2d_reads_a_float32_input_from_a_float16_copy(open
         launched.clear()
         with netcl.Tape() as tape, netcl.autocast(enabled=enabled):
             out = F.conv2d(*leaves, padding=1)
-        tape.backward(out, grad=seed)
+        # the float32 run on the rounded seed, the autocast one on the float32 seed itself
+        # (a Tensor: an array would be uploaded in the output's storage)
+        tape.backward(out, grad=netcl.Tensor.from_host(
+            seed if enabled else seed.astype(np.float16).astype(np.float32), opencl.queue))
         results[enabled] = host(out), [host(p.grad) for p in leaves]
     assert launched.count("conv_winograd_32x32") == 2 and "im2col" not in launched
-    assert launched[0] == "cast_to_act"  # x's float16 copy
+    assert not [name for name in launched if name.startswith("cast")]  # no float16 copies
     (single, (dx32, *dw32)), (half, (dx16, *dw16)) = results[False], results[True]
     assert half.dtype == np.float16 and dx16.dtype == np.float32
     np.testing.assert_array_equal(half, single.astype(np.float16))
@@ -5040,9 +5044,11 @@ def test_autocast_implicit_conv2d_is_the_float32_result_rounded(opencl, monkeypa
         seed = np.random.default_rng(1).standard_normal(out.shape).astype(np.float16)
         tape.backward(out, grad=seed.astype(np.float32))
         results[enabled] = host(out), [host(p.grad) for p in leaves]
+        # the products in the build of the storage (Winograd's, in the float32 build, read
+        # and write either)
         products = sorted(name.rsplit("_", 1)[0] for name, half in launched
-                          if name.startswith("conv_") and half == enabled  # in the build
-                          and name not in ("conv_wgrad_sum", "conv_filters"))  # of the storage
+                          if name.startswith("conv_") and half == (enabled and not winograd)
+                          and name not in ("conv_wgrad_sum", "conv_filters"))
         assert products == (["conv_winograd", "conv_winograd", "conv_winograd_wgrad"] if winograd
                             else ["conv_direct", "conv_direct", "conv_wgrad"])
         assert [name for name, _ in launched].count("conv_wgrad_sum") == 1
@@ -5059,9 +5065,14 @@ def test_autocast_implicit_conv2d_is_the_float32_result_rounded(opencl, monkeypa
         np.testing.assert_array_equal(g16, g32)
 
 
-def test_conv2d_of_float16_storage_outside_autocast_is_float32(opencl):
+@pytest.mark.parametrize("winograd", [True, False])
+def test_conv2d_of_float16_storage_outside_autocast_is_float32(opencl, monkeypatch, winograd):
     """As linear and matmul: a float16 input outside autocast gives the float32 product (the
-    output once had x's dtype while the kernel wrote floats, past the end of its buffer)."""
+    output once had x's dtype while the kernel wrote floats, past the end of its buffer), by
+    Winograd's kernels too (reading x's float16 storage) and by the device's own path."""
+    if winograd:
+        monkeypatch.setattr(opencl, "gemm", "tiled")
+    monkeypatch.setattr(netcl, "_WINOGRAD", winograd)
     rng = np.random.default_rng(9)
     x = rng.standard_normal((2, 3, 6, 5)).astype(np.float16)
     w = rng.standard_normal((4, 3, 3, 3)).astype(np.float32)
@@ -6981,11 +6992,14 @@ def test_autocast_nests_and_decorates(opencl):
 
 
 def test_one_kernel_source_builds_both_storage_types(opencl):
-    """The same kernels in both builds; the half build adds the tensor-core ones only where
-    the device's probe passed."""
+    """The same kernels in both builds, but for Winograd's, in the float32 build only (they
+    read and write either storage); the half build adds the tensor-core ones only where the
+    device's probe passed."""
     half = set(opencl._half_program())
     extra = half - set(opencl._kernels)
-    assert set(opencl._kernels) <= half
+    winograd = {name for name in opencl._kernels if "winograd" in name}
+    assert bool(winograd) == netcl._winograd_device(opencl.cl_device)
+    assert set(opencl._kernels) - winograd <= half and not winograd & half
     assert all(name.startswith(("gemm_tc_", "tensor_core_probe")) for name in extra)
     assert bool(extra) == opencl.tensor_cores
 
@@ -7378,9 +7392,10 @@ def test_linear_on_tensor_cores_reads_a_float32_input_without_a_cast(
 @pytest.mark.parametrize("stride", [1, 2])
 def test_autocast_conv2d_takes_winograd_before_the_tensor_cores(opencl, monkeypatch, stride):
     """Under autocast on a device with tensor cores (132 compute units), conv2d of a float16
-    input by 3x3 filters at stride 1 runs Winograd's kernels in the float16-storage build, all
-    three products, with no columns and no tensor-core product; at stride 2 it keeps the
-    tensor cores' columns and products. The launches are recorded, not run."""
+    input by 3x3 filters at stride 1 runs Winograd's kernels (in the float32 build: they read
+    either storage), all three products, with no columns and no tensor-core product; at
+    stride 2 it keeps the tensor cores' columns and products. The launches are recorded, not
+    run."""
     for name, value in (("_tensor_cores", True), ("compute_units", 132), ("gemm", "tiled")):
         monkeypatch.setattr(opencl, name, value)
     launched = []
@@ -7396,8 +7411,8 @@ def test_autocast_conv2d_takes_winograd_before_the_tensor_cores(opencl, monkeypa
     names = [name for name, _ in launched]
     winograd = [(name, half) for name, half in launched if name.startswith("conv_winograd")]
     if stride == 1:
-        assert winograd == [("conv_winograd_32x32", True)] * 2 + [
-            ("conv_winograd_wgrad_64x32", True)]
+        assert winograd == [("conv_winograd_32x32", False)] * 2 + [
+            ("conv_winograd_wgrad_64x32", False)]
         assert not any(name.startswith(("gemm", "im2col", "col2im")) for name in names)
     else:
         assert winograd == [] and any(name.startswith("gemm_tc") for name in names)
