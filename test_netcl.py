@@ -4973,6 +4973,41 @@ def test_autocast_grouped_dilated_conv2d_is_the_float32_result_rounded(opencl, m
 
 
 @pytest.mark.usefixtures("portable_half")
+def test_autocast_winograd_rounds_a_float32_input_as_numpy_rounds_to_float16(opencl,
+                                                                             monkeypatch):
+    """Winograd's kernels round a float32 input under autocast (kernels.cl: wino_round) as
+    NumPy casts to float16: to nearest, ties to even, float16's subnormals, 65504 and what
+    rounds to it, what rounds to zero. Each value is a 1x1 sample convolved by the filter whose
+    centre tap is 1, which Winograd's transforms pass exactly (sums of the value's
+    quarters), so the float16 output is the rounded input itself."""
+    monkeypatch.setattr(opencl, "gemm", "tiled")
+    rng = np.random.default_rng(12)
+    half_values = rng.integers(0, 0x7bff, 4000).astype(np.uint16).view(np.float16)
+    below = half_values.astype(np.float32)
+    above = np.nextafter(half_values, np.float16(np.inf)).astype(np.float32)
+    values = np.concatenate([
+        below, (below + above) / 2,  # ties: to the even neighbour
+        np.nextafter((below + above) / 2, np.float32(np.inf)),  # just past a tie
+        np.nextafter((below + above) / 2, np.float32(-np.inf)),
+        rng.standard_normal(2000).astype(np.float32) * 10.0 ** rng.integers(-9, 5, 2000),
+        [0.0, -0.0, 2 ** -24, 2 ** -25, 3 * 2 ** -26, 2 ** -14, 2 ** -14 - 2 ** -30,
+         65504.0, 65519.0, 1e-30, 1e-45]]).astype(np.float32)
+    values = np.concatenate([values, -values])
+    x = param(values.reshape(-1, 1, 1, 1), opencl)
+    centre = np.zeros((1, 1, 3, 3), np.float32)
+    centre[0, 0, 1, 1] = 1.0
+    with netcl.autocast():
+        out = F.conv2d(x, param(centre, opencl), padding=1)
+    assert out.dtype == np.float16
+    got, want = host(out).reshape(-1), values.astype(np.float16)
+    # bit for bit, but for the zeros' signs (the transforms' sums of a zero's quarters with
+    # the padding's zeros give +0)
+    zero = want == 0
+    np.testing.assert_array_equal(got[~zero].view(np.uint16), want[~zero].view(np.uint16))
+    assert zero.sum() > 4 and (got[zero] == 0).all()
+
+
+@pytest.mark.usefixtures("portable_half")
 def test_autocast_winograd_conv2d_rounds_a_float32_input_and_seed_as_it_reads_them(
         opencl, monkeypatch):
     """Under autocast Winograd's conv2d reads a float32 input and a float32 seed rounded to
