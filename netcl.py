@@ -4126,8 +4126,9 @@ def conv2d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
     turned_filters = None  # the input gradient's (direct or Winograd), where the forward
     # lays them out
     # GPUs' implicit GEMMs (_conv_gemm), direct convolutions (_conv_direct) and Winograd's
-    # (_conv_winograd): one group, x in the storage of the output (the build they run in),
-    # float32 weights, and per product the layout _CONV_BLOCKS's comment gives
+    # (_conv_winograd): one group and float32 weights; x in the storage of the output (the
+    # build they run in), but for Winograd's, which read and write either; per product the
+    # layout _CONV_BLOCKS's comment gives
     gpu = (X.device.backend == "opencl" and X.device.gemm == "tiled" and G == 1 and
            weight.dtype == np.float32 and 0 < N <= _MAX_GRID_BATCH)
     # 3x3 windows at stride 1 by Winograd's F(2x2, 3x3) where the device allows, under
