@@ -4087,7 +4087,9 @@ def conv2d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
     stride, padding and dilation (the spacing of the kernel's taps) are an int or a pair
     (height, width). Inside autocast (OpenCL) the output is float16 storage; x is read in its
     own storage; the product is float32. On tensor cores x and w are rounded to float16 and
-    every product runs there."""
+    every product runs there; by Winograd's kernels (3x3 filters at stride 1, where the
+    device has them) a float32 x and output gradient are rounded to float16 as they are
+    read, as PyTorch's autocast casts them, and a float32 x's gradient is rounded too."""
     stride = _pair("conv2d", "stride", stride, 1)
     padding = _pair("conv2d", "padding", padding, 0)
     dilation = _pair("conv2d", "dilation", dilation, 1)
