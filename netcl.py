@@ -2531,7 +2531,8 @@ def linear(x, w, b=None):
                 grads.append(None)
         return grads
     out = _gemm(_half_operand(X) if half and not tensor_cores else X_product, W, trans_b=True,
-                bias=None if b is None else b.value, half=half, round_float32=tensor_cores)
+                bias=None if b is None else _float32(b.value),  # (read as float32)
+                half=half, round_float32=tensor_cores)
     del X_product  # (a cast of x is not kept for backward)
     return _record(out._view(x.shape[:-1] + (w.shape[0],)),
                    (x, w) + ((b,) if b is not None else ()), backward, half_grad=True)
@@ -4111,7 +4112,8 @@ def conv2d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
     H, W, R, S, SH, SW, PH, PW, DH, DW, OH, OW = window
     (N, C), K, L = x.shape[:2], w.shape[0], OH * OW
     G, group_taps = groups, w.shape[1] * R * S  # group_taps: the rows of one group's columns
-    X, weight, bias = x.value, w.value, None if b is None else b.value
+    # (a float16 bias is widened: every kernel reads the bias as float32)
+    X, weight, bias = x.value, w.value, None if b is None else _float32(b.value)
     weight_rows = weight.reshape((K, group_taps))  # a view: the GEMM's left operand
     # CPU devices' packed GEMM reads the columns as im2col writes them, and writes NCHW
     # (grouped convolutions take the general path below).
@@ -4173,18 +4175,18 @@ def conv2d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
         recorded = bool(_state.tapes) and _state.grad_enabled[-1] and x.requires_grad
         filters, turned_filters = _winograd_filters(weight, True,
                                                     recorded and PH <= 2 and PW <= 2)
-        _conv_winograd(filters, X, out, window, None if bias is None else _float32(bias), half)
+        _conv_winograd(filters, X, out, window, bias, half)
     elif out.size and implicit and _direct_window(window) and _direct_fits(X.device, N, K, C,
                                                                           window):
         # the input gradient's filters in the same launch, where a backward will want them
         recorded = bool(_state.tapes) and _state.grad_enabled[-1] and x.requires_grad
         filters, turned_filters = _direct_filters(weight, True,
                                                   recorded and PH <= 2 and PW <= 2)
-        _conv_direct(filters, X, out, window, None if bias is None else _float32(bias))
+        _conv_direct(filters, X, out, window, bias)
     elif out.size and implicit and group_taps % 4 == 0:  # side by side where L allows
         _conv_gemm("conv_fwd", weight_rows, X, out,
                    (1, K, group_taps, N * L) if L % 4 == 0 else (N, K, group_taps, L), window,
-                   None if bias is None else _float32(bias))
+                   bias)
     elif out.size and G == 1:
         for n0, nb in chunks:  # out[n] (K, OH*OW) = w (K, C*R*S) @ cols[n] + b, a batch of nb
             y = out if nb == N else _like(out, (nb, K, OH, OW))

@@ -3002,6 +3002,34 @@ def test_conv2d_of_a_float16_weight_with_a_bias(opencl, monkeypatch, gemm):
         np.testing.assert_allclose(host(p.grad), want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("gemm", ["tiled", "packed"])
+@pytest.mark.parametrize("op", ["linear", "conv2d 3x3", "conv2d 5x5", "conv2d 3x3 direct"])
+def test_a_float16_bias_is_read_as_its_values(opencl, monkeypatch, gemm, op):
+    """A float16 bias (float16 storage, outside autocast) beside float32 operands adds its
+    own values, widened, in linear and in every conv2d path (Winograd's, the direct kernels,
+    im2col's products): the kernels read a bias as float32, so it is widened first."""
+    monkeypatch.setattr(opencl, "gemm", gemm)
+    monkeypatch.setattr(netcl, "_WINOGRAD", op != "conv2d 3x3 direct")
+    rng = np.random.default_rng(13)
+    if op == "linear":
+        shapes, fn, g_shape = ((6, 8), (5, 8), (5,)), F.linear, (6, 5)
+    else:
+        r = 5 if op.endswith("5x5") else 3
+        shapes, g_shape = ((2, 8, 6, 6), (5, 8, r, r), (5,)), (2, 5, 9 - r, 9 - r)
+        fn = lambda x, w, b: F.conv2d(x, w, b, padding=1)
+    arrays = [rng.standard_normal(s).astype(np.float16).astype(np.float32) for s in shapes]
+    g = rng.standard_normal(g_shape).astype(np.float32)
+    want_out, want_grads = run_op(fn, arrays, g, netcl.manager.default("cpu"))
+    params = [netcl.Parameter(netcl.Tensor.from_host(a, queue=opencl.queue, dtype=dtype))
+              for a, dtype in zip(arrays, (np.float32, np.float32, np.float16))]
+    with netcl.Tape() as tape:
+        out = fn(*params)
+    tape.backward(out, grad=g)
+    np.testing.assert_allclose(host(out), want_out, rtol=1e-4, atol=1e-4)
+    for p, want in zip(params, want_grads):
+        np.testing.assert_allclose(host(p.grad).astype(np.float32), want, rtol=1e-4, atol=1e-4)
+
+
 def test_tiled_gemm_plan_follows_the_device_compute_units(opencl, monkeypatch):
     """_tiled_gemm's launch plan is cached, keyed by the device's compute units too: the same
     product splits K over many units and takes the 128x128 tiles on one, right both times.
