@@ -4631,6 +4631,10 @@ def batch_norm(x, running_mean, running_var, weight=None, bias=None, training=Fa
                              f"channels of input {x.shape}; expected ({C},)")
     if running_mean is not None:
         _devices_of("batch_norm", x, running_mean, running_var)
+        for name, s in (("running_mean", running_mean), ("running_var", running_var)):
+            if s.dtype.kind != "f":
+                raise TypeError(f"batch_norm: {name} must be a float tensor, got "
+                                f"{s.dtype.name}")
     elif not training:
         raise ValueError("batch_norm: running_mean and running_var must be given when not "
                          "training (training=False normalises with them)")
@@ -4665,10 +4669,14 @@ def batch_norm(x, running_mean, running_var, weight=None, bias=None, training=Fa
     elif y.size:
         half = X.dtype == np.float16
         if training:  # one work-group per channel
+            # the kernel updates float32 statistics: float16 ones through float32 copies
+            running = [s if s is None or not update else _float32(s) for s in stats]
             X.device.launch("batch_norm_stats", (C * 256,), (256,), N, C, L, momentum,
                             int(update), X.data, mean.data, var.data,
-                            _data_or_none(running_mean), _data_or_none(running_var),
-                            half=half)
+                            _data_or_none(running[0]), _data_or_none(running[1]), half=half)
+            for s, copy in zip(stats, running):
+                if copy is not s:
+                    _cast(copy, np.float16, out=s)
         X.device.launch("batch_norm_fwd", *_grid(y.size), y.size, C, L, eps, int(W is not None),
                         int(B is not None), X.data, mean.data, var.data, _data_or_none(W),
                         _data_or_none(B), y.data, half=half)
@@ -5726,11 +5734,16 @@ class SGD(Optimizer):
                     d = d + self.momentum * buf.data if self.nesterov else buf.data
                 P.data -= self.lr * d
             elif P.size:
+                # sgd_step reads and writes float32: a float16 parameter or gradient goes
+                # through a float32 copy (the momentum buffer is float32 already: _fill)
+                P32, G32 = _float32(P), _float32(G)
                 P.device.launch("sgd_step", *_grid(P.size), P.size, self.lr, self.momentum,
                                 self.weight_decay, int(self.nesterov), int(first),
                                 int(found_inf is not None),
                                 None if found_inf is None else found_inf.data,
-                                P.data, G.data, (buf or P).data)
+                                P32.data, G32.data, (buf or P32).data)
+                if P32 is not P:
+                    _cast(P32, np.float16, out=P)
 
     def state_dict(self):
         """PyTorch's layout: {"state": {index: {"momentum_buffer": array}}, "param_groups"}."""
@@ -5791,7 +5804,9 @@ def _norm_partials(grads, norm_type):
     device = grads[0].device
     if device.backend == "cpu":
         with np.errstate(all="ignore"):  # an inf/NaN gradient gives an inf/NaN norm, silently
-            values = [g.data.ravel() for g in grads]
+            # (float16 gradients summed in float32, as the kernels do)
+            values = [g.data.ravel().astype(np.promote_types(g.dtype, np.float32), copy=False)
+                      for g in grads]
             partials = [np.abs(v).max(initial=0.0) if math.isinf(norm_type) else
                         np.dot(v, v) if norm_type == 2 else np.sum(np.abs(v) ** norm_type)
                         for v in values]
@@ -5834,7 +5849,10 @@ def clip_grad_norm(params, max_norm, norm_type=2.0, error_if_nonfinite=False):
     if not grads:  # as PyTorch: nothing to clip, and the norm is 0
         return _fill((), 0.0, params[0].value) if params else Tensor.from_host(np.float32(0.0))
     device = _devices_of("clip_grad_norm", *grads)
-    partials = _norm_partials(grads, norm_type)
+    # The kernels read and scale float32: a float16 gradient (a float16 leaf's, on OpenCL)
+    # through a float32 copy, rounded back once scaled
+    wide = grads if device.backend == "cpu" else [_float32(g) for g in grads]
+    partials = _norm_partials(wide, norm_type)
     total_norm = Tensor.empty((), np.float32, device.queue)
     clip_coef = Tensor.empty((), np.float32, device.queue)
     if device.backend == "cpu":
@@ -5850,12 +5868,14 @@ def clip_grad_norm(params, max_norm, norm_type=2.0, error_if_nonfinite=False):
             f"The total norm of order {norm_type} for gradients from `parameters` is "
             f"non-finite, so it cannot be clipped. To disable this error and scale the "
             f"gradients by the non-finite norm anyway, set `error_if_nonfinite=False`")
-    for g in grads:
+    for g, w in zip(grads, wide):
         if device.backend == "cpu":
             with np.errstate(all="ignore"):  # inf * 0 is NaN here, as in PyTorch
                 g.data *= clip_coef.data
         elif g.size:
-            device.launch("scale_by_device_scalar", *_grid(g.size), g.size, clip_coef.data, g.data)
+            device.launch("scale_by_device_scalar", *_grid(w.size), w.size, clip_coef.data, w.data)
+            if w is not g:
+                _cast(w, np.float16, out=g)
     return total_norm
 
 

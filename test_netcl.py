@@ -3969,6 +3969,24 @@ def test_batch_norm_running_stats_and_eval_follow_pytorch(backend, shape, module
     assert bn.state_dict()["num_batches_tracked"] == 3  # eval counts nothing
 
 
+def test_batch_norm_updates_float16_running_statistics_in_their_storage(backend):
+    """float16 running statistics are updated as float32 ones would be, rounded to float16
+    (on OpenCL through float32 copies: batch_norm_stats updates float32); running statistics
+    that are not floats are a TypeError naming them."""
+    x = np.arange(24, dtype=np.float32).reshape(8, 3) ** 1.5
+    running_mean = tensor(np.full(3, 0.5), backend, dtype=np.float16)
+    running_var = tensor(np.full(3, 2.0), backend, dtype=np.float16)
+    F.batch_norm(tensor(x, backend), running_mean, running_var, training=True, momentum=0.25)
+    want_mean = 0.75 * 0.5 + 0.25 * x.astype(np.float64).mean(axis=0)
+    want_var = 0.75 * 2.0 + 0.25 * x.astype(np.float64).var(axis=0, ddof=1)
+    for got, want in ((running_mean, want_mean), (running_var, want_var)):
+        assert got.dtype == np.float16
+        np.testing.assert_allclose(host(got).astype(np.float64), want, rtol=1e-3)
+    with raises_naming(TypeError, "running_mean", "int32"):
+        F.batch_norm(tensor(x, backend), tensor(np.zeros(3, np.int32), backend),
+                     running_var, training=True)
+
+
 def test_batch_norm_train_eval_switching(backend):
     rng = np.random.default_rng(41)
     bn = netcl.BatchNorm1d(4, queue=backend.queue)
@@ -5990,6 +6008,30 @@ def test_sgd_matches_pytorch_rule(backend, momentum, weight_decay, nesterov):
                                        err_msg=f"after step {step + 1}")
 
 
+@pytest.mark.parametrize("momentum, weight_decay, nesterov", [
+    (0.0, 0.0, False), (0.9, 0.01, False), (0.9, 0.0, True)])
+@pytest.mark.parametrize("param_dtype, grad_dtype", [
+    (np.float16, np.float16), (np.float16, np.float32), (np.float32, np.float16)])
+def test_sgd_steps_float16_parameters_and_gradients(backend, momentum, weight_decay, nesterov,
+                                                     param_dtype, grad_dtype):
+    """A float16 parameter (float16 storage) or gradient steps by the same rule, the
+    parameter staying in its storage (on OpenCL through float32 copies: sgd_step reads and
+    writes float32); within float16's rounding of each step."""
+    rng = np.random.default_rng(18)
+    initial = rng.standard_normal(300).astype(np.float16).astype(np.float32)
+    p = param(initial, backend, dtype=param_dtype)
+    opt = netcl.SGD([p], lr=0.1, momentum=momentum, weight_decay=weight_decay,
+                    nesterov=nesterov)
+    grads = [rng.standard_normal(300).astype(np.float16).astype(np.float32) for _ in range(3)]
+    expected = _sgd_reference([initial], [[g] for g in grads], [0.1] * 3, momentum,
+                              weight_decay, nesterov)
+    for g, want in zip(grads, expected):
+        p.grad = netcl.Tensor.from_host(g, queue=backend.queue, dtype=grad_dtype)
+        opt.step()
+        assert p.dtype == param_dtype
+        np.testing.assert_allclose(host(p).astype(np.float64), want[0], rtol=4e-3, atol=4e-3)
+
+
 def test_sgd_zero_grad_and_untouched_parameters(backend):
     rng = np.random.default_rng(16)
     used_host = rng.standard_normal((4, 3)).astype(np.float32)
@@ -6278,6 +6320,26 @@ def test_clip_grad_norm_matches_float64_reference(backend, grads, norm_type, max
         np.testing.assert_allclose(host(p.grad), g * clip_coef, rtol=1e-5, atol=1e-30)
     if without_grad:
         assert params[-1].grad is None
+
+
+@pytest.mark.parametrize("sizes", [(8,), (300,), (1000, 7)])
+def test_clip_grad_norm_of_float16_gradients(backend, sizes):
+    """float16 gradients (a float16 leaf's gradient is float16 storage on OpenCL), alone or
+    beside a float32 one: the norm of their values, and each scaled in its own storage (on
+    OpenCL through float32 copies: the kernels read and scale float32)."""
+    rng = np.random.default_rng(19)
+    grads = [rng.standard_normal(n).astype(np.float16).astype(np.float32) for n in sizes]
+    params = [param(np.zeros(g.shape), backend) for g in grads]
+    for i, (p, g) in enumerate(zip(params, grads)):  # the last float32 where there are two
+        dtype = np.float32 if i and i == len(grads) - 1 else np.float16
+        p.grad = netcl.Tensor.from_host(g, queue=backend.queue, dtype=dtype)
+    expected_norm = _total_norm_reference(grads, 2.0)
+    total = netcl.clip_grad_norm(params, 1.0)
+    assert math.isclose(float(total), expected_norm, rel_tol=1e-5)
+    for p, g in zip(params, grads):
+        assert p.grad.dtype in (np.float16, np.float32) and p.grad.shape == g.shape
+        np.testing.assert_allclose(host(p.grad).astype(np.float64), g / expected_norm,
+                                   rtol=1e-3, atol=1e-7)
 
 
 def test_clip_grad_norm_alias_single_parameter_and_no_grads(backend):
