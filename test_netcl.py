@@ -2990,16 +2990,24 @@ def test_conv2d_of_a_float16_weight_with_a_bias(opencl, monkeypatch, gemm):
               ((2, 8, 4, 4), (5, 8, 3, 3), (5,))]
     g = rng.standard_normal((2, 5, 4, 4)).astype(np.float32)
     op = lambda x, w, b: F.conv2d(x, w, b, padding=1)
-    want_out, want_grads = run_op(op, arrays, g, netcl.manager.default("cpu"))
+    params = _opencl_against_numpy(opencl, op, arrays, g, (np.float32, np.float16, np.float32))
+    assert all(p.grad.dtype == np.float32 for p in params)
+
+
+def _opencl_against_numpy(opencl, fn, arrays, g, dtypes):
+    """fn's output and gradients (for the seed g) on OpenCL, its operands Parameters of
+    `arrays` stored as `dtypes`, against the NumPy backend's on the float32 arrays; returns
+    the OpenCL Parameters."""
+    want_out, want_grads = run_op(fn, arrays, g, netcl.manager.default("cpu"))
     params = [netcl.Parameter(netcl.Tensor.from_host(a, queue=opencl.queue, dtype=dtype))
-              for a, dtype in zip(arrays, (np.float32, np.float16, np.float32))]
+              for a, dtype in zip(arrays, dtypes)]
     with netcl.Tape() as tape:
-        out = op(*params)
+        out = fn(*params)
     tape.backward(out, grad=g)
     np.testing.assert_allclose(host(out), want_out, rtol=1e-4, atol=1e-4)
     for p, want in zip(params, want_grads):
-        assert p.grad.dtype == np.float32
-        np.testing.assert_allclose(host(p.grad), want, rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(host(p.grad).astype(np.float32), want, rtol=1e-4, atol=1e-4)
+    return params
 
 
 @pytest.mark.parametrize("gemm", ["tiled", "packed"])
@@ -3019,15 +3027,7 @@ def test_a_float16_bias_is_read_as_its_values(opencl, monkeypatch, gemm, op):
         fn = lambda x, w, b: F.conv2d(x, w, b, padding=1)
     arrays = [rng.standard_normal(s).astype(np.float16).astype(np.float32) for s in shapes]
     g = rng.standard_normal(g_shape).astype(np.float32)
-    want_out, want_grads = run_op(fn, arrays, g, netcl.manager.default("cpu"))
-    params = [netcl.Parameter(netcl.Tensor.from_host(a, queue=opencl.queue, dtype=dtype))
-              for a, dtype in zip(arrays, (np.float32, np.float32, np.float16))]
-    with netcl.Tape() as tape:
-        out = fn(*params)
-    tape.backward(out, grad=g)
-    np.testing.assert_allclose(host(out), want_out, rtol=1e-4, atol=1e-4)
-    for p, want in zip(params, want_grads):
-        np.testing.assert_allclose(host(p.grad).astype(np.float32), want, rtol=1e-4, atol=1e-4)
+    _opencl_against_numpy(opencl, fn, arrays, g, (np.float32, np.float32, np.float16))
 
 
 def test_tiled_gemm_plan_follows_the_device_compute_units(opencl, monkeypatch):
