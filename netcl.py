@@ -1030,6 +1030,9 @@ class Node:
 
     def __init__(self, value, requires_grad=False):
         self.value = value if isinstance(value, Tensor) else Tensor.from_host(value)
+        if requires_grad and self.value.dtype.kind != "f":  # PyTorch's rule and words
+            raise TypeError(f"Only Tensors of floating point dtype can require gradients, got "
+                            f"{self.value.dtype.name}")
         self.grad = None
         self.requires_grad = bool(requires_grad)
         self._op = None  # the _Op that computed it, if a Tape recorded that; None for a leaf
@@ -1194,6 +1197,9 @@ def _accumulate_grad(leaf, grad, owned=False):
     flat gradient buffer). A parameter's gradients are float32; a float16 leaf's may come
     in float16 storage, and those are summed into a new tensor (float32 where the two
     storages differ), as `accumulate` adds float32 in place only."""
+    if leaf.grad is not None and leaf.grad.dtype.kind != "f":  # (set by hand)
+        raise TypeError(f"backward: a leaf's .grad is {leaf.grad.dtype.name}; gradients are "
+                        f"float tensors")
     if leaf.grad is None:
         slot = getattr(leaf, "_grad_slot", None)
         leaf.grad = grad if grad is slot or owned and slot is None else _copy(grad, out=slot)
@@ -5709,6 +5715,7 @@ class SGD(Optimizer):
 
     def step(self):
         """Update every parameter that has a gradient."""
+        _check_float_grads("SGD.step", self.params)
         found_inf = self._found_inf  # an AMPGradScaler's: nonzero makes the step a no-op
         if found_inf is not None and found_inf.device.backend == "cpu" and found_inf.data[0]:
             return
@@ -5829,6 +5836,15 @@ def _total_norm(partials, norm_type):
     return partials.sum() ** (1.0 / norm_type)
 
 
+def _check_float_grads(op, params):
+    """A TypeError naming the first of `params` whose gradient (set by hand) is not a float
+    tensor: the kernels read gradients as floats."""
+    for i, p in enumerate(params):
+        if p.grad is not None and p.grad.dtype.kind != "f":
+            raise TypeError(f"{op}: parameter {i} has a gradient of dtype {p.grad.dtype.name}; "
+                            f"gradients must be float tensors")
+
+
 def clip_grad_norm(params, max_norm, norm_type=2.0, error_if_nonfinite=False):
     """Scale the gradients of `params` in place so that their global norm is at most max_norm,
     and return the norm they had: a device scalar (a Tensor of shape ()) that float() reads.
@@ -5845,6 +5861,7 @@ def clip_grad_norm(params, max_norm, norm_type=2.0, error_if_nonfinite=False):
     max_norm, norm_type = float(max_norm), float(norm_type)
     if not norm_type > 0:
         raise ValueError(f"clip_grad_norm: norm_type must be positive or inf, got {norm_type}")
+    _check_float_grads("clip_grad_norm", params)
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:  # as PyTorch: nothing to clip, and the norm is 0
         return _fill((), 0.0, params[0].value) if params else Tensor.from_host(np.float32(0.0))
@@ -6632,6 +6649,7 @@ class AMPGradScaler:
                                "last update().")
         if state["stage"] == _STEPPED:
             raise RuntimeError("unscale_() is being called after step().")
+        _check_float_grads("AMPGradScaler.unscale_", optimizer.params)
         grads = optimizer._grads()
         if any(g.dtype == np.float16 for g in grads):
             raise ValueError("Attempting to unscale FP16 gradients.")

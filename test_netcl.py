@@ -5023,9 +5023,9 @@ def test_autocast_winograd_rounds_a_float32_input_as_numpy_rounds_to_float16(ope
                                                                              monkeypatch):
     """Winograd's kernels round a float32 input under autocast (kernels.cl: wino_round) as
     NumPy casts to float16: to nearest, ties to even, float16's subnormals, 65504 and what
-    rounds to it, what rounds to infinity, what rounds to zero. Each value is a 1x1 sample convolved by the filter whose
-    centre tap is 1, which Winograd's transforms pass exactly (sums of the value's
-    quarters), so the float16 output is the rounded input itself."""
+    rounds to it, what rounds to infinity, what rounds to zero. Each value is a 1x1 sample
+    convolved by the filter whose centre tap is 1, which Winograd's transforms pass exactly
+    (sums of the value's quarters), so the float16 output is the rounded input itself."""
     monkeypatch.setattr(opencl, "gemm", "tiled")
     rng = np.random.default_rng(12)
     half_values = rng.integers(0, 0x7bff, 4000).astype(np.uint16).view(np.float16)
@@ -6340,6 +6340,35 @@ def test_clip_grad_norm_of_float16_gradients(backend, sizes):
         assert p.grad.dtype in (np.float16, np.float32) and p.grad.shape == g.shape
         np.testing.assert_allclose(host(p.grad).astype(np.float64), g / expected_norm,
                                    rtol=1e-3, atol=1e-7)
+
+
+def test_integer_parameters_and_gradients_are_type_errors(backend):
+    """Only float tensors require gradients (PyTorch's rule and words), and a gradient set by
+    hand to an int32 tensor is a TypeError naming the parameter where the kernels would read
+    it as floats: SGD's step, clip_grad_norm, the scaler's unscale_ and a backward adding
+    into it. Nothing is changed before the error."""
+    with raises_naming(TypeError, "floating point", "int32"):
+        param(np.ones(3, np.int32), backend, dtype=np.int32)
+    with raises_naming(TypeError, "floating point"):
+        netcl.Node(tensor(np.ones(3, np.int32), backend, dtype=np.int32), requires_grad=True)
+    p, q = param(np.ones(4), backend), param(np.ones(4), backend)
+    q.grad = tensor(np.ones(4, np.float32), backend)
+    p.grad = tensor(np.array([1, 2, -1, -3], np.int32), backend, dtype=np.int32)
+    scaler = netcl.AMPGradScaler(init_scale=4.0)
+    scaler.scale(netcl.Node(tensor(np.ones(()), backend)))  # (the scale lives on the device)
+    for call, name in ((lambda: netcl.SGD([q, p], lr=0.1).step(), "SGD.step"),
+                       (lambda: netcl.clip_grad_norm([q, p], 1.0), "clip_grad_norm"),
+                       (lambda: scaler.unscale_(netcl.SGD([q, p], lr=0.1)), "unscale_")):
+        with raises_naming(TypeError, name, "parameter 1", "int32"):
+            call()
+        np.testing.assert_array_equal(host(p), np.ones(4))
+        np.testing.assert_array_equal(host(q.grad), np.ones(4))
+        np.testing.assert_array_equal(host(p.grad), [1, 2, -1, -3])
+    with netcl.Tape() as tape:
+        loss = (p * 2.0).sum()
+    with raises_naming(TypeError, "backward", "int32"):
+        tape.backward(loss)
+    np.testing.assert_array_equal(host(p.grad), [1, 2, -1, -3])
 
 
 def test_clip_grad_norm_alias_single_parameter_and_no_grads(backend):
