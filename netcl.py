@@ -3278,7 +3278,7 @@ def _softmax(op, x, axis, log_mode):
     y = _like(X, dtype=_compute_dtype(X.dtype))
     if X.device.backend == "cpu":
         v = X.data.reshape(outer, R, inner).astype(y.dtype, copy=False)
-        shifted = v - v.max(axis=1, keepdims=True)
+        shifted = v - v.max(axis=1, keepdims=True, initial=-np.inf)  # (an empty axis: empty)
         with np.errstate(all="ignore"):
             lse = np.log(np.exp(shifted).sum(axis=1, keepdims=True))
             y.data.reshape(outer, R, inner)[...] = (shifted - lse if log_mode
@@ -4764,7 +4764,7 @@ def embedding(idx, weight):
         grad = _free_grad_slot(w) or _like(g, (num, dim))
         if g.device.backend == "cpu":
             grad.data[...] = 0
-            np.add.at(grad.data, flat, g.data.reshape(-1, dim))
+            np.add.at(grad.data, flat, g.data.reshape(flat.size, dim))  # (dim may be 0)
         elif grad.size:
             # Where each row's run starts (num + 1 entries), then the positions sorted by
             # index (stably: each row sums in position order): a gather per (row, column), no
@@ -4832,7 +4832,7 @@ def _attention_scores(Q, K, scale, mask, geometry, causal):
         div, mod, stride_b, stride_l, stride_s = geometry
         Lm, Sm = (L if stride_l else 1), (S if stride_s else 1)
         per_batch = (np.arange(B) // div) % mod
-        scores = scores + mask.data.reshape(-1, Lm, Sm)[per_batch]
+        scores = scores + mask.data.reshape(mod, Lm, Sm)[per_batch]  # (L or S may be 0)
     if causal:  # top-left aligned, as PyTorch: key s takes part in row l when s <= l
         scores = np.where(np.tri(L, S, dtype=bool), scores, -np.inf)
     top = scores.max(axis=2, keepdims=True, initial=-np.inf)

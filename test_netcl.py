@@ -3837,6 +3837,26 @@ def test_reductions_over_empty_axes(backend):
         assert y.shape in ((0,), (0, 1)) and g.shape == (0, 3)
 
 
+def test_softmax_embedding_and_masked_attention_over_empty_axes(backend):
+    """As PyTorch: softmax and log_softmax over an empty axis are empty; an embedding of
+    width 0 has a (num, 0) gradient; attention with a mask and no queries (L = 0) is empty,
+    and with no keys (S = 0) is zeros; forward and backward on both backends."""
+    for op in (lambda x: F.softmax(x, -1), lambda x: F.log_softmax(x, -1)):
+        y, g = _value_and_grad(backend, op, np.zeros((3, 0)))
+        assert y.shape == (3, 0) and g.shape == (3, 0)
+    idx = tensor(np.array([1, 2], np.int32), backend)
+    y, g = _value_and_grad(backend, lambda w: F.embedding(idx, w), np.zeros((10, 0)))
+    assert y.shape == (2, 0) and g.shape == (10, 0)
+    for L, S in ((0, 0), (0, 5), (3, 0)):
+        for mask in (np.ones((L, S), bool), np.zeros((L, S), np.float32)):
+            q, kv = np.ones((2, L, 8)), np.ones((2, S, 8))
+            out, gq, gk, gv = _value_and_grad(
+                backend, lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask),
+                q, kv, kv)
+            np.testing.assert_array_equal(out, np.zeros((2, L, 8)))
+            assert gq.shape == (2, L, 8) and gk.shape == gv.shape == (2, S, 8)
+
+
 @pytest.mark.parametrize("correction, value, grad", [
     # x = [[1, 2], [3, 3]] along axis 1; torch.var's backward 2 / (N - correction) g (x - mean)
     (0, [0.25, 0.0], [[-0.5, 0.5], [0.0, 0.0]]),
