@@ -343,6 +343,14 @@ BINARY(sub, a - b)
 BINARY(mul, a * b)
 BINARY(div, a / b)
 
+// out (float) = a (float) + b (act_t), n of each: a residual stream in float32 plus a block's
+// float16 output under autocast, without widening b in a pass of its own first.
+__kernel void add_mixed_fwd(const int n, __global const float* a, __global const act_t* b,
+                            __global float* out) {
+    const int i = get_global_id(0);
+    if (i < n) out[i] = a[i] + LOAD(b, i);
+}
+
 // d(a/b)/db = -g a / b^2 at the output's shape: g and out (n), a and b act_t, of out's shape
 // (div_bwd_b) or broadcast (div_bwd_b_bcast, plan as for div_bcast).
 __kernel void div_bwd_b(const int n, __global const act_t* g, __global const act_t* a,
@@ -1303,6 +1311,19 @@ __kernel void copy_rows(const int outer, const int n, const int inner, const int
     const int k = i % inner, j = (i / inner) % n, o = i / (n * inner);
     STORE(out, (o * out_rows + out_start + j * out_step) * inner + k,
           LOAD(x, (o * x_rows + x_start + j * x_step) * inner + k));
+}
+
+// copy_rows from a float32 x into act_t storage (rounded as vstore_half): a float32 gradient
+// put into its place in a float16 one (netcl.py: _pieces), with no cast pass before it.
+__kernel void copy_rows_from_float(const int outer, const int n, const int inner,
+                                   const int x_rows, const int out_rows, const int x_start,
+                                   const int x_step, const int out_start, const int out_step,
+                                   __global const float* x, __global act_t* out) {
+    const int i = get_global_id(0);
+    if (i >= outer * n * inner) return;
+    const int k = i % inner, j = (i / inner) % n, o = i / (n * inner);
+    STORE(out, (o * out_rows + out_start + j * out_step) * inner + k,
+          x[(o * x_rows + x_start + j * x_step) * inner + k]);
 }
 
 // x (outer, rows, inner) -> out (outer, m, inner), out[o, j, k] = x[o, index[j], k], every

@@ -1772,10 +1772,22 @@ def _broadcast_plan(groups):
     return struct.pack(f"{1 + 3 * _BROADCAST_RANK}i", len(groups), *sizes, *a_strides, *b_strides)
 
 
+_MIXED = {np.dtype(np.float16), np.dtype(np.float32)}
+
+
 def _binary_tensor(name, a, b):
     """out = a (op) b, broadcast. float16 against float32 (a gradient, a weight) computes in
     float32."""
     shape, groups = _broadcast(name, a.shape, b.shape)
+    if (name == "add" and {a.dtype, b.dtype} == _MIXED and a.device.backend == "opencl"
+            and a.size == b.size == math.prod(shape) > 0):
+        # a float32 residual stream plus a block's float16 output: the float16 one read as
+        # it is stored, not widened by a pass of its own first (and the same sum either way)
+        a, b = (a, b) if a.dtype == np.float32 else (b, a)
+        out = _like(a, shape)
+        out.device.launch("add_mixed_fwd", *_grid(out.size), out.size, a.data, b.data,
+                          out.data, half=True)
+        return out
     if a.dtype != b.dtype:
         a, b = _float32(a), _float32(b)
     out = _like(a, shape, _result_type(a.dtype, b.dtype))
@@ -2686,9 +2698,10 @@ def unsqueeze(x, dim):
 
 
 def _copy_rows(src, dst, dim, n, src_at=(0, 1), dst_at=(0, 1)):
-    """Copy n rows along `dim` from src into dst (same shape but for `dim`, same dtype): row
-    start + j * step of dst, (start, step) = dst_at, gets row start' + j * step' of src,
-    (start', step') = src_at. Both are seen as (outer, rows, inner)."""
+    """Copy n rows along `dim` from src into dst (same shape but for `dim`): row start + j *
+    step of dst, (start, step) = dst_at, gets row start' + j * step' of src, (start', step')
+    = src_at. Both are seen as (outer, rows, inner). A float32 src is rounded into a float16
+    dst as it is copied (a float32 gradient put in place in a float16 one)."""
     (src_start, src_step), (dst_start, dst_step) = src_at, dst_at
     if dst.device.backend == "cpu":
         before = (slice(None),) * dim
@@ -2696,10 +2709,17 @@ def _copy_rows(src, dst, dim, n, src_at=(0, 1), dst_at=(0, 1)):
             src.data[before + (slice(src_start, src_start + n * src_step, src_step),)]
         return
     outer, inner = math.prod(dst.shape[:dim]), math.prod(dst.shape[dim + 1:])
-    if outer * n * inner:
-        dst.device.launch("copy_rows", *_grid(outer * n * inner), outer, n, inner,
-                          src.shape[dim], dst.shape[dim], src_start, src_step, dst_start,
-                          dst_step, src.data, dst.data, half=dst.dtype == np.float16)
+    if not outer * n * inner:
+        return
+    kernel = "copy_rows"
+    if src.dtype != dst.dtype:
+        if src.dtype == np.float32 and dst.dtype == np.float16:
+            kernel = "copy_rows_from_float"
+        else:
+            src = _cast(src, dst.dtype)
+    dst.device.launch(kernel, *_grid(outer * n * inner), outer, n, inner, src.shape[dim],
+                      dst.shape[dim], src_start, src_step, dst_start, dst_step, src.data,
+                      dst.data, half=dst.dtype == np.float16)
 
 
 def _node_list(op, tensors):
@@ -2807,10 +2827,11 @@ def _zero_rows(x, d, start, rows):
         _copy_rows(zeros, x, d, rows, dst_at=(start, 1))
 
 
-def _pieces(x, d, sizes):
-    """x cut along dimension d into pieces of `sizes` rows: a tuple of Nodes. Along the
-    leading dimension the pieces are views, as PyTorch's (no copy; on OpenCL where the
-    device lets a sub-buffer start at every piece), else copies."""
+def _pieces(x, d, sizes, squeeze=False):
+    """x cut along dimension d into pieces of `sizes` rows: a tuple of Nodes (with dimension
+    d removed if squeeze: unbind's pieces of one row). Along the leading dimension the
+    pieces are views, as PyTorch's (no copy; on OpenCL where the device lets a sub-buffer
+    start at every piece), else copies."""
     starts = list(itertools.accumulate(sizes, initial=0))  # np.cumsum, for a few ints
     X = x.value
     if d == 0 and _row_views_allowed(X, starts[1:-1]):
@@ -2825,8 +2846,10 @@ def _pieces(x, d, sizes):
     # and hands it to the hidden node; every piece copies its gradient into its own rows.
     # The hidden node was recorded before the pieces, so its backward runs after theirs: it
     # zeroes the rows of the pieces that got no gradient, then passes the buffer on to x.
-    # Under autocast the buffer is float16 storage, as x's gradient (no casts on the way).
+    # Under autocast the buffer is float16 storage, as x's gradient: a piece's gradient is
+    # taken in the storage it comes in (attention's are float32) and rounded as it is copied.
     buffer, placed = [], set()
+    grad_dtype = np.float16 if _half_grad(X) else None  # (None: g's own)
 
     def zero_the_rest(g):
         for i in sorted(set(range(len(sizes))) - placed):
@@ -2834,16 +2857,20 @@ def _pieces(x, d, sizes):
         return (g,)
     whole = _record(X, (x,), zero_the_rest, half_grad=True)
 
+    shapes = [value.shape for value in values]  # of x's rank
+
     def place(i):
         def backward(g):
             first = not buffer
             if first:
-                buffer.append(_like(g, x.shape))
-            _copy_rows(g, buffer[0], d, sizes[i], dst_at=(starts[i], 1))
+                buffer.append(_like(g, x.shape, grad_dtype))
+            _copy_rows(g._view(shapes[i]), buffer[0], d, sizes[i], dst_at=(starts[i], 1))
             placed.add(i)
             return (buffer[0] if first else None,)
         return backward
-    return tuple(_record(value, (whole,), place(i), half_grad=True)
+    if squeeze:
+        values = [value._view(value.shape[:d] + value.shape[d + 1:]) for value in values]
+    return tuple(_record(value, (whole,), place(i), half_grad=None)
                  for i, value in enumerate(values))
 
 
@@ -2893,8 +2920,7 @@ def unbind(x, dim=0):
     Nodes (views along the leading dimension, as split's pieces)."""
     (x,) = _nodes("unbind", x, numeric=False)
     d = _cut_dim("unbind", x, dim)
-    shape = x.shape[:d] + x.shape[d + 1:]
-    return tuple(reshape(piece, shape) for piece in _pieces(x, d, [1] * x.shape[d]))
+    return _pieces(x, d, [1] * x.shape[d], squeeze=True)
 
 
 def _slice(x, d, start, step, rows):

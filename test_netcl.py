@@ -4571,6 +4571,68 @@ def test_split_of_float16_storage_keeps_its_gradients_in_float16(opencl, monkeyp
         np.testing.assert_allclose(half, single, rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("dim", [0, 1])  # pieces as views of rows, and as copies
+@pytest.mark.parametrize("cut", ["unbind", "split"])
+def test_pieces_round_float32_gradients_into_float16_storage_as_they_copy_them(opencl,
+                                                                               monkeypatch,
+                                                                               cut, dim):
+    """attention over float16 q, k and v gives float32 gradients. Where q, k and v are pieces
+    of one float16 tensor (a transformer's qkv, unbound), their gradients are rounded into
+    its float16 gradient as they are copied into place (copy_rows_from_float), with no cast
+    pass: the same halves as rounding the float32 gradients that separate q, k and v get."""
+    rng = np.random.default_rng(5)
+    shape = [2, 4, 8]
+    shape.insert(dim, 3)
+    x_host = rng.standard_normal(shape).astype(np.float16)
+    cut_x, join = (F.unbind, np.stack) if cut == "unbind" else (
+        lambda x, dim: F.split(x, 1, dim), np.concatenate)
+    # q, k and v on their own: float32 gradients
+    alone = [param(p if cut == "split" else p.squeeze(dim), opencl)
+             for p in np.split(x_host, 3, axis=dim)]
+    with netcl.Tape() as tape:
+        out = F.scaled_dot_product_attention(*alone, is_causal=True)
+    g = rng.standard_normal(out.shape).astype(np.float32)
+    tape.backward(out, grad=g)
+    assert {p.grad.dtype for p in alone} == {np.dtype(np.float32)}
+    # the pieces of one tensor
+    x = param(x_host, opencl)
+    assert x.dtype == np.float16
+    with netcl.Tape() as tape:
+        out = F.scaled_dot_product_attention(*cut_x(x, dim), is_causal=True)
+    launched = []
+    launch = opencl.launch
+    monkeypatch.setattr(opencl, "launch", lambda name, *args, **kwargs: (
+        launched.append(name), launch(name, *args, **kwargs))[1])
+    tape.backward(out, grad=g)
+    monkeypatch.setattr(opencl, "launch", launch)
+    assert "cast_to_act" not in launched and launched.count("copy_rows_from_float") == 3
+    assert x.grad.dtype == np.float16
+    np.testing.assert_array_equal(host(x.grad),
+                                  join([host(p.grad) for p in alone], dim).astype(np.float16))
+
+
+def test_a_float32_plus_a_float16_tensor_is_one_float32_sum(opencl):
+    """A residual stream (float32) plus a block's output in float16 storage: the exact float32
+    sums of the float16 values widened, in either order, from one kernel (add_mixed_fwd);
+    operands of one size that broadcast to more (12, 1) + (1, 12) take the broadcasting
+    kernel after a widening."""
+    rng = np.random.default_rng(8)
+    a = rng.standard_normal((5, 12)).astype(np.float32)
+    b = rng.standard_normal((5, 12)).astype(np.float16)
+    A, B = tensor(a, opencl), tensor(b, opencl)
+    launches = opencl.launches
+    for left, right in ((A, B), (B, A)):
+        out = F.add(left, right)
+        assert out.dtype == np.float32
+        np.testing.assert_array_equal(host(out), a + b.astype(np.float32))
+    assert opencl.launches - launches == 2
+    column, row = a[0].reshape(12, 1), b[0].reshape(1, 12)
+    for left, right in ((column, row), (row, column)):
+        out = F.add(tensor(left, opencl), tensor(right, opencl))
+        np.testing.assert_array_equal(host(out), left + right.astype(np.float32))
+        assert out.shape == (12, 12)
+
+
 def test_cat_with_constants_gives_the_parameter_its_rows(backend):
     x = np.arange(6, dtype=np.float32).reshape(3, 2)
     constant = np.ones((2, 2), np.float32)
