@@ -4602,7 +4602,7 @@ def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5):
                 grad_w = _free_grad_slot(w) or _like(W, dtype=dtype)
                 grad_w.data.reshape(D)[...] = (gv * x_hat).sum(axis=0)
             if B is not None:
-                grad_b = _free_grad_slot(b) or _like(B, dtype=dtype)
+                grad_b = (_free_grad_slot(b) if b is not w else None) or _like(B, dtype=dtype)
                 grad_b.data.reshape(D)[...] = gv.sum(axis=0)
         else:
             half = X.dtype == np.float16
@@ -4615,8 +4615,9 @@ def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5):
                 # parameters' gradient slots where they are free; more than one chunk (a very
                 # long batch) takes a second launch each to sum the chunks.
                 chunks = _ceil_div(rows, _ROWS_PER_CHUNK)
-                grads = [(_free_grad_slot(p) if p is not None else None) or _like(g, shape)
-                         for p in (w, b)]
+                # (one parameter as both weight and bias: its slot takes the first only)
+                grads = [(_free_grad_slot(p) if p is not None and (i == 0 or p is not w)
+                          else None) or _like(g, shape) for i, p in enumerate((w, b))]
                 parts = ([grad._view((1, D)) for grad in grads] if chunks == 1 else
                          [_like(g, (chunks, D)) for _ in grads])
                 if chunks and D:

@@ -4167,6 +4167,27 @@ def test_layer_norm_module(backend):
         netcl.LayerNorm(())
 
 
+def test_layer_norm_with_one_parameter_as_weight_and_bias_in_an_optimizer(backend):
+    """A parameter an optimizer holds gets its gradient written into the optimizer's flat
+    buffer; one parameter as both weight and bias of a layer_norm takes the sum of both
+    gradients, as it does outside an optimizer, not the bias's twice."""
+    x = np.array([[1, 2, 4, 8], [0, 1, 0, -1]], np.float32)
+    r = np.array([[1, 0, 0, 0], [0, 0, 0, 1]], np.float32)
+    grads = []
+    for optimizer in (None, netcl.optim.SGD, netcl.optim.AdamW):
+        w = param(np.ones(4, np.float32), backend)
+        if optimizer is not None:
+            optimizer([w], lr=0.1)
+        with netcl.Tape() as tape:
+            loss = F.sum(F.mul(F.layer_norm(x, 4, w, w), r))
+        tape.backward(loss)
+        grads.append(host(w.grad))
+    mean, std = x.mean(axis=1, keepdims=True), np.sqrt(x.var(axis=1, keepdims=True) + 1e-5)
+    expected = ((x - mean) / std * r).sum(axis=0) + r.sum(axis=0)  # d/dweight + d/dbias
+    for grad in grads:
+        np.testing.assert_allclose(grad, expected, rtol=1e-5, atol=1e-6)
+
+
 def test_layer_norm_zero_size_and_errors(backend):
     w, b = param(np.ones(4), backend), param(np.zeros(4), backend)
     x = param(np.zeros((0, 4), np.float32), backend)
