@@ -4816,6 +4816,10 @@ def _attention_mask(mask, lead, L, S, like):
     s * stride_s. Broadcast dimensions get no copy when the mask's own batch dimensions are one
     run of lead's (the usual (L, S), (B, 1, L, S) or (H, L, S)); others are repeated."""
     op = "scaled_dot_product_attention"
+    if isinstance(mask, Node) and mask.requires_grad and _state.tapes and \
+            _state.grad_enabled[-1]:  # recorded: its gradient would be lost without a word
+        raise ValueError(f"{op}: attn_mask requires grad, but the mask is a constant here (no "
+                         f"gradient flows into it); pass attn_mask.value to use its values")
     m = mask.value if isinstance(mask, Node) else mask
     if isinstance(m, Tensor):
         _devices_of(op, like, m)
@@ -4882,7 +4886,8 @@ def scaled_dot_product_attention(q, k, v, attn_mask=None, is_causal=False, dropo
     attn_mask, broadcast to (..., L, S), is bool (True takes part) or float (added), and a
     constant; is_causal lets row l see keys s <= l. dropout_p > 0 drops attention weights
     (netcl's dropout stream, manual_seed). A row that attends to no key gives 0, as PyTorch.
-    q, k and v share their leading dimensions (PyTorch would broadcast them)."""
+    q, k and v share their leading dimensions (PyTorch would broadcast them). The mask gets no
+    gradient: one that requires grad, recorded on a Tape, is a ValueError."""
     op = "scaled_dot_product_attention"
     if attn_mask is not None and is_causal:  # PyTorch's words
         raise ValueError(f"{op}: explicit attn_mask should not be set when is_causal=True")
@@ -4897,7 +4902,9 @@ def scaled_dot_product_attention(q, k, v, attn_mask=None, is_causal=False, dropo
                          f"(..., L, E), (..., S, E) and (..., S, Ev), the same leading sizes)")
     lead, (L, E), (S, Ev) = q.shape[:-2], q.shape[-2:], v.shape[-2:]
     B = math.prod(lead)
-    scale = (1.0 / math.sqrt(E) if E else math.inf) if scale is None else float(scale)
+    # With E = 0 every score is the empty dot product, 0, whatever the scale: PyTorch scales
+    # q and k by sqrt(scale) before their product (so the weights are uniform, not NaN).
+    scale = 0.0 if not E else 1.0 / math.sqrt(E) if scale is None else float(scale)
     Q, K, V = q.value, k.value, v.value
     if not Q.dtype == K.dtype == V.dtype:  # mixed storage: all three in float32
         Q, K, V = _float32(Q), _float32(K), _float32(V)

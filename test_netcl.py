@@ -5549,6 +5549,41 @@ def test_unbind_matches_torch_and_checks_its_argument(backend):
         F.unbind(tensor(x, backend), 3)
 
 
+@pytest.mark.parametrize("scale", [None, 2.0, math.inf])
+def test_attention_with_empty_query_and_key_rows_weighs_every_key_alike(backend, scale):
+    """E = 0: every score is the empty dot product, 0, whatever the scale (PyTorch scales q
+    and k by sqrt(scale) before their product), so each output row is the mean of v's rows
+    (of those it may see, when causal) and v's gradient spreads g evenly; not NaN."""
+    rng = np.random.default_rng(6)
+    q, k = np.zeros((2, 3, 0), np.float32), np.zeros((2, 4, 0), np.float32)
+    v, g = rng.standard_normal((2, 4, 5)).astype(np.float32), np.ones((2, 3, 5), np.float32)
+    for causal in (False, True):
+        V = param(v, backend)
+        with netcl.Tape() as tape:
+            out = F.scaled_dot_product_attention(q, k, V, is_causal=causal, scale=scale)
+        tape.backward(out, grad=g)
+        seen = np.tril(np.ones((3, 4))) if causal else np.ones((3, 4))
+        weights = seen / seen.sum(axis=1, keepdims=True)
+        np.testing.assert_allclose(host(out), weights @ v, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(host(V.grad), np.swapaxes(weights, 0, 1) @ g, rtol=1e-6)
+
+
+def test_a_mask_that_requires_grad_is_refused_while_recording(backend):
+    """attention's mask gets no gradient, so one that requires grad is a ValueError on a Tape
+    (its gradient would be lost without a word); outside a Tape, or as its .value, it works."""
+    rng = np.random.default_rng(7)
+    q, k, v = (rng.standard_normal((2, 3, 4)).astype(np.float32) for _ in range(3))
+    mask = param(rng.standard_normal((3, 3)).astype(np.float32), backend)
+    Q = param(q, backend)
+    with netcl.Tape():
+        with raises_naming(ValueError, "attn_mask"):
+            F.scaled_dot_product_attention(Q, k, v, attn_mask=mask)
+        out = F.scaled_dot_product_attention(Q, k, v, attn_mask=mask.value)
+    with netcl.no_grad():
+        np.testing.assert_array_equal(
+            host(F.scaled_dot_product_attention(Q, k, v, attn_mask=mask)), host(out))
+
+
 @pytest.mark.parametrize("causal, masked, p", [(False, False, 0.0), (True, False, 0.0),
                                                (False, True, 0.0), (True, False, 0.3)])
 def test_attention_rows_longer_than_a_work_group(cpu, opencl, causal, masked, p):
