@@ -5593,6 +5593,8 @@ def save(state, path):
     arrays = {}
     if all(_is_array_like(value) for value in state.values()):
         for key, value in state.items():
+            if str(key) == _TREE_KEY:  # load would read it as the skeleton of a nested state
+                raise ValueError(f"save: the key {_TREE_KEY!r} is netcl's own; use another")
             if str(key) in arrays:
                 first = next(k for k in state if str(k) == str(key))
                 raise ValueError(f"save: keys {first!r} and {key!r} are both {str(key)!r} as "
@@ -5676,6 +5678,34 @@ def _check_hyperparameter(what, value, below=None, name=None):
     with the argument's name added."""
     if not _is_scalar(value) or not (0.0 <= value and (below is None or value < below)):
         raise ValueError(f"Invalid {what}: {value}" + (f" ({name})" if name else ""))
+
+
+def _state_part(op, state, keys, what="state"):
+    """state, a dict with every one of `keys` (a state_dict's part), or an error naming what
+    is missing: a state_dict of another kind of optimizer or schedule, or no state_dict."""
+    if not isinstance(state, dict):
+        raise TypeError(f"{op}: {what} must be a dict (a state_dict() output), got "
+                        f"{type(state).__name__}")
+    missing = [key for key in keys if key not in state]
+    if missing:
+        raise ValueError(f"{op}: {what} has no {missing[0]!r} (a state_dict of another kind of "
+                         f"optimizer or schedule?)")
+    return state
+
+
+def _param_group(op, state, keys, entry_keys):
+    """The one parameter group of an optimizer's state_dict, checked with _state_part, after
+    checking each per-parameter entry of state["state"] for entry_keys."""
+    _state_part(op, state, ("state", "param_groups"))
+    groups = state["param_groups"]
+    if not isinstance(groups, (list, tuple)) or len(groups) != 1:
+        raise ValueError(f"{op}: param_groups must be a list of one group, got {groups!r:.80}")
+    if not isinstance(state["state"], dict):
+        raise TypeError(f"{op}: state['state'] must be a dict, got "
+                        f"{type(state['state']).__name__}")
+    for i, entry in state["state"].items():
+        _state_part(op, entry, entry_keys, f"the state of parameter {i}")
+    return _state_part(op, groups[0], keys, "param_groups[0]")
 
 
 class Optimizer:
@@ -5798,7 +5828,8 @@ class SGD(Optimizer):
         """Restore hyper-parameters and momentum buffers from state_dict()'s output. All of it
         is checked before anything is set: a rejected state leaves the optimizer as it was."""
         name = "SGD.load_state_dict"
-        group = state["param_groups"][0]
+        group = _param_group(name, state, ("lr", "momentum", "weight_decay", "nesterov",
+                                           "params"), ("momentum_buffer",))
         if len(group["params"]) != len(self.params):
             raise ValueError(f"{name}: the state is for {len(group['params'])} parameters, the "
                              f"optimizer has {len(self.params)}")
@@ -6186,7 +6217,8 @@ class Adam(Optimizer):
         largest is taken. All of it is checked before anything is set: a rejected state leaves
         the optimizer as it was."""
         name = f"{type(self).__name__}.load_state_dict"
-        group = state["param_groups"][0]
+        group = _param_group(name, state, ("lr", "betas", "eps", "weight_decay", "params"),
+                             ("step", "exp_avg", "exp_avg_sq"))
         if len(group["params"]) != len(self.params):
             raise ValueError(f"{name}: the state is for {len(group['params'])} parameters, the "
                              f"optimizer has {len(self.params)}")
@@ -6235,7 +6267,8 @@ class AdamW(Adam):
 class WarmupCosine:
     """Linear warm-up from 0 to the optimizer's learning rate, then cosine decay to min_lr.
 
-    With base_lr the optimizer's lr when the schedule is built, W = warmup_steps,
+    With base_lr the optimizer's lr before any schedule set it (its `initial_lr`, recorded
+    by the first schedule built on it, as PyTorch's schedulers do), W = warmup_steps,
     T = total_steps and s the number of step() calls so far (0 at construction):
         lr(s) = base_lr * s / W                                              for s < W
         lr(s) = min_lr + (base_lr - min_lr) * (1 + cos(pi * (s - W) / (T - W))) / 2
@@ -6255,7 +6288,11 @@ class WarmupCosine:
                              f"total_steps ({total_steps})")
         min_lr = _check_number("WarmupCosine", "min_lr", min_lr, minimum=0)
         self.optimizer = optimizer
-        self.base_lr, self.min_lr = float(optimizer.lr), float(min_lr)
+        # The lr before any schedule set it (PyTorch's initial_lr, kept on the optimizer): a
+        # second schedule of one optimizer starts from it, not from the first one's lr(0) = 0.
+        if getattr(optimizer, "initial_lr", None) is None:
+            optimizer.initial_lr = float(optimizer.lr)
+        self.base_lr, self.min_lr = float(optimizer.initial_lr), float(min_lr)
         self.warmup_steps, self.total_steps = int(warmup_steps), int(total_steps)
         self.last_step = 0
         optimizer.lr = self.lr_at(0)
@@ -6281,10 +6318,21 @@ class WarmupCosine:
                 "total_steps": self.total_steps, "last_step": self.last_step}
 
     def load_state_dict(self, state):
-        """Restore state_dict()'s output and set the optimizer's lr to match."""
-        self.base_lr, self.min_lr = float(state["base_lr"]), float(state["min_lr"])
-        self.warmup_steps, self.total_steps = int(state["warmup_steps"]), int(state["total_steps"])
-        self.last_step = int(state["last_step"])
+        """Restore state_dict()'s output and set the optimizer's lr to match. All of it is
+        checked, as the constructor checks, before anything is set."""
+        op = "WarmupCosine.load_state_dict"
+        _state_part(op, state, ("base_lr", "min_lr", "warmup_steps", "total_steps",
+                                "last_step"))
+        base_lr, min_lr = (float(_check_number(op, key, state[key], minimum=0, finite=True))
+                           for key in ("base_lr", "min_lr"))
+        warmup_steps = _check_int(op, "warmup_steps", state["warmup_steps"], 0)
+        total_steps = _check_int(op, "total_steps", state["total_steps"], 1)
+        last_step = _check_int(op, "last_step", state["last_step"], 0)
+        if warmup_steps > total_steps:
+            raise ValueError(f"{op}: warmup_steps ({warmup_steps}) must not exceed total_steps "
+                             f"({total_steps})")
+        self.base_lr, self.min_lr = base_lr, min_lr
+        self.warmup_steps, self.total_steps, self.last_step = warmup_steps, total_steps, last_step
         self.optimizer.lr = self.lr_at(self.last_step)
 
 
@@ -6315,11 +6363,16 @@ class StepLR:
                 "lr": self.optimizer.lr}
 
     def load_state_dict(self, state):
-        """Restore state_dict()'s output, the optimizer's lr with it."""
-        step_size = _check_int("StepLR.load_state_dict", "step_size", state["step_size"], 1)
-        last_epoch = _check_int("StepLR.load_state_dict", "last_epoch", state["last_epoch"], 0)
+        """Restore state_dict()'s output, the optimizer's lr with it; all of it is checked
+        before anything is set."""
+        op = "StepLR.load_state_dict"
+        _state_part(op, state, ("step_size", "gamma", "last_epoch", "lr"))
+        step_size = _check_int(op, "step_size", state["step_size"], 1)
+        last_epoch = _check_int(op, "last_epoch", state["last_epoch"], 0)
+        gamma = _check_number(op, "gamma", state["gamma"], minimum=0, finite=True)
+        _check_hyperparameter("learning rate", state["lr"], name="lr")
         self.optimizer.lr = state["lr"]
-        self.step_size, self.gamma, self.last_epoch = step_size, float(state["gamma"]), last_epoch
+        self.step_size, self.gamma, self.last_epoch = step_size, float(gamma), last_epoch
 
 
 class ReduceLROnPlateau:
@@ -6387,6 +6440,9 @@ class ReduceLROnPlateau:
 
     def load_state_dict(self, state):
         """Restore state_dict()'s output, checked as the constructor checks."""
+        _state_part("ReduceLROnPlateau.load_state_dict", state, (
+            "mode", "factor", "patience", "threshold", "threshold_mode", "cooldown", "min_lr",
+            "eps", "best", "num_bad_epochs", "cooldown_counter", "last_epoch"))
         checked = ReduceLROnPlateau(self.optimizer, *(state[key] for key in (
             "mode", "factor", "patience", "threshold", "threshold_mode", "cooldown", "min_lr",
             "eps")))
@@ -8154,10 +8210,18 @@ class Trainer:
             raise ValueError(f"fit: scheduler.step_every must be 'batch' or 'epoch', got "
                              f"{step_every!r}")
         loss_fn = loss_fn or self.loss_fn or cross_entropy
-        if resume is not None:
-            self.load_checkpoint(resume)
-        self._start_loop(train_loader, scheduler, monitor)
+        if resume is None:
+            self._start_loop(train_loader, scheduler, monitor)
+        else:
+            with self._unchanged_on_error():  # a rejected checkpoint changes nothing
+                self.load_checkpoint(resume)
+                self._start_loop(train_loader, scheduler, monitor)
         history, step, classify = History(), 0, None
+        if resume is not None and patience is not None and self._bad_epochs >= patience:
+            if is_main():  # the run resumed had stopped early: so does this one
+                print(f"early stopping: {self._monitor} has not improved on {self._best:.4f} "
+                      f"for {self._bad_epochs} epochs")
+            return history
         batches = len(train_loader) if hasattr(train_loader, "__len__") else None
         progress = _Progress(epochs, batches) if sys.stdout.isatty() and is_main() else None
         for epoch in range(self.epoch + 1, epochs + 1):
@@ -8321,13 +8385,28 @@ class Trainer:
         except (KeyError, TypeError, ValueError) as error:
             raise ValueError(f"Trainer.load_checkpoint: {os.fspath(path)} has a damaged "
                              f"'trainer' entry ({error!r})") from error
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        if state.get("scaler"):  # None or {}: saved without mixed precision
-            self.scaler.load_state_dict(state["scaler"])
+        with self._unchanged_on_error():  # the model is not left loaded if the optimizer fails
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+            if state.get("scaler"):  # None or {}: saved without mixed precision
+                self.scaler.load_state_dict(state["scaler"])
         self._loaded = {"epoch": epoch, "bad_epochs": bad_epochs, "best": loop.get("best"),
                         "monitor": loop.get("monitor"), "loader_epoch": loop.get("loader_epoch"),
                         "scheduler": state.get("scheduler"), "random": random}
+
+    @contextlib.contextmanager
+    def _unchanged_on_error(self):
+        """On an error inside, put the model's, optimizer's and scaler's states back as they
+        were before it (a resume that fails halfway leaves no half-loaded model), then raise."""
+        owners = [owner for owner in (self.model, self.optimizer, self.scaler)
+                  if callable(getattr(owner, "state_dict", None))]
+        saved = [owner.state_dict() for owner in owners]
+        try:
+            yield
+        except BaseException:
+            for owner, state in zip(owners, saved):
+                owner.load_state_dict(state)
+            raise
 
     def evaluate(self, data_loader, loss_fn=None):
         """One pass in eval mode without gradients: {"loss": mean per sample, "accuracy"}

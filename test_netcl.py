@@ -5907,6 +5907,12 @@ def test_save_rejects_keys_that_are_equal_as_strings(tmp_path):
     with raises_naming(ValueError, "save", "'1'"):
         netcl.save({1: np.zeros(2), "1": np.ones(2)}, path)
     assert not path.exists()
+    # netcl's own key, which load would read as a nested state's skeleton: refused, and the
+    # file saved before is kept
+    netcl.save({"w": np.ones(2)}, path)
+    with raises_naming(ValueError, "save", "__netcl_tree__"):
+        netcl.save({"__netcl_tree__": np.zeros(2), "w": np.zeros(2)}, path)
+    np.testing.assert_array_equal(netcl.load(path)["w"], np.ones(2))
 
 
 @pytest.mark.parametrize("bad", [np.complex64, np.bool_])
@@ -6834,6 +6840,12 @@ _SGD_REJECTED = [
     (_entry(1, momentum_buffer=np.zeros(2, complex)), TypeError, "momentum_buffer 1"),
     (lambda state: state.update(state={5: {"momentum_buffer": np.zeros(2)}, **state["state"]}),
      ValueError, "state for parameter 5"),
+    # another optimizer's state, or none: named, not a KeyError, IndexError or TypeError
+    (lambda state: state["param_groups"][0].pop("nesterov"), ValueError, "'nesterov'"),
+    (lambda state: state["state"][1].pop("momentum_buffer"), ValueError, "'momentum_buffer'"),
+    (lambda state: state.pop("param_groups"), ValueError, "'param_groups'"),
+    (lambda state: state.update(param_groups=[]), ValueError, "param_groups"),
+    (lambda state: state.update(state=None), TypeError, "state"),
 ]
 
 
@@ -6847,7 +6859,20 @@ _ADAM_REJECTED = [
     (_entry(1, step=2**40), ValueError, "step of parameter 1"),
     (_entry(1, step=-1), ValueError, "step of parameter 1"),
     (_entry(0, step=1.5), ValueError, "step of parameter 0"),
+    (lambda state: state["param_groups"][0].pop("betas"), ValueError, "'betas'"),
+    (lambda state: state["state"][0].pop("exp_avg_sq"), ValueError, "'exp_avg_sq'"),
+    (lambda state: state.clear(), ValueError, "'state'"),
 ]
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adam"])
+def test_optimizer_load_state_dict_of_no_dict_is_a_type_error(backend, kind):
+    opt = _trained_optimizer(kind, backend)
+    before = opt.state_dict()
+    for bad in (None, [before]):
+        with raises_naming(TypeError, "load_state_dict", "dict"):
+            opt.load_state_dict(bad)
+    np.testing.assert_equal(opt.state_dict(), before)
 
 
 @pytest.mark.parametrize("kind, change, error, message",
@@ -10491,6 +10516,72 @@ def test_fit_steps_each_schedule_when_it_says(backend, monkeypatch):
     assert opt.seen == [lr for lr in [0.1] + expected[:-1] for _ in range(3)]
     with raises_naming(ValueError, "ReduceLROnPlateau", "mode='max'"):
         trainer.fit(batches, batches, epochs=1, scheduler=netcl.ReduceLROnPlateau(opt))
+
+
+def test_a_resume_of_a_run_that_stopped_early_stops_too(cpu, tmp_path, capsys):
+    """A run that stopped early, resumed with the same patience, trains no more epochs: as
+    if it had never stopped; with more patience it carries on."""
+    x, y = _blobs(n=32)
+    batches = _batches(x, y, 16)
+    model = _mlp(cpu, BLOBS_MLP)
+    trainer = netcl.Trainer(model, netcl.SGD(model.parameters(), lr=0.0))  # a plateau
+    path = tmp_path / "run.npz"
+    history = trainer.fit(batches, epochs=6, patience=2, monitor="loss", training_checkpoint=path)
+    assert [h["epoch"] for h in history] == [1, 2, 3]
+    capsys.readouterr()
+    resumed = netcl.Trainer(model, netcl.SGD(model.parameters(), lr=0.0))
+    assert list(resumed.fit(batches, epochs=6, patience=2, resume=path)) == []
+    assert "early stopping" in capsys.readouterr().out
+    longer = netcl.Trainer(model, netcl.SGD(model.parameters(), lr=0.0))
+    assert [h["epoch"] for h in longer.fit(batches, epochs=6, patience=3, resume=path)] == [4]
+
+
+def test_a_resume_that_fails_leaves_the_model_and_optimizer_as_they_were(cpu, tmp_path):
+    """A checkpoint of an AdamW run resumed with SGD, or with another kind of scheduler, is
+    rejected with a ValueError naming what does not fit, and the model, optimizer and
+    schedule keep their own states (the model is not left loaded)."""
+    x, y = _blobs(n=32)
+    batches = _batches(x, y, 16)
+    model = _mlp(cpu, BLOBS_MLP)
+    trainer = netcl.Trainer(model, netcl.AdamW(model.parameters(), lr=0.01))
+    path = tmp_path / "run.npz"
+    trainer.fit(batches, epochs=1, training_checkpoint=path,
+                scheduler=netcl.StepLR(trainer.optimizer, 1))
+    other = _mlp(cpu, BLOBS_MLP)
+    weights = other.state_dict()
+    sgd = netcl.SGD(other.parameters(), lr=0.1, momentum=0.9)
+    with raises_naming(ValueError, "'momentum_buffer'"):
+        netcl.Trainer(other, sgd).fit(batches, epochs=2, resume=path)
+    adamw = netcl.AdamW(other.parameters(), lr=0.5)
+    schedule = netcl.WarmupCosine(adamw, 1, 10)
+    before = adamw.state_dict()
+    with raises_naming(ValueError, "WarmupCosine", "'base_lr'"):
+        netcl.Trainer(other, adamw).fit(batches, epochs=2, resume=path, scheduler=schedule)
+    np.testing.assert_equal(other.state_dict(), weights)
+    np.testing.assert_equal(adamw.state_dict(), before)
+    assert schedule.base_lr == 0.5 and adamw.lr == 0.0
+
+
+def test_schedules_check_a_state_before_setting_any_of_it(cpu):
+    """A rejected state (a bad value, a missing key) leaves the schedule and the optimizer's
+    lr as they were; a second WarmupCosine on one optimizer starts from the lr it had before
+    the first (PyTorch's initial_lr), not from the first one's lr(0) of 0."""
+    opt = netcl.SGD([param(np.ones(2, np.float32), cpu)], lr=0.1)
+    warmup = netcl.WarmupCosine(opt, 2, 10)
+    assert opt.lr == 0.0 and netcl.WarmupCosine(opt, 2, 10).base_lr == 0.1
+    good = warmup.state_dict()
+    for change, error, words in ((dict(base_lr=-1.0), ValueError, "base_lr"),
+                                 (dict(total_steps=1), ValueError, "warmup_steps"),
+                                 (dict(last_step="x"), ValueError, "last_step")):
+        with raises_naming(error, "WarmupCosine", *words.split()):
+            warmup.load_state_dict({**good, **change})
+        assert warmup.state_dict() == good and opt.lr == 0.0
+    step = netcl.StepLR(opt, 2)
+    good = step.state_dict()
+    for bad in ({**good, "gamma": "x", "lr": 0.7}, {"lr": 0.7}):
+        with pytest.raises((ValueError, TypeError)):
+            step.load_state_dict(bad)
+        assert step.state_dict() == good and opt.lr == 0.0
 
 
 def test_fit_stops_early_on_a_plateau_and_resumes_the_count(backend, tmp_path, capsys):
