@@ -8201,8 +8201,27 @@ class Trainer:
                              f"'accuracy' or None, got {monitor!r}")
         if monitor in ("val_loss", "val_accuracy") and val_loader is None:
             raise ValueError(f"fit: monitor={monitor!r} needs a val_loader")
-        if checkpoint is not None and not callable(getattr(self.model, "state_dict", None)):
-            raise ValueError("fit: checkpoint needs a model with state_dict()")
+        # What would otherwise fail only after the first epoch has trained, checked now:
+        for name, loader in (("train_loader", train_loader), ("val_loader", val_loader)):
+            if (loader is not None or name == "train_loader") and \
+                    not hasattr(loader, "__iter__"):
+                raise TypeError(f"fit: {name} must be an iterable of batches, got "
+                                f"{type(loader).__name__}")
+        if loss_fn is not None and not callable(loss_fn):
+            raise ValueError(f"fit: loss_fn must be callable or None, got {loss_fn!r}")
+        for name, path in (("checkpoint", checkpoint), ("training_checkpoint",
+                                                        training_checkpoint)):
+            if path is None:
+                continue
+            if not isinstance(path, (str, os.PathLike)):
+                raise TypeError(f"fit: {name} must be a path (str or os.PathLike), got "
+                                f"{type(path).__name__}")
+            if not callable(getattr(self.model, "state_dict", None)):
+                raise ValueError(f"fit: {name} needs a model with state_dict()")
+            folder = os.path.dirname(os.path.abspath(os.fspath(path)))
+            if not os.path.isdir(folder):
+                raise ValueError(f"fit: {name}={os.fspath(path)!r}: no directory {folder!r} "
+                                 f"to write it in")
         if scheduler is not None and not callable(getattr(scheduler, "step", None)):
             raise ValueError(f"fit: scheduler must have a step() method, got {scheduler!r}")
         step_every = getattr(scheduler, "step_every", "epoch")
@@ -8411,6 +8430,11 @@ class Trainer:
     def evaluate(self, data_loader, loss_fn=None):
         """One pass in eval mode without gradients: {"loss": mean per sample, "accuracy"}
         (no accuracy for a regression, as in fit)."""
+        if not hasattr(data_loader, "__iter__"):
+            raise TypeError(f"evaluate: data_loader must be an iterable of batches, got "
+                            f"{type(data_loader).__name__}")
+        if loss_fn is not None and not callable(loss_fn):
+            raise ValueError(f"evaluate: loss_fn must be callable or None, got {loss_fn!r}")
         result = self._evaluate(data_loader, loss_fn or self.loss_fn or cross_entropy, None,
                                 "evaluate: data_loader yielded no batches")
         if is_main():

@@ -10529,6 +10529,35 @@ def test_fit_steps_each_schedule_when_it_says(backend, monkeypatch):
         trainer.fit(batches, batches, epochs=1, scheduler=netcl.ReduceLROnPlateau(opt))
 
 
+def test_fit_and_evaluate_check_their_arguments_before_training(cpu, tmp_path):
+    """Arguments that would fail only after the first epoch had trained (a loader that is no
+    iterable, a loss that is no callable, a checkpoint that is no path or has no directory,
+    a training checkpoint of a model without state_dict) are refused before any step: the
+    weights are unchanged."""
+    x, y = _blobs(n=16)
+    batches = _batches(x, y, 8)
+    model = _mlp(cpu, BLOBS_MLP)
+    trainer = netcl.Trainer(model, netcl.SGD(model.parameters(), lr=0.5))
+    weights = model.state_dict()
+    for kwargs, error, words in (
+            (dict(train_loader=None), TypeError, "train_loader NoneType"),
+            (dict(val_loader=3), TypeError, "val_loader int"),
+            (dict(loss_fn=3), ValueError, "loss_fn 3"),
+            (dict(checkpoint=3), TypeError, "checkpoint int"),
+            (dict(training_checkpoint=tmp_path / "no" / "run.npz"), ValueError,
+             "training_checkpoint no")):
+        with raises_naming(error, "fit", *words.split()):
+            trainer.fit(**{"train_loader": batches, **kwargs})
+    plain = netcl.Trainer(lambda xb: model(xb), netcl.SGD(model.parameters(), lr=0.5))
+    with raises_naming(ValueError, "training_checkpoint", "state_dict"):
+        plain.fit(batches, training_checkpoint=tmp_path / "run.npz")
+    np.testing.assert_equal(model.state_dict(), weights)
+    with raises_naming(TypeError, "evaluate", "data_loader"):
+        trainer.evaluate(None)
+    with raises_naming(ValueError, "evaluate", "loss_fn"):
+        trainer.evaluate(batches, loss_fn=3)
+
+
 def test_a_resume_of_a_run_that_stopped_early_stops_too(cpu, tmp_path, capsys):
     """A run that stopped early, resumed with the same patience, trains no more epochs: as
     if it had never stopped; with more patience it carries on."""
