@@ -5651,7 +5651,11 @@ def load(path):
         try:
             with np.load(file, allow_pickle=False) as archive:
                 if _TREE_KEY not in archive.files:
-                    return {key: archive[key] for key in archive.files}
+                    state = {key: archive[key] for key in archive.files}
+                    for key, value in state.items():  # NumPy hands other members as bytes
+                        if not isinstance(value, np.ndarray):
+                            raise ValueError(f"its member {key!r} is no .npy array")
+                    return state
                 try:
                     skeleton = json.loads(str(archive[_TREE_KEY][()]))
                     state = _unflatten_state(skeleton, archive, path)
@@ -5660,7 +5664,7 @@ def load(path):
                 if not isinstance(state, dict):
                     raise ValueError(f"load: {path} has a malformed structure entry")
                 return state
-        except (ValueError, EOFError, zipfile.BadZipFile, zlib.error) as error:
+        except (ValueError, TypeError, EOFError, zipfile.BadZipFile, zlib.error) as error:
             raise ValueError(f"load: {path} is not a readable netcl .npz archive "
                              f"({error})") from error
 

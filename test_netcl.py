@@ -49,6 +49,7 @@ import time
 import types
 import warnings
 import weakref
+import zipfile
 from collections import Counter, namedtuple
 
 import numpy as np
@@ -5987,6 +5988,12 @@ def test_save_rejects_what_a_state_cannot_hold_and_load_a_forged_structure(tmp_p
     for forged in ('{"dict": [["w", {"array": "missing"}]]}', '{"eval": "os.system"}',
                    '{"dict": [["w", {"int": "w"}]]}', "[1, 2", '{"list": []}'):
         np.savez(path, w=np.zeros(3), __netcl_tree__=np.array(forged))
+        with raises_naming(ValueError, "load", str(path)):
+            netcl.load(path)
+    # zips that are no .npz: a text member, or a structure entry that is no .npy
+    for member in ("hello.txt", "__netcl_tree__.npy"):
+        with zipfile.ZipFile(path, "w") as archive:
+            archive.writestr(member, b"not an array")
         with raises_naming(ValueError, "load", str(path)):
             netcl.load(path)
 
