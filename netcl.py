@@ -5591,14 +5591,12 @@ def save(state, path):
     if not isinstance(state, dict):
         raise ValueError(f"save: state must be a dict, got {type(state).__name__}")
     arrays = {}
-    if all(_is_array_like(value) for value in state.values()):
+    # A flat dict of arrays under string keys is stored as it is (NumPy's savez layout);
+    # anything else with the structure entry, which keeps int keys ints.
+    if all(_is_array_like(value) and isinstance(key, str) for key, value in state.items()):
         for key, value in state.items():
-            if str(key) == _TREE_KEY:  # load would read it as the skeleton of a nested state
+            if key == _TREE_KEY:  # load would read it as the skeleton of a nested state
                 raise ValueError(f"save: the key {_TREE_KEY!r} is netcl's own; use another")
-            if str(key) in arrays:
-                first = next(k for k in state if str(k) == str(key))
-                raise ValueError(f"save: keys {first!r} and {key!r} are both {str(key)!r} as "
-                                 f"strings; an archive can hold only one of them")
             _add_array(arrays, key, value)
     else:
         skeleton = _flatten_state(state, "", arrays)
