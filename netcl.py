@@ -1779,8 +1779,8 @@ def _binary_tensor(name, a, b):
     """out = a (op) b, broadcast. float16 against float32 (a gradient, a weight) computes in
     float32."""
     shape, groups = _broadcast(name, a.shape, b.shape)
-    if (name == "add" and {a.dtype, b.dtype} == _MIXED and a.device.backend == "opencl"
-            and a.size == b.size == math.prod(shape) > 0):
+    if (name == "add" and a.dtype != b.dtype and {a.dtype, b.dtype} == _MIXED
+            and a.device.backend == "opencl" and a.size == b.size == math.prod(shape) > 0):
         # a float32 residual stream plus a block's float16 output: the float16 one read as
         # it is stored, not widened by a pass of its own first (and the same sum either way)
         a, b = (a, b) if a.dtype == np.float32 else (b, a)
