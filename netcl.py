@@ -1190,6 +1190,28 @@ class _Owned(tuple):
     (PyTorch's AccumulateGrad likewise takes a gradient that nothing else holds)."""
 
 
+def _check_grad(op, node, what):
+    """node.grad, set by hand, as the kernels must find it: a float Tensor of node's shape on
+    its device; else TypeError or ValueError naming `what` (a kernel would read or write
+    past a smaller buffer, or read an int32 one's bits as floats)."""
+    grad = node.grad
+    if not isinstance(grad, Tensor):
+        raise TypeError(f"{op}: {what} has a .grad of type {type(grad).__name__}; a gradient "
+                        f"is a netcl Tensor")
+    if grad.dtype.kind != "f":
+        raise TypeError(f"{op}: {what} has a gradient of dtype {grad.dtype.name}; gradients "
+                        f"must be float tensors")
+    if grad.device is not node.value.device:
+        raise ValueError(f"{op}: {what}'s .grad is on {grad.device}, different devices from "
+                         f"its value's {node.value.device}")
+    if grad.shape != node.shape:
+        raise ValueError(f"{op}: {what} of shape {node.shape} has a .grad of shape "
+                         f"{grad.shape}")
+
+
+_grad_lock = threading.Lock()  # one leaf's gradient, added to by backwards in several threads
+
+
 def _accumulate_grad(leaf, grad, owned=False):
     """PyTorch semantics: the first gradient is stored, later ones are added in place. The
     first is copied, so no two leaves ever share (and later mutate) one buffer, unless the
@@ -1197,16 +1219,16 @@ def _accumulate_grad(leaf, grad, owned=False):
     flat gradient buffer). A parameter's gradients are float32; a float16 leaf's may come
     in float16 storage, and those are summed into a new tensor (float32 where the two
     storages differ), as `accumulate` adds float32 in place only."""
-    if leaf.grad is not None and leaf.grad.dtype.kind != "f":  # (set by hand)
-        raise TypeError(f"backward: a leaf's .grad is {leaf.grad.dtype.name}; gradients are "
-                        f"float tensors")
-    if leaf.grad is None:
-        slot = getattr(leaf, "_grad_slot", None)
-        leaf.grad = grad if grad is slot or owned and slot is None else _copy(grad, out=slot)
-    elif leaf.grad.dtype != grad.dtype or grad.dtype == np.float16:
-        leaf.grad = _add_tensors(leaf.grad, grad)
-    else:
-        _add_into(leaf.grad, grad)
+    with _grad_lock:  # the test of None and the store or the add: one step for other threads
+        if leaf.grad is None:
+            slot = getattr(leaf, "_grad_slot", None)
+            leaf.grad = grad if grad is slot or owned and slot is None else _copy(grad, out=slot)
+            return
+        _check_grad("backward", leaf, "a leaf")  # (set by hand)
+        if leaf.grad.dtype != grad.dtype or grad.dtype == np.float16:
+            leaf.grad = _add_tensors(leaf.grad, grad)
+        else:
+            _add_into(leaf.grad, grad)
 
 
 class Tape:
@@ -5904,12 +5926,11 @@ def _total_norm(partials, norm_type):
 
 
 def _check_float_grads(op, params):
-    """A TypeError naming the first of `params` whose gradient (set by hand) is not a float
-    tensor: the kernels read gradients as floats."""
+    """An error naming the first of `params` whose gradient (set by hand) the kernels cannot
+    read as its gradient (_check_grad)."""
     for i, p in enumerate(params):
-        if p.grad is not None and p.grad.dtype.kind != "f":
-            raise TypeError(f"{op}: parameter {i} has a gradient of dtype {p.grad.dtype.name}; "
-                            f"gradients must be float tensors")
+        if p.grad is not None:
+            _check_grad(op, p, f"parameter {i}")
 
 
 def clip_grad_norm(params, max_norm, norm_type=2.0, error_if_nonfinite=False):

@@ -6536,6 +6536,54 @@ def test_integer_parameters_and_gradients_are_type_errors(backend):
     np.testing.assert_array_equal(host(p.grad), [1, 2, -1, -3])
 
 
+def test_a_gradient_set_by_hand_must_fit_its_parameter(cpu, opencl):
+    """A .grad set by hand of another shape (a kernel would write past the smaller buffer:
+    a segfault on OpenCL), not a Tensor, or on another device is an error naming the
+    parameter in a backward adding into it, SGD's step and clip_grad_norm; nothing changes."""
+    for backend, other in ((cpu, opencl), (opencl, cpu)):
+        p = param(np.ones((64, 64)), backend)
+        for bad, error, words in ((tensor(np.zeros(2), backend), ValueError, "(64, 64) (2,)"),
+                                  (tensor(np.zeros((2, 2048)), backend), ValueError, "(2, 2048)"),
+                                  (np.zeros((64, 64), np.float32), TypeError, "ndarray"),
+                                  (tensor(np.zeros((64, 64)), other), ValueError, "devices")):
+            p.grad = bad
+            with netcl.Tape() as tape:
+                loss = (p * 1.0).sum()
+            with raises_naming(error, "backward", *words.split()):
+                tape.backward(loss)
+            for call, name in ((lambda: netcl.SGD([p], lr=0.1).step(), "SGD.step"),
+                               (lambda: netcl.clip_grad_norm([p], 1.0), "clip_grad_norm")):
+                with raises_naming(error, name, "parameter 0", *words.split()):
+                    call()
+            assert p.grad is bad
+            np.testing.assert_array_equal(host(p), np.ones((64, 64)))
+
+
+def test_backwards_in_threads_add_every_gradient_into_a_shared_leaf(backend):
+    """Several threads' backwards into one leaf whose .grad is None: the first stores, the
+    others add (the test of None and the store are one step for the other threads)."""
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as possible
+    try:
+        for _ in range(20):
+            w = param(np.ones(3), backend)
+            barrier = threading.Barrier(4)
+
+            def train():
+                with netcl.Tape() as tape:
+                    loss = (w * 1.0).sum()
+                barrier.wait()
+                tape.backward(loss)
+            threads = [threading.Thread(target=train) for _ in range(4)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            np.testing.assert_array_equal(host(w.grad), [4.0, 4.0, 4.0])
+    finally:
+        sys.setswitchinterval(switch)
+
+
 def test_clip_grad_norm_alias_single_parameter_and_no_grads(backend):
     assert netcl.clip_grad_norm_ is netcl.clip_grad_norm
     p = param([3.0, 4.0], backend)
