@@ -8082,6 +8082,19 @@ class _Progress:
         sys.stdout.flush()
 
 
+def _check_loss_fn(op, loss_fn):
+    """A loss is a callable loss_fn(logits, target), or None for the Trainer's own."""
+    if loss_fn is not None and not callable(loss_fn):
+        raise ValueError(f"{op}: loss_fn must be callable or None, got {loss_fn!r}")
+
+
+def _check_loader(op, name, loader):
+    """A loader is any iterable of batches (checked before the first epoch trains)."""
+    if not hasattr(loader, "__iter__"):
+        raise TypeError(f"{op}: {name} must be an iterable of batches, got "
+                        f"{type(loader).__name__}")
+
+
 class Trainer:
     """fit()/evaluate() for classifiers (and regressions, see fit):
     `Trainer(model, optimizer, grad_clip=1.0).fit(loader)`.
@@ -8107,8 +8120,7 @@ class Trainer:
         if grad_clip is not None and not (_is_scalar(grad_clip) and grad_clip > 0):
             raise ValueError(f"Trainer: grad_clip must be a positive number or None, got "
                              f"{grad_clip!r}")
-        if loss_fn is not None and not callable(loss_fn):
-            raise ValueError(f"Trainer: loss_fn must be callable or None, got {loss_fn!r}")
+        _check_loss_fn("Trainer", loss_fn)
         metrics_stride = _check_int("Trainer", "metrics_stride", metrics_stride, 1)
         if is_initialized():  # data-parallel: rank 0's model everywhere, gradients averaged
             optimizer = _data_parallel(model, optimizer)
@@ -8225,13 +8237,10 @@ class Trainer:
         if monitor in ("val_loss", "val_accuracy") and val_loader is None:
             raise ValueError(f"fit: monitor={monitor!r} needs a val_loader")
         # What would otherwise fail only after the first epoch has trained, checked now:
-        for name, loader in (("train_loader", train_loader), ("val_loader", val_loader)):
-            if (loader is not None or name == "train_loader") and \
-                    not hasattr(loader, "__iter__"):
-                raise TypeError(f"fit: {name} must be an iterable of batches, got "
-                                f"{type(loader).__name__}")
-        if loss_fn is not None and not callable(loss_fn):
-            raise ValueError(f"fit: loss_fn must be callable or None, got {loss_fn!r}")
+        _check_loader("fit", "train_loader", train_loader)
+        if val_loader is not None:
+            _check_loader("fit", "val_loader", val_loader)
+        _check_loss_fn("fit", loss_fn)
         for name, path in (("checkpoint", checkpoint), ("training_checkpoint",
                                                         training_checkpoint)):
             if path is None:
@@ -8256,7 +8265,7 @@ class Trainer:
             self._start_loop(train_loader, scheduler, monitor)
         else:
             with self._unchanged_on_error():  # a rejected checkpoint changes nothing
-                self.load_checkpoint(resume)
+                self._read_checkpoint(resume)
                 self._start_loop(train_loader, scheduler, monitor)
         history, step, classify = History(), 0, None
         if resume is not None and patience is not None and self._bad_epochs >= patience:
@@ -8413,7 +8422,13 @@ class Trainer:
     def load_checkpoint(self, path):
         """Read a file of save_checkpoint(): the model, optimizer and scaler are restored now;
         the epoch, the early-stopping state, the scheduler's state, the DataLoader's epoch
-        and the random stream are taken up by the next fit()."""
+        and the random stream are taken up by the next fit(). A checkpoint that does not fit
+        raises and leaves the model, optimizer and scaler as they were."""
+        with self._unchanged_on_error():
+            self._read_checkpoint(path)
+
+    def _read_checkpoint(self, path):
+        """load_checkpoint's work, without its restoring on an error (fit's own covers it)."""
         state = load(path)
         loop = state.get("trainer")
         if not isinstance(loop, dict) or not {"model", "optimizer"} <= set(state):
@@ -8427,11 +8442,10 @@ class Trainer:
         except (KeyError, TypeError, ValueError) as error:
             raise ValueError(f"Trainer.load_checkpoint: {os.fspath(path)} has a damaged "
                              f"'trainer' entry ({error!r})") from error
-        with self._unchanged_on_error():  # the model is not left loaded if the optimizer fails
-            self.model.load_state_dict(state["model"])
-            self.optimizer.load_state_dict(state["optimizer"])
-            if state.get("scaler"):  # None or {}: saved without mixed precision
-                self.scaler.load_state_dict(state["scaler"])
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if state.get("scaler"):  # None or {}: saved without mixed precision
+            self.scaler.load_state_dict(state["scaler"])
         self._loaded = {"epoch": epoch, "bad_epochs": bad_epochs, "best": loop.get("best"),
                         "monitor": loop.get("monitor"), "loader_epoch": loop.get("loader_epoch"),
                         "scheduler": state.get("scheduler"), "random": random}
@@ -8453,11 +8467,8 @@ class Trainer:
     def evaluate(self, data_loader, loss_fn=None):
         """One pass in eval mode without gradients: {"loss": mean per sample, "accuracy"}
         (no accuracy for a regression, as in fit)."""
-        if not hasattr(data_loader, "__iter__"):
-            raise TypeError(f"evaluate: data_loader must be an iterable of batches, got "
-                            f"{type(data_loader).__name__}")
-        if loss_fn is not None and not callable(loss_fn):
-            raise ValueError(f"evaluate: loss_fn must be callable or None, got {loss_fn!r}")
+        _check_loader("evaluate", "data_loader", data_loader)
+        _check_loss_fn("evaluate", loss_fn)
         result = self._evaluate(data_loader, loss_fn or self.loss_fn or cross_entropy, None,
                                 "evaluate: data_loader yielded no batches")
         if is_main():
