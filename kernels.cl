@@ -2127,6 +2127,26 @@ inline float wino_load(__global const float* p, const size_t i, const int mode) 
     return mode == 1 ? wino_round(p[i]) : p[i];
 }
 
+// A value of a Winograd kernel's tensor in two steps, for conv_winograd_*_r: its bits as
+// stored (the element at i where `inside`, else 0), read without a branch (outside, element
+// 0, which every tensor here has, is read and dropped), then its value (wino_decode), once
+// the products the load was issued before have run. Rounding each value as it arrived made
+// a work-item wait for its loads one by one.
+inline uint wino_raw_if(__global const float* p, const size_t i, const int mode,
+                        const int inside) {
+    const size_t j = inside ? i : 0;
+    const uint v = mode == 2 ? (uint)((__global const ushort*)p)[j] : as_uint(p[j]);
+    return inside ? v : 0u;
+}
+
+inline float wino_decode(const uint v, const int mode) {
+    if (mode == 2) {
+        const ushort h = (ushort)v;
+        return vload_half(0, (__private const half*)&h);
+    }
+    return mode == 1 ? wino_round(as_float(v)) : as_float(v);
+}
+
 inline void wino_store(__global float* p, const size_t i, const float v, const int mode) {
     if (mode == 2) vstore_half(v, i, (__global half*)p);  // rounds to nearest even
     else p[i] = mode == 1 ? wino_round(v) : v;
@@ -2275,9 +2295,13 @@ inline void wino_input_half(__global const float* x, const size_t plane, const i
 // registers before the products of the chunk before it, and stored (V transformed) into
 // the other buffer after them: the loads' latency under the products, one barrier a chunk.
 // Then WINO_OUTPUT: out (N, M, OH, OW) [+ bias (M,)]. x and out in the storage their modes
-// give (wino_load), sums float32.
+// give (wino_load), sums float32. RAW: x's values kept as their stored bits until the
+// transform (wino_raw_if), for a float32 x rounded as it is read (x_mode 1: autocast's first
+// layer, or an input gradient from a float32 seed), which took 69 and 91 us on an H100
+// rounded as loaded against 64 and 78 this way; the float32 and float16 ones are faster
+// as loaded (61 against 65 us, 82 against 82: the raw kernel holds more registers).
 #define WINO_FWD_CK 4
-#define CONV_WINOGRAD(NAME, BM, BT)                                                                \
+#define CONV_WINOGRAD(NAME, BM, BT, RAW)                                                           \
 __kernel __attribute__((reqd_work_group_size(BM * BT / 4, 1, 1)))                                  \
 void NAME(const int M, const int C, const int Mp, const int T, const int TH, const int TW,         \
           const int has_bias, __global const float* u, __global const float* x,                    \
@@ -2294,7 +2318,7 @@ void NAME(const int M, const int C, const int Mp, const int T, const int TH, con
     _Pragma("unroll") for (int i = 0; i < 8; ++i)                                                  \
         _Pragma("unroll") for (int j = 0; j < 8; ++j) acc[i][j] = 0.0f;                            \
     float4 ureg[64 / BT];                                                                          \
-    float vreg[64 / BM][8];                                                                        \
+    uint vreg[64 / BM][8];  /* float bits unless RAW (wino_raw_if) */                              \
     for (int c0 = -WINO_FWD_CK; c0 < C; c0 += WINO_FWD_CK) {                                       \
         const int next = c0 + WINO_FWD_CK;                                                         \
         if (next < C) {  /* the next chunk's loads */                                              \
@@ -2309,7 +2333,7 @@ void NAME(const int M, const int C, const int Mp, const int T, const int TH, con
                 const int row = e / (BT * WINO_FWD_CK), tile = t0 + t, c = next + ck;              \
                 /* row i of B^T d takes d's rows ra and rb */                                      \
                 const int ra = row == 0 ? 0 : 1, rb = row == 3 ? 3 : 2;                            \
-                _Pragma("unroll") for (int s = 0; s < 8; ++s) vreg[l][s] = 0.0f;                   \
+                _Pragma("unroll") for (int s = 0; s < 8; ++s) vreg[l][s] = 0u;  /* 0.0f */        \
                 if (tile < T && c < C) {                                                           \
                     const int n = tile / plane, th = (tile - n * plane) / TW;                      \
                     const int tw = tile - n * plane - th * TW;                                     \
@@ -2318,10 +2342,16 @@ void NAME(const int M, const int C, const int Mp, const int T, const int TH, con
                     _Pragma("unroll") for (int s = 0; s < 4; ++s) {                                \
                         const int w = w0 + s, ha = h0 + ra, hb = h0 + rb;                          \
                         const int in_w = w >= 0 && w < W;                                          \
-                        if (in_w && ha >= 0 && ha < H)                                             \
-                            vreg[l][s] = wino_load(x, p + ha * W + w, x_mode);                     \
-                        if (in_w && hb >= 0 && hb < H)                                             \
-                            vreg[l][4 + s] = wino_load(x, p + hb * W + w, x_mode);                 \
+                        const int in_a = in_w && ha >= 0 && ha < H;                                \
+                        const int in_b = in_w && hb >= 0 && hb < H;                                \
+                        if (RAW) {                                                                 \
+                            vreg[l][s] = wino_raw_if(x, p + ha * W + w, x_mode, in_a);             \
+                            vreg[l][4 + s] = wino_raw_if(x, p + hb * W + w, x_mode, in_b);         \
+                        } else {                                                                   \
+                            if (in_a) vreg[l][s] = as_uint(wino_load(x, p + ha * W + w, x_mode));  \
+                            if (in_b)                                                              \
+                                vreg[l][4 + s] = as_uint(wino_load(x, p + hb * W + w, x_mode));    \
+                        }                                                                          \
                     }                                                                              \
                 }                                                                                  \
             }                                                                                      \
@@ -2340,7 +2370,9 @@ void NAME(const int M, const int C, const int Mp, const int T, const int TH, con
                 const int row = e / (BT * WINO_FWD_CK);                                            \
                 float r[4];  /* row `row` of B^T d, then times B */                                \
                 _Pragma("unroll") for (int s = 0; s < 4; ++s) {                                    \
-                    const float a = vreg[l][s], b = vreg[l][4 + s];                                \
+                    const float a = RAW ? wino_decode(vreg[l][s], x_mode) : as_float(vreg[l][s]);  \
+                    const float b = RAW ? wino_decode(vreg[l][4 + s], x_mode)                      \
+                                        : as_float(vreg[l][4 + s]);                                \
                     r[s] = row == 0 ? a - b : row == 1 ? a + b : row == 2 ? b - a : a - b;         \
                 }                                                                                  \
                 const float v[4] = {r[0] - r[2], r[1] + r[2], r[2] - r[1], r[1] - r[3]};           \
@@ -2352,8 +2384,10 @@ void NAME(const int M, const int C, const int Mp, const int T, const int TH, con
     }                                                                                              \
     WINO_OUTPUT(BM, BT)                                                                            \
 }
-CONV_WINOGRAD(conv_winograd_64x32, 64, 32)
-CONV_WINOGRAD(conv_winograd_32x32, 32, 32)
+CONV_WINOGRAD(conv_winograd_64x32, 64, 32, 0)
+CONV_WINOGRAD(conv_winograd_32x32, 32, 32, 0)
+CONV_WINOGRAD(conv_winograd_64x32_r, 64, 32, 1)
+CONV_WINOGRAD(conv_winograd_32x32_r, 32, 32, 1)
 
 // The weight gradient: a work-group sums, over the tiles of its split (`chunk` of the T,
 // from split * chunk on), Y ⊙ V at every place for BK filters by BC channels, Y = A dy A^T

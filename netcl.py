@@ -4043,10 +4043,11 @@ def _conv_winograd(filters, x, out, window, bias=None, rounded=False):
     rows, tiles = _WINOGRAD_BLOCKS[32 if M <= 32 else 64]
     T, TH, TW = _winograd_tiles(N, window)
     threads = rows * tiles // 4
-    x.device.launch(f"conv_winograd_{rows}x{tiles}",
+    x_mode = _winograd_mode(x, rounded)  # a float32 x rounded as it is read: the _r kernels
+    x.device.launch(f"conv_winograd_{rows}x{tiles}{'_r' if x_mode == 1 else ''}",
                     (_ceil_div(T, tiles) * threads, _ceil_div(M, rows)), (threads, 1), M, C,
                     filters.shape[2], T, TH, TW, int(bias is not None), filters.data, x.data,
-                    None if bias is None else bias.data, out.data, _winograd_mode(x, rounded),
+                    None if bias is None else bias.data, out.data, x_mode,
                     _winograd_mode(out, rounded), *window)
 
 

@@ -5199,7 +5199,9 @@ def test_autocast_winograd_conv2d_rounds_a_float32_input_and_seed_as_it_reads_th
         tape.backward(out, grad=netcl.Tensor.from_host(
             seed if enabled else seed.astype(np.float16).astype(np.float32), opencl.queue))
         results[enabled] = host(out), [host(p.grad) for p in leaves]
-    assert launched.count("conv_winograd_32x32") == 2 and "im2col" not in launched
+    # the forward's float32 input and the input gradient's float32 seed read rounded: the
+    # kernels that round each value once the products it was loaded before have run
+    assert launched.count("conv_winograd_32x32_r") == 2 and "im2col" not in launched
     assert not [name for name in launched if name.startswith("cast")]  # no float16 copies
     (single, (dx32, *dw32)), (half, (dx16, *dw16)) = results[False], results[True]
     assert half.dtype == np.float16 and dx16.dtype == np.float32
@@ -5208,6 +5210,33 @@ def test_autocast_winograd_conv2d_rounds_a_float32_input_and_seed_as_it_reads_th
     for g16, g32 in zip(dw16, dw32):
         assert g16.dtype == np.float32
         np.testing.assert_array_equal(g16, g32)
+
+
+@pytest.mark.parametrize("rows", [32, 64])
+def test_winograds_raw_kernels_read_every_storage_as_the_others(opencl, rows):
+    """conv_winograd_*_r (which keep x's stored bits until the transform) give the bits of
+    conv_winograd_* for x in each storage mode, at a ragged edge of tiles and padding."""
+    rng = np.random.default_rng(5)
+    N, C, H, W, M = 3, 5, 7, 9, rows + 3
+    window = (H, W, 3, 3, 1, 1, 1, 2, 1, 1, H, W - 2)
+    filters = netcl._winograd_filters(netcl.Tensor.from_host(
+        rng.standard_normal((M, C, 3, 3)).astype(np.float32), opencl.queue), True, False)[0]
+    values = rng.standard_normal((N, C, H, W)) * 3
+    tiles = netcl._WINOGRAD_BLOCKS[rows][1]
+    T, TH, TW = netcl._winograd_tiles(N, window)
+    for dtype, mode in [(np.float32, 0), (np.float32, 1), (np.float16, 2)]:
+        x = netcl.Tensor.from_host(values.astype(dtype), opencl.queue)
+        outs = []
+        for suffix in ("", "_r"):
+            out = netcl.Tensor.from_host(np.full((N, M, H, W - 2), np.nan, np.float32),
+                                         opencl.queue)
+            opencl.launch(f"conv_winograd_{rows}x{tiles}{suffix}",
+                          (netcl._ceil_div(T, tiles) * rows * tiles // 4, netcl._ceil_div(M, rows)),
+                          (rows * tiles // 4, 1), M, C, filters.shape[2], T, TH, TW, 0,
+                          filters.data, x.data, None, out.data, mode, 0, *window)
+            outs.append(host(out))
+        assert np.isfinite(outs[0]).all()
+        np.testing.assert_array_equal(outs[1], outs[0])
 
 
 @pytest.mark.parametrize("winograd", [True, False])
@@ -5244,7 +5273,7 @@ def test_autocast_implicit_conv2d_is_the_float32_result_rounded(opencl, monkeypa
         results[enabled] = host(out), [host(p.grad) for p in leaves]
         # the products in the build of the storage (Winograd's, in the float32 build, read
         # and write either)
-        products = sorted(name.rsplit("_", 1)[0] for name, half in launched
+        products = sorted(name.removesuffix("_r").rsplit("_", 1)[0] for name, half in launched
                           if name.startswith("conv_") and half == (enabled and not winograd)
                           and name not in ("conv_wgrad_sum", "conv_filters"))
         assert products == (["conv_winograd", "conv_winograd", "conv_winograd_wgrad"] if winograd
@@ -7799,8 +7828,9 @@ def test_autocast_conv2d_takes_winograd_before_the_tensor_cores(opencl, monkeypa
     names = [name for name, _ in launched]
     winograd = [(name, half) for name, half in launched if name.startswith("conv_winograd")]
     if stride == 1:
-        assert winograd == [("conv_winograd_32x32", False)] * 2 + [
-            ("conv_winograd_wgrad_64x32", False)]
+        # the input gradient reads the seed, which backward widens to float32, rounded
+        assert winograd == [("conv_winograd_32x32", False), ("conv_winograd_32x32_r", False),
+                            ("conv_winograd_wgrad_64x32", False)]
         assert not any(name.startswith(("gemm", "im2col", "col2im")) for name in names)
     else:
         assert winograd == [] and any(name.startswith("gemm_tc") for name in names)
