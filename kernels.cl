@@ -2297,9 +2297,10 @@ inline void wino_input_half(__global const float* x, const size_t plane, const i
 // Then WINO_OUTPUT: out (N, M, OH, OW) [+ bias (M,)]. x and out in the storage their modes
 // give (wino_load), sums float32. RAW: x's values kept as their stored bits until the
 // transform (wino_raw_if), for a float32 x rounded as it is read (x_mode 1: autocast's first
-// layer, or an input gradient from a float32 seed), which took 69 and 91 us on an H100
-// rounded as loaded against 64 and 78 this way; the float32 and float16 ones are faster
-// as loaded (61 against 65 us, 82 against 82: the raw kernel holds more registers).
+// layer, or an input gradient from a float32 seed): on an H100 the benchmark's forward and
+// input gradient took 69 and 91 us rounding each value as it was loaded, 67 and 81 this
+// way. Float32 and float16 x keep the kernels without RAW: a float32 one was slower this
+// way (65 against 61 us, 84 against 67), a float16 one no faster (82 against 82).
 #define WINO_FWD_CK 4
 #define CONV_WINOGRAD(NAME, BM, BT, RAW)                                                           \
 __kernel __attribute__((reqd_work_group_size(BM * BT / 4, 1, 1)))                                  \
