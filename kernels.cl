@@ -2130,8 +2130,8 @@ inline float wino_load(__global const float* p, const size_t i, const int mode) 
 // A value of a Winograd kernel's tensor in two steps, for conv_winograd_*_r: its bits as
 // stored (the element at i where `inside`, else 0), read without a branch (outside, element
 // 0, which every tensor here has, is read and dropped), then its value (wino_decode), once
-// the products the load was issued before have run. Rounding each value as it arrived made
-// a work-item wait for its loads one by one.
+// the products the load was issued before have run. wino_load, in the driver's PTX, converts
+// each value right after its load, in a branch of its own: a work-item's loads one by one.
 inline uint wino_raw_if(__global const float* p, const size_t i, const int mode,
                         const int inside) {
     const size_t j = inside ? i : 0;
