@@ -1474,6 +1474,9 @@ def _nodes(op, *values, numeric=True):
 # rounded back (kernels.cl: act_t). The rules, on both backends:
 # - matmul, linear and conv2d write float16 inside autocast on OpenCL (_half_activations);
 # - elementwise ops, pooling and transpose keep their input's storage: float16 in, float16 out;
+#   except, inside autocast on OpenCL, those PyTorch's autocast runs in float32 (exp, log,
+#   pow, rsqrt, a number divided by a tensor: _AUTOCAST_FLOAT32), which widen a float16
+#   input first and return float32, so that exp(12) is not an inf;
 # - an op whose operands mix float16 and float32 widens the float16 one and computes in float32;
 # - reductions, softmax and losses read float16 and return float32 (_compute_dtype);
 # - the gradient of a float16 value is float16 storage where its backward writes it so (the
@@ -1520,6 +1523,22 @@ def _to_float32(x):
     if x.dtype != np.float16:
         return x
     return _record(_cast(x.value, np.float32), (x,), lambda g: (g,))
+
+
+# The elementwise ops that PyTorch's autocast runs in float32 whatever their input (its CUDA
+# "ops that can autocast to float32": exp, log, pow, rsqrt, __rtruediv__), by kernel name:
+# in float16 they overflow or lose their precision where float32 does not (exp(12) is
+# 162755, past float16's 65504).
+_AUTOCAST_FLOAT32 = {"exp", "log", "pow", "rsqrt", "rdiv_scalar"}
+
+
+def _autocast_input(name, x):
+    """The Node x as the elementwise op `name` takes it: widened to float32 inside autocast
+    on an OpenCL device when the op is one of _AUTOCAST_FLOAT32, else as it is."""
+    if (name in _AUTOCAST_FLOAT32 and x.dtype == np.float16 and _state.autocast_enabled[-1]
+            and x.device.backend == "opencl"):
+        return _to_float32(x)
+    return x
 
 
 # --- elementwise, one input ---------------------------------------------------------------
@@ -1621,6 +1640,7 @@ def _unary_grad_tensor(name, g, s, alpha=0.0):
 
 def _unary(name, x, alpha=0.0):
     (x,) = _nodes(name, x)
+    x = _autocast_input(name, x)
     y = _unary_tensor(name, x.value, alpha)
     saved = x.value if _UNARY[name][2] == "x" else y
 
@@ -1848,6 +1868,7 @@ def _unbroadcast(g, shape):
 def _scalar_op(kernel, x, constant, grad_scale):
     """x (op) constant: the gradient w.r.t. x is g * grad_scale (or rdiv's own rule)."""
     (x,) = _nodes(kernel, x)
+    x = _autocast_input(kernel, x)
     y = _unary_tensor(kernel, x.value, float(constant))
 
     def backward(g):  # in g's storage
@@ -6505,13 +6526,20 @@ class ReduceLROnPlateau:
 class autocast(contextlib.ContextDecorator):
     """Inside `with autocast():` (or a function decorated with it), matmul, linear and conv2d
     on an OpenCL device read and write activations as float16 storage, accumulating in
-    float32; elementwise ops keep float16, reductions, softmax and losses return float32. The
+    float32; elementwise ops keep float16, except exp, log, pow, rsqrt and a number divided
+    by a tensor, which PyTorch's autocast runs in float32 (they widen a float16 input and
+    return float32); reductions, softmax and losses return float32. The
     gradients of float16 activations are float16 storage too (scale the loss with
     AMPGradScaler); parameters, their gradients and optimizer state stay float32.
     `autocast(enabled=False)` inside it turns it off again. On the NumPy backend it does
     nothing."""
 
     def __init__(self, enabled=True):
+        # A bool, as PyTorch's (which raises TypeError at entry): autocast("cuda"), ported
+        # from torch.autocast, or enabled="False", would otherwise turn it on.
+        if not isinstance(enabled, (bool, np.bool_)):
+            raise TypeError(f"autocast: enabled must be True or False, got {enabled!r:.60} "
+                            f"({type(enabled).__name__})")
         self.enabled = bool(enabled)
 
     def __enter__(self):

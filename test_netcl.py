@@ -7408,6 +7408,55 @@ def test_autocast_nests_and_decorates(opencl):
     assert F.linear(x, w).dtype == np.float32
 
 
+@pytest.mark.usefixtures("portable_half")
+@pytest.mark.parametrize("op, reference, slope", [
+    (F.exp, np.exp, np.exp),
+    (F.log, np.log, lambda v: 1 / v),
+    (F.rsqrt, lambda v: v ** -0.5, lambda v: -0.5 * v ** -1.5),
+    (lambda x: x ** 3, lambda v: v ** 3, lambda v: 3 * v ** 2),
+    (lambda x: 1.0 / x, lambda v: 1 / v, lambda v: -1 / v ** 2),
+])
+def test_autocast_runs_pytorchs_float32_ops_in_float32(opencl, op, reference, slope):
+    """exp, log, rsqrt, pow and a number divided by a tensor: PyTorch's autocast runs them in
+    float32 (its CUDA ops that autocast to float32), so inside autocast a float16 activation
+    is widened and the result is float32: exp(12) is 162755, not float16's inf. The gradient
+    reaches the float16 input through the widening. Outside autocast float16 stays float16."""
+    w = tensor(np.eye(4) * 4, opencl)
+    x = param(np.array([[0.5, 3.0, 12.0, 20.0]], np.float32), opencl)
+    with netcl.Tape() as tape, netcl.autocast():
+        h = F.linear(x, w)  # float16 storage: 2, 12, 48, 80
+        y = op(h)
+        loss = y[:, 0].sum()  # a gradient that float16 storage holds
+    assert h.dtype == np.float16 and y.dtype == np.float32
+    values = host(h).astype(np.float64)
+    np.testing.assert_allclose(host(y), reference(values), rtol=1e-6)
+    assert np.isfinite(host(y)).all()  # exp(48), 48 ** 3: past float16
+    tape.backward(loss)
+    expected = np.zeros((1, 4))
+    expected[0, 0] = 4 * slope(values[0, 0])  # w = 4 I
+    np.testing.assert_allclose(host(x.grad), expected, rtol=2e-3)  # dL/dh in float16
+    half = netcl.Node(tensor(values, opencl, np.float16))
+    assert op(half).dtype == np.float16  # outside autocast: the input's storage
+    with netcl.autocast(enabled=False):
+        assert op(half).dtype == np.float16
+
+
+def test_autocast_float32_ops_keep_float16_on_the_numpy_backend(cpu):
+    """On the NumPy backend autocast does nothing: exp of float16 stays float16."""
+    x = tensor(np.array([1.0, 12.0]), cpu, np.float16)
+    with netcl.autocast():
+        assert F.exp(x).dtype == np.float16
+
+
+@pytest.mark.parametrize("enabled", ["yes", "False", None, 0, 1, "cuda"])
+def test_autocast_rejects_an_enabled_that_is_not_a_bool(enabled):
+    """PyTorch raises TypeError for a non-bool enabled; coercing would turn autocast on for
+    enabled="False", or for autocast("cuda") ported from torch.autocast."""
+    with raises_naming(TypeError, "autocast", "enabled", repr(enabled)):
+        netcl.autocast(enabled)
+    assert netcl.autocast(np.bool_(False)).enabled is False
+
+
 def test_one_kernel_source_builds_both_storage_types(opencl):
     """The same kernels in both builds, but for Winograd's, in the float32 build only (they
     read and write either storage); the half build adds the tensor-core ones only where the
