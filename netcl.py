@@ -5759,7 +5759,9 @@ class Optimizer:
 
     `_found_inf` is None, or, for the duration of one AMPGradScaler.step, the scaler's device
     flag (an int32 Tensor (1,)) saying a gradient was inf/NaN: a subclass whose step reads it
-    on the device and makes the step a no-op says so with `_skips_on_device = True`.
+    on the device and makes the step a no-op says so with `_skips_on_device = True`, in the
+    class that defines that step (a subclass that overrides it says so again, or the scaler
+    decides on the host whether to call it).
     """
 
     _skips_on_device = False
@@ -6626,6 +6628,21 @@ class _ScaledLoss(Node):
 _READY, _UNSCALED, _STEPPED = "ready", "unscaled", "stepped"
 
 
+def _skips_on_device(optimizer):
+    """Whether optimizer.step makes itself a no-op on the device after an inf/NaN gradient
+    (Optimizer._found_inf): the class whose step it runs says so itself. A subclass that
+    overrides step() without saying so again may not read the flag, so AMPGradScaler decides
+    for it on the host, as PyTorch does for every optimizer; a wrapper (DistributedOptimizer)
+    answers for the optimizer it wraps."""
+    for cls in type(optimizer).__mro__:
+        if "step" in vars(cls):
+            said = vars(cls).get("_skips_on_device", False)
+            if isinstance(said, property):
+                return bool(optimizer._skips_on_device)
+            return said is True
+    return False
+
+
 class AMPGradScaler:
     """PyTorch's GradScaler, with its defaults and call order, running on the device:
 
@@ -6686,9 +6703,12 @@ class AMPGradScaler:
         _check_int("AMPGradScaler", "growth_interval", growth_interval, 1)
 
     def scale(self, loss):
-        """loss * scale (a float32 Node, a _ScaledLoss), to pass to tape.backward."""
+        """loss * scale (a float32 Node, a _ScaledLoss), to pass to tape.backward; for a list
+        or tuple of losses (nested or not), the same structure of them, as PyTorch's."""
         if not self._enabled:
             return loss
+        if isinstance(loss, (list, tuple)):
+            return type(loss)(self.scale(each) for each in loss)
         (loss,) = _nodes("AMPGradScaler.scale", loss)
         device = loss.device
         if self._scale is None:
@@ -6841,16 +6861,19 @@ class AMPGradScaler:
         state = self._per_optimizer.get(id(optimizer), {"stage": _READY})
         if state["stage"] == _STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
+        if not any(p.grad is not None for p in optimizer.params):  # PyTorch's assert
+            raise RuntimeError("No inf checks were recorded for this optimizer.")
         partials = None
+        skips = _skips_on_device(optimizer)
         if state["stage"] == _READY:
             # Adam's clip reads every gradient for their norm, as unscaling does: one pass
             # unscales and sums the squares, and the clip takes the sums (_grad_norm_partials).
-            clips = isinstance(optimizer, Adam) and (
+            clips = skips and isinstance(optimizer, Adam) and (
                 args[0] if args else kwargs.get("max_norm")) is not None
             partials = self._unscale(optimizer, norm_partials=clips)
             state = self._per_optimizer[id(optimizer)]
         result = None
-        if getattr(optimizer, "_skips_on_device", False):
+        if skips:
             optimizer._found_inf = state["found_inf"]
             if partials is not None:
                 optimizer._grad_norm_partials = partials
@@ -6942,6 +6965,44 @@ class AMPGradScaler:
         if self._scale is None:
             return self._init_scale
         return float(self._current_scale().to_host()[0])
+
+    def is_enabled(self):
+        """Whether the scaler scales (the `enabled` it was made with)."""
+        return self._enabled
+
+    def get_growth_factor(self):
+        return self._growth_factor
+
+    def get_backoff_factor(self):
+        return self._backoff_factor
+
+    def get_growth_interval(self):
+        return self._growth_interval
+
+    def set_growth_factor(self, new_factor):
+        """The factor the next update() grows the scale by (checked as the constructor's)."""
+        self._set_settings(growth_factor=new_factor)
+
+    def set_backoff_factor(self, new_factor):
+        """The factor the next update() backs off by (checked as the constructor's)."""
+        self._set_settings(backoff_factor=new_factor)
+
+    def set_growth_interval(self, new_interval):
+        """The clean steps in a row after which update() grows the scale."""
+        self._set_settings(growth_interval=new_interval)
+
+    def _set_settings(self, growth_factor=None, backoff_factor=None, growth_interval=None):
+        """The setters' work: an update() already called runs with the settings it was
+        called with; the next one, and a fused step's speculation of it, takes the new ones."""
+        growth_factor = self._growth_factor if growth_factor is None else growth_factor
+        backoff_factor = self._backoff_factor if backoff_factor is None else backoff_factor
+        growth_interval = self._growth_interval if growth_interval is None else growth_interval
+        if self._enabled:
+            self._check_settings("scale", 1.0, growth_factor, backoff_factor, growth_interval)
+            self._current_scale()
+            self._speculated = False  # spares worked out with the old settings are dropped
+        self._growth_factor, self._backoff_factor = float(growth_factor), float(backoff_factor)
+        self._growth_interval = int(growth_interval)
 
     def state_dict(self):
         """PyTorch's keys: scale, growth_factor, backoff_factor, growth_interval,
@@ -7159,7 +7220,7 @@ class DistributedOptimizer:
     # AMPGradScaler.step hands an optimizer that skips on the device its inf flag this way.
     @property
     def _skips_on_device(self):
-        return self.optimizer._skips_on_device
+        return _skips_on_device(self.optimizer)
 
     @property
     def _found_inf(self):

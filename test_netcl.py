@@ -8351,6 +8351,125 @@ def test_scaler_rejects_bad_arguments(kwargs, needle):
     netcl.AMPGradScaler(enabled=False, **kwargs)  # as PyTorch: a disabled scaler checks nothing
 
 
+class _OwnStepSGD(netcl.SGD):
+    """An SGD whose own step() reads nothing of the scaler's: it must not be called after an
+    inf/NaN gradient."""
+
+    def step(self):
+        self.calls += 1
+        return "stepped"
+
+
+@pytest.mark.parametrize("kind", ["own step", "own step, says it skips"])
+def test_scaler_decides_on_the_host_for_a_subclass_with_its_own_step(backend, kind):
+    """A subclass that overrides step() may not read the scaler's inf flag on the device: the
+    scaler then calls it only after clean gradients and returns None otherwise, as PyTorch's
+    _maybe_opt_step. A subclass that says `_skips_on_device = True` again is trusted (and
+    SGD's own step then skips: parameters unchanged)."""
+    cls = _OwnStepSGD
+    if kind != "own step":
+        class Trusted(netcl.SGD):
+            _skips_on_device = True
+
+            def step(self):
+                self.calls += 1
+                return super().step()
+        cls = Trusted
+    p = param(np.array([1.0, 2.0], np.float32), backend)
+    opt = cls([p], lr=0.1)
+    opt.calls = 0
+    scaler = netcl.AMPGradScaler(init_scale=2.0 ** 120)
+    opt.zero_grad()
+    _scaled_backward(scaler, [p], [np.array([2.0 ** 10, 1.0], np.float32)])  # 2**130: inf
+    result = scaler.step(opt)
+    scaler.update()
+    np.testing.assert_array_equal(host(p), [1.0, 2.0])
+    assert scaler.get_scale() == 2.0 ** 119
+    if kind == "own step":
+        assert result is None and opt.calls == 0
+    else:
+        assert opt.calls == 1  # called; skipped on the device
+    opt.zero_grad()
+    _scaled_backward(scaler, [p], [np.array([1.0, 1.0], np.float32)])
+    result = scaler.step(opt)
+    scaler.update()
+    assert opt.calls == (1 if kind == "own step" else 2)
+    if kind == "own step":
+        assert result == "stepped"
+    else:
+        np.testing.assert_allclose(host(p), [0.9, 1.9], rtol=1e-6)
+
+
+def test_scaler_scales_a_list_or_tuple_of_losses(backend):
+    """scale() of (nested) lists and tuples gives the same structure of scaled losses, as
+    PyTorch's apply_scale; each backward then gives scale times its gradient."""
+    p = param(np.array([1.0, 2.0], np.float32), backend)
+    scaler = netcl.AMPGradScaler(init_scale=4.0)
+    with netcl.Tape() as tape:
+        losses = [(p * 1.0).sum(), ((p * 2.0).sum(), [(p * p).sum()])]
+    scaled = scaler.scale(losses)
+    assert isinstance(scaled, list) and isinstance(scaled[1], tuple)
+    assert isinstance(scaled[1][1], list) and len(scaled[1][1]) == 1
+    for loss, expected in ((scaled[0], 12.0), (scaled[1][0], 24.0), (scaled[1][1][0], 20.0)):
+        assert float(host(loss)) == expected
+    p.grad = None
+    tape.backward(scaled[1][1][0])
+    np.testing.assert_array_equal(host(p.grad), [8.0, 16.0])  # 4 * 2p
+    assert netcl.AMPGradScaler(enabled=False).scale(losses) is losses
+
+
+def test_scaler_step_without_gradients_is_an_error(backend):
+    """PyTorch asserts that step() found gradients to check ("No inf checks were recorded for
+    this optimizer."): a step with none is a loop that forgot its backward."""
+    p = param(np.array([1.0, 2.0], np.float32), backend)
+    opt = netcl.AdamW([p], lr=0.1)
+    scaler = netcl.AMPGradScaler()
+    _scaled_backward(scaler, [param(np.zeros(2), backend)], [np.ones(2, np.float32)])
+    opt.zero_grad()
+    with raises_naming(RuntimeError, "No inf checks were recorded for this optimizer"):
+        scaler.step(opt)
+    np.testing.assert_array_equal(host(p), [1.0, 2.0])
+
+
+def test_scaler_settings_can_be_read_and_set(backend):
+    """PyTorch's getters and setters: is_enabled, get/set_growth_factor, _backoff_factor,
+    _growth_interval. A new growth interval and factor take effect at the next update(), and
+    bad values are refused with the constructor's errors, changing nothing."""
+    p, opt, _ = _scaler_setup(backend, "adamw")
+    scaler = netcl.AMPGradScaler(init_scale=8.0)
+    assert scaler.is_enabled() and not netcl.AMPGradScaler(enabled=False).is_enabled()
+    assert (scaler.get_growth_factor(), scaler.get_backoff_factor(),
+            scaler.get_growth_interval()) == (2.0, 0.5, 2000)
+    scaler.set_growth_factor(4.0)
+    scaler.set_backoff_factor(0.25)
+    scaler.set_growth_interval(2)
+    assert (scaler.get_growth_factor(), scaler.get_backoff_factor(),
+            scaler.get_growth_interval()) == (4.0, 0.25, 2)
+    g = [np.array([1.0, 2.0, 3.0], np.float32)]
+    scales = []
+    for _ in range(2):
+        opt.zero_grad()
+        _scaled_backward(scaler, [p], g)
+        scaler.step(opt, max_norm=1.0)  # the fused step works out update() ahead of it
+        scaler.update()
+        scales.append(scaler.get_scale())
+    assert scales == [8.0, 32.0]  # grown by 4 after 2 clean steps
+    opt.zero_grad()
+    _scaled_backward(scaler, [p], g)
+    scaler.step(opt, max_norm=1.0)
+    scaler.set_growth_interval(1)  # between step and update: the next update() takes it
+    scaler.set_growth_factor(8.0)
+    scaler.update()
+    assert scaler.get_scale() == 256.0
+    for setter, value, needle in ((scaler.set_growth_factor, 1.0, "growth factor"),
+                                  (scaler.set_backoff_factor, 1.5, "backoff factor"),
+                                  (scaler.set_growth_interval, 0, "growth_interval")):
+        with raises_naming(ValueError, needle):
+            setter(value)
+    assert scaler.state_dict()["growth_factor"] == 8.0
+    assert scaler.state_dict()["growth_interval"] == 1
+
+
 def test_disabled_scaler_passes_through(backend):
     rng = np.random.default_rng(16)
     initial, g = (rng.standard_normal(6).astype(np.float32) for _ in range(2))
