@@ -826,6 +826,13 @@ def _compute_dtype(dtype):
     return np.dtype(np.float32) if dtype == np.float16 else np.dtype(dtype)
 
 
+def _computed(data):
+    """A NumPy array as the NumPy backend computes with it: float16 storage widened to float32,
+    as the kernels compute (NumPy's own float16 loops would round every intermediate, and its
+    matmul sums in float16); other dtypes as they are."""
+    return data.astype(np.float32) if data.dtype == np.float16 else data
+
+
 def _fill(shape, value, like):
     """A tensor of `value` on like's device, in like's compute dtype (see _compute_dtype)."""
     out = _like(like, shape, _compute_dtype(like.dtype))
@@ -1471,7 +1478,8 @@ def _nodes(op, *values, numeric=True):
 
 # --- float16 storage ----------------------------------------------------------------------
 # float16 is a storage type only: kernels load it, compute in float32 and store the result
-# rounded back (kernels.cl: act_t). The rules, on both backends:
+# rounded back (kernels.cl: act_t), and the NumPy backend widens it to float32 for its
+# products and elementwise formulas likewise (_computed). The rules, on both backends:
 # - matmul, linear and conv2d write float16 inside autocast on OpenCL (_half_activations);
 # - elementwise ops, pooling and transpose keep their input's storage: float16 in, float16 out;
 #   except, inside autocast on OpenCL, those PyTorch's autocast runs in float32 (exp, log,
@@ -1618,7 +1626,7 @@ def _unary_tensor(name, x, alpha=0.0):
     if x.device.backend == "cpu":
         forward = _UNARY[name][0] if name in _UNARY else _SCALAR_OPS[name]
         with np.errstate(all="ignore"):  # inf/nan are values here, not errors (as PyTorch)
-            out.data[...] = forward(x.data, alpha)
+            out.data[...] = forward(_computed(x.data), alpha)
     elif x.size:
         kernel = f"{name}_fwd" if name in _UNARY else name
         x.device.launch(kernel, *_grid(x.size), x.size, alpha, x.data, out.data,
@@ -1631,7 +1639,7 @@ def _unary_grad_tensor(name, g, s, alpha=0.0):
     out = _like(g)
     if g.device.backend == "cpu":
         with np.errstate(all="ignore"):
-            out.data[...] = _UNARY[name][1](g.data, s.data, alpha)
+            out.data[...] = _UNARY[name][1](_computed(g.data), _computed(s.data), alpha)
     elif g.size:
         g.device.launch(f"{name}_bwd", *_grid(g.size), g.size, alpha, g.data, s.data, out.data,
                         half=s.dtype == np.float16)
@@ -2431,8 +2439,9 @@ def _gemm(a, b, trans_a=False, trans_b=False, bias=None, half=False, out=None, b
         out = _like(a, (batch, M, N) if batched else (M, N), np.float16 if half else
                     _compute_dtype(_result_type(a.dtype, b.dtype)))
     if a.device.backend == "cpu":
-        np.matmul(np.swapaxes(a.data, -1, -2) if trans_a else a.data,
-                  np.swapaxes(b.data, -1, -2) if trans_b else b.data, out=out.data)
+        A, B = _computed(a.data), _computed(b.data)  # float32 sums for float16 storage
+        np.matmul(np.swapaxes(A, -1, -2) if trans_a else A,
+                  np.swapaxes(B, -1, -2) if trans_b else B, out=out.data)
         if bias is not None:
             out.data += bias.data[:, None] if bias_rows else bias.data
     elif M and N and batch:  # (an empty C has nothing to write)
@@ -2477,7 +2486,10 @@ def _matmul_batch(a, b):
     half_a, half_b = _half_grad(a.value), _half_grad(b.value)  # each gradient in its storage
 
     def backward(g):
-        if A.dtype == B.dtype == np.float16:
+        # a float16 product's gradient in float16, as PyTorch keeps a gradient in its tensor's
+        # dtype (and tensor cores take both operands so); a float32 one's as it is, even when
+        # both operands are float16 (outside autocast)
+        if half and A.dtype == B.dtype == np.float16:
             g = _half_operand(g)
         return (_matmul_grad(g, B, A.shape, trans_b=True, half=half_a)
                 if a.requires_grad else None,
@@ -4231,11 +4243,11 @@ def conv2d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
     # convolution of its own channels (one einsum over a group axis would be twice as slow).
     group_slices = [(slice(g * K // G, (g + 1) * K // G), slice(g * C // G, (g + 1) * C // G))
                     for g in range(G)]
-    if X.device.backend == "cpu":
-        windows = _windows_numpy(X.data, window, 0.0)
+    if X.device.backend == "cpu":  # in float32 for float16 storage (_computed)
+        windows = _windows_numpy(_computed(X.data), window, 0.0)
         for k, c in group_slices:
-            out.data[:, k] = np.einsum("nchwrs,kcrs->nkhw", windows[:, c], weight.data[k],
-                                       optimize=True)
+            out.data[:, k] = np.einsum("nchwrs,kcrs->nkhw", windows[:, c],
+                                       _computed(weight.data[k]), optimize=True)
         if bias is not None:
             out.data += bias.data.reshape(K, 1, 1)
     elif out.size and panels:
@@ -4300,16 +4312,19 @@ def conv2d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
         grad_x = (_like(X, dtype=np.float16 if _half_grad(x.value) else
                         _compute_dtype(x.dtype)) if x.requires_grad else None)
         grad_w = grad_b = None
-        if g.device.backend == "cpu":
-            windows = _windows_numpy(X.data, window, 0.0)
-            grad_w = _like(weight) if w.requires_grad else None
+        if g.device.backend == "cpu":  # in float32 for float16 storage (_computed)
+            windows = _windows_numpy(_computed(X.data), window, 0.0)
+            g_data = _computed(g.data)
+            # a float16 weight's gradient float32, as on OpenCL
+            grad_w = (_like(weight, dtype=_compute_dtype(weight.dtype)) if w.requires_grad
+                      else None)
             for k, c in group_slices:
                 if grad_w is not None:
-                    grad_w.data[k] = np.einsum("nkhw,nchwrs->kcrs", g.data[:, k], windows[:, c],
+                    grad_w.data[k] = np.einsum("nkhw,nchwrs->kcrs", g_data[:, k], windows[:, c],
                                                optimize=True)
                 if grad_x is not None:
-                    grad_windows = np.einsum("nkhw,kcrs->nchwrs", g.data[:, k], weight.data[k],
-                                             optimize=True)
+                    grad_windows = np.einsum("nkhw,kcrs->nchwrs", g_data[:, k],
+                                             _computed(weight.data[k]), optimize=True)
                     grad_x.data[:, c] = _col2im_numpy(grad_windows, window)
         elif panels:
             Hp, Wp = H + 2 * PH, W + 2 * PW

@@ -7448,6 +7448,65 @@ def test_autocast_float32_ops_keep_float16_on_the_numpy_backend(cpu):
         assert F.exp(x).dtype == np.float16
 
 
+def _half_node(values, dev, requires_grad=False):
+    """A float16 Node (a Parameter if requires_grad) on dev."""
+    t = tensor(np.asarray(values, np.float16), dev, np.float16)
+    return netcl.Parameter(t) if requires_grad else netcl.Node(t)
+
+
+def test_float16_products_sum_in_float32_on_both_backends(backend):
+    """float16 is storage: matmul, linear and conv2d of float16 operands sum in float32 on
+    the NumPy backend too (NumPy's own float16 matmul and einsum round as they go: 200 * 200
+    * 4 was inf there, and a long sum of 1 + 2**-10 lost its small parts)."""
+    a, b = _half_node(np.full((1, 4), 200), backend), _half_node(np.full((4, 1), 200), backend)
+    assert host(F.matmul(a, b)).tolist() == [[160000.0]]
+    assert host(F.linear(a, F.transpose(b))).tolist() == [[160000.0]]
+    image, kernel = _half_node(np.full((1, 1, 3, 3), 300), backend), _half_node(
+        np.full((1, 1, 3, 3), 300), backend)
+    assert host(F.conv2d(image, kernel)).tolist() == [[[[810000.0]]]]
+    long_row = _half_node(np.full((1, 3000), 1 + 2 ** -10), backend)
+    ones = _half_node(np.ones((3000, 1)), backend)
+    np.testing.assert_allclose(host(F.matmul(long_row, ones)), [[3000 * (1 + 2 ** -10)]],
+                               rtol=1e-6)
+
+
+def test_float16_matmul_outside_autocast_keeps_its_float32_gradient(backend):
+    """Two float16 operands outside autocast give a float32 product, and its gradient stays
+    float32 on the way to them (it was rounded to float16 first: g = 1e5 made dA inf, where
+    dA = g B^T = 300). Each operand's own gradient is then in its storage."""
+    A = _half_node(np.full((2, 4), 0.5), backend, requires_grad=True)
+    B = _half_node(np.full((4, 3), 1e-3), backend, requires_grad=True)
+    with netcl.Tape() as tape:
+        Y = A @ B
+        loss = (Y * tensor(np.full((2, 3), 1e5), backend)).sum()
+    assert Y.dtype == np.float32
+    tape.backward(loss)
+    np.testing.assert_allclose(host(A.grad).astype(np.float64), np.full((2, 4), 300.0),
+                               rtol=1e-3)
+
+
+def test_float16_unary_gradients_compute_in_float32_on_both_backends(backend):
+    """The NumPy backend computes an elementwise op on float16 storage in float32 and rounds
+    once, as the kernels do: gelu(tanh)'s slope at +-1000 is 1 and 0 (in float16 x * x
+    overflowed and the slope was NaN)."""
+    x = _half_node([1000.0, -1000.0, 2.0], backend, requires_grad=True)
+    with netcl.Tape() as tape:
+        loss = (F.gelu(x, approximate="tanh") * tensor(np.ones(3), backend)).sum()
+    tape.backward(loss)
+    np.testing.assert_allclose(host(x.grad).astype(np.float64), [1.0, 0.0, 1.0861], rtol=1e-3)
+
+
+def test_float16_conv2d_weight_gradient_is_float32_on_both_backends(backend):
+    """A float16 weight's gradient is float32 on the NumPy backend as on OpenCL."""
+    x = _half_node(np.ones((1, 1, 4, 4)), backend, requires_grad=True)
+    w = _half_node(np.ones((1, 1, 3, 3)), backend, requires_grad=True)
+    with netcl.Tape() as tape:
+        loss = F.conv2d(x, w, padding=1).sum()
+    tape.backward(loss)
+    assert w.grad.dtype == np.float32
+    np.testing.assert_array_equal(host(w.grad), [[[[9, 12, 9], [12, 16, 12], [9, 12, 9]]]])
+
+
 @pytest.mark.parametrize("enabled", ["yes", "False", None, 0, 1, "cuda"])
 def test_autocast_rejects_an_enabled_that_is_not_a_bool(enabled):
     """PyTorch raises TypeError for a non-bool enabled; coercing would turn autocast on for
