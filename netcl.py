@@ -2057,8 +2057,15 @@ def where(cond, a, b):
 
 def masked_fill(x, mask, value):
     """x with the number `value` where mask is true (where(mask, value, x)), as
-    torch.masked_fill: `att.masked_fill(causal == 0, -math.inf)`."""
+    torch.masked_fill: `att.masked_fill(causal == 0, -math.inf)`. For a float16 x a finite
+    value past 65504 is a RuntimeError, as PyTorch's."""
     _check_number("masked_fill", "value", value, wrong_type=TypeError)
+    (x,) = _nodes("masked_fill", x)
+    if x.dtype == np.float16 and math.isfinite(value) and builtins.abs(value) > 65504:
+        # PyTorch's check (c10's overflows<Half>): a finite value past float16's largest
+        # would silently become inf (-1e9 for a mask: use -math.inf)
+        raise RuntimeError(f"masked_fill: value {value!r} cannot be converted to float16 "
+                           f"without overflow (float16's largest is 65504)")
     return _where("masked_fill", mask, value, x, "mask")
 
 

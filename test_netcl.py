@@ -7507,6 +7507,20 @@ def test_float16_conv2d_weight_gradient_is_float32_on_both_backends(backend):
     np.testing.assert_array_equal(host(w.grad), [[[[9, 12, 9], [12, 16, 12], [9, 12, 9]]]])
 
 
+def test_masked_fill_refuses_a_value_float16_cannot_hold(backend):
+    """As PyTorch: a finite fill value past float16's 65504 is an error for float16 storage
+    (it would silently be inf); inf itself, and any value for float32, are fine."""
+    x = _half_node([1.0, 2.0, 3.0], backend)
+    mask = np.array([True, False, True])
+    for value in (-1e9, 65505.0):
+        with raises_naming(RuntimeError, "masked_fill", repr(value), "float16"):
+            F.masked_fill(x, mask, value)
+    assert host(F.masked_fill(x, mask, -math.inf)).tolist() == [-math.inf, 2.0, -math.inf]
+    assert host(F.masked_fill(x, mask, -65504.0)).tolist() == [-65504.0, 2.0, -65504.0]
+    as_float32 = netcl.Node(tensor([1.0, 2.0, 3.0], backend))
+    assert host(F.masked_fill(as_float32, mask, -1e9)).tolist() == [-1e9, 2.0, -1e9]
+
+
 @pytest.mark.parametrize("enabled", ["yes", "False", None, 0, 1, "cuda"])
 def test_autocast_rejects_an_enabled_that_is_not_a_bool(enabled):
     """PyTorch raises TypeError for a non-bool enabled; coercing would turn autocast on for
