@@ -6650,7 +6650,7 @@ class _ScaledLoss(Node):
 _READY, _UNSCALED, _STEPPED = "ready", "unscaled", "stepped"
 
 
-def _skips_on_device(optimizer):
+def _skips_inf_on_device(optimizer):
     """Whether optimizer.step makes itself a no-op on the device after an inf/NaN gradient
     (Optimizer._found_inf): the class whose step it runs says so itself. A subclass that
     overrides step() without saying so again may not read the flag, so AMPGradScaler decides
@@ -6886,7 +6886,7 @@ class AMPGradScaler:
         if not any(p.grad is not None for p in optimizer.params):  # PyTorch's assert
             raise RuntimeError("No inf checks were recorded for this optimizer.")
         partials = None
-        skips = _skips_on_device(optimizer)
+        skips = _skips_inf_on_device(optimizer)
         if state["stage"] == _READY:
             # Adam's clip reads every gradient for their norm, as unscaling does: one pass
             # unscales and sums the squares, and the clip takes the sums (_grad_norm_partials).
@@ -7242,7 +7242,7 @@ class DistributedOptimizer:
     # AMPGradScaler.step hands an optimizer that skips on the device its inf flag this way.
     @property
     def _skips_on_device(self):
-        return _skips_on_device(self.optimizer)
+        return _skips_inf_on_device(self.optimizer)
 
     @property
     def _found_inf(self):
