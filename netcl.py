@@ -1937,7 +1937,8 @@ def div(a, b):
         grad_b = _like(g)  # d(a/b)/db = -g a / b^2, at the output's shape, then summed back
         if g.device.backend == "cpu":
             with np.errstate(all="ignore"):
-                grad_b.data[...] = -g.data * A.data / (B.data * B.data)
+                grad_b.data[...] = (-_computed(g.data) * _computed(A.data) /
+                                    (_computed(B.data) * _computed(B.data)))
         elif g.size:
             half = A.dtype == np.float16
             if A.size == B.size == g.size:
@@ -2060,8 +2061,8 @@ def masked_fill(x, mask, value):
     torch.masked_fill: `att.masked_fill(causal == 0, -math.inf)`. For a float16 x a finite
     value past 65504 is a RuntimeError, as PyTorch's."""
     _check_number("masked_fill", "value", value, wrong_type=TypeError)
-    (x,) = _nodes("masked_fill", x)
-    if x.dtype == np.float16 and math.isfinite(value) and builtins.abs(value) > 65504:
+    if (getattr(x, "dtype", None) == np.float16 and math.isfinite(value) and
+            builtins.abs(value) > 65504):
         # PyTorch's check (c10's overflows<Half>): a finite value past float16's largest
         # would silently become inf (-1e9 for a mask: use -math.inf)
         raise RuntimeError(f"masked_fill: value {value!r} cannot be converted to float16 "
@@ -6652,16 +6653,22 @@ _READY, _UNSCALED, _STEPPED = "ready", "unscaled", "stepped"
 
 def _skips_inf_on_device(optimizer):
     """Whether optimizer.step makes itself a no-op on the device after an inf/NaN gradient
-    (Optimizer._found_inf): the class whose step it runs says so itself. A subclass that
-    overrides step() without saying so again may not read the flag, so AMPGradScaler decides
-    for it on the host, as PyTorch does for every optimizer; a wrapper (DistributedOptimizer)
-    answers for the optimizer it wraps."""
+    (Optimizer._found_inf): `_skips_on_device` says so in the class that defines the step it
+    runs, or in a class before that one in its method order (a subclass of it, or one that
+    puts a mixin's step first). A class that overrides step() without saying so again, or a
+    step set on the instance, may not read the flag, so AMPGradScaler decides for it on the
+    host, as PyTorch does for every optimizer; a wrapper (DistributedOptimizer, whose
+    _skips_on_device is a property) answers for the optimizer it wraps."""
+    if "step" in vars(optimizer):
+        return False
     for cls in type(optimizer).__mro__:
-        if "step" in vars(cls):
-            said = vars(cls).get("_skips_on_device", False)
+        if "_skips_on_device" in vars(cls):
+            said = vars(cls)["_skips_on_device"]
             if isinstance(said, property):
                 return bool(optimizer._skips_on_device)
-            return said is True
+            return bool(said)
+        if "step" in vars(cls):  # the step it runs, and nothing said at or before its class
+            return False
     return False
 
 
@@ -7010,7 +7017,9 @@ class AMPGradScaler:
         self._set_settings(backoff_factor=new_factor)
 
     def set_growth_interval(self, new_interval):
-        """The clean steps in a row after which update() grows the scale."""
+        """The clean steps in a row after which update() grows the scale. As in PyTorch, a
+        count of clean steps already past the new interval grows nothing until an inf/NaN
+        step starts the count again."""
         self._set_settings(growth_interval=new_interval)
 
     def _set_settings(self, growth_factor=None, backoff_factor=None, growth_interval=None):
