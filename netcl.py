@@ -7000,12 +7000,15 @@ class AMPGradScaler:
         return self._enabled
 
     def get_growth_factor(self):
+        """The factor update() grows the scale by after growth_interval clean steps."""
         return self._growth_factor
 
     def get_backoff_factor(self):
+        """The factor update() multiplies the scale by after an inf/NaN step."""
         return self._backoff_factor
 
     def get_growth_interval(self):
+        """The clean steps in a row after which update() grows the scale."""
         return self._growth_interval
 
     def set_growth_factor(self, new_factor):
